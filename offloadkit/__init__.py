@@ -1,0 +1,31 @@
+"""offloadkit: train and fine-tune models that do not fit in GPU memory.
+
+Quick start::
+
+    from offloadkit import get_act_offloading_ctx_manager
+
+    ctx = get_act_offloading_ctx_manager(model)
+    for batch in loader:
+        with ctx:
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+"""
+
+from offloadkit.api import get_act_offloading_ctx_manager, get_lora_act_offloading_ctx_manager
+from offloadkit.engine import NoOpManager, OffloadActivations, OffloadPolicy, OffloadStats
+from offloadkit.storage import HostBufferPool, HostMemoryBudget, HostTier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HostBufferPool",
+    "HostMemoryBudget",
+    "HostTier",
+    "NoOpManager",
+    "OffloadActivations",
+    "OffloadPolicy",
+    "OffloadStats",
+    "get_act_offloading_ctx_manager",
+    "get_lora_act_offloading_ctx_manager",
+]

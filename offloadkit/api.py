@@ -1,0 +1,150 @@
+"""User-facing constructors with the names users already know.
+
+``get_act_offloading_ctx_manager`` builds an :class:`OffloadActivations` for a model and
+wires it to the model: parameters are never offloaded, the output head and whatever
+follows it in forward (the loss) stay on the device, and backward starts prefetching as
+soon as it reaches the head.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from offloadkit.engine.offload import OffloadActivations
+from offloadkit.models.heads import find_output_head, unwrap_model
+
+__all__ = ["get_act_offloading_ctx_manager", "get_lora_act_offloading_ctx_manager", "attach_head"]
+
+
+def _first_grad_fn(output):
+    if isinstance(output, torch.Tensor):
+        return output.grad_fn
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            fn = _first_grad_fn(item)
+            if fn is not None:
+                return fn
+    if isinstance(output, dict):
+        for item in output.values():
+            fn = _first_grad_fn(item)
+            if fn is not None:
+                return fn
+    return None
+
+
+def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
+    """Keep ``head`` and everything after it in forward on the device; start prefetching
+    when backward reaches it. Hooks are detached by ``manager.remove()``."""
+
+    def pre_hook(module, args):
+        manager.mark_tail()
+
+    def post_hook(module, args, output):
+        grad_fn = _first_grad_fn(output)
+        if grad_fn is not None:
+            grad_fn.register_prehook(lambda grad_outputs: manager.begin_backward())
+
+    manager.add_hook_handle(head.register_forward_pre_hook(pre_hook))
+    manager.add_hook_handle(head.register_forward_hook(post_hook))
+
+
+def get_act_offloading_ctx_manager(
+    model: nn.Module,
+    use_pin_memory: bool = True,
+    use_streams: bool = True,
+    min_offload_size: int = 1024,
+    max_fwd_stash_size: int = 5,
+    warn_if_no_head: bool = True,
+    *,
+    head: nn.Module | None = None,
+    exclude: Iterable[nn.Module] = (),
+    exclude_liger: bool = True,
+    **engine_kwargs,
+) -> OffloadActivations:
+    """An :class:`OffloadActivations` wired to ``model``.
+
+    Args:
+        model: the model (may be wrapped by DDP/FSDP ``.module``, torch.compile or PEFT).
+        use_pin_memory, use_streams, min_offload_size, max_fwd_stash_size: see
+            :class:`OffloadActivations`.
+        warn_if_no_head: warn when no output head is found.
+        head: the output head, when auto-detection does not fit.
+        exclude: further modules whose saved tensors stay on the device.
+        exclude_liger: keep modules whose class name contains "Liger" (fused loss
+            kernels) on the device.
+        **engine_kwargs: forwarded to :class:`OffloadActivations` (``prefetch``,
+            ``host_budget_bytes``, ``offload_cpu_tensors``, ...).
+
+    Returns:
+        The context manager; use it around the forward (and loss) of each step.
+
+    Example:
+        >>> ctx = get_act_offloading_ctx_manager(model)
+        >>> with ctx:
+        ...     loss = model(input_ids, labels=labels).loss
+        >>> loss.backward()
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model itself "
+            "(not its state_dict or a pipeline)"
+        )
+    manager = OffloadActivations(
+        use_pin_memory=use_pin_memory,
+        use_streams=use_streams,
+        min_offload_size=min_offload_size,
+        max_fwd_stash_size=max_fwd_stash_size,
+        **engine_kwargs,
+    )
+    manager.track(model)
+    base = unwrap_model(model)
+    manager.add_hook_handle(model.register_forward_pre_hook(lambda *_: manager.mark_forward_start()))
+    head = head if head is not None else find_output_head(base)
+    if head is None:
+        if warn_if_no_head:
+            warnings.warn(
+                "offloadkit: no output head found (looked for get_output_embeddings(), lm_head, "
+                "output, head); the logits and loss will be offloaded too, which is slow. Pass "
+                "head=<module> or warn_if_no_head=False.",
+                UserWarning,
+                stacklevel=2,
+            )
+    else:
+        attach_head(manager, head)
+    for module in exclude:
+        manager.exclude(module)
+    if exclude_liger:
+        for module in base.modules():
+            if "liger" in type(module).__name__.lower():
+                manager.exclude(module)
+    return manager
+
+
+def get_lora_act_offloading_ctx_manager(
+    model: nn.Module,
+    use_pin_memory: bool = True,
+    use_streams: bool = True,
+    min_offload_size: int = 1024,
+    max_fwd_stash_size: int = 5,
+    warn_if_no_head: bool = True,
+    **kwargs,
+) -> OffloadActivations:
+    """:func:`get_act_offloading_ctx_manager` for PEFT/LoRA models.
+
+    The head is looked up on the PEFT base model (through ``get_base_model()``), LoRA
+    adapter weights are recognised as parameters, and all but the output head's
+    activations are offloaded.
+    """
+    return get_act_offloading_ctx_manager(
+        model,
+        use_pin_memory=use_pin_memory,
+        use_streams=use_streams,
+        min_offload_size=min_offload_size,
+        max_fwd_stash_size=max_fwd_stash_size,
+        warn_if_no_head=warn_if_no_head,
+        **kwargs,
+    )

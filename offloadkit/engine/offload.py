@@ -1,0 +1,479 @@
+"""The activation offloading engine: a ``saved_tensors_hooks`` context manager.
+
+Forward (pack): each saved tensor is checked by the :class:`OffloadPolicy`; offloaded
+ones are stored by storage byte range (deduplicated per storage) through a storage
+tier, and autograd keeps a small :class:`Packed` handle. The device source stays alive in
+a bounded *stash* until its copy has landed.
+
+Backward (unpack): entries come back in the reverse of the order they were last saved.
+While entry ``k`` is being used, the next ``prefetch`` entries are already on their way,
+so the compute stream only waits for a copy that could not have started earlier. The
+resident copy is dropped as soon as every handle sharing it has been unpacked; the host
+copy is freed when autograd releases the last handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections import deque
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from offloadkit.engine.policy import OffloadPolicy
+from offloadkit.engine.spans import BackwardOrder, Entry, Packed, span_view, storage_span
+from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.runtime.device import accelerator_available, current_stream
+from offloadkit.storage.budget import HostMemoryBudget
+from offloadkit.storage.host import HostTier
+from offloadkit.storage.pool import HostBufferPool
+
+__all__ = ["OffloadActivations"]
+
+_warned_no_accelerator = False
+
+
+class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
+    """Offload tensors saved for backward to host memory; bring them back ahead of need.
+
+    Args:
+        use_pin_memory: page-lock host buffers (needed for asynchronous copies).
+        use_streams: overlap copies with compute on a side stream. ``False`` is the
+            ``legacy`` mode: copies are queued on the current stream.
+        min_offload_size: smallest tensor (bytes) worth moving.
+        max_fwd_stash_size: device sources kept alive while their copies are in flight
+            during forward (>= 1). Past it the compute stream waits for the oldest copy.
+        prefetch: entries brought back ahead of the one in use during backward
+            (``activation_loading_horizon``), >= 0.
+        host_budget_bytes: cap on host bytes held; past it tensors stay on the device
+            with one warning. ``None``: no cap beyond keeping ``budget.min_free_bytes``
+            of system RAM available.
+        budget: a shared :class:`HostMemoryBudget` (overrides ``host_budget_bytes``).
+        tier: storage tier to use instead of the default pinned-RAM tier.
+        offload_cpu_tensors: also offload CPU tensors (to separate host buffers or disk);
+            this is how CPU-only runs exercise the engine.
+        measure_waits: time the compute stream's waits with device events.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU())
+        >>> manager = OffloadActivations(offload_cpu_tensors=True)
+        >>> with manager:
+        ...     loss = model(torch.randn(64, 512)).sum()
+        >>> loss.backward()
+        >>> manager.stats.offloaded_tensors > 0
+        True
+    """
+
+    def __init__(
+        self,
+        use_pin_memory: bool = True,
+        use_streams: bool = True,
+        min_offload_size: int = 1024,
+        max_fwd_stash_size: int = 5,
+        *,
+        prefetch: int = 2,
+        host_budget_bytes: int | None = None,
+        budget: HostMemoryBudget | None = None,
+        tier=None,
+        offload_cpu_tensors: bool = False,
+        measure_waits: bool = True,
+    ) -> None:
+        if not isinstance(max_fwd_stash_size, int) or max_fwd_stash_size < 1:
+            raise ValueError(
+                f"max_fwd_stash_size={max_fwd_stash_size!r} is invalid; it must be an int >= 1 "
+                "(it bounds the device tensors kept alive while their copies are in flight)"
+            )
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r} is invalid; pass an int >= 0 (entries fetched ahead)")
+        device_types = ("cuda", "cpu") if offload_cpu_tensors else ("cuda",)
+        self.policy = OffloadPolicy(min_offload_size, device_types)
+        self.use_streams = bool(use_streams)
+        self.use_pin_memory = bool(use_pin_memory)
+        self.max_fwd_stash_size = max_fwd_stash_size
+        self.prefetch = prefetch
+        self.offload_cpu_tensors = bool(offload_cpu_tensors)
+        self._check_accelerator()
+
+        self.budget = budget if budget is not None else HostMemoryBudget(host_budget_bytes)
+        pin = self.use_pin_memory and accelerator_available()
+        self.tier = tier if tier is not None else HostTier(HostBufferPool(pin, self.budget), self.use_streams)
+        self.stats = OffloadStats()
+        self._clock = WaitClock(measure_waits and accelerator_available())
+
+        self._lock = threading.RLock()
+        self._dead: deque = deque()  # (entry, seen_gen) from handles that died
+        self._entries: set[Entry] = set()
+        self._by_storage: dict[int, list[Entry]] = {}
+        self._order = BackwardOrder()
+        self._stash: deque[Entry] = deque()
+        self._bwd_active = False
+        self._bwd_pass = 0
+        self._keep_depth = 0  # > 0 inside excluded modules
+        self._tail = False  # after the output head: everything left in forward is needed at once
+        self._budget_warned = False
+        self._handles: list = []  # module hooks attached on this manager's behalf
+        self._closed = False
+        super().__init__(self._pack, self._unpack)
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self):
+        if self._closed:
+            raise RuntimeError("this OffloadActivations was closed; create a new one")
+        with self._lock:
+            self._drain()
+            self._tail = False
+            self._keep_depth = 0
+            self.policy.refresh()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        super().__exit__(exc_type, exc, tb)
+        with self._lock:
+            self._tail = False
+            self._keep_depth = 0
+            if exc_type is not None:
+                # The graph of a failed forward is about to be dropped; do not pin device memory for it.
+                self._flush_stash()
+            self._drain()
+        return False
+
+    # -- public API --------------------------------------------------------------------------
+    def track(self, module: torch.nn.Module) -> None:
+        """Never offload ``module``'s parameter/buffer storage (recognised by storage)."""
+        self.policy.track(module)
+
+    def add_hook_handle(self, handle) -> None:
+        """Keep a removable handle so :meth:`remove` detaches it with this manager."""
+        self._handles.append(handle)
+
+    def keep_enter(self) -> None:
+        """Start a region whose saved tensors stay on the device (see :meth:`exclude`)."""
+        self._keep_depth += 1
+
+    def keep_exit(self) -> None:
+        self._keep_depth = max(0, self._keep_depth - 1)
+
+    def exclude(self, module: torch.nn.Module) -> None:
+        """Keep everything ``module`` saves on the device. Detached by :meth:`remove`."""
+        self._handles.append(module.register_forward_pre_hook(lambda *_: self.keep_enter()))
+        self._handles.append(module.register_forward_hook(lambda *_: self.keep_exit(), always_call=True))
+
+    def mark_forward_start(self) -> None:
+        """A new forward begins (called by a root-module pre-hook)."""
+        self._tail = False
+
+    def mark_tail(self) -> None:
+        """The output head is about to run: flush in-flight sources, keep the rest of forward.
+
+        Logits and the loss's saved tensors are needed first in backward; offloading them
+        only to fetch them straight back costs time and saves nothing at the peak.
+        """
+        with self._lock:
+            self._tail = True
+            self._flush_stash()
+
+    def begin_backward(self) -> None:
+        """Start prefetching the newest entries now (e.g. when backward reaches the head)."""
+        with self._lock:
+            self._drain()
+            if not self._bwd_active:
+                self._begin_backward()
+
+    def remove(self) -> None:
+        """Detach every module hook this manager attached."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def close(self) -> None:
+        """Detach hooks and release the host pool (buffers still in use go as they are freed)."""
+        if self._closed:
+            return
+        self.remove()
+        with self._lock:
+            self._flush_stash()
+            self._drain()
+            self._closed = True
+        self.tier.close()
+        self.policy.untrack_all()
+
+    def drain(self) -> None:
+        """Process handles autograd has released (done automatically on every hook call)."""
+        with self._lock:
+            self._drain()
+            self._clock.collect(self.stats)
+
+    def is_idle(self) -> bool:
+        """True when nothing is held for any graph: no entries, no stash, no resident copies."""
+        with self._lock:
+            self._drain()
+            return not self._entries and not self._stash and not self._by_storage
+
+    @property
+    def live_entries(self) -> int:
+        with self._lock:
+            self._drain()
+            return len(self._entries)
+
+    def collect_stats(self, block: bool = True) -> OffloadStats:
+        """Stats with all wait timings resolved (``block`` synchronises pending timers)."""
+        with self._lock:
+            self._clock.collect(self.stats, block=block)
+            return self.stats
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._clock.collect(self.stats, block=True)
+            self.stats = OffloadStats()
+
+    @property
+    def pool(self):
+        return getattr(self.tier, "pool", None)
+
+    # -- pack ----------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        self.stats.saved_tensors += 1
+        nbytes = t.numel() * t.element_size()
+        reason = "excluded" if (self._keep_depth or self._tail) else self.policy.keep_reason(t)
+        if reason is not None:
+            self.stats.note_kept(reason, nbytes)
+            return t.detach()  # never the tensor itself: that would form a reference cycle
+        with self._lock:
+            self._drain()
+            storage = t.untyped_storage()
+            start, end = storage_span(t)
+            entry = self._find(storage._cdata, start, end, t._version)
+            if entry is not None:
+                self.stats.deduplicated_tensors += 1
+                self.stats.deduplicated_bytes += nbytes
+                self._order.push(entry)  # backward needs it at its newest use
+            else:
+                entry = self._offload(storage, start, end, t.device, t._version)
+                if entry is None:
+                    self.stats.note_kept("budget", nbytes)
+                    return t.detach()
+            entry.live += 1
+            return Packed(entry, t, self._dead)
+
+    def _find(self, key: int, start: int, end: int, version: int) -> Entry | None:
+        # Same storage, range covered, and no in-place write since the copy was taken
+        # (views share their base's version counter).
+        for entry in self._by_storage.get(key, ()):
+            if entry.start <= start and end <= entry.end and entry.version == version:
+                return entry
+        return None
+
+    def _offload(self, storage, start: int, end: int, device: torch.device, version: int) -> Entry | None:
+        src = span_view(storage, start, end, device)
+        stored = self.tier.store(src)
+        if stored is None:
+            if not self._budget_warned:
+                self._budget_warned = True
+                warnings.warn(
+                    f"offloadkit: host-memory budget reached ({self.budget.describe()}); further "
+                    "activations stay on the device. Raise host_budget_bytes or add a disk tier.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        entry = Entry(
+            key=storage._cdata,
+            weak=_weak(storage),
+            start=start,
+            end=end,
+            device=device,
+            stored=stored,
+            version=version,
+        )
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += entry.nbytes
+        self._entries.add(entry)
+        self._by_storage.setdefault(entry.key, []).append(entry)
+        self._order.push(entry)
+        if not stored.copy_finished():
+            entry.src, entry.src_stream = src, current_stream(device)
+            self._stash.append(entry)
+            self._trim_stash()
+        return entry
+
+    def _trim_stash(self) -> None:
+        stash = self._stash
+        # Copies complete in order on the side stream: drop landed sources from the front.
+        while stash and stash[0].stored.copy_finished():
+            self._drop_source(stash.popleft(), wait=False)
+        while len(stash) > self.max_fwd_stash_size:
+            self._drop_source(stash.popleft(), wait=True)
+
+    def _drop_source(self, entry: Entry, wait: bool) -> None:
+        if wait:
+            # The side stream may still read the source: its memory must not be reused on the
+            # source's stream until the copy is done (GPU-side wait, no host sync).
+            self._clock.wait(entry.src_stream, entry.stored.done, "forward", self.stats)
+        entry.src = None
+
+    def _flush_stash(self) -> None:
+        while self._stash:
+            self._drop_source(self._stash.popleft(), wait=True)
+
+    # -- unpack --------------------------------------------------------------------------------
+    def _unpack(self, packed):
+        if not isinstance(packed, Packed):
+            return packed
+        with self._lock:
+            self._drain()
+            entry = packed.entry
+            if entry.released:
+                raise RuntimeError(
+                    "offloadkit: a saved tensor was unpacked after its offloaded copy was freed "
+                    "(was the manager closed while its graph was still alive?)"
+                )
+            if not self._bwd_active:
+                self._begin_backward()
+            if entry.gpu is None:
+                self._fetch(entry)
+                self.stats.prefetch_misses += 1
+            elif entry.prefetched:
+                self.stats.prefetch_hits += 1
+                entry.prefetched = False
+            self._prefetch_below(entry.pos)
+            consumer = current_stream(entry.device)
+            self._clock.wait(consumer, entry.gpu_ready, "backward", self.stats)
+            if consumer is not None and entry.gpu_stream is not None and consumer != entry.gpu_stream:
+                # Freed memory returns to the stream it was allocated on; record this use too.
+                entry.gpu.record_stream(consumer)
+            out = torch.empty(0, dtype=packed.dtype, device=entry.device).set_(
+                entry.gpu.untyped_storage(), packed.offset, packed.size, packed.stride
+            )
+            if packed.seen_gen != entry.gen:
+                packed.seen_gen = entry.gen
+                entry.waiting -= 1
+                if entry.waiting <= 0:
+                    # Every sharer has its view; ``out`` keeps the memory alive while in use.
+                    self._drop_resident(entry, consumed=True)
+            return out
+
+    def _begin_backward(self) -> None:
+        self._bwd_pass += 1
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._bwd_active = True
+        except RuntimeError:
+            pass  # unpacked outside a backward pass (e.g. reading grad_fn._saved_*)
+        # Sources still on the device are the newest entries: backward needs them first.
+        while self._stash:
+            entry = self._stash.pop()
+            self._make_resident(entry, entry.src, ready=None, stream=entry.src_stream,
+                                guard=(entry.src_stream, entry.stored.done))
+            entry.src = None
+            self.stats.stash_hits += 1
+        self._prefetch_below(len(self._order))
+
+    def _end_backward(self) -> None:
+        with self._lock:
+            self._drain()
+            for entry in list(self._entries):
+                if entry.gpu is not None:
+                    self._drop_resident(entry, consumed=False)  # fetched but never used this pass
+            self._bwd_active = False
+            self._clock.collect(self.stats)
+
+    def _prefetch_below(self, pos: int) -> None:
+        if self.prefetch <= 0:
+            return
+        ahead = 0
+        for entry in self._order.below(pos):
+            if entry.bwd_pass == self._bwd_pass and entry.gpu is None and entry.waiting <= 0:
+                continue  # already consumed in this backward pass
+            if entry.gpu is None:
+                self._fetch(entry)
+                entry.prefetched = True
+            ahead += 1
+            if ahead >= self.prefetch:
+                break
+
+    def _fetch(self, entry: Entry) -> None:
+        loaded = entry.stored.tier.load(entry.stored)
+        self.stats.restored_bytes += entry.nbytes
+        self._make_resident(entry, loaded.data, loaded.ready, loaded.alloc_stream,
+                            guard=(loaded.alloc_stream, loaded.ready) if loaded.ready is not None else None)
+
+    def _make_resident(self, entry: Entry, data, ready, stream, guard) -> None:
+        entry.gpu, entry.gpu_ready, entry.gpu_stream, entry.gpu_guard = data, ready, stream, guard
+        entry.gen += 1
+        entry.waiting = entry.live
+        entry.bwd_pass = self._bwd_pass
+        entry.prefetched = False
+
+    def _drop_resident(self, entry: Entry, consumed: bool) -> None:
+        guard = entry.gpu_guard
+        if guard is not None and guard[0] is not None and guard[1] is not None:
+            if not consumed or guard[1] is not entry.gpu_ready:
+                # Unconsumed prefetch: the copy may still write it. Stash source: the
+                # device->host copy may still read it. Either way, order the reuse after it.
+                guard[0].wait_event(guard[1])
+        entry.gpu = entry.gpu_ready = entry.gpu_guard = entry.gpu_stream = None
+        entry.prefetched = False
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def _drain(self) -> None:
+        dead = self._dead
+        while dead:
+            entry, seen_gen = dead.popleft()
+            entry.live -= 1
+            if entry.gpu is not None and seen_gen != entry.gen:
+                entry.waiting -= 1
+                if entry.waiting <= 0:
+                    self._drop_resident(entry, consumed=False)
+            if entry.live <= 0:
+                self._release(entry)
+        if not self._entries and len(self._order):
+            self._order.clear()
+
+    def _release(self, entry: Entry) -> None:
+        if entry.released:
+            return
+        entry.released = True
+        if entry.src is not None:
+            try:
+                self._stash.remove(entry)
+            except ValueError:
+                pass
+            self._drop_source(entry, wait=True)
+        if entry.gpu is not None:
+            self._drop_resident(entry, consumed=False)
+        entry.stored.tier.free(entry.stored)
+        self._entries.discard(entry)
+        sharers = self._by_storage.get(entry.key)
+        if sharers is not None:
+            sharers.remove(entry)
+            if not sharers:
+                del self._by_storage[entry.key]
+        self._order.remove(entry)
+
+    def _check_accelerator(self) -> None:
+        global _warned_no_accelerator
+        if accelerator_available() or self.offload_cpu_tensors:
+            return
+        if not _warned_no_accelerator:
+            _warned_no_accelerator = True
+            warnings.warn(
+                "offloadkit: no CUDA device is available, so activation offloading is inactive "
+                "(saved tensors stay where they are). Pass offload_cpu_tensors=True to move CPU "
+                "activations, e.g. to a disk tier.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _weak(storage):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(storage)

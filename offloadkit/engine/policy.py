@@ -1,0 +1,98 @@
+"""Which saved tensors to offload: the *what*, kept apart from the engine's *how*.
+
+A saved tensor is offloaded when it lives on an accepted device, is at least
+``min_offload_size`` bytes, is a plain strided tensor, and is not parameter or buffer
+storage. Parameters are recognised by storage, not only by type: a matmul saves
+``weight.t()`` (a view), FSDP2 saves views of all-gathered unsharded parameters, and
+``.data``/``.detach()`` aliases carry no Parameter type at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["OffloadPolicy", "KEEP_REASONS"]
+
+KEEP_REASONS = ("excluded", "device", "small", "parameter", "unsupported", "budget")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # DTensor (FSDP2 / tensor parallel) keeps its shard in ``_local_tensor``.
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return _local(t).untyped_storage()._cdata
+    except Exception:  # meta / functional / exotic subclasses have no real storage
+        return None
+
+
+class OffloadPolicy:
+    """Decides, per saved tensor, whether it may be offloaded.
+
+    Args:
+        min_offload_size: smallest tensor (bytes) worth moving.
+        device_types: device types whose tensors are offloaded (``("cuda",)`` by default;
+            add ``"cpu"`` to move CPU activations, e.g. to disk or for CPU-only tests).
+
+    Example:
+        >>> policy = OffloadPolicy(min_offload_size=1024, device_types=("cpu",))
+        >>> lin = torch.nn.Linear(64, 64)
+        >>> policy.track(lin)
+        >>> policy.keep_reason(lin.weight.t()), policy.keep_reason(torch.empty(4096))
+        ('parameter', None)
+    """
+
+    def __init__(self, min_offload_size: int = 1024, device_types: tuple[str, ...] = ("cuda",)) -> None:
+        if not isinstance(min_offload_size, int) or isinstance(min_offload_size, bool) or min_offload_size < 0:
+            raise ValueError(
+                f"min_offload_size={min_offload_size!r} is invalid; pass a byte count >= 0 (default 1024)"
+            )
+        self.min_offload_size = min_offload_size
+        self.device_types = tuple(device_types)
+        self._modules: list[nn.Module] = []
+        self._param_keys: frozenset[int] = frozenset()
+
+    def track(self, module: nn.Module) -> None:
+        """Treat every parameter and buffer storage of ``module`` as never-offload."""
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"track() needs an nn.Module, got {type(module).__name__}")
+        if all(m is not module for m in self._modules):
+            self._modules.append(module)
+        self.refresh()
+
+    def untrack_all(self) -> None:
+        self._modules.clear()
+        self._param_keys = frozenset()
+
+    def refresh(self) -> None:
+        """Re-read parameter storages (they change when FSDP2 reshards or weights stream)."""
+        keys = set()
+        for module in self._modules:
+            for t in (*module.parameters(), *module.buffers()):
+                key = _storage_key(t)
+                if key is not None:
+                    keys.add(key)
+        self._param_keys = frozenset(keys)
+
+    def is_parameter_storage(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return True
+        return bool(self._param_keys) and _storage_key(t) in self._param_keys
+
+    def keep_reason(self, t: torch.Tensor) -> str | None:
+        """Why ``t`` stays where it is, or None if it should be offloaded."""
+        if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+            return "unsupported"  # tensor subclasses (DTensor, quantized wrappers, ...) own their layout
+        if t.device.type not in self.device_types:
+            return "device"
+        if t.layout is not torch.strided or t.is_conj() or t.is_neg():
+            return "unsupported"
+        if t.numel() * t.element_size() < self.min_offload_size:
+            return "small"
+        if self.is_parameter_storage(t):
+            return "parameter"
+        return None

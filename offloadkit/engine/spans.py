@@ -1,0 +1,132 @@
+"""Storage-level bookkeeping: which bytes a saved tensor occupies, and what autograd holds.
+
+offloadkit moves *storage byte ranges*, never tensors: several saved tensors that share a
+storage (views, transposes, shifted slices) are moved once and restored as views of one
+copy, with their original sizes, strides and offsets. Nothing is cloned, so offset and
+non-contiguous tensors need no temporary copies (and no stream to run them on).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["ALIGN", "Entry", "Packed", "storage_span", "span_view"]
+
+# The CUDA caching allocator hands out 512-byte aligned blocks. Copying from a 512-aligned
+# start keeps every restored tensor's address congruent to the original modulo 512, so
+# kernels that pick a code path by alignment pick the same one: results stay bitwise equal.
+ALIGN = 512
+
+
+def storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """``(start, end)`` byte offsets within ``t``'s storage that cover every element of ``t``.
+
+    ``start`` is aligned down to :data:`ALIGN` relative to the storage base.
+    """
+    itemsize = t.element_size()
+    first = t.storage_offset() * itemsize
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return first - first % ALIGN, first + extent * itemsize
+
+
+def span_view(storage: torch.UntypedStorage, start: int, end: int, device: torch.device) -> torch.Tensor:
+    """A plain uint8 tensor over ``storage[start:end]`` with no autograd history."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (end - start,), (1,))
+
+
+@dataclass(eq=False)
+class Entry:
+    """One offloaded storage range and everything the engine tracks about it.
+
+    Lifetime: created by the first saved tensor in the range; every saved tensor served
+    by it holds a :class:`Packed` handle; when the last handle is gone (autograd released
+    it after backward, or the graph was dropped), the entry and its host copy are freed.
+    """
+
+    key: int  # StorageImpl address; stable while ``weak`` is held
+    weak: StorageWeakRef
+    start: int
+    end: int
+    device: torch.device
+    stored: object  # storage.base.Stored
+    version: int = 0  # the source's version counter when the copy was taken
+    pos: int = -1  # position in the backward-order list
+    live: int = 0  # handles alive
+    # Forward: the device source, kept alive while its copy is in flight.
+    src: torch.Tensor | None = None
+    src_stream: object = None
+    # Backward: the resident device copy (prefetched, or the source itself).
+    gpu: torch.Tensor | None = None
+    gpu_ready: object = None  # event to wait on before use (None: ready)
+    gpu_guard: tuple | None = None  # (stream, event) to wait on before the memory is dropped
+    gpu_stream: object = None  # stream the resident memory belongs to
+    gen: int = 0  # bumped every time a new resident copy is made
+    waiting: int = 0  # live handles that have not consumed the current resident copy
+    prefetched: bool = False
+    bwd_pass: int = -1
+    released: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class Packed:
+    """What autograd stores for an offloaded tensor: a handle, never the tensor itself.
+
+    Holding the tensor would form a reference cycle (tensor -> grad_fn -> saved -> tensor)
+    that keeps the graph alive when no backward runs.
+    """
+
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "seen_gen", "_dead")
+
+    def __init__(self, entry: Entry, t: torch.Tensor, dead: deque) -> None:
+        self.entry = entry
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = (t.storage_offset() * t.element_size() - entry.start) // t.element_size()
+        self.seen_gen = -1
+        self._dead = dead
+
+    def __del__(self) -> None:
+        # Runs on whichever thread drops the last reference (often an autograd worker):
+        # only enqueue; the engine processes deaths under its lock.
+        try:
+            self._dead.append((self.entry, self.seen_gen))
+        except Exception:  # interpreter shutdown
+            pass
+
+
+@dataclass
+class BackwardOrder:
+    """Offloaded entries in the order backward will need them (reverse of last save)."""
+
+    slots: list = field(default_factory=list)
+
+    def push(self, entry: Entry) -> None:
+        if entry.pos >= 0 and entry.pos < len(self.slots) and self.slots[entry.pos] is entry:
+            self.slots[entry.pos] = None  # a newer save moves it later in forward order
+        entry.pos = len(self.slots)
+        self.slots.append(entry)
+
+    def remove(self, entry: Entry) -> None:
+        if 0 <= entry.pos < len(self.slots) and self.slots[entry.pos] is entry:
+            self.slots[entry.pos] = None
+
+    def below(self, pos: int):
+        """Entries saved before position ``pos``, newest first."""
+        for i in range(min(pos, len(self.slots)) - 1, -1, -1):
+            e = self.slots[i]
+            if e is not None:
+                yield e
+
+    def clear(self) -> None:
+        self.slots.clear()
+
+    def __len__(self) -> int:
+        return len(self.slots)

@@ -1,0 +1,112 @@
+"""Counters a user can print, and the clock for time the compute stream spent waiting."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["OffloadStats", "WaitClock"]
+
+_MiB = 1 << 20
+
+
+@dataclass
+class OffloadStats:
+    """Cumulative since construction or the last ``reset_stats()``.
+
+    ``offloaded_bytes`` counts bytes actually copied off the device (after dedup);
+    ``deduplicated_*`` count saved tensors served by a copy that already existed.
+    """
+
+    saved_tensors: int = 0
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    deduplicated_tensors: int = 0
+    deduplicated_bytes: int = 0
+    kept_tensors: int = 0
+    kept_bytes: int = 0
+    kept_by_reason: Counter = field(default_factory=Counter)
+    restored_bytes: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    stash_hits: int = 0
+    wait_seconds_forward: float = 0.0
+    wait_seconds_backward: float = 0.0
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.wait_seconds_forward + self.wait_seconds_backward
+
+    def note_kept(self, reason: str, nbytes: int) -> None:
+        self.kept_tensors += 1
+        self.kept_bytes += nbytes
+        self.kept_by_reason[reason] += 1
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["kept_by_reason"] = dict(self.kept_by_reason)
+        d["wait_seconds"] = self.wait_seconds
+        return d
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.kept_by_reason.items())) or "none"
+        return "\n".join(
+            [
+                f"saved tensors     {self.saved_tensors}",
+                f"offloaded         {self.offloaded_tensors} tensors, {self.offloaded_bytes / _MiB:.1f} MiB",
+                f"deduplicated      {self.deduplicated_tensors} tensors, {self.deduplicated_bytes / _MiB:.1f} MiB not copied again",
+                f"kept on device    {self.kept_tensors} tensors, {self.kept_bytes / _MiB:.1f} MiB ({reasons})",
+                f"restored          {self.restored_bytes / _MiB:.1f} MiB",
+                f"backward          {self.prefetch_hits} prefetch hits, {self.prefetch_misses} misses, {self.stash_hits} still on device",
+                f"compute waited    {self.wait_seconds_forward:.4f} s forward, {self.wait_seconds_backward:.4f} s backward",
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+class WaitClock:
+    """Makes a stream wait on an event and measures, on the device, how long it stalled.
+
+    Only waits that are still pending on the host side are timed (a pair of timing
+    events around ``wait_event``); pairs are read back lazily, once both completed.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._pending: list[tuple] = []
+
+    def wait(self, stream, event, phase: str, stats: OffloadStats) -> None:
+        if event is None or stream is None:
+            return
+        if event.query():
+            return  # already complete: a wait would be a no-op
+        if not self.enabled:
+            stream.wait_event(event)
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        stream.wait_event(event)
+        end.record(stream)
+        self._pending.append((start, end, phase))
+        if len(self._pending) > 256:
+            self.collect(stats)
+
+    def collect(self, stats: OffloadStats, block: bool = False) -> None:
+        keep = []
+        for start, end, phase in self._pending:
+            if block:
+                end.synchronize()
+            elif not end.query():
+                keep.append((start, end, phase))
+                continue
+            seconds = start.elapsed_time(end) / 1000.0
+            if phase == "forward":
+                stats.wait_seconds_forward += seconds
+            else:
+                stats.wait_seconds_backward += seconds
+        self._pending = keep

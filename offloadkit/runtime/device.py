@@ -1,0 +1,78 @@
+"""Thin, explicit wrappers over the CUDA runtime pieces offloadkit relies on.
+
+Everything stream-related goes through :func:`current_stream` so that callers always
+order work against the stream that is current *now* (FSDP2, checkpoint recompute and
+custom autograd functions may run compute on a non-default stream).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = [
+    "accelerator_available",
+    "current_stream",
+    "host_register",
+    "host_unregister",
+    "is_accelerator_tensor",
+    "PAGE_SIZE",
+]
+
+PAGE_SIZE = 4096
+
+
+@functools.lru_cache(maxsize=1)
+def accelerator_available() -> bool:
+    """True when a CUDA device can be used by this process."""
+    return torch.cuda.is_available()
+
+
+def is_accelerator_tensor(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The live current stream of ``device`` (None for CPU tensors)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _cudart():
+    try:
+        rt = torch.cuda.cudart()
+    except Exception:  # CPU-only build, or no driver
+        return None
+    if not (hasattr(rt, "cudaHostRegister") and hasattr(rt, "cudaHostUnregister")):
+        return None
+    return rt
+
+
+def host_register(ptr: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` in place. Returns False if unsupported.
+
+    PyTorch's pinned allocator rounds every request up to a power of two; registering
+    exact-size page-aligned buffers keeps host RAM use equal to what is offloaded.
+    """
+    rt = _cudart()
+    if rt is None:
+        return False
+    err = rt.cudaHostRegister(ptr, nbytes, 0)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        # Clear the sticky "last error" so later unrelated checks do not trip on it.
+        try:
+            rt.cudaGetLastError()
+        except Exception:
+            pass
+        return False
+    return True
+
+
+def host_unregister(ptr: int) -> None:
+    rt = _cudart()
+    if rt is not None:
+        rt.cudaHostUnregister(ptr)

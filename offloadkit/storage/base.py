@@ -1,0 +1,65 @@
+"""What every storage tier hands back to the engine.
+
+A tier moves a contiguous byte range (a ``uint8`` view of a device storage span) off
+the device and brings it back. The engine owns *what* to move and *when*; tiers own
+*how* and *where*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Stored", "Loaded", "StorageTier"]
+
+
+@dataclass(eq=False)
+class Stored:
+    """Bytes that left the device.
+
+    ``done`` is an event on ``done_stream`` that completes when the source bytes have
+    been read (None: already complete); until then the device source must stay alive.
+    ``last_use`` is the (stream, event) of the newest device copy touching the host copy.
+    """
+
+    tier: "StorageTier"
+    nbytes: int
+    device: torch.device
+    done: Any = None
+    done_stream: Any = None
+    last_use: tuple | None = None
+    payload: Any = field(default=None, repr=False)  # tier-private (host block, file extent, ...)
+
+    def copy_finished(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+@dataclass(eq=False)
+class Loaded:
+    """Bytes brought back to the device.
+
+    ``data`` (uint8) is valid once ``ready`` has completed (None: already valid).
+    ``alloc_stream`` is the stream ``data`` was allocated on: work on any other stream
+    that uses it must be recorded against it before it is freed.
+    """
+
+    data: torch.Tensor
+    ready: Any = None
+    alloc_stream: Any = None
+
+
+class StorageTier(Protocol):
+    name: str
+
+    def store(self, src: torch.Tensor) -> Stored | None:
+        """Start moving ``src`` (uint8, 1-D) off the device; None if this tier has no room."""
+
+    def load(self, stored: Stored) -> Loaded:
+        """Start bringing ``stored`` back to its device, ordered after the current stream."""
+
+    def free(self, stored: Stored) -> None:
+        """Give the space behind ``stored`` back (it will not be loaded again)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,118 @@
+"""Host-memory budget shared by every host-side tier (pinned RAM now, disk staging later).
+
+The guard exists so that offloading never pushes a machine into swap or gets the
+process OOM-killed: past the budget, callers keep tensors where they are (on the
+accelerator) or place them on a slower tier.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import psutil
+
+__all__ = ["HostMemoryBudget"]
+
+_GiB = 1 << 30
+
+
+def _available_bytes() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def _total_bytes() -> int:
+    return int(psutil.virtual_memory().total)
+
+
+class HostMemoryBudget:
+    """Accounts host bytes held by offloadkit and refuses reservations past a limit.
+
+    Two rules apply, both must hold for a reservation to succeed:
+
+    * ``limit_bytes``: a hard cap on bytes held by everything sharing this budget
+      (``None`` for no cap);
+    * ``min_free_bytes``: the system must keep at least this much RAM available after
+      the reservation. Checked against the live figure, so the guard adapts to other
+      processes and to machines whose RAM grows as it is used. Defaults to the larger
+      of 2 GiB and 10% of total RAM.
+
+    Args:
+        limit_bytes: hard cap, or None.
+        min_free_bytes: RAM that must stay available, or None for the default.
+        available_fn: returns available system RAM in bytes (injectable for tests).
+
+    Example:
+        >>> budget = HostMemoryBudget(limit_bytes=8 << 30)
+        >>> budget.try_reserve(1 << 30)
+        True
+        >>> budget.release(1 << 30)
+    """
+
+    def __init__(
+        self,
+        limit_bytes: int | None = None,
+        min_free_bytes: int | None = None,
+        available_fn: Callable[[], int] | None = None,
+    ) -> None:
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(
+                f"host_budget_bytes={limit_bytes!r} is negative; pass a byte count >= 0 or None for no cap"
+            )
+        if min_free_bytes is not None and min_free_bytes < 0:
+            raise ValueError(
+                f"min_free_bytes={min_free_bytes!r} is negative; pass a byte count >= 0 or None for the default"
+            )
+        self.limit_bytes = limit_bytes
+        self.min_free_bytes = (
+            max(2 * _GiB, _total_bytes() // 10) if min_free_bytes is None else int(min_free_bytes)
+        )
+        self._available = available_fn or _available_bytes
+        self._used = 0
+        self._peak = 0
+        self._refusals = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    @property
+    def refusals(self) -> int:
+        return self._refusals
+
+    def headroom(self) -> int:
+        """Bytes that could be reserved right now."""
+        by_free = self._available() - self.min_free_bytes
+        if self.limit_bytes is None:
+            return max(0, by_free)
+        return max(0, min(by_free, self.limit_bytes - self._used))
+
+    def try_reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.limit_bytes is not None and self._used + nbytes > self.limit_bytes:
+                self._refusals += 1
+                return False
+            if self._available() - nbytes < self.min_free_bytes:
+                self._refusals += 1
+                return False
+            self._used += nbytes
+            self._peak = max(self._peak, self._used)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+            if self._used < 0:  # a bookkeeping bug must not go unnoticed
+                raise RuntimeError(f"HostMemoryBudget released more than reserved ({self._used} bytes)")
+
+    def describe(self) -> str:
+        cap = "none" if self.limit_bytes is None else f"{self.limit_bytes / _GiB:.2f} GiB"
+        return (
+            f"host budget: {self._used / _GiB:.2f} GiB held (peak {self._peak / _GiB:.2f}), "
+            f"cap {cap}, keep {self.min_free_bytes / _GiB:.2f} GiB free"
+        )

@@ -1,0 +1,39 @@
+"""Bitwise comparison of a training step with and without a memory-saving context."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+__all__ = ["run_step", "grads_of", "assert_bitwise_equal"]
+
+
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_step(model, batch: dict, ctx=None, loss_fn: Callable | None = None) -> tuple[torch.Tensor, dict]:
+    """One forward+backward from zero grads; returns (loss, grads)."""
+    model.zero_grad(set_to_none=True)
+    with ctx if ctx is not None else contextlib.nullcontext():
+        out = model(**batch)
+        loss = loss_fn(out, batch) if loss_fn is not None else out.loss
+    loss.backward()
+    return loss.detach().clone(), grads_of(model)
+
+
+def assert_bitwise_equal(a, b, what: str = "") -> None:
+    """Exact equality (NaN-aware, dtype and shape checked) of tensors or dicts of tensors."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{what}: different keys {set(a) ^ set(b)}"
+        assert len(a) > 0, f"{what}: nothing to compare"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{what}[{k}]")
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    same = torch.equal(a, b) or bool(torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+    if not same:
+        diff = (a.float() - b.float()).abs().max().item()
+        raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff:g})")
