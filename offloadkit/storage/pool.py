@@ -28,7 +28,7 @@ def size_class(nbytes: int) -> int:
     """Round ``nbytes`` up to its pool class: a page multiple, at most 1/16 above ``nbytes``."""
     if nbytes <= PAGE_SIZE:
         return PAGE_SIZE
-    step = max(PAGE_SIZE, 1 << max(0, (nbytes - 1).bit_length() - 4))
+    step = max(PAGE_SIZE, 1 << max(0, (nbytes - 1).bit_length() - 5))
     return -(-nbytes // step) * step
 
 
