@@ -47,6 +47,9 @@ class HostTier:
         self.pool = pool
         self.use_streams = bool(use_streams)
         self._side_streams: dict[int, torch.cuda.Stream] = {}
+        # Race tests: a device-side sleep queued before every side-stream copy makes any
+        # missing wait show up as wrong numbers instead of passing by luck.
+        self.debug_delay_cycles = 0
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -73,6 +76,7 @@ class HostTier:
             side.wait_stream(compute)
             self._after_last_use(side, block)
             with torch.cuda.stream(side):
+                self._debug_delay()
                 host.copy_(src, non_blocking=block.pinned)
             stored.done, stored.done_stream = side.record_event(), side
         else:
@@ -96,6 +100,7 @@ class HostTier:
             # dst may reuse memory whose last reader is compute work queued before now.
             side.wait_stream(compute)
             with torch.cuda.stream(side):
+                self._debug_delay()
                 dst.copy_(host, non_blocking=block.pinned)
             ready = side.record_event()
             stored.last_use = (side, ready)
@@ -111,6 +116,10 @@ class HostTier:
 
     def close(self) -> None:
         self.pool.close()
+
+    def _debug_delay(self) -> None:
+        if self.debug_delay_cycles:
+            torch.cuda._sleep(self.debug_delay_cycles)
 
     @staticmethod
     def _after_last_use(stream: torch.cuda.Stream, block) -> None:

@@ -55,8 +55,13 @@ def build_llama(
     config = transformers.LlamaConfig(max_position_embeddings=max_position_embeddings, **fields)
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: no full-precision copy of big shapes
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
     return model.to(dtype=dtype)
 
 

@@ -1,0 +1,106 @@
+"""The memory-saving modes the benchmark compares, each enabled and disabled on a model."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import psutil
+import torch
+
+from offloadkit.api import get_act_offloading_ctx_manager
+from offloadkit.testing.models import LLAMA_SHAPES
+
+__all__ = ["MODES", "ModeSetup", "ModeHandle"]
+
+
+@dataclass
+class ModeHandle:
+    context: Callable[[], contextlib.AbstractContextManager]
+    disable: Callable[[], None]
+    stats: Callable[[], dict] | None = None
+    stats_reset: Callable[[], None] | None = None
+
+
+@dataclass
+class ModeSetup:
+    name: str
+    enable: Callable  # (model, cfg) -> ModeHandle
+    skip_reason: Callable | None = None  # (cfg) -> str | None
+
+
+def _checkpointing(model, on: bool) -> None:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    model.train()
+
+
+def _plain(ckpt: bool):
+    def enable(model, cfg):
+        _checkpointing(model, ckpt)
+        return ModeHandle(contextlib.nullcontext, lambda: _checkpointing(model, False))
+
+    return enable
+
+
+def _offloadkit(ckpt: bool):
+    def enable(model, cfg):
+        _checkpointing(model, ckpt)
+        budget = None if cfg.host_budget_gib is None else int(cfg.host_budget_gib * (1 << 30))
+        manager = get_act_offloading_ctx_manager(
+            model, prefetch=cfg.prefetch, max_fwd_stash_size=cfg.max_fwd_stash_size, host_budget_bytes=budget
+        )
+
+        def disable():
+            manager.close()
+            _checkpointing(model, False)
+
+        return ModeHandle(lambda: manager, disable, stats=lambda: manager.collect_stats().as_dict(),
+                          stats_reset=manager.reset_stats)
+
+    return enable
+
+
+def _save_on_cpu(ckpt: bool):
+    def enable(model, cfg):
+        _checkpointing(model, ckpt)
+
+        def disable():
+            _checkpointing(model, False)
+            empty = getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()  # give PyTorch's cached pinned blocks back between modes
+
+        return ModeHandle(lambda: torch.autograd.graph.save_on_cpu(pin_memory=True), disable)
+
+    return enable
+
+
+def estimated_activation_bytes(cfg) -> int:
+    """Rough bytes autograd saves per step without checkpointing (bf16 Llama, fp32 norms)."""
+    shape = LLAMA_SHAPES[cfg.shape]
+    tokens = cfg.batch * cfg.seq_len
+    per_token_layer = 34 * shape["hidden_size"] + 8 * shape["intermediate_size"]
+    return tokens * shape["num_hidden_layers"] * per_token_layer
+
+
+def _needs_host_ram(cfg) -> str | None:
+    need = estimated_activation_bytes(cfg)
+    have = psutil.virtual_memory().total
+    if need > 0.6 * have:
+        return (f"offloading every activation needs ~{need / 2**30:.0f} GiB of host RAM; "
+                f"this machine has {have / 2**30:.0f} GiB")
+    return None
+
+
+MODES: dict[str, ModeSetup] = {
+    "none": ModeSetup("none", _plain(False)),
+    "ckpt": ModeSetup("ckpt", _plain(True)),
+    "ckpt+offload": ModeSetup("ckpt+offload", _offloadkit(True)),
+    "offload": ModeSetup("offload", _offloadkit(False), _needs_host_ram),
+    "ckpt+save_on_cpu": ModeSetup("ckpt+save_on_cpu", _save_on_cpu(True)),
+    "save_on_cpu": ModeSetup("save_on_cpu", _save_on_cpu(False), _needs_host_ram),
+}

@@ -1,0 +1,1 @@
+"""Integrations with optional libraries (PEFT, Hugging Face Trainer, TRL)."""

@@ -1,0 +1,30 @@
+"""PEFT helpers (optional dependency)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["apply_lora", "require_peft"]
+
+
+def require_peft():
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError("LoRA needs PEFT: pip install 'offloadkit[hf]'") from exc
+    return peft
+
+
+def apply_lora(model: nn.Module, rank: int = 16, alpha: int | None = None, target_modules="all-linear",
+               dropout: float = 0.0) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters on every linear layer but the output head.
+
+    Example:
+        >>> lora_model = apply_lora(build_llama("tiny"), rank=8)
+    """
+    if rank < 1:
+        raise ValueError(f"lora rank={rank!r} is invalid; pass an int >= 1")
+    peft = require_peft()
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
+                             target_modules=target_modules, lora_dropout=dropout)
+    return peft.get_peft_model(model, config)

@@ -1,0 +1,266 @@
+"""CUDA tests of the engine: bitwise parity in bf16, races, memory oracle, flatness.
+
+Run on a machine with a GPU: ``pytest -m gpu``. Skipped without CUDA.
+"""
+
+import gc
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from offloadkit import OffloadActivations, get_act_offloading_ctx_manager
+from offloadkit.engine.stats import WaitClock
+from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+# ~ tens of milliseconds per copy on an H100: far longer than the kernels around it.
+SLOW_COPY_CYCLES = 20_000_000
+
+
+def small_llama(**kw):
+    return build_llama("small", dtype=torch.bfloat16, device=DEV, **kw)
+
+
+def llama_batch(model, seq=512):
+    return make_batch(model.config.vocab_size, 2, seq, device=DEV)
+
+
+def reference(model, batch):
+    a = run_step(model, batch)
+    b = run_step(model, batch)
+    assert_bitwise_equal(a[1], b[1], "reference is not deterministic; parity would be meaningless")
+    return a
+
+
+@pytest.mark.parametrize("mode", ["streams", "legacy", "unpinned"])
+def test_llama_bf16_parity(mode):
+    model = small_llama()
+    batch = llama_batch(model)
+    ref = reference(model, batch)
+    kw = dict(streams={}, legacy=dict(use_streams=False), unpinned=dict(use_pin_memory=False))[mode]
+    ctx = get_act_offloading_ctx_manager(model, **kw)
+    for _ in range(2):  # second step runs on recycled host buffers
+        got = run_step(model, batch, ctx)
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "grads")
+    assert ctx.stats.offloaded_bytes > 0
+    assert ctx.is_idle()
+
+
+def test_lora_bf16_parity():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(small_llama(), peft.LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    batch = llama_batch(model)
+    ref = reference(model, batch)
+    ctx = get_act_offloading_ctx_manager(model)
+    got = run_step(model, batch, ctx)
+    assert_bitwise_equal(ref[0], got[0], "loss")
+    assert_bitwise_equal(ref[1], got[1], "lora grads")
+    assert ctx.is_idle()
+
+
+def test_checkpointing_plus_offload_parity():
+    model = small_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = llama_batch(model)
+    ref = reference(model, batch)
+    ctx = get_act_offloading_ctx_manager(model)
+    got = run_step(model, batch, ctx)
+    assert_bitwise_equal(ref[0], got[0], "loss")
+    assert_bitwise_equal(ref[1], got[1], "grads")
+    assert ctx.is_idle()
+
+
+class Sleepy(torch.autograd.Function):
+    """Identity whose output is written only after a long device-side sleep: a copy that
+    does not wait for the producer reads whatever the allocator left in that memory."""
+
+    @staticmethod
+    def forward(ctx, x):
+        torch.cuda._sleep(SLOW_COPY_CYCLES)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class Thin(nn.Module):
+    """Low arithmetic density: large activations, trivial compute, so copies dominate."""
+
+    def __init__(self, d=2048, layers=12, sleepy=False):
+        super().__init__()
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(d, device=DEV, dtype=torch.bfloat16)) for _ in range(layers)])
+        self.head = nn.Linear(d, 64, device=DEV, dtype=torch.bfloat16)
+        self.sleepy = sleepy
+
+    def forward(self, x):
+        for w in self.w:
+            if self.sleepy:
+                x = Sleepy.apply(x)
+            x = torch.sin(x) * w + x[:, :1]  # saves x (sin), sin(x) and w (mul), broadcast slice
+        return F.log_softmax(self.head(x).float(), -1).mean()
+
+
+def poison_allocator_cache(like: torch.Tensor, count: int = 64) -> None:
+    """Fill cached blocks of ``like``'s size with NaN so a read of unwritten memory shows."""
+    junk = [torch.full_like(like, float("nan")) for _ in range(count)]
+    del junk
+
+
+def thin_step(model, x, ctx=None, stream=None, poison=False):
+    model.zero_grad(set_to_none=True)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(torch.cuda.current_stream()):
+        if ctx is None:
+            loss = model(x)
+        else:
+            with ctx:
+                loss = model(x)
+        if poison:
+            poison_allocator_cache(x)
+        loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _thin_setup(sleepy=False):
+    torch.manual_seed(0)
+    model = Thin(sleepy=sleepy)
+    x = torch.randn(8192, 2048, device=DEV, dtype=torch.bfloat16)
+    return model, x
+
+
+@pytest.mark.parametrize("stash", [1, 5])
+def test_race_slow_copies_default_stream(stash):
+    model, x = _thin_setup()
+    ref = thin_step(model, x)
+    ctx = get_act_offloading_ctx_manager(model, max_fwd_stash_size=stash)
+    ctx.tier.debug_delay_cycles = SLOW_COPY_CYCLES
+    for _ in range(2):
+        got = thin_step(model, x, ctx)
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "grads")
+    assert ctx.collect_stats().wait_seconds > 0, "slow copies must show up as measured waits"
+    assert ctx.is_idle()
+
+
+def test_race_slow_producer_and_non_default_stream():
+    model, x = _thin_setup(sleepy=True)
+    ref = thin_step(model, x)
+    side_compute = torch.cuda.Stream()
+    ctx = get_act_offloading_ctx_manager(model, max_fwd_stash_size=2)
+    ctx.tier.debug_delay_cycles = SLOW_COPY_CYCLES // 4
+    got = thin_step(model, x, ctx, stream=side_compute)
+    assert_bitwise_equal(ref[0], got[0], "loss")
+    assert_bitwise_equal(ref[1], got[1], "grads")
+    assert ctx.is_idle()
+
+
+def test_race_detector_catches_a_missing_wait(monkeypatch):
+    """Negative control: with the consumer's wait removed the race test must fail, or the
+    race tests above prove nothing."""
+    model, x = _thin_setup()
+    ref = thin_step(model, x)
+    monkeypatch.setattr(WaitClock, "wait", lambda self, stream, event, phase, stats: None)
+    ctx = get_act_offloading_ctx_manager(model, prefetch=0)
+    ctx.tier.debug_delay_cycles = SLOW_COPY_CYCLES * 5
+    got = thin_step(model, x, ctx, poison=True)
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        assert_bitwise_equal(ref[1], got[1], "grads")
+
+
+def test_peak_memory_drops_by_most_of_offloaded_bytes():
+    d, layers = 4096, 24
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(d, d, bias=False), nn.GELU()) for _ in range(layers)])
+    model = nn.Sequential(blocks, nn.Linear(d, 8, bias=False)).to(DEV, torch.bfloat16)
+    x = torch.randn(8192, d, device=DEV, dtype=torch.bfloat16)
+
+    def peak(ctx=None):
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if ctx is None:
+            loss = model(x).float().square().mean()
+        else:
+            with ctx:
+                loss = model(x).float().square().mean()
+        loss.backward()
+        del loss
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    plain = peak()
+    ctx = get_act_offloading_ctx_manager(model, head=model[1])
+    peak(ctx)  # warm the host pool
+    ctx.reset_stats()
+    offloaded = peak(ctx)
+    moved = ctx.stats.offloaded_bytes
+    per_tensor = 8192 * d * 2
+    assert moved >= 2 * layers * per_tensor * 0.95  # each block's Linear input and GELU input
+    assert plain - offloaded >= 0.8 * moved, (plain, offloaded, moved)
+
+
+def test_hundred_steps_flat_gpu_and_host_memory():
+    model = small_llama()
+    batch = llama_batch(model, seq=256)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    ctx = get_act_offloading_ctx_manager(model)
+    proc = psutil.Process()
+    allocated, rss, allocations = [], [], []
+    for _ in range(100):
+        with ctx:
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss
+        torch.cuda.synchronize()
+        assert ctx.is_idle()
+        allocated.append(torch.cuda.memory_allocated())
+        rss.append(proc.memory_info().rss)
+        allocations.append(ctx.pool.allocations)
+    assert len(set(allocated[5:])) == 1, f"GPU memory drifts: {sorted(set(allocated[5:]))[:4]}"
+    assert rss[-1] - rss[5] < 64 << 20, f"host RSS grew {(rss[-1] - rss[5]) >> 20} MiB"
+    assert allocations[-1] == allocations[1], "pinned buffers must be reused once warm"
+
+
+def test_forward_without_backward_and_eval_leave_nothing():
+    model = small_llama()
+    batch = llama_batch(model, seq=256)
+    ctx = get_act_offloading_ctx_manager(model)
+    base = torch.cuda.memory_allocated()
+    for _ in range(3):
+        with ctx:
+            model(**batch)  # graph dropped at once
+        with torch.no_grad(), ctx:
+            model(**batch)
+    torch.cuda.synchronize()
+    assert ctx.is_idle()
+    assert torch.cuda.memory_allocated() == base
+    assert ctx.pool.bytes_in_use == 0
+
+
+def test_pinned_buffers_are_exact_size_registered():
+    model, x = _thin_setup()
+    ctx = get_act_offloading_ctx_manager(model)
+    thin_step(model, x, ctx)
+    blocks = [b for blocks in ctx.pool._free.values() for b in blocks]
+    big = [b for b in blocks if b.capacity >= 1 << 20]
+    assert big and all(b.pinned and b.buffer.is_pinned() for b in big)
+    assert all(b.registered_ptr is not None for b in big), "cudaHostRegister path not taken"
+    # no power-of-two rounding: held bytes stay within 1/16 of what was offloaded
+    assert ctx.pool.bytes_held <= ctx.stats.offloaded_bytes * 17 // 16 + (64 << 10) * len(blocks)
