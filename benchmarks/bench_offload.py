@@ -14,7 +14,8 @@ def main() -> None:
     p.add_argument("--shape", default="llama-3.2-1b")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--lora-rank", type=int, default=None)
-    p.add_argument("--modes", default=None, help="comma-separated; default: all six")
+    p.add_argument("--modes", default=None,
+                   help="semicolon-separated; a mode may carry overrides: 'ckpt+offload@prefetch=4;offload@prefetch_bytes=1g'")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prefetch", type=int, default=2)
@@ -27,7 +28,7 @@ def main() -> None:
     cfg = BenchConfig(shape=a.shape, seq_len=a.seq_len, lora_rank=a.lora_rank, steps=a.steps, warmup=a.warmup,
                       prefetch=a.prefetch, host_budget_gib=a.host_budget_gib, attn_implementation=a.attn, device=a.device)
     if a.modes:
-        cfg.modes = tuple(a.modes.split(","))
+        cfg.modes = tuple(m for m in a.modes.split(";") if m)
     report = run_benchmark(cfg)
     name = a.name or f"{a.shape}-{a.seq_len}{'-lora' if a.lora_rank else ''}"
     os.makedirs(a.out, exist_ok=True)

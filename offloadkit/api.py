@@ -37,13 +37,19 @@ def _first_grad_fn(output):
 
 
 def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
-    """Keep ``head`` and everything after it in forward on the device; start prefetching
-    when backward reaches it. Hooks are detached by ``manager.remove()``."""
+    """Wire the output head: in-flight copies are settled before it runs, everything saved
+    after it (the loss over its logits) stays on the device, and backward starts
+    prefetching when it reaches the head. Hooks are detached by ``manager.remove()``.
+
+    The head's own saved input is offloaded like any activation: at the loss's memory peak
+    it would otherwise sit on the device, and it comes back while the head's backward starts.
+    """
 
     def pre_hook(module, args):
-        manager.mark_tail()
+        manager.flush()
 
     def post_hook(module, args, output):
+        manager.mark_tail()
         grad_fn = _first_grad_fn(output)
         if grad_fn is not None:
             grad_fn.register_prehook(lambda grad_outputs: manager.begin_backward())

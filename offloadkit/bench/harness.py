@@ -40,6 +40,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     prefetch: int = 2
+    prefetch_bytes: int = 0
     max_fwd_stash_size: int = 5
     host_budget_gib: float | None = None
     device: str = "cuda"
@@ -172,7 +173,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     """Run every mode of ``cfg`` and return a JSON-serialisable report."""
     if cfg.shape not in LLAMA_SHAPES:
         raise ValueError(f"shape={cfg.shape!r} is unknown; choose one of {sorted(LLAMA_SHAPES)}")
-    unknown = [m for m in cfg.modes if m not in MODES]
+    unknown = [m for m in cfg.modes if m.split("@")[0] not in MODES]
     if unknown:
         raise ValueError(f"modes {unknown} are unknown; choose from {sorted(MODES)}")
     model, batch = _build(cfg)
@@ -187,18 +188,35 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         "results": [],
     }
     ref_loss = None  # loss of the first mode that ran: every mode must match it bit for bit
-    for name in cfg.modes:
+    for spec in cfg.modes:
+        name, mode_cfg = _mode_config(cfg, spec)
         setup = MODES[name]
-        skip = setup.skip_reason(cfg) if setup.skip_reason else None
+        skip = setup.skip_reason(mode_cfg) if setup.skip_reason else None
         if skip:
-            res = ModeResult(name, status="skipped", note=skip)
+            res = ModeResult(spec, status="skipped", note=skip)
         else:
-            res = _run_mode(cfg, model, batch, setup, ref_loss)
+            res = _run_mode(mode_cfg, model, batch, setup, ref_loss)
+            res.mode = spec
             if ref_loss is None and res.status == "ok":
                 ref_loss, res.loss_bits_equal_reference = res.loss, True
         report["results"].append(asdict(res))
         log(_row(res))
     return report
+
+
+def _mode_config(cfg: BenchConfig, spec: str) -> tuple[str, BenchConfig]:
+    """``"ckpt+offload@prefetch=4,prefetch_bytes=1g"`` -> base mode and a config copy with overrides."""
+    name, _, overrides = spec.partition("@")
+    if not overrides:
+        return name, cfg
+    fields = dict(asdict(cfg))
+    for item in overrides.split(","):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"mode {spec!r}: unknown setting {key!r}; settings are {sorted(fields)}")
+        scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(value[-1:].lower())
+        fields[key] = int(float(value[:-1]) * scale) if scale else type(fields[key] if fields[key] is not None else 0.0)(value)
+    return name, BenchConfig(**fields)
 
 
 def _row(r: ModeResult) -> str:

@@ -51,7 +51,8 @@ def _offloadkit(ckpt: bool):
         _checkpointing(model, ckpt)
         budget = None if cfg.host_budget_gib is None else int(cfg.host_budget_gib * (1 << 30))
         manager = get_act_offloading_ctx_manager(
-            model, prefetch=cfg.prefetch, max_fwd_stash_size=cfg.max_fwd_stash_size, host_budget_bytes=budget
+            model, prefetch=cfg.prefetch, prefetch_bytes=cfg.prefetch_bytes,
+            max_fwd_stash_size=cfg.max_fwd_stash_size, host_budget_bytes=budget,
         )
 
         def disable():

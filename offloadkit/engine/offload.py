@@ -23,7 +23,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from offloadkit.engine.policy import OffloadPolicy
-from offloadkit.engine.spans import BackwardOrder, Entry, Packed, span_view, storage_span
+from offloadkit.engine.prefetch import PrefetchPlanner
+from offloadkit.engine.spans import Entry, Packed, span_view, storage_span
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.runtime.device import accelerator_available, current_stream
 from offloadkit.storage.budget import HostMemoryBudget
@@ -46,7 +47,9 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         max_fwd_stash_size: device sources kept alive while their copies are in flight
             during forward (>= 1). Past it the compute stream waits for the oldest copy.
         prefetch: entries brought back ahead of the one in use during backward
-            (``activation_loading_horizon``), >= 0.
+            (``activation_loading_horizon``), >= 0; 0 disables prefetching.
+        prefetch_bytes: also keep at least this many bytes in flight ahead (useful
+            without checkpointing, where entries vary from KiB to hundreds of MiB).
         host_budget_bytes: cap on host bytes held; past it tensors stay on the device
             with one warning. ``None``: no cap beyond keeping ``budget.min_free_bytes``
             of system RAM available.
@@ -74,6 +77,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         max_fwd_stash_size: int = 5,
         *,
         prefetch: int = 2,
+        prefetch_bytes: int = 0,
         host_budget_bytes: int | None = None,
         budget: HostMemoryBudget | None = None,
         tier=None,
@@ -87,12 +91,15 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             )
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch={prefetch!r} is invalid; pass an int >= 0 (entries fetched ahead)")
+        if not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+            raise ValueError(f"prefetch_bytes={prefetch_bytes!r} is invalid; pass a byte count >= 0")
         device_types = ("cuda", "cpu") if offload_cpu_tensors else ("cuda",)
         self.policy = OffloadPolicy(min_offload_size, device_types)
         self.use_streams = bool(use_streams)
         self.use_pin_memory = bool(use_pin_memory)
         self.max_fwd_stash_size = max_fwd_stash_size
         self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
         self.offload_cpu_tensors = bool(offload_cpu_tensors)
         self._check_accelerator()
 
@@ -106,7 +113,8 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         self._dead: deque = deque()  # (entry, seen_gen) from handles that died
         self._entries: set[Entry] = set()
         self._by_storage: dict[int, list[Entry]] = {}
-        self._order = BackwardOrder()
+        self._planner = PrefetchPlanner()
+        self._new_step_pending = False
         self._stash: deque[Entry] = deque()
         self._bwd_active = False
         self._bwd_pass = 0
@@ -164,11 +172,21 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         """A new forward begins (called by a root-module pre-hook)."""
         self._tail = False
 
-    def mark_tail(self) -> None:
-        """The output head is about to run: flush in-flight sources, keep the rest of forward.
+    def flush(self) -> None:
+        """Let go of every device source whose copy is in flight (GPU-side waits only).
 
-        Logits and the loss's saved tensors are needed first in backward; offloading them
-        only to fetch them straight back costs time and saves nothing at the peak.
+        Called before the output head so that the large logits allocation does not stack
+        on top of activations still being copied.
+        """
+        with self._lock:
+            self._flush_stash()
+
+    def mark_tail(self) -> None:
+        """The output head has run: keep everything saved in the rest of this forward.
+
+        What follows the head (the loss over full-vocabulary logits) is needed first in
+        backward; offloading it only to fetch it straight back costs time and saves nothing
+        at the peak.
         """
         with self._lock:
             self._tail = True
@@ -242,13 +260,16 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             return t.detach()  # never the tensor itself: that would form a reference cycle
         with self._lock:
             self._drain()
+            if self._new_step_pending or not self._entries:
+                self._planner.new_step()
+                self._new_step_pending = False
             storage = t.untyped_storage()
             start, end = storage_span(t)
             entry = self._find(storage._cdata, start, end, t._version)
             if entry is not None:
                 self.stats.deduplicated_tensors += 1
                 self.stats.deduplicated_bytes += nbytes
-                self._order.push(entry)  # backward needs it at its newest use
+                self._planner.on_saved(entry, new=False)  # backward needs it at its newest use
             else:
                 entry = self._offload(storage, start, end, t.device, t._version)
                 if entry is None:
@@ -291,7 +312,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         self.stats.offloaded_bytes += entry.nbytes
         self._entries.add(entry)
         self._by_storage.setdefault(entry.key, []).append(entry)
-        self._order.push(entry)
+        self._planner.on_saved(entry, new=True)
         if not stored.copy_finished():
             entry.src, entry.src_stream = src, current_stream(device)
             self._stash.append(entry)
@@ -337,7 +358,10 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             elif entry.prefetched:
                 self.stats.prefetch_hits += 1
                 entry.prefetched = False
-            self._prefetch_below(entry.pos)
+            if entry.consumed_pass != self._bwd_pass:
+                entry.consumed_pass = self._bwd_pass
+                self._planner.on_consumed(entry)
+            self._prefetch(entry)
             consumer = current_stream(entry.device)
             self._clock.wait(consumer, entry.gpu_ready, "backward", self.stats)
             if consumer is not None and entry.gpu_stream is not None and consumer != entry.gpu_stream:
@@ -356,6 +380,8 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     def _begin_backward(self) -> None:
         self._bwd_pass += 1
+        if self._planner.begin_pass():
+            self.stats.replayed_passes += 1
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._bwd_active = True
@@ -368,7 +394,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
                                 guard=(entry.src_stream, entry.stored.done))
             entry.src = None
             self.stats.stash_hits += 1
-        self._prefetch_below(len(self._order))
+        self._prefetch(None)
 
     def _end_backward(self) -> None:
         with self._lock:
@@ -376,22 +402,26 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             for entry in list(self._entries):
                 if entry.gpu is not None:
                     self._drop_resident(entry, consumed=False)  # fetched but never used this pass
+            self._planner.end_pass()
+            self._new_step_pending = True
             self._bwd_active = False
             self._clock.collect(self.stats)
 
-    def _prefetch_below(self, pos: int) -> None:
+    def _prefetch(self, current: Entry | None) -> None:
         if self.prefetch <= 0:
             return
-        ahead = 0
-        for entry in self._order.below(pos):
-            if entry.bwd_pass == self._bwd_pass and entry.gpu is None and entry.waiting <= 0:
-                continue  # already consumed in this backward pass
+        ahead = ahead_bytes = 0
+        for entry in self._planner.upcoming(current, self._consumed):
             if entry.gpu is None:
                 self._fetch(entry)
                 entry.prefetched = True
             ahead += 1
-            if ahead >= self.prefetch:
+            ahead_bytes += entry.nbytes
+            if ahead >= self.prefetch and ahead_bytes >= self.prefetch_bytes:
                 break
+
+    def _consumed(self, entry: Entry) -> bool:
+        return entry.consumed_pass == self._bwd_pass
 
     def _fetch(self, entry: Entry) -> None:
         loaded = entry.stored.tier.load(entry.stored)
@@ -403,7 +433,6 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         entry.gpu, entry.gpu_ready, entry.gpu_stream, entry.gpu_guard = data, ready, stream, guard
         entry.gen += 1
         entry.waiting = entry.live
-        entry.bwd_pass = self._bwd_pass
         entry.prefetched = False
 
     def _drop_resident(self, entry: Entry, consumed: bool) -> None:
@@ -428,8 +457,8 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
                     self._drop_resident(entry, consumed=False)
             if entry.live <= 0:
                 self._release(entry)
-        if not self._entries and len(self._order):
-            self._order.clear()
+        if not self._entries:
+            self._planner.reset()
 
     def _release(self, entry: Entry) -> None:
         if entry.released:
@@ -450,7 +479,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             sharers.remove(entry)
             if not sharers:
                 del self._by_storage[entry.key]
-        self._order.remove(entry)
+        self._planner.on_released(entry)
 
     def _check_accelerator(self) -> None:
         global _warned_no_accelerator

@@ -55,6 +55,7 @@ class Entry:
     stored: object  # storage.base.Stored
     version: int = 0  # the source's version counter when the copy was taken
     pos: int = -1  # position in the backward-order list
+    seq: int = -1  # creation index within its forward (keys the learned backward order)
     live: int = 0  # handles alive
     # Forward: the device source, kept alive while its copy is in flight.
     src: torch.Tensor | None = None
@@ -67,7 +68,7 @@ class Entry:
     gen: int = 0  # bumped every time a new resident copy is made
     waiting: int = 0  # live handles that have not consumed the current resident copy
     prefetched: bool = False
-    bwd_pass: int = -1
+    consumed_pass: int = -1  # backward pass in which a handle last unpacked it
     released: bool = False
 
     @property

@@ -32,6 +32,7 @@ class OffloadStats:
     prefetch_hits: int = 0
     prefetch_misses: int = 0
     stash_hits: int = 0
+    replayed_passes: int = 0  # backward passes that followed the order learned in the previous one
     wait_seconds_forward: float = 0.0
     wait_seconds_backward: float = 0.0
 
@@ -59,7 +60,8 @@ class OffloadStats:
                 f"deduplicated      {self.deduplicated_tensors} tensors, {self.deduplicated_bytes / _MiB:.1f} MiB not copied again",
                 f"kept on device    {self.kept_tensors} tensors, {self.kept_bytes / _MiB:.1f} MiB ({reasons})",
                 f"restored          {self.restored_bytes / _MiB:.1f} MiB",
-                f"backward          {self.prefetch_hits} prefetch hits, {self.prefetch_misses} misses, {self.stash_hits} still on device",
+                f"backward          {self.prefetch_hits} prefetch hits, {self.prefetch_misses} misses, {self.stash_hits} still on device, "
+                f"{self.replayed_passes} passes in learned order",
                 f"compute waited    {self.wait_seconds_forward:.4f} s forward, {self.wait_seconds_backward:.4f} s backward",
             ]
         )

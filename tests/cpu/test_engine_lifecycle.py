@@ -149,7 +149,7 @@ def test_checkpointing_only_packs_block_inputs():
     assert_bitwise_equal(ref[0], got[0], "loss")
     assert_bitwise_equal(ref[1], got[1], "grads")
     # Per layer only the block input is offloaded, plus the embedding's indices and the
-    # final norm's three saved tensors outside the checkpointed blocks.
+    # final norm's three saved tensors and the head's input outside the checkpointed blocks.
     layers = model.config.num_hidden_layers
-    assert layers <= ctx.stats.offloaded_tensors <= layers + 4
+    assert layers <= ctx.stats.offloaded_tensors <= layers + 5
     assert ctx.is_idle()

@@ -212,3 +212,54 @@ def test_prefetch_bookkeeping():
     lazy = get_act_offloading_ctx_manager(model, offload_cpu_tensors=True, min_offload_size=0, prefetch=0)
     run_step(model, batch, lazy)
     assert lazy.stats.prefetch_hits == 0 and lazy.stats.prefetch_misses == lazy.stats.offloaded_tensors
+
+
+class FieldOrder(torch.autograd.Function):
+    """Saves three tensors; backward unpacks them in save order, not reverse save order."""
+
+    @staticmethod
+    def forward(ctx, a, b, c):
+        ctx.save_for_backward(a, b, c)
+        return a * b * c
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b, c = ctx.saved_tensors
+        return g * b * c, g * a * c, g * a * b
+
+
+def test_backward_order_is_learned_and_replayed():
+    x = torch.randn(512, 512, requires_grad=True)
+    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, prefetch=1)
+
+    def step():
+        x.grad = None
+        with ctx:
+            h = x
+            for _ in range(4):
+                h = FieldOrder.apply(h.sin(), h.cos(), h.tanh())
+        h.sum().backward()
+        return x.grad.clone()
+
+    ref = x.grad = None
+    first = step()
+    misses_first = ctx.stats.prefetch_misses
+    assert misses_first > 0  # the reverse-save guess is wrong inside each node
+    ctx.reset_stats()
+    second = step()
+    assert ctx.stats.replayed_passes == 1
+    assert ctx.stats.prefetch_misses == 0, "the recorded order must be replayed exactly"
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    del ref
+
+
+def test_prefetch_bytes_horizon():
+    model = build_llama("tiny")
+    batch = make_batch(256, 2, 32)
+    ctx = get_act_offloading_ctx_manager(model, offload_cpu_tensors=True, min_offload_size=0, prefetch=1,
+                                         prefetch_bytes=1 << 30)
+    run_step(model, batch, ctx)
+    run_step(model, batch, ctx)
+    assert ctx.stats.prefetch_misses == 0 and ctx.is_idle()
+    with pytest.raises(ValueError, match="prefetch_bytes"):
+        OffloadActivations(prefetch_bytes=-1)
