@@ -40,7 +40,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     prefetch: int = 2
-    prefetch_bytes: int = 0
+    prefetch_bytes: int = 1 << 30
     max_fwd_stash_size: int = 5
     host_budget_gib: float | None = None
     device: str = "cuda"

@@ -48,8 +48,10 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             during forward (>= 1). Past it the compute stream waits for the oldest copy.
         prefetch: entries brought back ahead of the one in use during backward
             (``activation_loading_horizon``), >= 0; 0 disables prefetching.
-        prefetch_bytes: also keep at least this many bytes in flight ahead (useful
-            without checkpointing, where entries vary from KiB to hundreds of MiB).
+        prefetch_bytes: also keep at least this many bytes in flight ahead; without
+            checkpointing, entries range from KiB to hundreds of MiB and a count alone
+            leaves the copy engine idle (default 1 GiB: 1.19 s -> 1.085 s per step for a
+            1B model at 16K tokens on an H200; 4 GiB gained nothing more).
         host_budget_bytes: cap on host bytes held; past it tensors stay on the device
             with one warning. ``None``: no cap beyond keeping ``budget.min_free_bytes``
             of system RAM available.
@@ -77,7 +79,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         max_fwd_stash_size: int = 5,
         *,
         prefetch: int = 2,
-        prefetch_bytes: int = 0,
+        prefetch_bytes: int = 1 << 30,
         host_budget_bytes: int | None = None,
         budget: HostMemoryBudget | None = None,
         tier=None,

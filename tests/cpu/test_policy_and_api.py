@@ -230,7 +230,7 @@ class FieldOrder(torch.autograd.Function):
 
 def test_backward_order_is_learned_and_replayed():
     x = torch.randn(512, 512, requires_grad=True)
-    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, prefetch=1)
+    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, prefetch=1, prefetch_bytes=0)
 
     def step():
         x.grad = None
