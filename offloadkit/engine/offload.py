@@ -195,11 +195,24 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             self._flush_stash()
 
     def begin_backward(self) -> None:
-        """Start prefetching the newest entries now (e.g. when backward reaches the head)."""
+        """Backward reached a known point (the head, a block's output): start the pass if it
+        has not started, and top the prefetch window up from the next entry needed."""
         with self._lock:
             self._drain()
             if not self._bwd_active:
                 self._begin_backward()
+            else:
+                self._prefetch(None)
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Route saved tensors through this manager for a short region, without the
+        per-step work of ``__enter__`` (used around each checkpointed block's inputs)."""
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        try:
+            yield self
+        finally:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
 
     def remove(self) -> None:
         """Detach every module hook this manager attached."""

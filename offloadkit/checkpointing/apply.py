@@ -1,0 +1,170 @@
+"""Activation checkpointing of a model's repeated blocks, optionally offloading their inputs.
+
+Each block's ``forward`` is wrapped (an instance attribute, removed by ``remove()``) in
+non-reentrant ``torch.utils.checkpoint``; module hooks stay outside the checkpoint, so
+they do not run again during recompute. With ``offload_inputs``, only the tensors the
+checkpoint saves (the block's positional inputs) pass through an
+:class:`~offloadkit.OffloadActivations`: everything inside a block is recomputed as
+usual. The last block's input stays on the device, since backward needs it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from offloadkit.checkpointing.selective import selective_context_fn
+from offloadkit.engine.offload import OffloadActivations
+from offloadkit.models.blocks import find_blocks
+from offloadkit.models.heads import unwrap_model
+
+__all__ = ["apply_activation_checkpointing", "CheckpointedBlocks"]
+
+_MARK = "_offloadkit_checkpoint_forward"
+
+
+def _first_grad_fn(out):
+    if isinstance(out, torch.Tensor):
+        return out.grad_fn
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            fn = _first_grad_fn(item)
+            if fn is not None:
+                return fn
+    return None
+
+
+class CheckpointedBlocks:
+    """What :func:`apply_activation_checkpointing` attached; ``remove()`` detaches it.
+
+    Attributes:
+        blocks: ``(name, module)`` pairs that are checkpointed, in forward order.
+        offloader: the manager holding offloaded block inputs, or None.
+    """
+
+    def __init__(self, model, blocks, context_fn, offloader, owns_offloader, keep_last_input):
+        self.model = model
+        self.blocks = blocks
+        self.offloader = offloader
+        self._owns_offloader = owns_offloader
+        self._context_fn = context_fn
+        self._keep_last_input = keep_last_input
+        self._restore_use_cache = None
+        self._attached = False
+
+    # -- wiring ------------------------------------------------------------------------
+    def _attach(self) -> None:
+        for index, (name, block) in enumerate(self.blocks):
+            if getattr(block, "gradient_checkpointing", False):
+                raise ValueError(
+                    f"{name} already has Hugging Face gradient checkpointing on; call "
+                    "model.gradient_checkpointing_disable() before apply_activation_checkpointing"
+                )
+            if _MARK in block.__dict__:
+                raise ValueError(f"{name} is already checkpointed by offloadkit; remove() the first handle")
+            original = block.forward
+            wrapper = functools.partial(self._run, index, block, original)
+            block.forward = wrapper
+            block.__dict__[_MARK] = wrapper
+        config = getattr(unwrap_model(self.model), "config", None)
+        if getattr(config, "use_cache", False):
+            # A cache written during forward would be written again by the recompute.
+            self._restore_use_cache = config
+            config.use_cache = False
+        self._attached = True
+
+    def remove(self) -> None:
+        """Restore every block's forward (and the model's ``use_cache``); close our offloader."""
+        if not self._attached:
+            return
+        for _, block in self.blocks:
+            if block.__dict__.get(_MARK) is not None and block.__dict__.get("forward") is block.__dict__[_MARK]:
+                del block.forward
+            block.__dict__.pop(_MARK, None)
+        if self._restore_use_cache is not None:
+            self._restore_use_cache.use_cache = True
+        if self.offloader is not None and self._owns_offloader:
+            self.offloader.close()
+        self._attached = False
+
+    # -- per block -----------------------------------------------------------------------
+    def _run(self, index: int, block: nn.Module, original: Callable, *args, **kwargs):
+        if not (torch.is_grad_enabled() and block.training):
+            return original(*args, **kwargs)
+        if not getattr(block, "_can_checkpoint_with_cache", False):
+            # A cache written in forward would be read (or written again) by the recompute,
+            # which then saves different tensors: blocks run without one when checkpointed.
+            for key in ("past_key_values", "past_key_value", "layer_past"):
+                if kwargs.get(key) is not None:
+                    kwargs[key] = None
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+        last = index == len(self.blocks) - 1
+        offload = self.offloader is not None and not (last and self._keep_last_input)
+        capture = self.offloader.capture() if offload else contextlib.nullcontext()
+        with capture:
+            out = checkpoint(original, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+        if self.offloader is not None:
+            grad_fn = _first_grad_fn(out)
+            if grad_fn is not None:
+                # When backward reaches this block, the inputs of the blocks before it start coming back.
+                grad_fn.register_prehook(lambda grad_outputs: self.offloader.begin_backward())
+            if last:
+                self.offloader.flush()  # nothing of ours stays in flight into the loss
+        return out
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    *,
+    block_types: Iterable[type] | None = None,
+    predicate: Callable[[str, nn.Module], bool] | None = None,
+    selective: Iterable | None = None,
+    offload_inputs: bool | OffloadActivations = False,
+    prefetch: int = 2,
+    keep_last_input: bool = True,
+    **offload_kwargs,
+) -> CheckpointedBlocks:
+    """Checkpoint every repeated block of ``model`` (non-reentrant).
+
+    Args:
+        model: any module; Hugging Face and PEFT models are handled automatically.
+        block_types / predicate: name the blocks explicitly (see :func:`find_blocks`).
+        selective: ops whose outputs are saved instead of recomputed, e.g.
+            ``("mm", "attention")`` or aten overloads; None recomputes everything.
+        offload_inputs: offload block inputs to pinned host memory (True, or a ready
+            :class:`OffloadActivations` to use).
+        prefetch: block inputs brought back ahead in backward (``activation_loading_horizon``).
+        keep_last_input: keep the last block's input on the device (needed first).
+        **offload_kwargs: forwarded to :class:`OffloadActivations` when one is created.
+
+    Returns:
+        A :class:`CheckpointedBlocks` handle; ``handle.remove()`` undoes everything.
+
+    Example:
+        >>> handle = apply_activation_checkpointing(model, offload_inputs=True)
+        >>> loss = model(**batch).loss; loss.backward()
+        >>> handle.remove()
+    """
+    blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
+    context_fn = noop_context_fn if selective is None else selective_context_fn(selective)
+    owns = False
+    offloader = None
+    if isinstance(offload_inputs, OffloadActivations):
+        offloader = offload_inputs
+    elif offload_inputs:
+        offload_kwargs.setdefault("prefetch_bytes", 0)  # block inputs are uniform: count them
+        offloader = OffloadActivations(prefetch=prefetch, **offload_kwargs)
+        owns = True
+    elif offload_kwargs:
+        raise ValueError(f"{sorted(offload_kwargs)} only apply with offload_inputs=True")
+    if offloader is not None:
+        offloader.track(model)
+    handle = CheckpointedBlocks(model, blocks, context_fn, offloader, owns, keep_last_input)
+    handle._attach()
+    return handle
