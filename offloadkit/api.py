@@ -11,29 +11,13 @@ from __future__ import annotations
 import warnings
 from typing import Iterable
 
-import torch
 from torch import nn
 
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.heads import find_output_head, unwrap_model
+from offloadkit.runtime.autograd import first_grad_fn
 
 __all__ = ["get_act_offloading_ctx_manager", "get_lora_act_offloading_ctx_manager", "attach_head"]
-
-
-def _first_grad_fn(output):
-    if isinstance(output, torch.Tensor):
-        return output.grad_fn
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            fn = _first_grad_fn(item)
-            if fn is not None:
-                return fn
-    if isinstance(output, dict):
-        for item in output.values():
-            fn = _first_grad_fn(item)
-            if fn is not None:
-                return fn
-    return None
 
 
 def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
@@ -50,7 +34,7 @@ def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
 
     def post_hook(module, args, output):
         manager.mark_tail()
-        grad_fn = _first_grad_fn(output)
+        grad_fn = first_grad_fn(output)
         if grad_fn is not None:
             grad_fn.register_prehook(lambda grad_outputs: manager.begin_backward())
 

@@ -22,21 +22,11 @@ from offloadkit.checkpointing.selective import selective_context_fn
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
+from offloadkit.runtime.autograd import first_grad_fn
 
 __all__ = ["apply_activation_checkpointing", "CheckpointedBlocks"]
 
 _MARK = "_offloadkit_checkpoint_forward"
-
-
-def _first_grad_fn(out):
-    if isinstance(out, torch.Tensor):
-        return out.grad_fn
-    if isinstance(out, (tuple, list)):
-        for item in out:
-            fn = _first_grad_fn(item)
-            if fn is not None:
-                return fn
-    return None
 
 
 class CheckpointedBlocks:
@@ -110,7 +100,7 @@ class CheckpointedBlocks:
         with capture:
             out = checkpoint(original, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
         if self.offloader is not None:
-            grad_fn = _first_grad_fn(out)
+            grad_fn = first_grad_fn(out)
             if grad_fn is not None:
                 # When backward reaches this block, the inputs of the blocks before it start coming back.
                 grad_fn.register_prehook(lambda grad_outputs: self.offloader.begin_backward())

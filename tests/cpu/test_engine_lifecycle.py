@@ -5,7 +5,6 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
 
 from offloadkit import OffloadActivations, get_act_offloading_ctx_manager
 from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step

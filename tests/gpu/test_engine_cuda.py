@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offloadkit import OffloadActivations, get_act_offloading_ctx_manager
+from offloadkit import get_act_offloading_ctx_manager
 from offloadkit.engine.stats import WaitClock
 from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
 

@@ -1,0 +1,7 @@
+"""Frozen-layer streaming (``layer_offloading``): block weights in pinned host memory,
+visiting the GPU one layer at a time."""
+
+from offloadkit.layers.flat import FlatWeights
+from offloadkit.layers.streaming import LayerStreamer, StreamStats, apply_layer_streaming
+
+__all__ = ["FlatWeights", "LayerStreamer", "StreamStats", "apply_layer_streaming"]

@@ -1,0 +1,150 @@
+"""One block's frozen weights as a single flat device storage backed by a pinned host copy.
+
+Each streamed parameter becomes a view into the block's flat storage (at a 512-byte
+aligned offset, so kernels see the same alignment as before and results stay bitwise
+equal). Loading resizes the storage to its full size and copies the bytes in; evicting
+resizes it to zero. Parameters, and the views autograd saved of them (``weight.t()``),
+keep pointing at the same storage object throughout, so they are valid whenever the
+block is resident. The host copy is made once: frozen weights never change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offloadkit.storage.pool import HostBufferPool
+
+__all__ = ["FlatWeights", "streamable_reason"]
+
+_ALIGN = 512
+_RAW_DATA_PARAMS = {"Params4bit", "Int8Params"}  # bitsandbytes: quantized bytes live in .data
+
+
+def streamable_reason(param: nn.Parameter, shared: bool) -> str | None:
+    """Why ``param`` cannot be streamed, or None."""
+    if param.requires_grad:
+        return "trainable"
+    if shared:
+        return "shared"
+    data = param.data
+    if type(data) is not torch.Tensor:
+        return "tensor subclass"  # e.g. torchao quantized tensors: their bytes live in inner tensors
+    if type(param) is not nn.Parameter and type(param).__name__ not in _RAW_DATA_PARAMS:
+        return "parameter subclass"
+    if not data.is_contiguous() or data.layout is not torch.strided:
+        return "not contiguous"
+    if data.device.type == "meta":
+        return "meta"
+    return None
+
+
+@dataclass
+class _Slot:
+    name: str  # qualified name relative to the block
+    param: nn.Parameter
+    offset: int  # bytes into the flat storage
+    nbytes: int
+
+
+class FlatWeights:
+    """Frozen parameters of one block, streamable as one unit.
+
+    Args:
+        name: the block's qualified name (for messages).
+        params: ``(name relative to the block, parameter)`` pairs to stream.
+        pool: where the pinned host copy comes from.
+        device: the compute device.
+    """
+
+    def __init__(self, name: str, params, pool: HostBufferPool, device: torch.device) -> None:
+        self.name = name
+        self.device = device
+        self.slots: list[_Slot] = []
+        offset = 0
+        for rel_name, p in params:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            n = p.numel() * p.element_size()
+            self.slots.append(_Slot(rel_name, p, offset, n))
+            offset += n
+        self.nbytes = offset
+        self.host = pool.acquire(max(self.nbytes, 1))
+        if self.host is None:
+            raise RuntimeError(
+                f"offloadkit: the host-memory budget refuses {self.nbytes / 2**20:.0f} MiB for the frozen "
+                f"weights of {name} ({pool.budget.describe()}); raise host_budget_bytes or stream fewer layers"
+            )
+        self._pool = pool
+        host = self.host.view(self.nbytes)
+        flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for s in self.slots:
+            src = s.param.data.reshape(-1).view(torch.uint8)
+            host[s.offset : s.offset + s.nbytes].copy_(src)  # the one and only copy to the host
+            flat[s.offset : s.offset + s.nbytes].copy_(src)
+        self.storage = flat.untyped_storage()
+        for s in self.slots:
+            data = s.param.data
+            s.param.data = torch.empty(0, dtype=data.dtype, device=device).set_(
+                self.storage, s.offset // data.element_size(), data.shape, data.stride()
+            )
+        del flat
+        self.resident = True
+        self.ready = None  # event: the load has landed
+        self.alloc_stream = None  # stream the resident memory belongs to
+        self.consumed = True
+
+    # -- residency -----------------------------------------------------------------------
+    def byte_view(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage, 0, (self.nbytes,), (1,))
+
+    def load(self, side_stream) -> None:
+        """Allocate on the current stream and copy the host bytes in (on ``side_stream``)."""
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.storage.resize_(self.nbytes)
+        dst = self.byte_view()
+        src = self.host.view(self.nbytes)
+        if compute is None or side_stream is None:
+            dst.copy_(src)
+            self.ready, self.alloc_stream = None, compute
+        else:
+            side_stream.wait_stream(compute)  # the new block may reuse memory compute just released
+            with torch.cuda.stream(side_stream):
+                dst.copy_(src, non_blocking=self.host.pinned)
+            self.ready, self.alloc_stream = side_stream.record_event(), compute
+            self.host.last_use = (side_stream, self.ready)
+        self.resident = True
+        self.consumed = False
+
+    def evict(self) -> None:
+        if not self.resident:
+            return
+        if not self.consumed and self.ready is not None:
+            # A prefetched copy nobody waited for may still be writing: order reuse after it.
+            self.alloc_stream.wait_event(self.ready)
+        self.storage.resize_(0)
+        self.resident = False
+        self.ready = None
+
+    def host_tensor(self, slot: _Slot) -> torch.Tensor:
+        """The parameter's value from the host copy (for state_dict while evicted)."""
+        data = slot.param.data
+        raw = self.host.view(self.nbytes)[slot.offset : slot.offset + slot.nbytes]
+        return raw.view(data.dtype).view(data.shape)
+
+    def materialize(self) -> None:
+        """Make the block permanently resident (synchronously) and let the host copy go."""
+        if not self.resident:
+            compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            self.storage.resize_(self.nbytes)
+            self.byte_view().copy_(self.host.view(self.nbytes))
+            if compute is not None:
+                compute.synchronize()
+            self.resident = True
+        elif self.ready is not None:
+            self.ready.synchronize()
+        self.ready = None
+        self.consumed = True
+        self._pool.release(self.host, self.host.last_use)
+        self.host = None

@@ -1,0 +1,285 @@
+"""Frozen-layer streaming: decoder-layer weights live in pinned host memory and visit the
+GPU one layer at a time, prefetched ahead in forward and in reverse order in backward.
+
+Triggers:
+
+* forward: the model's forward pre-hook prefetches the first layers; block ``i``'s
+  pre-hook makes ``i`` resident and prefetches up to ``i + depth - 1``; its post-hook
+  evicts ``i``.
+* backward: a pre-hook on the grad_fn of block ``i``'s output fires before any of the
+  block's backward work, including a checkpoint's recompute: evict the blocks after ``i``
+  (their backward is done), make ``i`` resident, prefetch ``i - 1``... So a block's
+  recompute and its backward share one load, and hooks that run again during recompute
+  only confirm residency; they never prefetch in the forward direction.
+* the head's backward pre-hook prefetches the last blocks; the end of backward evicts all.
+
+At most ``depth`` blocks of frozen weights are resident at any time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.layers.flat import FlatWeights, streamable_reason
+from offloadkit.models.blocks import find_blocks
+from offloadkit.models.heads import find_output_head, unwrap_model
+from offloadkit.storage.budget import HostMemoryBudget
+from offloadkit.storage.pool import HostBufferPool
+from offloadkit.runtime.autograd import first_grad_fn, in_backward
+
+__all__ = ["LayerStreamer", "StreamStats", "apply_layer_streaming"]
+
+
+@dataclass
+class StreamStats:
+    loads: int = 0
+    loaded_bytes: int = 0
+    prefetched: int = 0
+    misses: int = 0  # a block was needed and its load had not been issued
+    max_resident: int = 0
+    wait_seconds: float = 0.0
+    skipped_params: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        return (f"layer streaming: {self.loads} loads ({self.loaded_bytes / 2**30:.2f} GiB), "
+                f"{self.misses} misses, at most {self.max_resident} layers resident, "
+                f"compute waited {self.wait_seconds:.4f} s")
+
+
+class LayerStreamer:
+    """Streams the frozen weights of a model's blocks from pinned host memory.
+
+    Use :func:`apply_layer_streaming` to build one. ``remove()`` puts every weight back on
+    the GPU for good and detaches all hooks.
+    """
+
+    def __init__(self, model: nn.Module, blocks, *, depth: int = 2, use_pin_memory: bool = True,
+                 budget: HostMemoryBudget | None = None, head: nn.Module | None = None,
+                 simulate_on_cpu: bool = False, measure_waits: bool = True) -> None:
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth={depth!r} is invalid; it is the number of resident layers, an int >= 1")
+        if not torch.cuda.is_available() and not simulate_on_cpu:
+            raise RuntimeError(
+                "offloadkit: layer_offloading streams weights to a CUDA GPU and none is available; "
+                "turn layer_offloading off on this machine"
+            )
+        self.model = model
+        self.depth = depth
+        self.device = torch.device("cuda", torch.cuda.current_device()) if not simulate_on_cpu else torch.device("cpu")
+        self.budget = budget if budget is not None else HostMemoryBudget()
+        self.pool = HostBufferPool(use_pin_memory and not simulate_on_cpu, self.budget)
+        self.stats = StreamStats()
+        self._clock = WaitClock(measure_waits and not simulate_on_cpu)
+        self._clock_stats = OffloadStats()
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._lock = threading.RLock()
+        self._handles: list = []
+        self._bwd_callback_queued = False
+        self.debug_delay_cycles = 0  # race tests: device-side sleep before each weight copy
+
+        owners = Counter(id(p) for _, p in unwrap_model(model).named_parameters(remove_duplicate=False))
+        self.layers: list[FlatWeights] = []
+        self.block_names: list[str] = []
+        for name, block in blocks:
+            params = []
+            for mod_name, module in block.named_modules():
+                for attr, p in list(module.named_parameters(recurse=False)):
+                    reason = streamable_reason(p, shared=owners[id(p)] > 1)
+                    if reason is None and p.device.type != self.device.type:
+                        reason = "not on the compute device"
+                    if reason is None:
+                        params.append((f"{mod_name}.{attr}" if mod_name else attr, p))
+                    else:
+                        self.stats.skipped_params[reason] += 1
+            if params:
+                self.layers.append(FlatWeights(name, params, self.pool, self.device))
+                self.block_names.append(name)
+                self._hook_block(len(self.layers) - 1, block)
+        if not self.layers:
+            raise ValueError(
+                "layer streaming found no frozen parameters in the blocks "
+                f"({dict(self.stats.skipped_params)}); freeze the base model (e.g. use LoRA) first"
+            )
+        for layer in self.layers:
+            layer.evict()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # return the blocks of the original weights
+        self._handles.append(model.register_forward_pre_hook(lambda *_: self._forward_start()))
+        head = head if head is not None else find_output_head(model)
+        if head is not None:
+            self._handles.append(head.register_forward_hook(self._head_post_hook))
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _hook_block(self, index: int, block: nn.Module) -> None:
+        def pre(module, args):
+            with self._lock:
+                if in_backward():
+                    self._ensure(index)  # recompute: the backward trigger already loaded it
+                    return
+                self._ensure(index)
+                for j in range(index + 1, min(index + self.depth, len(self.layers))):
+                    self._prefetch(j)
+
+        def post(module, args, output):
+            with self._lock:
+                if in_backward():
+                    return  # recompute: the block's backward still needs the weights
+                self.layers[index].evict()
+            grad_fn = first_grad_fn(output)
+            if grad_fn is not None:
+                grad_fn.register_prehook(lambda grad_outputs: self._backward_reached(index))
+
+        self._handles.append(block.register_forward_pre_hook(pre))
+        self._handles.append(block.register_forward_hook(post, always_call=True))
+        self._handles.append(block._register_state_dict_hook(self._state_dict_hook(index)))
+
+    def _state_dict_hook(self, index: int):
+        def hook(module, state_dict, prefix, local_metadata):
+            # Evicted weights have no device memory: serve their (never changing) host copy.
+            flat = self.layers[index]
+            if flat.host is not None:
+                for slot in flat.slots:
+                    key = prefix + slot.name
+                    if key in state_dict:
+                        state_dict[key] = flat.host_tensor(slot)
+            return state_dict
+
+        return hook
+
+    def _forward_start(self) -> None:
+        if in_backward():
+            return
+        with self._lock:
+            for j in range(min(self.depth, len(self.layers))):
+                self._prefetch(j)
+
+    def _head_post_hook(self, module, args, output) -> None:
+        grad_fn = first_grad_fn(output)
+        if grad_fn is not None:
+            grad_fn.register_prehook(lambda grad_outputs: self._backward_start())
+
+    def _backward_start(self) -> None:
+        with self._lock:
+            self._queue_end_callback()
+            last = len(self.layers) - 1
+            for j in range(last, max(last - self.depth, -1), -1):
+                self._prefetch(j)
+
+    def _backward_reached(self, index: int) -> None:
+        with self._lock:
+            self._queue_end_callback()
+            for j, layer in enumerate(self.layers):
+                if j > index and layer.resident:
+                    layer.evict()  # their backward is finished
+            self._ensure(index)
+            for j in range(index - 1, max(index - self.depth, -1), -1):
+                self._prefetch(j)
+
+    def _queue_end_callback(self) -> None:
+        if self._bwd_callback_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._bwd_callback_queued = True
+        except RuntimeError:
+            pass
+
+    def _end_backward(self) -> None:
+        with self._lock:
+            for layer in self.layers:
+                layer.evict()
+            self._bwd_callback_queued = False
+            self._clock.collect(self._clock_stats)
+            self.stats.wait_seconds = self._clock_stats.wait_seconds
+
+    # -- residency -----------------------------------------------------------------------
+    def _prefetch(self, index: int) -> None:
+        layer = self.layers[index]
+        if layer.resident:
+            return
+        self._load(layer)
+        self.stats.prefetched += 1
+
+    def _ensure(self, index: int) -> None:
+        layer = self.layers[index]
+        if not layer.resident:
+            self._load(layer)
+            self.stats.misses += 1
+        consumer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if layer.ready is not None and consumer is not None:
+            self._clock.wait(consumer, layer.ready, "backward" if in_backward() else "forward", self._clock_stats)
+            if consumer != layer.alloc_stream:
+                layer.byte_view().record_stream(consumer)
+        layer.consumed = True
+
+    def _load(self, layer: FlatWeights) -> None:
+        if self.debug_delay_cycles and self._side is not None:
+            with torch.cuda.stream(self._side):
+                self._side.wait_stream(torch.cuda.current_stream(self.device))
+                torch.cuda._sleep(self.debug_delay_cycles)
+        layer.load(self._side)
+        self.stats.loads += 1
+        self.stats.loaded_bytes += layer.nbytes
+        self.stats.max_resident = max(self.stats.max_resident, sum(lay.resident for lay in self.layers))
+
+    # -- info / teardown -----------------------------------------------------------------------
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def resident_layers(self) -> int:
+        return sum(layer.resident for layer in self.layers)
+
+    def collect_stats(self) -> StreamStats:
+        with self._lock:
+            self._clock.collect(self._clock_stats, block=True)
+            self.stats.wait_seconds = self._clock_stats.wait_seconds
+            return self.stats
+
+    def remove(self) -> None:
+        """Put every streamed weight back on the device for good and detach all hooks."""
+        with self._lock:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            for layer in self.layers:
+                if layer.host is not None:
+                    layer.materialize()
+            self.pool.close()
+
+
+def apply_layer_streaming(model: nn.Module, *, block_types=None, predicate=None, depth: int = 2,
+                          use_pin_memory: bool = True, host_budget_bytes: int | None = None,
+                          budget: HostMemoryBudget | None = None, head: nn.Module | None = None,
+                          simulate_on_cpu: bool = False) -> LayerStreamer:
+    """Stream the frozen weights of ``model``'s blocks (decoder layers) from pinned host memory.
+
+    Args:
+        model: a model whose blocks hold frozen weights (LoRA/QLoRA base models).
+        block_types / predicate: name the blocks explicitly (see :func:`find_blocks`).
+        depth: layers of frozen weights resident at once (2 = double buffering).
+        use_pin_memory: page-lock the host copies (needed for asynchronous copies).
+        host_budget_bytes / budget: host-memory budget for the copies.
+        head: the output head (auto-detected) whose backward starts the reverse prefetch.
+        simulate_on_cpu: run the bookkeeping with CPU "device" memory (tests only).
+
+    Returns:
+        The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.
+
+    Example:
+        >>> streamer = apply_layer_streaming(peft_model)
+        >>> loss = peft_model(**batch).loss; loss.backward()
+    """
+    blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
+    if budget is None:
+        budget = HostMemoryBudget(host_budget_bytes)
+    return LayerStreamer(model, blocks, depth=depth, use_pin_memory=use_pin_memory, budget=budget,
+                         head=head, simulate_on_cpu=simulate_on_cpu)

@@ -1,0 +1,158 @@
+"""Frozen-layer streaming bookkeeping, run with CPU "device" memory (the GPU suite runs the
+same paths on CUDA with streams)."""
+
+import pytest
+import torch
+
+from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.layers import apply_layer_streaming
+from offloadkit.storage import HostMemoryBudget
+from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+
+peft = pytest.importorskip("peft")
+
+
+def lora_llama(shape="small"):
+    model = peft.get_peft_model(build_llama(shape), peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    return model
+
+
+def test_streaming_parity_and_residency_cap():
+    model = lora_llama()
+    batch = make_batch(2048, 2, 32)
+    ref = run_step(model, batch)
+    streamer = apply_layer_streaming(model, depth=2, simulate_on_cpu=True)
+    layers = model.config.num_hidden_layers
+    assert len(streamer.layers) == layers and streamer.resident_layers == 0
+    for _ in range(3):
+        got = run_step(model, batch)
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "lora grads")
+        assert streamer.resident_layers == 0, "nothing stays resident between steps"
+    stats = streamer.stats
+    assert stats.max_resident <= 2
+    assert stats.misses == 0, "every load must have been issued ahead of need"
+    assert stats.loads == 3 * 2 * layers  # once in forward, once in backward, per step
+    assert stats.skipped_params["trainable"] > 0  # LoRA adapters stay put
+    streamer.remove()
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_depth_bounds_resident_layers(depth):
+    model = lora_llama()
+    batch = make_batch(2048, 2, 32)
+    ref = run_step(model, batch)
+    streamer = apply_layer_streaming(model, depth=depth, simulate_on_cpu=True)
+    got = run_step(model, batch)
+    assert_bitwise_equal(ref[1], got[1], "grads")
+    assert streamer.stats.max_resident == depth
+    streamer.remove()
+
+
+def test_streaming_with_checkpointing_shares_one_load_per_layer():
+    model = lora_llama()
+    model.train()
+    batch = make_batch(2048, 2, 32)
+    ref = run_step(model, batch)
+    ckpt = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True)
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    got = run_step(model, batch)
+    assert_bitwise_equal(ref[0], got[0], "loss")
+    assert_bitwise_equal(ref[1], got[1], "grads")
+    layers = model.config.num_hidden_layers
+    # recompute and backward of a layer share one load: 2 loads per layer per step
+    assert streamer.stats.loads == 2 * layers and streamer.stats.misses == 0
+    streamer.remove()
+    ckpt.remove()
+
+
+def test_hf_checkpointing_with_streaming():
+    model = lora_llama()
+    batch = make_batch(2048, 2, 32)
+    ref = run_step(model, batch)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    got = run_step(model, batch)
+    assert_bitwise_equal(ref[1], got[1], "grads")
+    assert streamer.stats.misses == 0
+    streamer.remove()
+
+
+def test_state_dict_and_adapter_saving(tmp_path):
+    model = lora_llama("tiny")
+    full_ref = {k: v.clone() for k, v in model.state_dict().items()}
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    run_step(model, make_batch(256, 2, 16))
+    full = model.state_dict()
+    assert full.keys() == full_ref.keys()
+    for k in full_ref:
+        assert torch.equal(full[k], full_ref[k]), k
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(build_llama("tiny"), tmp_path / "adapter")
+    lora_ref = {k: v for k, v in full_ref.items() if "lora" in k}
+    lora_new = {k: v for k, v in reloaded.state_dict().items() if "lora" in k}
+    assert lora_ref.keys() == lora_new.keys()
+    for k in lora_ref:
+        assert torch.equal(lora_ref[k], lora_new[k]), k
+    streamer.remove()
+
+
+def test_remove_restores_weights_and_hooks():
+    model = lora_llama("tiny")
+    hooks_before = {id(m): (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks))
+                    for m in model.modules()}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    run_step(model, make_batch(256, 2, 16))
+    streamer.remove()
+    hooks_after = {id(m): (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks))
+                   for m in model.modules()}
+    assert hooks_before == hooks_after
+    for n, p in model.named_parameters():
+        assert p.untyped_storage().nbytes() > 0
+        if not p.requires_grad:
+            assert torch.equal(p.detach(), weights[n]), n
+    run_step(model, make_batch(256, 2, 16))  # an ordinary model again
+
+
+def test_tied_and_shared_weights_are_not_streamed():
+    model = lora_llama("tiny")
+    base = model.get_base_model()
+    shared = base.model.layers[0].mlp.up_proj.base_layer.weight
+    base.model.layers[1].mlp.up_proj.base_layer.weight = shared  # one Parameter in two layers
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    assert streamer.stats.skipped_params["shared"] == 2
+    assert shared.untyped_storage().nbytes() > 0
+    streamer.remove()
+
+
+def test_errors_are_clear():
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no.*available|none is available"):
+            apply_layer_streaming(lora_llama("tiny"))
+    full = build_llama("tiny")  # nothing frozen
+    with pytest.raises(ValueError, match="no frozen parameters"):
+        apply_layer_streaming(full, simulate_on_cpu=True)
+    with pytest.raises(ValueError, match="depth"):
+        apply_layer_streaming(lora_llama("tiny"), depth=0, simulate_on_cpu=True)
+    with pytest.raises(ValueError, match="no blocks found"):
+        apply_layer_streaming(torch.nn.Linear(3, 3), simulate_on_cpu=True)
+    tiny_budget = HostMemoryBudget(limit_bytes=1024, min_free_bytes=0)
+    with pytest.raises(RuntimeError, match="budget"):
+        apply_layer_streaming(lora_llama("tiny"), budget=tiny_budget, simulate_on_cpu=True)
+
+
+def test_forward_without_backward_and_eval():
+    model = lora_llama("tiny")
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    batch = make_batch(256, 2, 16)
+    model(**batch)  # graph dropped
+    with torch.no_grad():
+        model(**batch)
+    assert streamer.resident_layers == 0
+    streamer.remove()
