@@ -42,6 +42,7 @@ class BenchConfig:
     prefetch: int = 2
     prefetch_bytes: int = 1 << 30
     max_fwd_stash_size: int = 5
+    stream_depth: int = 2
     host_budget_gib: float | None = None
     device: str = "cuda"
     seed: int = 0
@@ -226,6 +227,10 @@ def _row(r: ModeResult) -> str:
     if r.offload:
         extra = (f"  offl {r.offload['offloaded_bytes'] / GiB:6.2f} GiB  wait {r.offload['wait_seconds']:.3f}s"
                  f"  hit/miss {r.offload['prefetch_hits']}/{r.offload['prefetch_misses']}")
+        if "layer_stream" in r.offload:
+            ls = r.offload["layer_stream"]
+            extra += (f"  streamed {ls['streamed_bytes'] / GiB:.2f} GiB pool {ls['pool_bytes'] / GiB:.2f} GiB"
+                      f" misses {ls['misses']} resident<={ls['max_resident']}")
     return (f"{r.mode:<18} {r.step_s:7.3f} s  {r.tokens_per_s:9.0f} tok/s  alloc {_gib(r.peak_allocated_gib)}"
             f"  resv {_gib(r.peak_reserved_gib)}  rss {_gib(r.peak_host_rss_gib)}"
             f"  loss= {r.loss_bits_equal_reference}{extra}")

@@ -10,6 +10,8 @@ import psutil
 import torch
 
 from offloadkit.api import get_act_offloading_ctx_manager
+from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.layers import apply_layer_streaming
 from offloadkit.testing.models import LLAMA_SHAPES
 
 __all__ = ["MODES", "ModeSetup", "ModeHandle"]
@@ -80,6 +82,51 @@ def _save_on_cpu(ckpt: bool):
     return enable
 
 
+def _blocks(input_offload: bool, layer_stream: bool, hf_ckpt: bool = False):
+    """offloadkit's own checkpointing (optionally offloading block inputs) and/or layer streaming."""
+
+    def enable(model, cfg):
+        ckpt = None
+        if hf_ckpt:
+            _checkpointing(model, True)
+        else:
+            ckpt = apply_activation_checkpointing(model, offload_inputs=input_offload, prefetch=cfg.prefetch)
+        streamer = apply_layer_streaming(model, depth=cfg.stream_depth) if layer_stream else None
+
+        def disable():
+            if streamer is not None:
+                streamer.remove()
+            if ckpt is not None:
+                ckpt.remove()
+            _checkpointing(model, False)
+
+        def stats():
+            out = {}
+            if ckpt is not None and ckpt.offloader is not None:
+                out.update(ckpt.offloader.collect_stats().as_dict())
+            if streamer is not None:
+                st = streamer.collect_stats()
+                out["layer_stream"] = {
+                    "streamed_bytes": streamer.streamed_bytes,
+                    "pool_bytes": cfg.stream_depth * max(layer.nbytes for layer in streamer.layers),
+                    "loads": st.loads, "misses": st.misses, "max_resident": st.max_resident,
+                    "wait_seconds": st.wait_seconds,
+                }
+            out.setdefault("offloaded_bytes", 0)
+            out.setdefault("wait_seconds", out.get("layer_stream", {}).get("wait_seconds", 0.0))
+            out.setdefault("prefetch_hits", 0)
+            out.setdefault("prefetch_misses", 0)
+            return out
+
+        def reset():
+            if ckpt is not None and ckpt.offloader is not None:
+                ckpt.offloader.reset_stats()
+
+        return ModeHandle(contextlib.nullcontext, disable, stats=stats, stats_reset=reset)
+
+    return enable
+
+
 def estimated_activation_bytes(cfg) -> int:
     """Rough bytes autograd saves per step without checkpointing (bf16 Llama, fp32 norms)."""
     shape = LLAMA_SHAPES[cfg.shape]
@@ -104,4 +151,8 @@ MODES: dict[str, ModeSetup] = {
     "offload": ModeSetup("offload", _offloadkit(False), _needs_host_ram),
     "ckpt+save_on_cpu": ModeSetup("ckpt+save_on_cpu", _save_on_cpu(True)),
     "save_on_cpu": ModeSetup("save_on_cpu", _save_on_cpu(False), _needs_host_ram),
+    "ok_ckpt": ModeSetup("ok_ckpt", _blocks(False, False)),
+    "ckpt+input_offload": ModeSetup("ckpt+input_offload", _blocks(True, False)),
+    "ckpt+layer_stream": ModeSetup("ckpt+layer_stream", _blocks(False, True, hf_ckpt=True)),
+    "ckpt+input_offload+layer_stream": ModeSetup("ckpt+input_offload+layer_stream", _blocks(True, True)),
 }
