@@ -24,7 +24,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.engine.prefetch import PrefetchPlanner
-from offloadkit.engine.spans import Entry, Packed, span_view, storage_span
+from offloadkit.engine.spans import DeathQueue, Entry, Packed, span_view, storage_span
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.runtime.device import accelerator_available, current_stream
 from offloadkit.storage.budget import HostMemoryBudget
@@ -112,13 +112,14 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         self._clock = WaitClock(measure_waits and accelerator_available())
 
         self._lock = threading.RLock()
-        self._dead: deque = deque()  # (entry, seen_gen) from handles that died
+        self._dead = DeathQueue()  # (entry, seen_gen) from handles that died
         self._entries: set[Entry] = set()
         self._by_storage: dict[int, list[Entry]] = {}
         self._planner = PrefetchPlanner()
         self._new_step_pending = False
         self._stash: deque[Entry] = deque()
         self._bwd_active = False
+        self._bwd_task = -1  # autograd graph task of the current pass
         self._bwd_pass = 0
         self._keep_depth = 0  # > 0 inside excluded modules
         self._tail = False  # after the output head: everything left in forward is needed at once
@@ -229,8 +230,16 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             self._flush_stash()
             self._drain()
             self._closed = True
+            # Graphs still alive keep their host copies; when autograd drops them, give them back.
+            self._dead.close(self._death_after_close)
         self.tier.close()
         self.policy.untrack_all()
+
+    def _death_after_close(self, entry: Entry, seen_gen: int) -> None:
+        with self._lock:
+            entry.live -= 1
+            if entry.live <= 0:
+                self._release(entry)
 
     def drain(self) -> None:
         """Process handles autograd has released (done automatically on every hook call)."""
@@ -267,14 +276,18 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     # -- pack ----------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        self.stats.saved_tensors += 1
         nbytes = t.numel() * t.element_size()
         reason = "excluded" if (self._keep_depth or self._tail) else self.policy.keep_reason(t)
         if reason is not None:
-            self.stats.note_kept(reason, nbytes)
+            with self._lock:
+                self.stats.saved_tensors += 1
+                self.stats.note_kept(reason, nbytes)
             return t.detach()  # never the tensor itself: that would form a reference cycle
         with self._lock:
+            self.stats.saved_tensors += 1
             self._drain()
+            if self._bwd_active and torch._C._current_graph_task_id() == -1:
+                self._finish_pass()  # the last backward failed before its end callback ran
             if self._new_step_pending or not self._entries:
                 self._planner.new_step()
                 self._new_step_pending = False
@@ -365,6 +378,9 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
                     "offloadkit: a saved tensor was unpacked after its offloaded copy was freed "
                     "(was the manager closed while its graph was still alive?)"
                 )
+            packed.check_version()
+            if self._bwd_active and torch._C._current_graph_task_id() != self._bwd_task:
+                self._finish_pass()  # a pass that failed, or a new graph task
             if not self._bwd_active:
                 self._begin_backward()
             if entry.gpu is None:
@@ -382,8 +398,11 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             if consumer is not None and entry.gpu_stream is not None and consumer != entry.gpu_stream:
                 # Freed memory returns to the stream it was allocated on; record this use too.
                 entry.gpu.record_stream(consumer)
+            # The resident copy is a fetched buffer (offset 0) or, for a source still on the
+            # device, a view of the original storage starting at entry.start.
+            offset = entry.gpu.storage_offset() // packed.itemsize + packed.offset
             out = torch.empty(0, dtype=packed.dtype, device=entry.device).set_(
-                entry.gpu.untyped_storage(), packed.offset, packed.size, packed.stride
+                entry.gpu.untyped_storage(), offset, packed.size, packed.stride
             )
             if packed.seen_gen != entry.gen:
                 packed.seen_gen = entry.gen
@@ -400,6 +419,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._bwd_active = True
+            self._bwd_task = torch._C._current_graph_task_id()
         except RuntimeError:
             pass  # unpacked outside a backward pass (e.g. reading grad_fn._saved_*)
         # Sources still on the device are the newest entries: backward needs them first.
@@ -413,14 +433,18 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     def _end_backward(self) -> None:
         with self._lock:
-            self._drain()
-            for entry in list(self._entries):
-                if entry.gpu is not None:
-                    self._drop_resident(entry, consumed=False)  # fetched but never used this pass
-            self._planner.end_pass()
-            self._new_step_pending = True
-            self._bwd_active = False
-            self._clock.collect(self.stats)
+            self._finish_pass()
+
+    def _finish_pass(self) -> None:
+        self._drain()
+        for entry in list(self._entries):
+            if entry.gpu is not None:
+                self._drop_resident(entry, consumed=False)  # fetched but never used this pass
+        self._planner.end_pass()
+        self._new_step_pending = True
+        self._bwd_active = False
+        self._bwd_task = -1
+        self._clock.collect(self.stats)
 
     def _prefetch(self, current: Entry | None) -> None:
         if self.prefetch <= 0:

@@ -8,13 +8,15 @@ non-contiguous tensors need no temporary copies (and no stream to run them on).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["ALIGN", "Entry", "Packed", "storage_span", "span_view"]
+__all__ = ["ALIGN", "DeathQueue", "Entry", "Packed", "storage_span", "span_view"]
 
 # The CUDA caching allocator hands out 512-byte aligned blocks. Copying from a 512-aligned
 # start keeps every restored tensor's address congruent to the original modulo 512, so
@@ -76,27 +78,73 @@ class Entry:
         return self.end - self.start
 
 
+class DeathQueue:
+    """Where dying :class:`Packed` handles report. While the engine is open, deaths are only
+    enqueued (they may happen on any thread, even inside the engine's own critical
+    sections) and processed under the engine's lock; once it is closed, they are handled on
+    the spot so that host buffers still go back."""
+
+    def __init__(self) -> None:
+        self._queue: deque = deque()
+        self._after_close = None  # callable(entry, seen_gen), set by close()
+        self._lock = threading.Lock()
+
+    def append(self, item) -> None:
+        handler = self._after_close
+        if handler is None:
+            self._queue.append(item)
+        else:
+            with self._lock:
+                handler(*item)
+
+    def popleft(self):
+        return self._queue.popleft()
+
+    def close(self, handler) -> None:
+        with self._lock:
+            self._after_close = handler
+            while self._queue:
+                handler(*self._queue.popleft())
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+
 class Packed:
     """What autograd stores for an offloaded tensor: a handle, never the tensor itself.
 
     Holding the tensor would form a reference cycle (tensor -> grad_fn -> saved -> tensor)
-    that keeps the graph alive when no backward runs.
+    that keeps the graph alive when no backward runs. A weak reference and the version
+    counter value let unpack detect an in-place write after the save, as autograd does
+    (saved-tensor hooks switch autograd's own check off).
     """
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "seen_gen", "_dead")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "itemsize", "version", "ref", "seen_gen", "_dead")
 
-    def __init__(self, entry: Entry, t: torch.Tensor, dead: deque) -> None:
+    def __init__(self, entry: Entry, t: torch.Tensor, dead: DeathQueue) -> None:
         self.entry = entry
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
-        self.offset = (t.storage_offset() * t.element_size() - entry.start) // t.element_size()
+        self.itemsize = t.element_size()
+        # elements from the entry's first byte (entry.start is a multiple of every itemsize)
+        self.offset = (t.storage_offset() * self.itemsize - entry.start) // self.itemsize
+        self.version = t._version
+        self.ref = weakref.ref(t)
         self.seen_gen = -1
         self._dead = dead
 
+    def check_version(self) -> None:
+        t = self.ref()
+        if t is not None and t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a saved {self.dtype} tensor of shape {tuple(self.size)} is at "
+                f"version {t._version}; expected version {self.version} instead (offloadkit)"
+            )
+
     def __del__(self) -> None:
-        # Runs on whichever thread drops the last reference (often an autograd worker):
-        # only enqueue; the engine processes deaths under its lock.
+        # Runs on whichever thread drops the last reference (often an autograd worker).
         try:
             self._dead.append((self.entry, self.seen_gen))
         except Exception:  # interpreter shutdown

@@ -8,6 +8,7 @@ custom autograd functions may run compute on a non-default stream).
 from __future__ import annotations
 
 import functools
+import mmap
 
 import torch
 
@@ -20,7 +21,7 @@ __all__ = [
     "PAGE_SIZE",
 ]
 
-PAGE_SIZE = 4096
+PAGE_SIZE = mmap.PAGESIZE  # 4 KiB on x86, 64 KiB on some Arm systems
 
 
 @functools.lru_cache(maxsize=1)

@@ -17,8 +17,33 @@ __all__ = ["HostMemoryBudget"]
 _GiB = 1 << 30
 
 
+CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+)
+
+
+def _cgroup_available(files=CGROUP_FILES) -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2, then v1), or None."""
+    for limit_file, usage_file in files:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None  # no limit set
+        return int(limit) - usage
+    return None
+
+
 def _available_bytes() -> int:
-    return int(psutil.virtual_memory().available)
+    # In a container, the host's free RAM is not ours to take: the cgroup limit is.
+    available = int(psutil.virtual_memory().available)
+    cgroup = _cgroup_available()
+    return available if cgroup is None else min(available, cgroup)
 
 
 def _total_bytes() -> int:

@@ -68,6 +68,8 @@ class HostTier:
         stored = Stored(tier=self, nbytes=nbytes, device=src.device, payload=block)
         compute = current_stream(src.device)
         if compute is None:
+            if block.last_use is not None:
+                block.last_use[1].synchronize()  # a recycled buffer may still be in a device copy
             host.copy_(src)
             return stored
         if self.use_streams:
@@ -105,9 +107,12 @@ class HostTier:
             ready = side.record_event()
             stored.last_use = (side, ready)
             return Loaded(dst, ready=ready, alloc_stream=compute)
+        if stored.done_stream is not None and stored.done_stream != compute:
+            compute.wait_event(stored.done)  # stored on another stream: order after that copy
         dst.copy_(host, non_blocking=block.pinned)
-        stored.last_use = (compute, compute.record_event())
-        return Loaded(dst, alloc_stream=compute)
+        ready = compute.record_event()  # consumers on other streams wait on this
+        stored.last_use = (compute, ready)
+        return Loaded(dst, ready=ready, alloc_stream=compute)
 
     def free(self, stored: Stored) -> None:
         block, stored.payload = stored.payload, None

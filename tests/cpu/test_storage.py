@@ -107,3 +107,15 @@ def test_host_tier_round_trip_cpu():
     assert loaded.data.data_ptr() != stored.payload.buffer.data_ptr()
     tier.free(stored)
     assert pool.bytes_in_use == 0
+
+
+def test_cgroup_limit_is_respected(tmp_path):
+    from offloadkit.storage.budget import _cgroup_available
+
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text("8589934592\n")
+    usage.write_text("2147483648\n")
+    assert _cgroup_available([(str(limit), str(usage))]) == 6 << 30
+    limit.write_text("max\n")
+    assert _cgroup_available([(str(limit), str(usage))]) is None
+    assert _cgroup_available([(str(tmp_path / "missing"), str(usage))]) is None

@@ -276,3 +276,53 @@ def test_pinned_buffers_are_exact_size_registered():
     done.synchronize()
     # no power-of-two rounding: held bytes stay within 1/16 of what was offloaded
     assert ctx.pool.bytes_held <= ctx.stats.offloaded_bytes * 17 // 16 + 4096 * len(blocks)
+
+
+def test_sources_in_flight_at_backward_with_offset_views():
+    """Plain manager (no head flush), slow copies: sources are still stashed when backward
+    starts and are handed back directly; offset views must land at their offsets."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+
+    def loss_fn():
+        h = x @ w
+        return h[16:].float().sin().sum() + h[:, 8:400].float().cos().sum() + (h[:2048] * h[2048:]).float().sum()
+
+    loss_fn().backward()
+    ref = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    ctx = OffloadActivations(max_fwd_stash_size=50)
+    ctx.tier.debug_delay_cycles = SLOW_COPY_CYCLES
+    with ctx:
+        loss = loss_fn()
+    loss.backward()
+    torch.cuda.synchronize()
+    assert ctx.stats.stash_hits > 0
+    assert_bitwise_equal(ref[0], x.grad, "x grad")
+    assert_bitwise_equal(ref[1], w.grad, "w grad")
+    assert ctx.is_idle()
+
+
+def test_cpu_and_cuda_tensors_share_the_pool_safely():
+    """offload_cpu_tensors on a GPU machine: a CPU entry must not reuse a host buffer that a
+    pending device copy still writes."""
+    torch.manual_seed(0)
+    xg = torch.randn(2048, 2048, device=DEV, requires_grad=True)
+    xc = torch.randn(2048, 2048, requires_grad=True)
+
+    def run(ctx=None):
+        xg.grad = xc.grad = None
+        for _ in range(3):
+            with ctx if ctx is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = xg.sin().sum() + xc.cos().sum()
+            loss.backward()
+        torch.cuda.synchronize()
+        return xg.grad.clone(), xc.grad.clone()
+
+    ref = run()
+    ctx = OffloadActivations(offload_cpu_tensors=True)
+    ctx.tier.debug_delay_cycles = SLOW_COPY_CYCLES
+    got = run(ctx)
+    assert_bitwise_equal(ref[0], got[0], "cuda grad")
+    assert_bitwise_equal(ref[1], got[1], "cpu grad")
