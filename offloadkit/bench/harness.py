@@ -40,7 +40,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     prefetch: int = 2
-    prefetch_bytes: int = 1 << 30
+    prefetch_bytes: int | None = None
     max_fwd_stash_size: int = 5
     stream_depth: int = 2
     host_budget_gib: float | None = None
@@ -216,7 +216,12 @@ def _mode_config(cfg: BenchConfig, spec: str) -> tuple[str, BenchConfig]:
         if key not in fields:
             raise ValueError(f"mode {spec!r}: unknown setting {key!r}; settings are {sorted(fields)}")
         scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(value[-1:].lower())
-        fields[key] = int(float(value[:-1]) * scale) if scale else type(fields[key] if fields[key] is not None else 0.0)(value)
+        if scale:
+            fields[key] = int(float(value[:-1]) * scale)
+        elif value.lower() == "none":
+            fields[key] = None
+        else:
+            fields[key] = type(fields[key] if fields[key] is not None else 0)(value)
     return name, BenchConfig(**fields)
 
 

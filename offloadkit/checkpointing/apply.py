@@ -95,6 +95,8 @@ class CheckpointedBlocks:
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
         last = index == len(self.blocks) - 1
+        if index == 0 and self.offloader is not None:
+            self.offloader.policy.refresh()  # once per forward: parameters may have moved
         offload = self.offloader is not None and not (last and self._keep_last_input)
         capture = self.offloader.capture() if offload else contextlib.nullcontext()
         with capture:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["OffloadPolicy", "KEEP_REASONS"]
 
@@ -23,9 +24,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
-def _storage_key(t: torch.Tensor) -> int | None:
+def _storage(t: torch.Tensor):
     try:
-        return _local(t).untyped_storage()._cdata
+        return _local(t).untyped_storage()
     except Exception:  # meta / functional / exotic subclasses have no real storage
         return None
 
@@ -54,7 +55,9 @@ class OffloadPolicy:
         self.min_offload_size = min_offload_size
         self.device_types = tuple(device_types)
         self._modules: list[nn.Module] = []
-        self._param_keys: frozenset[int] = frozenset()
+        # StorageImpl address -> weak reference. Holding the weak reference keeps the address
+        # from being reused by a new (activation) storage after the parameter's is freed.
+        self._param_storages: dict[int, StorageWeakRef] = {}
 
     def track(self, module: nn.Module) -> None:
         """Treat every parameter and buffer storage of ``module`` as never-offload."""
@@ -66,22 +69,26 @@ class OffloadPolicy:
 
     def untrack_all(self) -> None:
         self._modules.clear()
-        self._param_keys = frozenset()
+        self._param_storages = {}
 
     def refresh(self) -> None:
         """Re-read parameter storages (they change when FSDP2 reshards or weights stream)."""
-        keys = set()
+        found = {}
         for module in self._modules:
             for t in (*module.parameters(), *module.buffers()):
-                key = _storage_key(t)
-                if key is not None:
-                    keys.add(key)
-        self._param_keys = frozenset(keys)
+                storage = _storage(t)
+                if storage is not None:
+                    found[storage._cdata] = StorageWeakRef(storage)
+        self._param_storages = found
 
     def is_parameter_storage(self, t: torch.Tensor) -> bool:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return True
-        return bool(self._param_keys) and _storage_key(t) in self._param_keys
+        if not self._param_storages:
+            return False
+        storage = _storage(t)
+        ref = self._param_storages.get(storage._cdata) if storage is not None else None
+        return ref is not None and not ref.expired()
 
     def keep_reason(self, t: torch.Tensor) -> str | None:
         """Why ``t`` stays where it is, or None if it should be offloaded."""

@@ -7,8 +7,10 @@ custom autograd functions may run compute on a non-default stream).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
+import os
 
 import torch
 
@@ -64,13 +66,28 @@ def host_register(ptr: int, nbytes: int) -> bool:
     err = rt.cudaHostRegister(ptr, nbytes, 0)
     code = int(getattr(err, "value", err))
     if code != 0:
-        # Clear the sticky "last error" so later unrelated checks do not trip on it.
-        try:
-            rt.cudaGetLastError()
-        except Exception:
-            pass
+        # The failure is also recorded as the runtime's "last error", which PyTorch's next
+        # launch check would report as its own failure: clear it.
+        _clear_last_cuda_error()
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_cudart():
+    """The CUDA runtime library PyTorch already loaded (never loads a new one)."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError:
+            continue
+    return None
+
+
+def _clear_last_cuda_error() -> None:
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
 
 
 def host_unregister(ptr: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -41,6 +42,10 @@ class HostBlock:
     pinned: bool
     registered_ptr: int | None = None
     last_use: tuple | None = field(default=None, repr=False)
+    # Unregisters page-locked memory exactly once, also if the block is garbage-collected
+    # without going back to the pool: a stale registration makes later ones at the same
+    # addresses fail.
+    unregister: object = field(default=None, repr=False)
 
     def view(self, nbytes: int) -> torch.Tensor:
         return self.buffer[:nbytes]
@@ -153,8 +158,8 @@ class HostBufferPool:
         if block.last_use is not None:
             # A device copy may still read or write this buffer: never hand it back early.
             block.last_use[1].synchronize()
-        if block.registered_ptr is not None:
-            host_unregister(block.registered_ptr)
+        if block.unregister is not None:
+            block.unregister()
         self._held -= block.capacity
         self.budget.release(block.capacity)
 
@@ -167,7 +172,9 @@ class HostBufferPool:
             offset = (-raw.data_ptr()) % PAGE_SIZE
             buf = raw[offset : offset + cap]
             if host_register(buf.data_ptr(), cap):
-                return HostBlock(buf, cap, pinned=True, registered_ptr=buf.data_ptr())
+                block = HostBlock(buf, cap, pinned=True, registered_ptr=buf.data_ptr())
+                block.unregister = weakref.finalize(block, host_unregister, buf.data_ptr())
+                return block
             self._can_register = False
             warnings.warn(
                 "offloadkit: cudaHostRegister is unavailable; falling back to PyTorch's pinned "

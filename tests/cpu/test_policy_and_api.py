@@ -263,3 +263,18 @@ def test_prefetch_bytes_horizon():
     assert ctx.stats.prefetch_misses == 0 and ctx.is_idle()
     with pytest.raises(ValueError, match="prefetch_bytes"):
         OffloadActivations(prefetch_bytes=-1)
+
+
+def test_freed_parameter_storage_address_is_never_mistaken_for_an_activation():
+    lin = nn.Linear(256, 256)
+    policy = OffloadPolicy(min_offload_size=0, device_types=("cpu",))
+    policy.track(lin)
+    old_key = lin.weight.untyped_storage()._cdata
+    lin.weight = nn.Parameter(torch.randn(256, 256))  # the tracked storage is freed
+    import gc
+
+    gc.collect()
+    fresh = [torch.randn(256, 256) for _ in range(200)]
+    # the registry's weak reference keeps the old StorageImpl address from being reused
+    assert all(t.untyped_storage()._cdata != old_key for t in fresh)
+    assert all(policy.keep_reason(t) is None for t in fresh)
