@@ -27,9 +27,9 @@ from offloadkit.engine.prefetch import PrefetchPlanner
 from offloadkit.engine.spans import DeathQueue, Entry, Packed, span_view, storage_span
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.runtime.device import accelerator_available, current_stream
+from offloadkit.storage.base import order_after
 from offloadkit.storage.budget import HostMemoryBudget
-from offloadkit.storage.host import HostTier
-from offloadkit.storage.pool import HostBufferPool
+from offloadkit.storage.factory import build_tier
 
 __all__ = ["OffloadActivations"]
 
@@ -58,7 +58,11 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             with one warning. ``None``: no cap beyond keeping ``budget.min_free_bytes``
             of system RAM available.
         budget: a shared :class:`HostMemoryBudget` (overrides ``host_budget_bytes``).
-        tier: storage tier to use instead of the default pinned-RAM tier.
+        storage: ``"ram"`` (pinned host RAM; past the budget tensors stay on the device),
+            ``"disk"`` (files, staged through host buffers) or ``"tiered"`` (RAM up to
+            the budget, the oldest entries moved to disk past it).
+        disk: :class:`~offloadkit.storage.DiskOptions` for the disk and tiered storage.
+        tier: a ready storage tier (overrides ``storage``).
         offload_cpu_tensors: also offload CPU tensors (to separate host buffers or disk);
             this is how CPU-only runs exercise the engine.
         measure_waits: time the compute stream's waits with device events.
@@ -84,6 +88,8 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         prefetch_bytes: int | None = None,
         host_budget_bytes: int | None = None,
         budget: HostMemoryBudget | None = None,
+        storage: str = "ram",
+        disk=None,
         tier=None,
         offload_cpu_tensors: bool = False,
         measure_waits: bool = True,
@@ -110,7 +116,9 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
         self.budget = budget if budget is not None else HostMemoryBudget(host_budget_bytes)
         pin = self.use_pin_memory and accelerator_available()
-        self.tier = tier if tier is not None else HostTier(HostBufferPool(pin, self.budget), self.use_streams)
+        if tier is None:
+            tier = build_tier(storage, self.budget, pin_memory=pin, use_streams=self.use_streams, disk=disk)
+        self.tier = tier
         self.stats = OffloadStats()
         self._clock = WaitClock(measure_waits and accelerator_available())
 
@@ -275,7 +283,17 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     @property
     def pool(self):
-        return getattr(self.tier, "pool", None)
+        return getattr(self.tier, "pool", None) or getattr(getattr(self.tier, "ram", None), "pool", None)
+
+    def storage_stats(self) -> dict:
+        """Counters of the storage tier(s): bytes written/read and bandwidth for disk, demotions."""
+        out = {"tier": self.tier.name}
+        disk = self.tier if self.tier.name == "disk" else getattr(self.tier, "disk", None)
+        if disk is not None:
+            out["disk"] = disk.stats.as_dict()
+        if self.tier.name == "tiered":
+            out["tiered"] = self.tier.stats.as_dict()
+        return out
 
     # -- pack ----------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -481,11 +499,11 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     def _drop_resident(self, entry: Entry, consumed: bool) -> None:
         guard = entry.gpu_guard
-        if guard is not None and guard[0] is not None and guard[1] is not None:
+        if guard is not None and guard[1] is not None:
             if not consumed or guard[1] is not entry.gpu_ready:
                 # Unconsumed prefetch: the copy may still write it. Stash source: the
                 # device->host copy may still read it. Either way, order the reuse after it.
-                guard[0].wait_event(guard[1])
+                order_after(guard[0], guard[1])
         entry.gpu = entry.gpu_ready = entry.gpu_guard = entry.gpu_stream = None
         entry.prefetched = False
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import time
+
 import torch
 
 __all__ = ["OffloadStats", "WaitClock"]
@@ -35,6 +37,7 @@ class OffloadStats:
     replayed_passes: int = 0  # backward passes that followed the order learned in the previous one
     wait_seconds_forward: float = 0.0
     wait_seconds_backward: float = 0.0
+    host_wait_seconds: float = 0.0  # the host blocked on disk I/O (or on CPU-side copies)
 
     @property
     def wait_seconds(self) -> float:
@@ -62,7 +65,8 @@ class OffloadStats:
                 f"restored          {self.restored_bytes / _MiB:.1f} MiB",
                 f"backward          {self.prefetch_hits} prefetch hits, {self.prefetch_misses} misses, {self.stash_hits} still on device, "
                 f"{self.replayed_passes} passes in learned order",
-                f"compute waited    {self.wait_seconds_forward:.4f} s forward, {self.wait_seconds_backward:.4f} s backward",
+                f"compute waited    {self.wait_seconds_forward:.4f} s forward, {self.wait_seconds_backward:.4f} s backward"
+                + (f"; host blocked on I/O {self.host_wait_seconds:.4f} s" if self.host_wait_seconds else ""),
             ]
         )
 
@@ -82,10 +86,18 @@ class WaitClock:
         self._pending: list[tuple] = []
 
     def wait(self, stream, event, phase: str, stats: OffloadStats) -> None:
-        if event is None or stream is None:
-            return
-        if event.query():
-            return  # already complete: a wait would be a no-op
+        if event is None or event.query():
+            return  # nothing to wait for
+        if stream is None or hasattr(event, "resolve"):
+            # Host-side work first (a disk read, or CPU tensors): block the host, timed.
+            start = time.perf_counter()
+            if stream is None:
+                event.synchronize()
+            else:
+                event = event.resolve()
+            stats.host_wait_seconds += time.perf_counter() - start
+            if stream is None or event is None or event.query():
+                return
         if not self.enabled:
             stream.wait_event(event)
             return

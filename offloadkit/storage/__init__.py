@@ -2,10 +2,19 @@
 
 from offloadkit.storage.base import Loaded, StorageTier, Stored
 from offloadkit.storage.budget import HostMemoryBudget
+from offloadkit.storage.disk import DiskFullError, DiskOptions, DiskTier
+from offloadkit.storage.factory import STORAGE_KINDS, build_tier
 from offloadkit.storage.host import HostTier
+from offloadkit.storage.tiered import TieredTier
 from offloadkit.storage.pool import HostBlock, HostBufferPool, size_class
 
 __all__ = [
+    "STORAGE_KINDS",
+    "DiskFullError",
+    "DiskOptions",
+    "DiskTier",
+    "TieredTier",
+    "build_tier",
     "HostBlock",
     "HostBufferPool",
     "HostMemoryBudget",

@@ -12,7 +12,49 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Stored", "Loaded", "StorageTier"]
+__all__ = ["FutureCompletion", "Stored", "Loaded", "StorageTier", "order_after"]
+
+
+class FutureCompletion:
+    """Completion of host-side work (a disk read or write on an I/O thread) that may end
+    with device work: the future's result is a CUDA event to wait on, or None.
+
+    It answers ``query()`` and ``synchronize()`` like an event; ``resolve()`` blocks the
+    host until the host part is done and returns the device event (or None).
+    """
+
+    __slots__ = ("future",)
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def query(self) -> bool:
+        if not self.future.done():
+            return False
+        event = self.future.result()
+        return event is None or event.query()
+
+    def resolve(self):
+        return self.future.result()
+
+    def synchronize(self) -> None:
+        event = self.future.result()
+        if event is not None:
+            event.synchronize()
+
+
+def order_after(stream, completion) -> None:
+    """Make ``stream`` (or, with ``stream=None``, the host) wait for ``completion``."""
+    if completion is None:
+        return
+    if stream is None:
+        completion.synchronize()
+        return
+    if isinstance(completion, FutureCompletion):
+        completion = completion.resolve()
+        if completion is None:
+            return
+    stream.wait_event(completion)
 
 
 @dataclass(eq=False)

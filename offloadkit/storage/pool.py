@@ -165,7 +165,10 @@ class HostBufferPool:
 
     def _allocate(self, cap: int) -> HostBlock:
         if not self.pin_memory:
-            return HostBlock(torch.empty(cap, dtype=torch.uint8), cap, pinned=False)
+            # Page-aligned, so the disk tier can use it for O_DIRECT I/O.
+            raw = torch.empty(cap + PAGE_SIZE, dtype=torch.uint8)
+            offset = (-raw.data_ptr()) % PAGE_SIZE
+            return HostBlock(raw[offset : offset + cap], cap, pinned=False)
         if cap >= _REGISTER_MIN_BYTES and self._can_register:
             # Over-allocate one page so the registered range owns whole pages exclusively.
             raw = torch.empty(cap + PAGE_SIZE, dtype=torch.uint8)

@@ -1,0 +1,480 @@
+"""Disk tier: device bytes -> pooled staging buffer -> file, and back ahead of need.
+
+I/O is shaped for the device, not for Python: each step's entries are appended to one
+segment file with 4 KiB-aligned lengths and offsets (``O_DIRECT`` where the filesystem
+takes it, so the page cache does not eat the RAM the tier exists to save), written and
+read by small thread pools whose ``os.pwrite``/``os.preadv`` calls release the GIL.
+Staging buffers come from a page-aligned pool accounted against the host budget; bytes
+in flight are bounded. A segment is unlinked as soon as its last entry is freed, which
+is the end of the step in a training loop.
+
+Ordering: a write job waits for the device->host copy's event before touching the
+staging buffer; a read job waits for the entry's write, reads, then queues the
+host->device copy on the side stream (after the compute stream reached the point where
+the destination was allocated) and returns that copy's event; consumers wait for the
+job on the host and for the event on their stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from offloadkit.runtime.device import PAGE_SIZE, current_stream
+from offloadkit.storage.base import FutureCompletion, Loaded, Stored
+from offloadkit.storage.budget import HostMemoryBudget
+from offloadkit.storage.cleanup import create_private_dir, remove_dir
+from offloadkit.storage.pool import HostBlock, HostBufferPool
+
+__all__ = ["DiskOptions", "DiskTier", "DiskFullError", "DiskStats"]
+
+
+class DiskFullError(OSError):
+    """The disk tier has no room and host RAM cannot take the bytes either."""
+
+
+@dataclass
+class DiskOptions:
+    """Settings of the disk tier.
+
+    Args:
+        directory: parent of the private spill directory (default: the system temp dir).
+        threads: I/O threads for writes and, separately, for reads (>= 1).
+        direct_io: True, False or "auto" (O_DIRECT where the filesystem supports it).
+        max_inflight_bytes: writes queued but not finished, at most (backpressure).
+    """
+
+    directory: str | None = None
+    threads: int = 4
+    direct_io: bool | str = "auto"
+    max_inflight_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"disk threads={self.threads!r} is invalid; pass an int >= 1")
+        if self.direct_io not in (True, False, "auto"):
+            raise ValueError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
+        if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 0:
+            raise ValueError(f"max_inflight_bytes={self.max_inflight_bytes!r} is invalid; pass bytes >= 0")
+
+
+@dataclass
+class DiskStats:
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_busy_s: float = 0.0  # wall time with at least one write in progress
+    read_busy_s: float = 0.0
+    segments: int = 0
+    fallbacks: int = 0  # entries kept in RAM because the disk refused them
+    direct_io: bool | None = None
+
+    @property
+    def write_gb_s(self) -> float:
+        return self.bytes_written / self.write_busy_s / 1e9 if self.write_busy_s else 0.0
+
+    @property
+    def read_gb_s(self) -> float:
+        return self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(write_gb_s=self.write_gb_s, read_gb_s=self.read_gb_s)
+        return d
+
+
+class _Busy:
+    """Union of intervals during which at least one job of a kind ran."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.since = 0.0
+
+    def start(self, now: float) -> None:
+        if self.active == 0:
+            self.since = now
+        self.active += 1
+
+    def stop(self, now: float) -> float:
+        self.active -= 1
+        return now - self.since if self.active == 0 else 0.0
+
+
+@dataclass(eq=False)
+class _Segment:
+    path: str
+    fd: int
+    direct: bool
+    size: int = 0
+    live: int = 0  # entries stored in it and not freed
+    pending: int = 0  # I/O jobs that still use the descriptor
+    retired: bool = False  # unlinked; closed once no job uses it
+
+
+@dataclass(eq=False)
+class _Record:
+    segment: _Segment
+    offset: int
+    length: int  # aligned
+    write: object = None  # Future of the write job
+    copied: object = None  # event: the device->host copy into the staging buffer
+    fallback: HostBlock | None = None  # bytes kept in RAM when the disk refused them
+    pool: object = None  # where ``fallback`` goes back to (None: this tier's staging pool)
+    freed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _align(n: int) -> int:
+    return -(-n // PAGE_SIZE) * PAGE_SIZE
+
+
+def _view(block: HostBlock, length: int) -> memoryview:
+    # A buffer-protocol view of pinned/page-aligned host memory, without numpy.
+    return memoryview((ctypes.c_ubyte * length).from_address(block.buffer.data_ptr())).cast("B")
+
+
+def _temporary_block(nbytes: int) -> HostBlock:
+    raw = torch.empty(nbytes + PAGE_SIZE, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % PAGE_SIZE
+    return HostBlock(raw[offset : offset + nbytes], nbytes, pinned=False)
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.pwrite(fd, buf[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write at offset {offset + done}")
+        done += n
+
+
+def _pread_all(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short read at offset {offset + done}: file ended")
+        done += n
+
+
+class DiskTier:
+    """Offload to files in a private directory, staged through pooled host buffers.
+
+    Args:
+        budget: host-memory budget the staging buffers are accounted against.
+        options: :class:`DiskOptions`.
+        pin_memory: page-lock staging buffers (for asynchronous device copies).
+        use_streams: device copies on a side stream (False: on the current stream).
+
+    Example:
+        >>> tier = DiskTier(HostMemoryBudget(), DiskOptions(directory="/scratch"))
+        >>> stored = tier.store(torch.arange(8192, dtype=torch.uint8))
+        >>> loaded = tier.load(stored); loaded.ready.synchronize()
+        >>> tier.close()
+    """
+
+    name = "disk"
+
+    def __init__(self, budget: HostMemoryBudget, options: DiskOptions | None = None, pin_memory: bool = True,
+                 use_streams: bool = True) -> None:
+        self.options = options or DiskOptions()
+        self.directory = create_private_dir(self.options.directory)
+        self.pool = HostBufferPool(pin_memory and torch.cuda.is_available(), budget)
+        self.use_streams = use_streams
+        self.stats = DiskStats()
+        self._writer = ThreadPoolExecutor(self.options.threads, thread_name_prefix="offloadkit-disk-write")
+        self._reader = ThreadPoolExecutor(self.options.threads, thread_name_prefix="offloadkit-disk-read")
+        self._lock = threading.Condition()
+        self._segment: _Segment | None = None
+        self._segment_count = 0
+        self._direct: bool | None = None if self.options.direct_io == "auto" else bool(self.options.direct_io)
+        self._inflight = 0
+        self._pending_write_bytes = 0
+        self._write_busy = _Busy()
+        self._read_busy = _Busy()
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self._fallback_warned = False
+        self._closed = False
+
+    # -- StorageTier ---------------------------------------------------------------------
+    def store(self, src: torch.Tensor) -> Stored | None:
+        nbytes = src.numel()
+        length = _align(max(nbytes, 1))
+        block = self._acquire_staging(nbytes)
+        if block is None:
+            free = shutil.disk_usage(self.directory).free
+            if free < length:
+                raise DiskFullError(
+                    errno.ENOSPC,
+                    f"offloadkit: the disk tier directory {self.directory} has {free} bytes free and "
+                    f"{length} are needed, and the host-memory budget refuses to keep them in RAM "
+                    f"({self.pool.budget.describe()}); free disk space, point the disk directory elsewhere "
+                    "or raise the host budget",
+                )
+            return None  # no staging memory: the engine keeps the tensor on the device
+        segment, offset = self._allocate(length, block)
+        stored = Stored(tier=self, nbytes=nbytes, device=src.device)
+        compute = current_stream(src.device)
+        if compute is None:
+            if block.last_use is not None:
+                block.last_use[1].synchronize()  # a recycled buffer may still be in a device copy
+            block.view(nbytes).copy_(src)
+            copied = None
+        else:
+            stream = self._side(src.device) if self.use_streams else compute
+            if stream is not compute:
+                stream.wait_stream(compute)  # the source was produced on the compute stream
+            if block.last_use is not None and block.last_use[0] != stream:
+                stream.wait_event(block.last_use[1])
+            with torch.cuda.stream(stream):
+                block.view(nbytes).copy_(src, non_blocking=block.pinned)
+            copied = stream.record_event()
+            stored.done, stored.done_stream = copied, stream
+        record = _Record(segment, offset, length, copied=copied)
+        stored.payload = record
+        if segment is None:  # no room on disk: the staging buffer is the copy
+            record.fallback = block
+            return stored
+        record.write = self._writer.submit(self._write_job, record, block, copied)
+        return stored
+
+    def adopt(self, block: HostBlock, nbytes: int, device: torch.device, copied, pool: HostBufferPool,
+              on_done) -> Stored | None:
+        """Write bytes that already sit in a host block of another tier (``pool``).
+
+        ``on_done(ok)`` runs when the write finished (``ok``) or failed; either way the block
+        still belongs to the caller. Returns None when the disk has no room.
+        """
+        length = _align(max(nbytes, 1))
+        segment, offset = self._allocate(length, block)
+        if segment is None:
+            return None
+        record = _Record(segment, offset, length, copied=copied, pool=pool)
+        record.write = self._writer.submit(self._write_job, record, block, copied, on_done)
+        return Stored(tier=self, nbytes=nbytes, device=device, payload=record)
+
+    def load(self, stored: Stored) -> Loaded:
+        record: _Record = stored.payload
+        compute = current_stream(stored.device)
+        dst = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)  # on the compute stream
+        allocated = compute.record_event() if compute is not None else None
+        stream = None
+        if compute is not None:
+            stream = self._side(stored.device) if self.use_streams else compute
+        if record.segment is not None:
+            with self._lock:
+                record.segment.pending += 1
+        future = self._reader.submit(self._read_job, record, stored.nbytes, dst, allocated, stream)
+        return Loaded(dst, ready=FutureCompletion(future), alloc_stream=compute)
+
+    def free(self, stored: Stored, wait: bool = True) -> None:
+        """Give the entry's space back; with ``wait``, after its write finished (so the
+        segment file is gone by the time the step's last entry is freed)."""
+        record: _Record = stored.payload
+        if record.write is not None and not record.write.done():
+            if wait:
+                record.write.exception()  # wait; a failed write was already handled
+            else:
+                record.write.add_done_callback(lambda _: self._release(record))
+                return
+        self._release(record)
+
+    def close(self) -> None:
+        """Finish queued I/O, close files, remove the directory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        with self._lock:
+            if self._segment is not None and not self._segment.retired:
+                self._retire(self._segment)
+            self._segment = None
+        remove_dir(self.directory)
+        self.pool.close()
+
+    # -- staging and space ---------------------------------------------------------------
+    def _acquire_staging(self, nbytes: int) -> HostBlock | None:
+        with self._lock:
+            # Backpressure: at most max_inflight_bytes queued for writing.
+            while self._inflight and self._inflight + nbytes > self.options.max_inflight_bytes:
+                self._lock.wait()
+        block = self.pool.acquire(nbytes)
+        while block is None:
+            with self._lock:
+                if not self._inflight:
+                    break
+                self._lock.wait()  # staging buffers come back as writes finish
+            block = self.pool.acquire(nbytes)
+        return block
+
+    def _allocate(self, length: int, block: HostBlock) -> tuple[_Segment | None, int]:
+        with self._lock:
+            free = shutil.disk_usage(self.directory).free - self._pending_write_bytes
+            if free < length:
+                self.stats.fallbacks += 1
+                self._warn_fallback(f"{free} bytes free in {self.directory}, {length} needed")
+                return None, 0
+            segment = self._segment
+            if segment is None or segment.retired:
+                segment = self._segment = self._open_segment()
+            offset = segment.size
+            segment.size += length
+            segment.live += 1
+            segment.pending += 1
+            self._inflight += length
+            self._pending_write_bytes += length
+            return segment, offset
+
+    def _open_segment(self) -> _Segment:
+        path = os.path.join(self.directory, f"segment-{self._segment_count}.bin")
+        self._segment_count += 1
+        self.stats.segments += 1
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        direct_flag = getattr(os, "O_DIRECT", 0)
+        if self._direct is not False and direct_flag:
+            try:
+                fd = os.open(path, flags | direct_flag, 0o600)
+                self._direct = True
+                self.stats.direct_io = True
+                return _Segment(path, fd, True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or self.options.direct_io is True:
+                    raise OSError(exc.errno, f"offloadkit: cannot open {path} with O_DIRECT: {exc.strerror}"
+                                  + ("; set direct_io to auto or false" if exc.errno == errno.EINVAL else "")) from exc
+                self._direct = False  # e.g. tmpfs: fall back to buffered I/O
+        fd = os.open(path, flags, 0o600)
+        self.stats.direct_io = False
+        return _Segment(path, fd, False)
+
+    def _warn_fallback(self, why: str) -> None:
+        if not self._fallback_warned:
+            self._fallback_warned = True
+            warnings.warn(f"offloadkit: the disk tier refused data ({why}); keeping it in host RAM instead",
+                          RuntimeWarning, stacklevel=4)
+
+    # -- jobs ------------------------------------------------------------------------------
+    def _write_job(self, record: _Record, block: HostBlock, copied, on_done=None) -> None:
+        segment = record.segment
+        if copied is not None:
+            copied.synchronize()  # the device->host copy into the staging buffer has landed
+        with self._lock:
+            self._write_busy.start(time.perf_counter())
+        try:
+            _pwrite_all(segment.fd, _view(block, record.length), record.offset)
+        except OSError as exc:
+            with self._lock:
+                self.stats.fallbacks += 1
+            self._warn_fallback(f"writing {segment.path} failed: {exc.strerror or exc}")
+            if on_done is not None:
+                on_done(False)  # adopted bytes: their owner keeps them
+            else:
+                record.fallback = block  # still in the staging buffer: keep them there, not lose them
+        else:
+            if on_done is not None:
+                on_done(True)
+            else:
+                self.pool.release(block)
+            with self._lock:
+                self.stats.bytes_written += record.length
+        finally:
+            with self._lock:
+                self.stats.write_busy_s += self._write_busy.stop(time.perf_counter())
+                self._inflight -= record.length
+                self._pending_write_bytes -= record.length
+                segment.pending -= 1
+                self._maybe_close(segment)
+                self._lock.notify_all()
+
+    def _read_job(self, record: _Record, nbytes: int, dst: torch.Tensor, allocated, stream):
+        if record.write is not None:
+            record.write.result()  # the bytes must be on disk (or kept in RAM) first
+        segment = record.segment
+        staging, pooled = record.fallback, False
+        try:
+            if staging is None:
+                staging = self.pool.acquire(record.length)
+                pooled = staging is not None
+                if staging is None:  # over budget: a short-lived buffer outside the pool
+                    staging = _temporary_block(record.length)
+                with self._lock:
+                    self._read_busy.start(time.perf_counter())
+                try:
+                    _pread_all(segment.fd, _view(staging, record.length), record.offset)
+                finally:
+                    with self._lock:
+                        self.stats.read_busy_s += self._read_busy.stop(time.perf_counter())
+                        self.stats.bytes_read += record.length
+            if stream is None:
+                dst.copy_(staging.view(nbytes))
+                event = None
+            else:
+                with torch.cuda.device(dst.device):
+                    stream.wait_event(allocated)  # dst may reuse memory compute released before that point
+                    if record.copied is not None:
+                        stream.wait_event(record.copied)  # RAM-kept bytes: their device->host copy first
+                    with torch.cuda.stream(stream):
+                        dst.copy_(staging.view(nbytes), non_blocking=staging.pinned)
+                    event = stream.record_event()
+            if pooled:
+                self.pool.release(staging, (stream, event) if event is not None else None)
+            return event
+        finally:
+            if segment is not None:
+                with self._lock:
+                    segment.pending -= 1
+                    self._maybe_close(segment)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def _release(self, record: _Record) -> None:
+        with record.lock:
+            if record.freed:
+                return
+            record.freed = True
+        if record.fallback is not None:
+            (record.pool or self.pool).release(record.fallback, record.fallback.last_use)
+            record.fallback = None
+        segment = record.segment
+        if segment is None:
+            return
+        with self._lock:
+            segment.live -= 1
+            if segment.live == 0 and not segment.retired:
+                self._retire(segment)  # the step is over for this file
+
+    def _retire(self, segment: _Segment) -> None:
+        segment.retired = True
+        if self._segment is segment:
+            self._segment = None
+        try:
+            os.unlink(segment.path)
+        except FileNotFoundError:
+            pass
+        self._maybe_close(segment)
+
+    @staticmethod
+    def _maybe_close(segment: _Segment) -> None:
+        if segment.retired and segment.pending == 0 and segment.fd >= 0:
+            os.close(segment.fd)
+            segment.fd = -1
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._side_streams.get(index)
+        if stream is None:
+            stream = self._side_streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def describe(self) -> str:
+        s = self.stats
+        return (f"disk tier {self.directory}: {s.bytes_written / 2**30:.2f} GiB written at {s.write_gb_s:.2f} GB/s, "
+                f"{s.bytes_read / 2**30:.2f} GiB read at {s.read_gb_s:.2f} GB/s, O_DIRECT={s.direct_io}, "
+                f"{s.fallbacks} kept in RAM")
