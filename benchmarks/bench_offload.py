@@ -22,11 +22,13 @@ def main() -> None:
     p.add_argument("--host-budget-gib", type=float, default=None)
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--disk-dir", default=None, help="parent directory for disk-tier spill files")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--name", default=None)
     a = p.parse_args()
     cfg = BenchConfig(shape=a.shape, seq_len=a.seq_len, lora_rank=a.lora_rank, steps=a.steps, warmup=a.warmup,
-                      prefetch=a.prefetch, host_budget_gib=a.host_budget_gib, attn_implementation=a.attn, device=a.device)
+                      prefetch=a.prefetch, host_budget_gib=a.host_budget_gib, attn_implementation=a.attn, device=a.device,
+                      disk_dir=a.disk_dir)
     if a.modes:
         cfg.modes = tuple(m for m in a.modes.split(";") if m)
     report = run_benchmark(cfg)

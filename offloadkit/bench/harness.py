@@ -43,6 +43,8 @@ class BenchConfig:
     prefetch_bytes: int | None = None
     max_fwd_stash_size: int = 5
     stream_depth: int = 2
+    storage: str = "ram"  # ram | disk | tiered, for the offloadkit modes
+    disk_dir: str | None = None
     host_budget_gib: float | None = None
     device: str = "cuda"
     seed: int = 0
@@ -216,13 +218,24 @@ def _mode_config(cfg: BenchConfig, spec: str) -> tuple[str, BenchConfig]:
         if key not in fields:
             raise ValueError(f"mode {spec!r}: unknown setting {key!r}; settings are {sorted(fields)}")
         scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(value[-1:].lower())
-        if scale:
+        if scale and value[:-1].replace(".", "", 1).isdigit():
             fields[key] = int(float(value[:-1]) * scale)
         elif value.lower() == "none":
             fields[key] = None
+        elif fields[key] is not None:
+            fields[key] = type(fields[key])(value)
         else:
-            fields[key] = type(fields[key] if fields[key] is not None else 0)(value)
+            fields[key] = _number_or_text(value)
     return name, BenchConfig(**fields)
+
+
+def _number_or_text(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _row(r: ModeResult) -> str:
@@ -232,6 +245,10 @@ def _row(r: ModeResult) -> str:
     if r.offload:
         extra = (f"  offl {r.offload['offloaded_bytes'] / GiB:6.2f} GiB  wait {r.offload['wait_seconds']:.3f}s"
                  f"  hit/miss {r.offload['prefetch_hits']}/{r.offload['prefetch_misses']}")
+        disk = (r.offload.get("storage") or {}).get("disk")
+        if disk:
+            extra += (f"  disk w {disk['bytes_written'] / GiB:.2f} GiB @ {disk['write_gb_s']:.2f} GB/s"
+                      f" r {disk['bytes_read'] / GiB:.2f} GiB @ {disk['read_gb_s']:.2f} GB/s")
         if "layer_stream" in r.offload:
             ls = r.offload["layer_stream"]
             extra += (f"  streamed {ls['streamed_bytes'] / GiB:.2f} GiB pool {ls['pool_bytes'] / GiB:.2f} GiB"

@@ -90,7 +90,15 @@ def _blocks(input_offload: bool, layer_stream: bool, hf_ckpt: bool = False):
         if hf_ckpt:
             _checkpointing(model, True)
         else:
-            ckpt = apply_activation_checkpointing(model, offload_inputs=input_offload, prefetch=cfg.prefetch)
+            storage_kw = {}
+            if input_offload and cfg.storage != "ram":
+                from offloadkit.storage import DiskOptions
+
+                storage_kw = dict(storage=cfg.storage, disk=DiskOptions(directory=cfg.disk_dir))
+                if cfg.host_budget_gib is not None:
+                    storage_kw["host_budget_bytes"] = int(cfg.host_budget_gib * (1 << 30))
+            ckpt = apply_activation_checkpointing(model, offload_inputs=input_offload, prefetch=cfg.prefetch,
+                                                  **storage_kw)
         streamer = apply_layer_streaming(model, depth=cfg.stream_depth) if layer_stream else None
 
         def disable():
@@ -104,6 +112,7 @@ def _blocks(input_offload: bool, layer_stream: bool, hf_ckpt: bool = False):
             out = {}
             if ckpt is not None and ckpt.offloader is not None:
                 out.update(ckpt.offloader.collect_stats().as_dict())
+                out["storage"] = ckpt.offloader.storage_stats()
             if streamer is not None:
                 st = streamer.collect_stats()
                 out["layer_stream"] = {
