@@ -11,13 +11,14 @@ from __future__ import annotations
 import warnings
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import first_grad_fn
 
-__all__ = ["get_act_offloading_ctx_manager", "get_lora_act_offloading_ctx_manager", "attach_head"]
+__all__ = ["get_act_offloading_ctx_manager", "get_lora_act_offloading_ctx_manager", "attach_head", "attach_to_forward"]
 
 
 def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
@@ -138,3 +139,45 @@ def get_lora_act_offloading_ctx_manager(
         warn_if_no_head=warn_if_no_head,
         **kwargs,
     )
+
+
+class _ForwardAttachment:
+    """Handle of :func:`attach_to_forward`; ``remove()`` detaches it."""
+
+    def __init__(self, handles):
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def attach_to_forward(manager: OffloadActivations, model: nn.Module) -> _ForwardAttachment:
+    """Enter ``manager`` around every training forward of ``model`` (grad enabled, training
+    mode), for code paths where the step cannot be wrapped in ``with manager:``.
+
+    The post-hook runs even when forward raises, so the hooks never stay pushed.
+
+    Example:
+        >>> handle = attach_to_forward(get_act_offloading_ctx_manager(model), model)
+        >>> trainer.train()  # any loop; backward runs outside the hooks as usual
+        >>> handle.remove()
+    """
+    entered = []
+
+    def pre(module, args):
+        if module.training and torch.is_grad_enabled():
+            manager.__enter__()
+            entered.append(True)
+        else:
+            entered.append(False)
+
+    def post(module, args, output):
+        if entered and entered.pop():
+            manager.__exit__(None, None, None)
+
+    return _ForwardAttachment([
+        model.register_forward_pre_hook(pre),
+        model.register_forward_hook(post, always_call=True),
+    ])

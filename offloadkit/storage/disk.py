@@ -198,6 +198,7 @@ class DiskTier:
         self._direct: bool | None = None if self.options.direct_io == "auto" else bool(self.options.direct_io)
         self._inflight = 0
         self._pending_write_bytes = 0
+        self.bytes_on_disk = 0  # extents allocated and not freed
         self._write_busy = _Busy()
         self._read_busy = _Busy()
         self._side_streams: dict[int, torch.cuda.Stream] = {}
@@ -330,6 +331,7 @@ class DiskTier:
             segment.size += length
             segment.live += 1
             segment.pending += 1
+            self.bytes_on_disk += length
             self._inflight += length
             self._pending_write_bytes += length
             return segment, offset
@@ -447,6 +449,7 @@ class DiskTier:
             return
         with self._lock:
             segment.live -= 1
+            self.bytes_on_disk -= record.length
             if segment.live == 0 and not segment.retired:
                 self._retire(segment)  # the step is over for this file
 

@@ -1,0 +1,221 @@
+"""The offloading configuration: one typed dataclass, with YAML/JSON/dict loaders on top.
+
+Keys follow the names users already know (``gradient_checkpointing``,
+``activation_offloading: true | legacy | disk``, ``layer_offloading``,
+``activation_loading_horizon``); SageMaker's ``sm_activation_offloading`` is accepted as an
+alias. Unknown keys, wrong types and impossible combinations raise
+:class:`ConfigError` naming the key, the value and the fix; settings that cannot take
+effect produce one warning each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["ConfigError", "OffloadConfig", "parse_bytes", "load_mapping", "check_keys"]
+
+ALIASES = {"sm_activation_offloading": "activation_offloading"}
+_ACTIVATION_MODES = (False, True, "legacy", "disk")
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names key, value and fix."""
+
+
+def parse_bytes(value: Any, key: str) -> int | None:
+    """``16GiB``, ``512MB``, ``1e9`` or an int -> bytes (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a size; give bytes (e.g. 17179869184) or a string like '16GiB'")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}={value!r} is not a size; give bytes or a string like '16GiB' or '512MB'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ConfigError(f"{key}={value!r} must be positive; omit it for no cap")
+    return n
+
+
+def load_mapping(path: str) -> dict:
+    """Read a YAML (.yaml/.yml) or JSON file into a dict, with one-line errors."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+    else:
+        try:
+            import yaml
+        except ImportError as exc:
+            raise ConfigError("reading YAML needs PyYAML: pip install 'offloadkit[yaml]'") from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def check_keys(data: dict, known: list[str], source: str) -> dict:
+    """Apply aliases and reject unknown keys with a suggestion."""
+    out = {}
+    for key, value in data.items():
+        key = ALIASES.get(key, key)
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"{source}: unknown key {key!r} (value {value!r}); {hint}")
+        out[key] = value
+    return out
+
+
+def _expect(key: str, value: Any, kinds: tuple, example: str) -> None:
+    if isinstance(value, bool) and bool not in kinds:
+        ok = False
+    else:
+        ok = isinstance(value, kinds)
+    if not ok:
+        raise ConfigError(f"{key}={value!r} has the wrong type ({type(value).__name__}); expected {example}")
+
+
+@dataclass
+class OffloadConfig:
+    """What to offload and how. Every field has a sensible default; all off by default.
+
+    Attributes:
+        gradient_checkpointing: checkpoint every decoder layer (non-reentrant).
+        selective_checkpointing: op groups saved instead of recomputed ("mm", "attention").
+        activation_offloading: False, True (pinned RAM, overlapped on a side stream),
+            "legacy" (synchronous copies) or "disk" (files; RAM up to ``host_budget_bytes``
+            first when ``disk_tiering``).
+        activation_loading_horizon: entries (layers, with checkpointing) brought back ahead.
+        prefetch_bytes: also keep this many bytes in flight ahead (None: 1/16 of the step's).
+        min_offload_size: smallest saved tensor offloaded, bytes.
+        max_fwd_stash_size: device tensors kept alive while their copies are in flight.
+        use_pin_memory: page-lock host buffers.
+        host_budget_bytes: cap on host RAM for offloaded bytes (int or "16GiB").
+        disk_dir / disk_threads / direct_io / disk_tiering: the disk tier.
+        layer_offloading: stream frozen decoder-layer weights from pinned host memory.
+        layer_offloading_depth: layers of frozen weights resident at once.
+
+    Example:
+        >>> OffloadConfig.from_dict({"gradient_checkpointing": True, "activation_offloading": True})
+    """
+
+    gradient_checkpointing: bool = False
+    selective_checkpointing: list[str] | None = None
+    activation_offloading: bool | str = False
+    activation_loading_horizon: int = 2
+    prefetch_bytes: int | None = None
+    min_offload_size: int = 1024
+    max_fwd_stash_size: int = 5
+    use_pin_memory: bool = True
+    host_budget_bytes: int | None = None
+    disk_dir: str | None = None
+    disk_threads: int = 4
+    direct_io: bool | str = "auto"
+    disk_tiering: bool = False
+    layer_offloading: bool = False
+    layer_offloading_depth: int = 2
+    _warnings: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls) if not f.name.startswith("_")]
+
+    @classmethod
+    def from_dict(cls, data: dict | None, source: str = "config") -> "OffloadConfig":
+        data = check_keys(dict(data or {}), cls.keys(), source)
+        if "host_budget_bytes" in data:
+            data["host_budget_bytes"] = parse_bytes(data["host_budget_bytes"], "host_budget_bytes")
+        if data.get("prefetch_bytes") is not None:
+            data["prefetch_bytes"] = parse_bytes(data["prefetch_bytes"], "prefetch_bytes")
+        if isinstance(data.get("activation_offloading"), str) and data["activation_offloading"].lower() in ("true", "false"):
+            data["activation_offloading"] = data["activation_offloading"].lower() == "true"
+        config = cls(**data)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_file(cls, path: str) -> "OffloadConfig":
+        return cls.from_dict(load_mapping(path), source=path)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.keys()}
+
+    def validate(self) -> "OffloadConfig":
+        """Check types and combinations (ConfigError); collect can't-take-effect warnings."""
+        _expect("gradient_checkpointing", self.gradient_checkpointing, (bool,), "true or false")
+        _expect("layer_offloading", self.layer_offloading, (bool,), "true or false")
+        _expect("use_pin_memory", self.use_pin_memory, (bool,), "true or false")
+        _expect("disk_tiering", self.disk_tiering, (bool,), "true or false")
+        if self.activation_offloading not in _ACTIVATION_MODES:
+            raise ConfigError(f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "
+                              "true (pinned RAM with streams), legacy (synchronous) or disk")
+        for key, low in (("activation_loading_horizon", 0), ("min_offload_size", 0), ("max_fwd_stash_size", 1),
+                         ("disk_threads", 1), ("layer_offloading_depth", 1)):
+            value = getattr(self, key)
+            _expect(key, value, (int,), f"an integer >= {low}")
+            if value < low:
+                raise ConfigError(f"{key}={value!r} is too small; it must be >= {low}")
+        if self.direct_io not in (True, False, "auto"):
+            raise ConfigError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
+        if self.disk_dir is not None:
+            _expect("disk_dir", self.disk_dir, (str,), "a directory path")
+        if self.selective_checkpointing is not None:
+            _expect("selective_checkpointing", self.selective_checkpointing, (list, tuple), 'a list like ["mm", "attention"]')
+            from offloadkit.checkpointing.selective import OP_GROUPS
+
+            bad = [op for op in self.selective_checkpointing if op not in OP_GROUPS]
+            if bad:
+                raise ConfigError(f"selective_checkpointing has unknown op groups {bad}; use {sorted(OP_GROUPS)}")
+            if not self.gradient_checkpointing:
+                raise ConfigError("selective_checkpointing needs gradient_checkpointing: true")
+        if self.disk_tiering and self.host_budget_bytes is None:
+            raise ConfigError("disk_tiering: true needs host_budget_bytes (the RAM share before spilling to disk), "
+                              "e.g. host_budget_bytes: 16GiB")
+        if self.disk_tiering and self.activation_offloading != "disk":
+            raise ConfigError(f"disk_tiering: true needs activation_offloading: disk (got {self.activation_offloading!r})")
+        self._warnings = []
+        disk_keys = [k for k in ("disk_dir",) if getattr(self, k) is not None]
+        if self.disk_threads != 4:
+            disk_keys.append("disk_threads")
+        if self.direct_io != "auto":
+            disk_keys.append("direct_io")
+        if disk_keys and self.activation_offloading != "disk":
+            self._warn(f"{', '.join(disk_keys)} only apply with activation_offloading: disk; they have no effect")
+        if self.activation_offloading is False:
+            changed = [k for k in ("activation_loading_horizon", "min_offload_size", "max_fwd_stash_size")
+                       if getattr(self, k) != getattr(OffloadConfig, k)]
+            if changed:
+                self._warn(f"{', '.join(changed)} only apply with activation_offloading on; they have no effect")
+        return self
+
+    def _warn(self, message: str) -> None:
+        self._warnings.append(message)
+        warnings.warn(f"offloadkit: {message}", UserWarning, stacklevel=4)
+
+    def replace(self, **changes) -> "OffloadConfig":
+        return dataclasses.replace(self, **changes).validate()

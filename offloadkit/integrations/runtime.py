@@ -1,0 +1,162 @@
+"""Apply an :class:`OffloadConfig` to a model: checkpointing, activation offloading and
+layer streaming, in the right order, with one handle to detach everything.
+
+This is what the Trainer mixins, the callback and the CLI share; plain loops can use it too::
+
+    runtime = prepare(model, OffloadConfig(gradient_checkpointing=True, activation_offloading=True))
+    for batch in loader:
+        with runtime.context():
+            loss = model(**batch).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+    runtime.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+
+from offloadkit.api import attach_to_forward, get_act_offloading_ctx_manager
+from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.config import OffloadConfig
+from offloadkit.layers import apply_layer_streaming
+from offloadkit.models.heads import unwrap_model
+from offloadkit.storage import DiskOptions, HostMemoryBudget
+
+__all__ = ["OffloadRuntime", "prepare"]
+
+
+def _hf_checkpointing_on(model: nn.Module) -> bool:
+    base = unwrap_model(model)
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+
+
+class OffloadRuntime:
+    """Everything a config attached to one model. Use :func:`prepare` to build it.
+
+    Attributes:
+        manager: the activation offloading manager (or None).
+        checkpointing: offloadkit's checkpointing handle (None when off, or when Hugging
+            Face's own gradient checkpointing is on).
+        streamer: the layer streamer (or None).
+    """
+
+    def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
+        self.model = model
+        self.config = config
+        self.manager = None
+        self.checkpointing = None
+        self.streamer = None
+        self._forward_attachment = None
+        self.notes: list[str] = list(config._warnings)
+
+    def context(self):
+        """Wrap each training forward (and loss) in this; a no-op when offloading is off."""
+        return self.manager if self.manager is not None else contextlib.nullcontext()
+
+    def attach_to_forward(self) -> None:
+        """Offload around every training forward without wrapping the step (callback route)."""
+        if self.manager is not None and self._forward_attachment is None:
+            self._forward_attachment = attach_to_forward(self.manager, self.model)
+
+    def report(self) -> dict:
+        out: dict = {"config": self.config.to_dict(), "notes": self.notes}
+        if self.manager is not None:
+            out["activations"] = self.manager.collect_stats().as_dict()
+            out["storage"] = self.manager.storage_stats()
+        if self.streamer is not None:
+            st = self.streamer.collect_stats()
+            out["layer_streaming"] = {
+                "streamed_bytes": self.streamer.streamed_bytes,
+                "layers": len(self.streamer.layers),
+                "depth": self.streamer.depth,
+                "loads": st.loads, "loaded_bytes": st.loaded_bytes, "misses": st.misses,
+                "max_resident": st.max_resident, "wait_seconds": st.wait_seconds,
+            }
+        return out
+
+    def close(self) -> None:
+        """Detach everything: the model is an ordinary model again (all weights on the GPU)."""
+        if self._forward_attachment is not None:
+            self._forward_attachment.remove()
+            self._forward_attachment = None
+        if self.streamer is not None:
+            self.streamer.remove()
+            self.streamer = None
+        if self.manager is not None:
+            self.manager.close()
+            self.manager = None
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
+            self.checkpointing = None
+
+    def _note(self, message: str) -> None:
+        self.notes.append(message)
+        warnings.warn(f"offloadkit: {message}", UserWarning, stacklevel=3)
+
+
+def prepare(model: nn.Module, config: OffloadConfig | dict | None = None) -> OffloadRuntime:
+    """Attach what ``config`` asks for to ``model``; returns the :class:`OffloadRuntime`.
+
+    Settings that cannot take effect on this machine or model are skipped with one warning
+    each (no GPU for layer streaming, no frozen weights to stream, streams on a CPU-only
+    machine). With ``activation_offloading: disk`` on a CPU-only machine, CPU activations
+    go to disk (that saves host RAM).
+    """
+    if not isinstance(config, OffloadConfig):
+        config = OffloadConfig.from_dict(config or {})
+    runtime = OffloadRuntime(model, config)
+    cuda = torch.cuda.is_available()
+    mode = config.activation_offloading
+
+    if config.gradient_checkpointing:
+        if _hf_checkpointing_on(model):
+            if config.selective_checkpointing:
+                runtime._note("selective_checkpointing has no effect: Hugging Face gradient checkpointing is "
+                              "already on (turn it off to use offloadkit's)")
+        else:
+            runtime.checkpointing = apply_activation_checkpointing(model, selective=config.selective_checkpointing)
+
+    budget = HostMemoryBudget(config.host_budget_bytes)
+    if mode:
+        if mode in (True, "legacy") and not cuda:
+            runtime._note(f"activation_offloading: {mode} has no effect without a CUDA GPU "
+                          "(use activation_offloading: disk to move CPU activations to disk)")
+        else:
+            storage = "ram"
+            disk = None
+            if mode == "disk":
+                storage = "tiered" if config.disk_tiering else "disk"
+                disk = DiskOptions(directory=config.disk_dir, threads=config.disk_threads, direct_io=config.direct_io)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the CPU-only message is replaced by ours
+                runtime.manager = get_act_offloading_ctx_manager(
+                    model,
+                    use_pin_memory=config.use_pin_memory,
+                    use_streams=mode != "legacy",
+                    min_offload_size=config.min_offload_size,
+                    max_fwd_stash_size=config.max_fwd_stash_size,
+                    prefetch=config.activation_loading_horizon,
+                    prefetch_bytes=config.prefetch_bytes,
+                    budget=budget,
+                    storage=storage,
+                    disk=disk,
+                    offload_cpu_tensors=not cuda,
+                )
+
+    if config.layer_offloading:
+        if not cuda:
+            runtime._note("layer_offloading has no effect without a CUDA GPU")
+        else:
+            try:
+                runtime.streamer = apply_layer_streaming(model, depth=config.layer_offloading_depth,
+                                                         use_pin_memory=config.use_pin_memory, budget=budget)
+            except ValueError as exc:
+                if "no frozen parameters" not in str(exc):
+                    raise
+                runtime._note("layer_offloading has no effect: the model's layers hold no frozen weights "
+                              "(it streams the frozen base of LoRA/QLoRA models)")
+    return runtime
