@@ -8,6 +8,7 @@ accelerator) or place them on a slower tier.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable
 
 import psutil
@@ -97,6 +98,22 @@ class HostMemoryBudget:
         self._peak = 0
         self._refusals = 0
         self._lock = threading.Lock()
+        self._pools: weakref.WeakSet = weakref.WeakSet()  # pools accounted here
+
+    def register(self, pool) -> None:
+        """Pools sharing this budget register so idle buffers of one can make room for another."""
+        self._pools.add(pool)
+
+    def reclaim(self, nbytes: int, requester=None) -> int:
+        """Ask the other pools to give back idle buffers until ``nbytes`` fit; returns bytes freed."""
+        freed = 0
+        for pool in list(self._pools):
+            if pool is requester:
+                continue
+            if self.headroom() >= nbytes:
+                break
+            freed += pool.trim(need=nbytes)
+        return freed
 
     @property
     def used_bytes(self) -> int:

@@ -77,6 +77,7 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self.allocations = 0
         self.reuses = 0
+        budget.register(self)
 
     # -- accounting ---------------------------------------------------------------------
     @property
@@ -96,6 +97,15 @@ class HostBufferPool:
     def acquire(self, nbytes: int) -> HostBlock | None:
         """A buffer of at least ``nbytes`` bytes, or None if the host budget refuses."""
         cap = size_class(nbytes)
+        block = self._acquire(cap)
+        if block is None:
+            # Idle buffers cached by other pools on the same budget (outside our lock:
+            # they take their own locks) can make room too.
+            self.budget.reclaim(cap, requester=self)
+            block = self._acquire(cap)
+        return block
+
+    def _acquire(self, cap: int) -> HostBlock | None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("HostBufferPool is closed")
@@ -130,10 +140,10 @@ class HostBufferPool:
             else:
                 self._free[block.capacity].append(block)
 
-    def trim(self) -> int:
-        """Free every idle buffer; returns the bytes given back."""
+    def trim(self, need: int | None = None) -> int:
+        """Free idle buffers (all, or until the budget has ``need`` bytes of headroom)."""
         with self._lock:
-            return self._trim_locked(None)
+            return self._trim_locked(need)
 
     def close(self) -> None:
         """Free idle buffers now and buffers still in use as they are released."""

@@ -338,3 +338,18 @@ def test_checkpoint_inputs_to_disk(tmp_path):
     assert_bitwise_equal(ref[1], got[1], "grads")
     assert handle.offloader.storage_stats()["disk"]["bytes_written"] > 0
     handle.remove()
+
+
+def test_tiered_with_a_tight_budget_offloads_everything(tmp_path):
+    model = build_llama("small")
+    batch = make_batch(2048, 2, 64)
+    ref = run_step(model, batch)
+    ctx = disk_ctx(model, tmp_path, "tiered", budget=1 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "budget reached, kept on the device"
+        for _ in range(3):
+            got = run_step(model, batch, ctx)
+            assert_bitwise_equal(ref[1], got[1], "grads")
+    assert ctx.stats.kept_by_reason["budget"] == 0
+    assert ctx.storage_stats()["tiered"]["demoted_entries"] > 0
+    ctx.close()

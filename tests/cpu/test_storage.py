@@ -119,3 +119,16 @@ def test_cgroup_limit_is_respected(tmp_path):
     limit.write_text("max\n")
     assert _cgroup_available([(str(limit), str(usage))]) is None
     assert _cgroup_available([(str(tmp_path / "missing"), str(usage))]) is None
+
+
+def test_pools_sharing_a_budget_give_idle_buffers_to_each_other():
+    b = budget(limit=4 * 65536)
+    a_pool = HostBufferPool(pin_memory=False, budget=b)
+    b_pool = HostBufferPool(pin_memory=False, budget=b)
+    blocks = [a_pool.acquire(65536) for _ in range(4)]
+    for blk in blocks:
+        a_pool.release(blk)  # idle in pool A: the whole budget is held by A's cache
+    assert b.headroom() == 0
+    got = b_pool.acquire(2 * 65536)
+    assert got is not None, "pool B must get room from pool A's idle buffers"
+    assert a_pool.bytes_held == 2 * 65536 and b.used_bytes <= 4 * 65536
