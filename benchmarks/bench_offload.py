@@ -18,7 +18,7 @@ def main() -> None:
                    help="semicolon-separated; a mode may carry overrides: 'ckpt+offload@prefetch=4;offload@prefetch_bytes=1g'")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--prefetch", type=int, default=None)
     p.add_argument("--host-budget-gib", type=float, default=None)
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--device", default="cuda")

@@ -110,12 +110,15 @@ class OffloadConfig:
         activation_offloading: False, True (pinned RAM, overlapped on a side stream),
             "legacy" (synchronous copies) or "disk" (files; RAM up to ``host_budget_bytes``
             first when ``disk_tiering``).
-        activation_loading_horizon: entries (layers, with checkpointing) brought back ahead.
+        activation_loading_horizon: entries (layers, with checkpointing) brought back ahead
+            (None: 2 from RAM, 4 from disk).
         prefetch_bytes: also keep this many bytes in flight ahead (None: 1/16 of the step's).
         min_offload_size: smallest saved tensor offloaded, bytes.
         max_fwd_stash_size: device tensors kept alive while their copies are in flight.
         use_pin_memory: page-lock host buffers.
         host_budget_bytes: cap on host RAM for offloaded bytes (int or "16GiB").
+        host_min_free_bytes: system RAM that must stay available (default: 10% of RAM, at
+            least 2 GiB); lower it on VMs whose RAM grows as it is used.
         disk_dir / disk_threads / direct_io / disk_tiering: the disk tier.
         layer_offloading: stream frozen decoder-layer weights from pinned host memory.
         layer_offloading_depth: layers of frozen weights resident at once.
@@ -127,12 +130,13 @@ class OffloadConfig:
     gradient_checkpointing: bool = False
     selective_checkpointing: list[str] | None = None
     activation_offloading: bool | str = False
-    activation_loading_horizon: int = 2
+    activation_loading_horizon: int | None = None
     prefetch_bytes: int | None = None
     min_offload_size: int = 1024
     max_fwd_stash_size: int = 5
     use_pin_memory: bool = True
     host_budget_bytes: int | None = None
+    host_min_free_bytes: int | None = None
     disk_dir: str | None = None
     disk_threads: int = 4
     direct_io: bool | str = "auto"
@@ -148,8 +152,9 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, data: dict | None, source: str = "config") -> "OffloadConfig":
         data = check_keys(dict(data or {}), cls.keys(), source)
-        if "host_budget_bytes" in data:
-            data["host_budget_bytes"] = parse_bytes(data["host_budget_bytes"], "host_budget_bytes")
+        for key in ("host_budget_bytes", "host_min_free_bytes"):
+            if key in data:
+                data[key] = parse_bytes(data[key], key)
         if data.get("prefetch_bytes") is not None:
             data["prefetch_bytes"] = parse_bytes(data["prefetch_bytes"], "prefetch_bytes")
         if isinstance(data.get("activation_offloading"), str) and data["activation_offloading"].lower() in ("true", "false"):
@@ -174,7 +179,12 @@ class OffloadConfig:
         if self.activation_offloading not in _ACTIVATION_MODES:
             raise ConfigError(f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "
                               "true (pinned RAM with streams), legacy (synchronous) or disk")
-        for key, low in (("activation_loading_horizon", 0), ("min_offload_size", 0), ("max_fwd_stash_size", 1),
+        if self.activation_loading_horizon is not None:
+            _expect("activation_loading_horizon", self.activation_loading_horizon, (int,), "an integer >= 0")
+            if self.activation_loading_horizon < 0:
+                raise ConfigError(f"activation_loading_horizon={self.activation_loading_horizon!r} is too small; "
+                                  "it must be >= 0")
+        for key, low in (("min_offload_size", 0), ("max_fwd_stash_size", 1),
                          ("disk_threads", 1), ("layer_offloading_depth", 1)):
             value = getattr(self, key)
             _expect(key, value, (int,), f"an integer >= {low}")

@@ -39,7 +39,7 @@ class BenchConfig:
     steps: int = 5
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
-    prefetch: int = 2
+    prefetch: int | None = None
     prefetch_bytes: int | None = None
     max_fwd_stash_size: int = 5
     stream_depth: int = 2

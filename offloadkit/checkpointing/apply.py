@@ -118,7 +118,7 @@ def apply_activation_checkpointing(
     predicate: Callable[[str, nn.Module], bool] | None = None,
     selective: Iterable | None = None,
     offload_inputs: bool | OffloadActivations = False,
-    prefetch: int = 2,
+    prefetch: int | None = None,
     keep_last_input: bool = True,
     **offload_kwargs,
 ) -> CheckpointedBlocks:
@@ -131,7 +131,8 @@ def apply_activation_checkpointing(
             ``("mm", "attention")`` or aten overloads; None recomputes everything.
         offload_inputs: offload block inputs to pinned host memory (True, or a ready
             :class:`OffloadActivations` to use).
-        prefetch: block inputs brought back ahead in backward (``activation_loading_horizon``).
+        prefetch: block inputs brought back ahead in backward (``activation_loading_horizon``;
+            None: 2 from RAM, 4 from disk).
         keep_last_input: keep the last block's input on the device (needed first).
         **offload_kwargs: forwarded to :class:`OffloadActivations` when one is created.
 

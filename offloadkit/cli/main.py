@@ -14,6 +14,7 @@ learning_rate, warmup_steps, logging_steps, lora_rank, dtype, seed, profile_step
 Offloading keys: gradient_checkpointing, selective_checkpointing, activation_offloading
 (false | true | legacy | disk), activation_loading_horizon, prefetch_bytes,
 min_offload_size, max_fwd_stash_size, use_pin_memory, host_budget_bytes (e.g. 16GiB),
+host_min_free_bytes,
 disk_dir, disk_threads, direct_io, disk_tiering, layer_offloading, layer_offloading_depth.
 
 Without a config: the built-in small Llama model on the shipped public-domain corpus,
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "'ckpt;ckpt+offload@prefetch=4;ckpt+input_offload+layer_stream'")
     bench.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     bench.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
-    bench.add_argument("--prefetch", type=int, default=2, help="activation_loading_horizon (default 2)")
+    bench.add_argument("--prefetch", type=int, default=None,
+                       help="activation_loading_horizon (default: 2 from RAM, 4 from disk)")
     bench.add_argument("--host-budget-gib", type=float, default=None, help="host RAM cap for offloaded bytes")
     bench.add_argument("--disk-dir", default=None, help="parent directory for disk-tier files")
     bench.add_argument("--device", default="cuda", help="cuda (default) or cpu")

@@ -47,7 +47,9 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         max_fwd_stash_size: device sources kept alive while their copies are in flight
             during forward (>= 1). Past it the compute stream waits for the oldest copy.
         prefetch: entries brought back ahead of the one in use during backward
-            (``activation_loading_horizon``), >= 0; 0 disables prefetching.
+            (``activation_loading_horizon``), >= 0; 0 disables prefetching. ``None``: 2 for
+            RAM; 4 for disk storage, whose reads take longer (measured on an 8B LoRA step at
+            16K tokens: 3.86 s -> 3.77 s on disk, 3.33 s -> 3.17 s tiered).
         prefetch_bytes: also keep at least this many bytes in flight ahead. Without
             checkpointing, entries range from KiB to hundreds of MiB and a count alone
             leaves the copy engine idle. ``None`` (default): 1/16 of the bytes the step
@@ -84,7 +86,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         min_offload_size: int = 1024,
         max_fwd_stash_size: int = 5,
         *,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         prefetch_bytes: int | None = None,
         host_budget_bytes: int | None = None,
         budget: HostMemoryBudget | None = None,
@@ -99,7 +101,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
                 f"max_fwd_stash_size={max_fwd_stash_size!r} is invalid; it must be an int >= 1 "
                 "(it bounds the device tensors kept alive while their copies are in flight)"
             )
-        if not isinstance(prefetch, int) or prefetch < 0:
+        if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 0):
             raise ValueError(f"prefetch={prefetch!r} is invalid; pass an int >= 0 (entries fetched ahead)")
         if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
             raise ValueError(f"prefetch_bytes={prefetch_bytes!r} is invalid; pass a byte count >= 0 or None")
@@ -108,7 +110,6 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         self.use_streams = bool(use_streams)
         self.use_pin_memory = bool(use_pin_memory)
         self.max_fwd_stash_size = max_fwd_stash_size
-        self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
         self._window_bytes = prefetch_bytes or 0  # resolved per backward pass when None
         self.offload_cpu_tensors = bool(offload_cpu_tensors)
@@ -119,6 +120,9 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         if tier is None:
             tier = build_tier(storage, self.budget, pin_memory=pin, use_streams=self.use_streams, disk=disk)
         self.tier = tier
+        if prefetch is None:
+            prefetch = 2 if tier.name == "ram" else 4
+        self.prefetch = prefetch
         self.stats = OffloadStats()
         self._clock = WaitClock(measure_waits and accelerator_available())
 

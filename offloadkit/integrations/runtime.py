@@ -120,7 +120,7 @@ def prepare(model: nn.Module, config: OffloadConfig | dict | None = None) -> Off
         else:
             runtime.checkpointing = apply_activation_checkpointing(model, selective=config.selective_checkpointing)
 
-    budget = HostMemoryBudget(config.host_budget_bytes)
+    budget = HostMemoryBudget(config.host_budget_bytes, config.host_min_free_bytes)
     if mode:
         if mode in (True, "legacy") and not cuda:
             runtime._note(f"activation_offloading: {mode} has no effect without a CUDA GPU "

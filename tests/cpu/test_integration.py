@@ -250,3 +250,19 @@ def test_cli_bench_on_cpu(tmp_path):
     assert [r["mode"] for r in report["results"]] == ["none", "ckpt", "ok_ckpt"]
     assert all(r["loss_bits_equal_reference"] for r in report["results"])
     assert (tmp_path / "tiny-64.png").exists()
+
+
+def test_budget_keys_reach_the_runtime(tmp_path):
+    from offloadkit.integrations.runtime import prepare
+
+    cfg = OffloadConfig.from_dict({"activation_offloading": "disk", "disk_dir": str(tmp_path),
+                                   "host_budget_bytes": "64MiB", "host_min_free_bytes": "1GiB"})
+    runtime = prepare(_model(), cfg)
+    assert runtime.manager.budget.limit_bytes == 64 << 20
+    assert runtime.manager.budget.min_free_bytes == 1 << 30
+    assert runtime.manager.prefetch == 4  # disk storage: deeper default horizon
+    runtime.close()
+    ram = prepare(_model(), OffloadConfig.from_dict({"activation_offloading": "legacy"}))
+    if ram.manager is not None:
+        assert ram.manager.prefetch == 2
+    ram.close()
