@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: install what is needed, then run the offloadkit demo.
+# The main job: install what is needed, then fine-tune the built-in model with offloading
+# (offloadkit train; pass a config file to change it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python -m offloadkit demo "$@"
+exec python -m offloadkit train "$@"
