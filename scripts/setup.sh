@@ -12,4 +12,8 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   # Pin the CPU build explicitly: a looser spec would pull the CUDA wheels.
   python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-python -m pip install -q -e ".[hf,yaml,plot,dev]"
+log=$(mktemp)
+if ! python -m pip install -q -e ".[hf,yaml,plot,dev]" >"$log" 2>&1; then
+  cat "$log"; rm -f "$log"; exit 1
+fi
+rm -f "$log"
