@@ -134,9 +134,11 @@ class HostMemoryBudget:
             return max(0, by_free)
         return max(0, min(by_free, self.limit_bytes - self._used))
 
-    def try_reserve(self, nbytes: int) -> bool:
+    def try_reserve(self, nbytes: int, respect_cap: bool = True) -> bool:
+        """Reserve ``nbytes``. ``respect_cap=False`` is for transient I/O buffers (disk
+        staging, bounded by their own in-flight limit): only the free-RAM guard applies."""
         with self._lock:
-            if self.limit_bytes is not None and self._used + nbytes > self.limit_bytes:
+            if respect_cap and self.limit_bytes is not None and self._used + nbytes > self.limit_bytes:
                 self._refusals += 1
                 return False
             if self._available() - nbytes < self.min_free_bytes:

@@ -187,7 +187,9 @@ class DiskTier:
                  use_streams: bool = True) -> None:
         self.options = options or DiskOptions()
         self.directory = create_private_dir(self.options.directory)
-        self.pool = HostBufferPool(pin_memory and torch.cuda.is_available(), budget)
+        # Staging is transient and bounded by max_inflight_bytes: the RAM cap (meant for
+        # bytes kept in RAM) must not starve it; the free-RAM guard still applies.
+        self.pool = HostBufferPool(pin_memory and torch.cuda.is_available(), budget, respect_cap=False)
         self.use_streams = use_streams
         self.stats = DiskStats()
         self._writer = ThreadPoolExecutor(self.options.threads, thread_name_prefix="offloadkit-disk-write")

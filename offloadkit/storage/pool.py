@@ -57,6 +57,8 @@ class HostBufferPool:
     Args:
         pin_memory: page-lock buffers so device copies run asynchronously at full bandwidth.
         budget: shared host-memory budget; ``acquire`` returns None when it refuses.
+        respect_cap: False for transient I/O buffers (disk staging): the budget's byte cap
+            does not apply to them, its free-RAM guard does.
 
     Example:
         >>> pool = HostBufferPool(pin_memory=False, budget=HostMemoryBudget())
@@ -66,9 +68,10 @@ class HostBufferPool:
         True
     """
 
-    def __init__(self, pin_memory: bool, budget: HostMemoryBudget) -> None:
+    def __init__(self, pin_memory: bool, budget: HostMemoryBudget, respect_cap: bool = True) -> None:
         self.pin_memory = bool(pin_memory)
         self.budget = budget
+        self.respect_cap = respect_cap  # False: transient I/O buffers, held to the free-RAM guard only
         self._free: dict[int, list[HostBlock]] = defaultdict(list)
         self._in_use = 0
         self._held = 0
@@ -115,10 +118,10 @@ class HostBufferPool:
                 self._in_use += cap
                 self.reuses += 1
                 return block
-            if not self.budget.try_reserve(cap):
+            if not self.budget.try_reserve(cap, self.respect_cap):
                 # Idle buffers of other sizes are the first thing to give back.
                 self._trim_locked(cap)
-                if not self.budget.try_reserve(cap):
+                if not self.budget.try_reserve(cap, self.respect_cap):
                     return None
             try:
                 block = self._allocate(cap)

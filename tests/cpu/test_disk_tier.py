@@ -353,3 +353,22 @@ def test_tiered_with_a_tight_budget_offloads_everything(tmp_path):
     assert ctx.stats.kept_by_reason["budget"] == 0
     assert ctx.storage_stats()["tiered"]["demoted_entries"] > 0
     ctx.close()
+
+
+def test_entries_larger_than_the_ram_budget_still_reach_disk(tmp_path):
+    x = torch.randn(1024, 1024, requires_grad=True)  # 4 MiB saved tensors, budget 1 MiB
+    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="tiered",
+                             budget=HostMemoryBudget(1 << 20, min_free_bytes=0),
+                             disk=DiskOptions(directory=str(tmp_path)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with ctx:
+            y = x.sin().cos()
+        y.sum().backward()
+    assert ctx.stats.kept_by_reason["budget"] == 0
+    assert ctx.storage_stats()["disk"]["bytes_written"] >= 2 * (4 << 20)
+    got = x.grad.clone()
+    x.grad = None
+    x.sin().cos().sum().backward()
+    assert_bitwise_equal(x.grad, got, "grads")
+    ctx.close()
