@@ -215,15 +215,17 @@ class DiskTier:
         if block is None:
             free = shutil.disk_usage(self.directory).free
             if free < length:
-                raise DiskFullError(
-                    errno.ENOSPC,
-                    f"offloadkit: the disk tier directory {self.directory} has {free} bytes free and "
-                    f"{length} are needed, and the host-memory budget refuses to keep them in RAM "
-                    f"({self.pool.budget.describe()}); free disk space, point the disk directory elsewhere "
-                    "or raise the host budget",
-                )
-            return None  # no staging memory: the engine keeps the tensor on the device
+                raise self._full_error(free, length)
+            return None  # no staging memory at all: the engine keeps the tensor on the device
         segment, offset = self._allocate(length, block)
+        if segment is None:
+            budget = self.pool.budget
+            if budget.limit_bytes is not None and budget.used_bytes > budget.limit_bytes:
+                self.pool.release(block)  # keeping it in RAM would break the RAM cap
+                raise self._full_error(shutil.disk_usage(self.directory).free, length)
+            self.stats.fallbacks += 1
+            self._warn_fallback(f"{shutil.disk_usage(self.directory).free} bytes free in {self.directory}, "
+                                f"{length} needed")
         stored = Stored(tier=self, nbytes=nbytes, device=src.device)
         compute = current_stream(src.device)
         if compute is None:
@@ -323,8 +325,6 @@ class DiskTier:
         with self._lock:
             free = shutil.disk_usage(self.directory).free - self._pending_write_bytes
             if free < length:
-                self.stats.fallbacks += 1
-                self._warn_fallback(f"{free} bytes free in {self.directory}, {length} needed")
                 return None, 0
             segment = self._segment
             if segment is None or segment.retired:
@@ -358,6 +358,14 @@ class DiskTier:
         fd = os.open(path, flags, 0o600)
         self.stats.direct_io = False
         return _Segment(path, fd, False)
+
+    def _full_error(self, free: int, length: int) -> DiskFullError:
+        return DiskFullError(
+            errno.ENOSPC,
+            f"offloadkit: the disk tier directory {self.directory} has {free} bytes free and {length} are "
+            f"needed, and the host-memory budget refuses to keep them in RAM ({self.pool.budget.describe()}); "
+            "free disk space, point the disk directory elsewhere or raise the host budget",
+        )
 
     def _warn_fallback(self, why: str) -> None:
         if not self._fallback_warned:
