@@ -12,8 +12,16 @@ Quick start::
         optimizer.step(); optimizer.zero_grad()
 """
 
-from offloadkit.api import get_act_offloading_ctx_manager, get_lora_act_offloading_ctx_manager
-from offloadkit.engine import NoOpManager, OffloadActivations, OffloadPolicy, OffloadStats
+from offloadkit.api import (
+    get_act_offloading_ctx_manager,
+    get_lora_act_offloading_ctx_manager,
+)
+from offloadkit.engine import (
+    NoOpManager,
+    OffloadActivations,
+    OffloadPolicy,
+    OffloadStats,
+)
 from offloadkit.storage import HostBufferPool, HostMemoryBudget, HostTier
 
 __version__ = "0.1.0"

@@ -10,7 +10,10 @@ from functools import partial
 from typing import Iterable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 __all__ = ["OP_GROUPS", "resolve_ops", "selective_context_fn"]
 

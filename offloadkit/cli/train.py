@@ -142,7 +142,12 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from offloadkit.cli.report import MemoryTimeline, ProgressBar, build_report, write_report
+    from offloadkit.cli.report import (
+        MemoryTimeline,
+        ProgressBar,
+        build_report,
+        write_report,
+    )
     from offloadkit.data import TokenBlocks, load_texts
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-
-import time
 
 import torch
 

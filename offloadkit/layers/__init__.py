@@ -2,6 +2,10 @@
 visiting the GPU one layer at a time."""
 
 from offloadkit.layers.flat import FlatWeights
-from offloadkit.layers.streaming import LayerStreamer, StreamStats, apply_layer_streaming
+from offloadkit.layers.streaming import (
+    LayerStreamer,
+    StreamStats,
+    apply_layer_streaming,
+)
 
 __all__ = ["FlatWeights", "LayerStreamer", "StreamStats", "apply_layer_streaming"]

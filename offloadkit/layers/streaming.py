@@ -29,9 +29,9 @@ from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.layers.flat import FlatWeights, streamable_reason
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
+from offloadkit.runtime.autograd import first_grad_fn, in_backward
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
-from offloadkit.runtime.autograd import first_grad_fn, in_backward
 
 __all__ = ["LayerStreamer", "StreamStats", "apply_layer_streaming"]
 

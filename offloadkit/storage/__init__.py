@@ -5,8 +5,8 @@ from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.disk import DiskFullError, DiskOptions, DiskTier
 from offloadkit.storage.factory import STORAGE_KINDS, build_tier
 from offloadkit.storage.host import HostTier
-from offloadkit.storage.tiered import TieredTier
 from offloadkit.storage.pool import HostBlock, HostBufferPool, size_class
+from offloadkit.storage.tiered import TieredTier
 
 __all__ = [
     "STORAGE_KINDS",

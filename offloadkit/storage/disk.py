@@ -17,7 +17,6 @@ job on the host and for the event on their stream.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import shutil
@@ -29,10 +28,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offloadkit.runtime.device import PAGE_SIZE, current_stream
+from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import FutureCompletion, Loaded, Stored
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.cleanup import create_private_dir, remove_dir
+from offloadkit.storage.fileio import (
+    Busy,
+    align,
+    pread_all,
+    pwrite_all,
+    temporary_block,
+    view,
+)
 from offloadkit.storage.pool import HostBlock, HostBufferPool
 
 __all__ = ["DiskOptions", "DiskTier", "DiskFullError", "DiskStats"]
@@ -91,23 +98,6 @@ class DiskStats:
         return d
 
 
-class _Busy:
-    """Union of intervals during which at least one job of a kind ran."""
-
-    def __init__(self) -> None:
-        self.active = 0
-        self.since = 0.0
-
-    def start(self, now: float) -> None:
-        if self.active == 0:
-            self.since = now
-        self.active += 1
-
-    def stop(self, now: float) -> float:
-        self.active -= 1
-        return now - self.since if self.active == 0 else 0.0
-
-
 @dataclass(eq=False)
 class _Segment:
     path: str
@@ -130,39 +120,6 @@ class _Record:
     pool: object = None  # where ``fallback`` goes back to (None: this tier's staging pool)
     freed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _align(n: int) -> int:
-    return -(-n // PAGE_SIZE) * PAGE_SIZE
-
-
-def _view(block: HostBlock, length: int) -> memoryview:
-    # A buffer-protocol view of pinned/page-aligned host memory, without numpy.
-    return memoryview((ctypes.c_ubyte * length).from_address(block.buffer.data_ptr())).cast("B")
-
-
-def _temporary_block(nbytes: int) -> HostBlock:
-    raw = torch.empty(nbytes + PAGE_SIZE, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % PAGE_SIZE
-    return HostBlock(raw[offset : offset + nbytes], nbytes, pinned=False)
-
-
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(buf):
-        n = os.pwrite(fd, buf[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short write at offset {offset + done}")
-        done += n
-
-
-def _pread_all(fd: int, buf: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short read at offset {offset + done}: file ended")
-        done += n
 
 
 class DiskTier:
@@ -201,8 +158,8 @@ class DiskTier:
         self._inflight = 0
         self._pending_write_bytes = 0
         self.bytes_on_disk = 0  # extents allocated and not freed
-        self._write_busy = _Busy()
-        self._read_busy = _Busy()
+        self._write_busy = Busy()
+        self._read_busy = Busy()
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self._fallback_warned = False
         self._closed = False
@@ -210,7 +167,7 @@ class DiskTier:
     # -- StorageTier ---------------------------------------------------------------------
     def store(self, src: torch.Tensor) -> Stored | None:
         nbytes = src.numel()
-        length = _align(max(nbytes, 1))
+        length = align(max(nbytes, 1))
         block = self._acquire_staging(nbytes)
         if block is None:
             free = shutil.disk_usage(self.directory).free
@@ -258,7 +215,7 @@ class DiskTier:
         ``on_done(ok)`` runs when the write finished (``ok``) or failed; either way the block
         still belongs to the caller. Returns None when the disk has no room.
         """
-        length = _align(max(nbytes, 1))
+        length = align(max(nbytes, 1))
         segment, offset = self._allocate(length, block)
         if segment is None:
             return None
@@ -381,7 +338,7 @@ class DiskTier:
         with self._lock:
             self._write_busy.start(time.perf_counter())
         try:
-            _pwrite_all(segment.fd, _view(block, record.length), record.offset)
+            pwrite_all(segment.fd, view(block, record.length), record.offset)
         except OSError as exc:
             with self._lock:
                 self.stats.fallbacks += 1
@@ -416,11 +373,11 @@ class DiskTier:
                 staging = self.pool.acquire(record.length)
                 pooled = staging is not None
                 if staging is None:  # over budget: a short-lived buffer outside the pool
-                    staging = _temporary_block(record.length)
+                    staging = temporary_block(record.length)
                 with self._lock:
                     self._read_busy.start(time.perf_counter())
                 try:
-                    _pread_all(segment.fd, _view(staging, record.length), record.offset)
+                    pread_all(segment.fd, view(staging, record.length), record.offset)
                 finally:
                     with self._lock:
                         self.stats.read_busy_s += self._read_busy.stop(time.perf_counter())

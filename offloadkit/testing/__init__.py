@@ -3,5 +3,20 @@ configs (no downloads), and bitwise comparison of losses and gradients."""
 
 from offloadkit.testing.models import LLAMA_SHAPES, build_llama, make_batch
 from offloadkit.testing.parity import assert_bitwise_equal, grads_of, run_step
+from offloadkit.testing.steps import (
+    memory_after_each_step,
+    randomize_lora_b,
+    step_on_side_stream,
+)
 
-__all__ = ["LLAMA_SHAPES", "assert_bitwise_equal", "build_llama", "grads_of", "make_batch", "run_step"]
+__all__ = [
+    "LLAMA_SHAPES",
+    "assert_bitwise_equal",
+    "build_llama",
+    "grads_of",
+    "make_batch",
+    "memory_after_each_step",
+    "randomize_lora_b",
+    "run_step",
+    "step_on_side_stream",
+]

@@ -7,7 +7,13 @@ from torch import nn
 
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.models import find_blocks
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    make_batch,
+    randomize_lora_b,
+    run_step,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -219,10 +225,7 @@ def test_refuses_double_checkpointing_with_hf():
 def test_works_with_peft():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(build_llama("tiny"), peft.LoraConfig(r=4, target_modules="all-linear"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     model.train()
     batch = make_batch(256, 2, 32)
     ref = run_step(model, batch)

@@ -16,7 +16,13 @@ import torch
 from offloadkit import OffloadActivations, get_act_offloading_ctx_manager
 from offloadkit.storage import DiskFullError, DiskOptions, HostMemoryBudget
 from offloadkit.storage.cleanup import create_private_dir, remove_stale_dirs
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    make_batch,
+    randomize_lora_b,
+    run_step,
+)
 
 from .test_engine_parity import Tricky
 
@@ -55,10 +61,7 @@ def test_llama_parity_and_files_gone_after_each_step(tmp_path, storage):
 def test_lora_and_views_parity(tmp_path):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(build_llama("tiny"), peft.LoraConfig(r=4, target_modules="all-linear"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     batch = make_batch(256, 2, 32)
     ref = run_step(model, batch)
     ctx = disk_ctx(model, tmp_path)

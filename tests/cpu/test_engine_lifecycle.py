@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from offloadkit import OffloadActivations, get_act_offloading_ctx_manager
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    make_batch,
+    memory_after_each_step,
+    run_step,
+)
 
 
 def cpu_ctx(model, **kw):
@@ -106,19 +112,14 @@ def test_eval_under_no_grad_offloads_nothing(tiny_llama, tiny_batch):
 def test_state_empty_after_every_step_and_pool_stops_growing():
     model = build_llama("tiny")
     ctx = cpu_ctx(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     allocations = []
-    for step in range(50):
-        batch = make_batch(256, 2, 32, seed=step)
-        with ctx:
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss
-        assert ctx.is_idle(), f"state left behind after step {step}"
+
+    def check():
+        assert ctx.is_idle(), f"state left behind after step {len(allocations)}"
         assert ctx.pool.bytes_in_use == 0
         allocations.append(ctx.pool.allocations)
+
+    memory_after_each_step(model, make_batch(256, 2, 32), 50, ctx, check)
     assert allocations[-1] == allocations[1], "host buffers must be reused once warm"
     assert ctx.pool.reuses > 0
 

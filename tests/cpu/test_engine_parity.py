@@ -8,8 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offloadkit import OffloadActivations, get_act_offloading_ctx_manager, get_lora_act_offloading_ctx_manager
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit import (
+    OffloadActivations,
+    get_act_offloading_ctx_manager,
+    get_lora_act_offloading_ctx_manager,
+)
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    make_batch,
+    randomize_lora_b,
+    run_step,
+)
 
 
 def cpu_ctx(model, **kw):
@@ -46,10 +56,7 @@ def test_lora_parity():
     model = build_llama("tiny")
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
     # LoRA B starts at zero, which would make most gradients trivially zero.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     batch = make_batch(256, 2, 32)
     ref_loss, ref_grads = run_step(model, batch)
     ctx = get_lora_act_offloading_ctx_manager(model, offload_cpu_tensors=True, min_offload_size=0)

@@ -7,17 +7,20 @@ import torch
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.layers import apply_layer_streaming
 from offloadkit.storage import HostMemoryBudget
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    make_batch,
+    randomize_lora_b,
+    run_step,
+)
 
 peft = pytest.importorskip("peft")
 
 
 def lora_llama(shape="small"):
     model = peft.get_peft_model(build_llama(shape), peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     return model
 
 

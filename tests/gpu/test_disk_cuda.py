@@ -3,14 +3,20 @@
 import gc
 import os
 
-import psutil
 import pytest
 import torch
 
 from offloadkit import get_act_offloading_ctx_manager
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.storage import DiskOptions, HostMemoryBudget
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    make_batch,
+    memory_after_each_step,
+    run_step,
+    step_on_side_stream,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = "cuda"
@@ -51,11 +57,7 @@ def test_checkpoint_inputs_to_disk_non_default_stream(tmp_path):
     model.gradient_checkpointing_disable()
     handle = apply_activation_checkpointing(model, offload_inputs=True, storage="disk",
                                             disk=DiskOptions(directory=str(tmp_path)))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got = run_step(model, batch)
-    torch.cuda.synchronize()
+    got = step_on_side_stream(run_step, model, batch)
     assert_bitwise_equal(ref[0], got[0], "loss")
     assert_bitwise_equal(ref[1], got[1], "grads")
     handle.remove()
@@ -64,23 +66,13 @@ def test_checkpoint_inputs_to_disk_non_default_stream(tmp_path):
 def test_hundred_steps_no_leak(tmp_path):
     gc.collect()
     model = build_llama("small", dtype=torch.bfloat16, device=DEV)
-    batch = make_batch(2048, 2, 256, device=DEV)
     ctx = get_act_offloading_ctx_manager(model, storage="tiered", budget=HostMemoryBudget(4 << 20, 1 << 30),
                                          disk=DiskOptions(directory=str(tmp_path)))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    proc = psutil.Process()
-    allocated, rss = [], []
-    for _ in range(100):
-        with ctx:
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss
-        torch.cuda.synchronize()
+
+    def check():
         assert ctx.is_idle()
-        allocated.append(torch.cuda.memory_allocated())
-        rss.append(proc.memory_info().rss)
+
+    allocated, rss = memory_after_each_step(model, make_batch(2048, 2, 256, device=DEV), 100, ctx, check)
     assert len(set(allocated[5:])) == 1
     assert rss[-1] - rss[5] < 64 << 20, f"host RSS grew {(rss[-1] - rss[5]) >> 20} MiB"
     assert os.listdir(ctx.tier.disk.directory) == []

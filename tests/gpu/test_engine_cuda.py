@@ -5,7 +5,6 @@ Run on a machine with a GPU: ``pytest -m gpu``. Skipped without CUDA.
 
 import gc
 
-import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +12,14 @@ from torch import nn
 
 from offloadkit import OffloadActivations, get_act_offloading_ctx_manager
 from offloadkit.engine.stats import WaitClock
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    make_batch,
+    memory_after_each_step,
+    randomize_lora_b,
+    run_step,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,10 +61,7 @@ def test_llama_bf16_parity(mode):
 def test_lora_bf16_parity():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(small_llama(), peft.LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     batch = llama_batch(model)
     ref = reference(model, batch)
     ctx = get_act_offloading_ctx_manager(model)
@@ -219,26 +222,17 @@ def test_peak_memory_drops_by_most_of_offloaded_bytes():
 def test_hundred_steps_flat_gpu_and_host_memory():
     gc.collect()  # garbage of earlier tests must not be collected in the middle of this one
     model = small_llama()
-    batch = llama_batch(model, seq=256)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     ctx = get_act_offloading_ctx_manager(model)
-    proc = psutil.Process()
-    allocated, rss, allocations = [], [], []
-    for _ in range(100):
-        with ctx:
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss
-        torch.cuda.synchronize()
+    pool_allocations = []
+
+    def check():
         assert ctx.is_idle()
-        allocated.append(torch.cuda.memory_allocated())
-        rss.append(proc.memory_info().rss)
-        allocations.append(ctx.pool.allocations)
+        pool_allocations.append(ctx.pool.allocations)
+
+    allocated, rss = memory_after_each_step(model, llama_batch(model, seq=256), 100, ctx, check)
     assert len(set(allocated[5:])) == 1, f"GPU memory drifts: {sorted(set(allocated[5:]))[:4]}"
     assert rss[-1] - rss[5] < 64 << 20, f"host RSS grew {(rss[-1] - rss[5]) >> 20} MiB"
-    assert allocations[-1] == allocations[1], "pinned buffers must be reused once warm"
+    assert pool_allocations[-1] == pool_allocations[1], "pinned buffers must be reused once warm"
 
 
 def test_forward_without_backward_and_eval_leave_nothing():

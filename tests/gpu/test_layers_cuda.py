@@ -5,14 +5,21 @@ Run with ``pytest -m gpu`` on a machine with a GPU; skipped without CUDA.
 
 import gc
 
-import psutil
 import pytest
 import torch
 
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.engine.stats import WaitClock
 from offloadkit.layers import apply_layer_streaming
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    make_batch,
+    memory_after_each_step,
+    randomize_lora_b,
+    run_step,
+    step_on_side_stream,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 peft = pytest.importorskip("peft")
@@ -24,10 +31,7 @@ SLOW = 20_000_000  # device-side sleep before each copy: ~10 ms, longer than a l
 def lora_llama(layers=6, seq=512):
     model = build_llama("small", dtype=torch.bfloat16, device=DEV, num_hidden_layers=layers)
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    randomize_lora_b(model)
     model.train()
     return model, make_batch(2048, 2, seq, device=DEV)
 
@@ -69,11 +73,7 @@ def test_races_slow_copies_and_non_default_stream():
     ckpt.offloader.tier.debug_delay_cycles = SLOW
     streamer = apply_layer_streaming(model)
     streamer.debug_delay_cycles = SLOW
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got = run_step(model, batch)
-    torch.cuda.synchronize()
+    got = step_on_side_stream(run_step, model, batch)
     assert_bitwise_equal(ref[0], got[0], "loss")
     assert_bitwise_equal(ref[1], got[1], "lora grads")
     assert streamer.collect_stats().wait_seconds > 0, "slow weight copies must show as waits"
@@ -128,20 +128,13 @@ def test_hundred_steps_flat_memory_with_everything_on():
     model, batch = lora_llama(layers=4, seq=256)
     ckpt = apply_activation_checkpointing(model, offload_inputs=True)
     streamer = apply_layer_streaming(model)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    proc = psutil.Process()
-    allocated, rss, pool_allocs = [], [], []
-    for _ in range(100):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss
-        torch.cuda.synchronize()
+    pool_allocs = []
+
+    def check():
         assert ckpt.offloader.is_idle() and streamer.resident_layers == 0
-        allocated.append(torch.cuda.memory_allocated())
-        rss.append(proc.memory_info().rss)
         pool_allocs.append(ckpt.offloader.pool.allocations)
+
+    allocated, rss = memory_after_each_step(model, batch, 100, check=check)
     assert len(set(allocated[5:])) == 1, f"GPU memory drifts: {sorted(set(allocated[5:]))[:4]}"
     assert rss[-1] - rss[5] < 64 << 20, f"host RSS grew {(rss[-1] - rss[5]) >> 20} MiB"
     assert pool_allocs[-1] == pool_allocs[1], "pinned buffers must be reused once warm"

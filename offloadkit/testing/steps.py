@@ -1,0 +1,57 @@
+"""Training-loop helpers shared by the test suites: LoRA with non-zero updates, a step on a
+side stream, and a loop that records memory after every step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import psutil
+import torch
+
+__all__ = ["randomize_lora_b", "step_on_side_stream", "memory_after_each_step"]
+
+
+def randomize_lora_b(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
+    """LoRA's B matrices start at zero, which makes most adapter gradients trivially zero;
+    give them small random values so parity tests compare real numbers."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    return model
+
+
+def step_on_side_stream(fn, *args, **kwargs):
+    """Run ``fn`` with a fresh non-default CUDA stream current (after the default stream's
+    work), synchronize, and return its result."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    return out
+
+
+def memory_after_each_step(model, batch: dict, steps: int, ctx=None, check=None) -> tuple[list, list]:
+    """Train ``steps`` SGD steps; returns (device bytes allocated, host RSS) after each.
+
+    ``check()`` runs after every step (e.g. asserting that nothing is left behind).
+    """
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    proc = psutil.Process()
+    allocated, rss = [], []
+    cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    for _ in range(steps):
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss
+        if cuda:
+            torch.cuda.synchronize()
+        if check is not None:
+            check()
+        allocated.append(torch.cuda.memory_allocated() if cuda else 0)
+        rss.append(proc.memory_info().rss)
+    return allocated, rss
