@@ -266,3 +266,26 @@ def test_budget_keys_reach_the_runtime(tmp_path):
     if ram.manager is not None:
         assert ram.manager.prefetch == 2
     ram.close()
+
+
+def test_cli_train_local_model_directory_and_jsonl(tmp_path):
+    model_dir = tmp_path / "my-model"
+    build_llama("tiny", vocab_size=259).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "train.jsonl"
+    text = load_texts()[0]
+    data.write_text("\n".join(json.dumps({"body": text[i:i + 600]}) for i in range(0, 12000, 600)) + "\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {model_dir}\ndataset: {data}\ntext_field: body\nseq_len: 32\nbatch_size: 2\n"
+                      f"max_steps: 4\nlora_rank: 0\noutput_dir: {tmp_path / 'out'}\n"
+                      f"activation_offloading: disk\ndisk_dir: {tmp_path}\n")
+    proc = _cli("train", str(config))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["steps"] == 4 and report["offloaded"]["activations_to_disk_bytes_per_step"] > 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")  # full fine-tune saved
+    assert reloaded.config.vocab_size == 259
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {model_dir}\ndataset: {data}\ntext_field: text\nmax_steps: 1\nseq_len: 32\n")
+    proc = _cli("train", str(bad))
+    assert proc.returncode == 2 and "no 'text' field" in proc.stderr
