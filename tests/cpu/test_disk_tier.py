@@ -276,14 +276,6 @@ def test_o_direct_unsupported_falls_back(tmp_path, monkeypatch):
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")
     x = torch.randn(256, 256, requires_grad=True)
-    # where the filesystem supports it, auto uses it
-    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk",
-                             disk=DiskOptions(directory=str(tmp_path)))
-    with ctx:
-        y = x.sin()
-    y.sum().backward()
-    supported = ctx.storage_stats()["disk"]["direct_io"]
-    ctx.close()
     # a filesystem without O_DIRECT (older tmpfs, some overlays) refuses it with EINVAL at open
     real_open = os.open
 
@@ -311,7 +303,6 @@ def test_o_direct_unsupported_falls_back(tmp_path, monkeypatch):
         with strict:
             x.sin()
     strict.close()
-    assert supported in (True, False)
 
 
 def test_bad_options_and_unwritable_directory(tmp_path):

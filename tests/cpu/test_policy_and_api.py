@@ -241,7 +241,6 @@ def test_backward_order_is_learned_and_replayed():
         h.sum().backward()
         return x.grad.clone()
 
-    ref = x.grad = None
     first = step()
     misses_first = ctx.stats.prefetch_misses
     assert misses_first > 0  # the reverse-save guess is wrong inside each node
@@ -250,7 +249,6 @@ def test_backward_order_is_learned_and_replayed():
     assert ctx.stats.replayed_passes == 1
     assert ctx.stats.prefetch_misses == 0, "the recorded order must be replayed exactly"
     torch.testing.assert_close(first, second, rtol=0, atol=0)
-    del ref
 
 
 def test_prefetch_bytes_horizon():
