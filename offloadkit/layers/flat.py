@@ -1,11 +1,17 @@
 """One block's frozen weights as a single flat device storage backed by a pinned host copy.
 
-Each streamed parameter becomes a view into the block's flat storage (at a 512-byte
-aligned offset, so kernels see the same alignment as before and results stay bitwise
-equal). Loading resizes the storage to its full size and copies the bytes in; evicting
-resizes it to zero. Parameters, and the views autograd saved of them (``weight.t()``),
-keep pointing at the same storage object throughout, so they are valid whenever the
-block is resident. The host copy is made once: frozen weights never change.
+While the block is resident each streamed parameter is a view into the block's flat
+device storage (at a 512-byte aligned offset, so kernels see the same alignment as before
+and results stay bitwise equal). Loading resizes the storage to its full size and copies
+the bytes in; evicting resizes it to zero. The views autograd saved of the parameters
+(``weight.t()``) keep pointing at that storage object, so they are valid whenever the
+block is resident again in backward.
+
+While the block is evicted the parameters themselves point at the pinned host copy (a CPU
+tensor): reading a weight, ``state_dict()``, ``load_state_dict()`` or saving see the real
+values instead of a zero-byte storage, and using a weight in a GPU computation outside
+forward is an ordinary device-mismatch error, never a crash. The host copy is made once:
+frozen weights only change through :meth:`FlatWeights.write_back`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from offloadkit.runtime.copies import copy_on
 from offloadkit.storage.pool import HostBufferPool
 
 __all__ = ["FlatWeights", "streamable_reason"]
@@ -84,12 +91,15 @@ class FlatWeights:
             host[s.offset : s.offset + s.nbytes].copy_(src)  # the one and only copy to the host
             flat[s.offset : s.offset + s.nbytes].copy_(src)
         self.storage = flat.untyped_storage()
+        self._device_views = []
+        self._host_views = []
         for s in self.slots:
             data = s.param.data
-            s.param.data = torch.empty(0, dtype=data.dtype, device=device).set_(
-                self.storage, s.offset // data.element_size(), data.shape, data.stride()
-            )
+            self._device_views.append(torch.empty(0, dtype=data.dtype, device=device).set_(
+                self.storage, s.offset // data.element_size(), data.shape, data.stride()))
+            self._host_views.append(self.host_tensor(s))
         del flat
+        self._point_params(resident=True)
         self.resident = True
         self.ready = None  # event: the load has landed
         self.alloc_stream = None  # stream the resident memory belongs to
@@ -110,10 +120,11 @@ class FlatWeights:
             self.ready, self.alloc_stream = None, compute
         else:
             side_stream.wait_stream(compute)  # the new block may reuse memory compute just released
-            with torch.cuda.stream(side_stream):
-                dst.copy_(src, non_blocking=self.host.pinned)
+            self.host.order_device_use(side_stream)  # a write-back may still be reading the host copy
+            copy_on(side_stream, dst, src, non_blocking=self.host.pinned)
             self.ready, self.alloc_stream = side_stream.record_event(), compute
-            self.host.last_use = (side_stream, self.ready)
+            self.host.note_use(side_stream, self.ready)
+        self._point_params(resident=True)
         self.resident = True
         self.consumed = False
 
@@ -124,11 +135,37 @@ class FlatWeights:
             # A prefetched copy nobody waited for may still be writing: order reuse after it.
             self.alloc_stream.wait_event(self.ready)
         self.storage.resize_(0)
+        self._point_params(resident=False)
         self.resident = False
         self.ready = None
 
+    def _point_params(self, resident: bool) -> None:
+        views = self._device_views if resident else self._host_views
+        for slot, view in zip(self.slots, views):
+            slot.param.data = view
+
+    def check_params(self) -> None:
+        """Raise if something replaced a streamed parameter's data (e.g. ``model.to()``)."""
+        for slot, dev, host in zip(self.slots, self._device_views, self._host_views):
+            ptr = slot.param.data_ptr() if slot.param.numel() else None
+            if ptr is not None and ptr not in (dev.data_ptr() if self.resident else None, host.data_ptr()):
+                raise RuntimeError(
+                    f"offloadkit: {self.name}.{slot.name} no longer points at its streamed storage (was the "
+                    "model moved or cast with .to()/.half()?); call streamer.remove() before changing weights' "
+                    "device or dtype"
+                )
+
+    def write_back(self) -> None:
+        """Copy the resident device bytes into the host copy (after weights were changed in place)."""
+        if not self.resident:
+            return
+        if self.ready is not None:
+            self.ready.synchronize()
+        self.host.wait_host()
+        self.host.view(self.nbytes).copy_(self.byte_view())
+
     def host_tensor(self, slot: _Slot) -> torch.Tensor:
-        """The parameter's value from the host copy (for state_dict while evicted)."""
+        """The parameter's value in the host copy."""
         data = slot.param.data
         raw = self.host.view(self.nbytes)[slot.offset : slot.offset + slot.nbytes]
         return raw.view(data.dtype).view(data.shape)
@@ -146,5 +183,7 @@ class FlatWeights:
             self.ready.synchronize()
         self.ready = None
         self.consumed = True
-        self._pool.release(self.host, self.host.last_use)
+        self._point_params(resident=True)
+        self._host_views = []
+        self._pool.release(self.host)
         self.host = None

@@ -11,13 +11,18 @@ Triggers:
   (their backward is done), make ``i`` resident, prefetch ``i - 1``... So a block's
   recompute and its backward share one load, and hooks that run again during recompute
   only confirm residency; they never prefetch in the forward direction.
-* the head's backward pre-hook prefetches the last blocks; the end of backward evicts all.
+* the head's backward pre-hook prefetches the last blocks; the end of backward evicts all
+  (and the next forward evicts whatever a failed backward left resident).
 
-At most ``depth`` blocks of frozen weights are resident at any time.
+At most ``depth`` blocks of frozen weights are resident at any time. Outside forward and
+backward the weights are read from (and written to) their host copies; PEFT's
+``merge``/``unmerge`` of adapters inside a streamed block run with that block resident
+and write the merged weights back to the host copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,7 +34,7 @@ from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.layers.flat import FlatWeights, streamable_reason
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
-from offloadkit.runtime.autograd import first_grad_fn, in_backward
+from offloadkit.runtime.autograd import current_graph_task, first_grad_fn, in_backward, queue_engine_callback
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
 
@@ -80,8 +85,7 @@ class LayerStreamer:
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.RLock()
         self._handles: list = []
-        self._bwd_callback_queued = False
-        self.debug_delay_cycles = 0  # race tests: device-side sleep before each weight copy
+        self._bwd_task: int | None = None  # graph task whose end-of-backward callback is queued
 
         owners = Counter(id(p) for _, p in unwrap_model(model).named_parameters(remove_duplicate=False))
         self.layers: list[FlatWeights] = []
@@ -138,26 +142,57 @@ class LayerStreamer:
 
         self._handles.append(block.register_forward_pre_hook(pre))
         self._handles.append(block.register_forward_hook(post, always_call=True))
-        self._handles.append(block._register_state_dict_hook(self._state_dict_hook(index)))
+        # Loading into a resident block writes the device bytes: keep the host copy in step.
+        self._handles.append(block.register_load_state_dict_post_hook(
+            lambda module, keys: self.layers[index].write_back()))
+        for module in block.modules():
+            for method in ("merge", "unmerge"):
+                if callable(getattr(module, method, None)) and hasattr(module, "get_base_layer"):
+                    self._wrap_method(index, module, method)
 
-    def _state_dict_hook(self, index: int):
-        def hook(module, state_dict, prefix, local_metadata):
-            # Evicted weights have no device memory: serve their (never changing) host copy.
-            flat = self.layers[index]
-            if flat.host is not None:
-                for slot in flat.slots:
-                    key = prefix + slot.name
-                    if key in state_dict:
-                        state_dict[key] = flat.host_tensor(slot)
-            return state_dict
+    def _wrap_method(self, index: int, module: nn.Module, method: str) -> None:
+        original = getattr(module, method)
 
-        return hook
+        def resident_call(*args, **kwargs):
+            with self.resident(index):
+                return original(*args, **kwargs)
+
+        module.__dict__[method] = resident_call
+        self._handles.append(_AttrHandle(module, method, resident_call))
+
+    @contextlib.contextmanager
+    def resident(self, index: int):
+        """Keep block ``index`` resident for the ``with`` body (e.g. to edit its weights on the
+        GPU); changes are written back to the host copy afterwards.
+
+        Example:
+            >>> with streamer.resident(0):
+            ...     model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+        """
+        with self._lock:
+            layer = self.layers[index]
+            was_resident = layer.resident
+            self._ensure(index)
+        try:
+            yield layer
+        finally:
+            with self._lock:
+                if layer.device.type == "cuda":
+                    torch.cuda.current_stream(layer.device).synchronize()
+                layer.write_back()
+                if not was_resident:
+                    layer.evict()
 
     def _forward_start(self) -> None:
         if in_backward():
             return
         with self._lock:
-            for j in range(min(self.depth, len(self.layers))):
+            first = range(min(self.depth, len(self.layers)))
+            for j, layer in enumerate(self.layers):
+                layer.check_params()
+                if layer.resident and j not in first:
+                    layer.evict()  # left resident by a backward that failed before its end
+            for j in first:
                 self._prefetch(j)
 
     def _head_post_hook(self, module, args, output) -> None:
@@ -183,19 +218,19 @@ class LayerStreamer:
                 self._prefetch(j)
 
     def _queue_end_callback(self) -> None:
-        if self._bwd_callback_queued:
+        # Keyed by graph task, not a flag: a backward that raised never runs its callback,
+        # and the next pass must still queue its own.
+        task = current_graph_task()
+        if task is None or task == self._bwd_task:
             return
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._bwd_callback_queued = True
-        except RuntimeError:
-            pass
+        if queue_engine_callback(self._end_backward):
+            self._bwd_task = task
 
     def _end_backward(self) -> None:
         with self._lock:
             for layer in self.layers:
                 layer.evict()
-            self._bwd_callback_queued = False
+            self._bwd_task = None
             self._clock.collect(self._clock_stats)
             self.stats.wait_seconds = self._clock_stats.wait_seconds
 
@@ -220,10 +255,6 @@ class LayerStreamer:
         layer.consumed = True
 
     def _load(self, layer: FlatWeights) -> None:
-        if self.debug_delay_cycles and self._side is not None:
-            with torch.cuda.stream(self._side):
-                self._side.wait_stream(torch.cuda.current_stream(self.device))
-                torch.cuda._sleep(self.debug_delay_cycles)
         layer.load(self._side)
         self.stats.loads += 1
         self.stats.loaded_bytes += layer.nbytes
@@ -254,6 +285,17 @@ class LayerStreamer:
                 if layer.host is not None:
                     layer.materialize()
             self.pool.close()
+
+
+class _AttrHandle:
+    """Removes an instance attribute set by the streamer, if it is still ours."""
+
+    def __init__(self, module: nn.Module, name: str, value) -> None:
+        self.module, self.name, self.value = module, name, value
+
+    def remove(self) -> None:
+        if self.module.__dict__.get(self.name) is self.value:
+            del self.module.__dict__[self.name]
 
 
 def apply_layer_streaming(model: nn.Module, *, block_types=None, predicate=None, depth: int = 2,

@@ -1,10 +1,24 @@
-"""Small autograd helpers shared by the engine, checkpointing and layer streaming."""
+"""Autograd helpers shared by the engine, checkpointing and layer streaming.
+
+Every private autograd API offloadkit relies on is called here and nowhere else, so a
+PyTorch upgrade that moves one has a single place to mend.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["first_grad_fn", "in_backward"]
+__all__ = [
+    "current_graph_task",
+    "first_grad_fn",
+    "in_backward",
+    "pop_saved_tensor_hooks",
+    "push_saved_tensor_hooks",
+    "queue_engine_callback",
+    "version_alias",
+]
 
 
 def first_grad_fn(output):
@@ -20,7 +34,69 @@ def first_grad_fn(output):
     return None
 
 
+def current_graph_task() -> int | None:
+    """Id of the backward pass (graph task) running on this thread, or None outside one."""
+    task = torch._C._current_graph_task_id()
+    return None if task == -1 else task
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (checkpoint
     recompute included)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def queue_engine_callback(fn) -> bool:
+    """Run ``fn`` when the current backward pass ends; False outside a backward pass."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+    except RuntimeError:
+        return False
+    return True
+
+
+def push_saved_tensor_hooks(pack, unpack) -> None:
+    """Route tensors saved on this thread through ``pack``/``unpack`` until the matching pop
+    (what ``saved_tensors_hooks.__enter__`` does, without building an object per call)."""
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def pop_saved_tensor_hooks() -> None:
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+def version_alias(t: torch.Tensor) -> torch.Tensor | None:
+    """An empty tensor sharing ``t``'s version counter but not its memory.
+
+    Saved-tensor hooks turn autograd's own "modified by an inplace operation" check off.
+    To keep it without keeping the memory alive, a detached alias (which shares the version
+    counter) is pointed at an empty storage, and the counter is put back to the value it
+    had: ``set_`` counts as an in-place write. Returns None where that is not possible
+    (tensor subclasses, inference tensors); callers then fall back to a weaker check.
+    """
+    setter = _version_setter()
+    if setter is None or (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or t.is_inference():
+        return None
+    version = t._version
+    alias = t.detach()
+    with torch.no_grad():
+        alias.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
+    setter(alias, version)
+    return alias
+
+
+@functools.lru_cache(maxsize=1)
+def _version_setter():
+    """How this PyTorch sets a version counter (tuples since 2.4, one tensor before), or None."""
+    raw = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if raw is None:
+        return None
+    probe = torch.empty(1)
+    for setter in (lambda t, v: raw((t,), (v,)), lambda t, v: raw(t, v)):
+        try:
+            setter(probe, 7)
+        except (TypeError, RuntimeError):
+            continue
+        if probe._version == 7:
+            return setter
+    return None

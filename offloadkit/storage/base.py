@@ -63,7 +63,6 @@ class Stored:
 
     ``done`` is an event on ``done_stream`` that completes when the source bytes have
     been read (None: already complete); until then the device source must stay alive.
-    ``last_use`` is the (stream, event) of the newest device copy touching the host copy.
     """
 
     tier: "StorageTier"
@@ -71,7 +70,6 @@ class Stored:
     device: torch.device
     done: Any = None
     done_stream: Any = None
-    last_use: tuple | None = None
     payload: Any = field(default=None, repr=False)  # tier-private (host block, file extent, ...)
 
     def copy_finished(self) -> bool:
@@ -93,7 +91,10 @@ class Loaded:
 
 
 class StorageTier(Protocol):
+    """What the engine and the report need of a tier; nothing else is looked up by name."""
+
     name: str
+    pools: tuple  # the HostBufferPools holding this tier's host memory (primary first)
 
     def store(self, src: torch.Tensor) -> Stored | None:
         """Start moving ``src`` (uint8, 1-D) off the device; None if this tier has no room."""
@@ -103,5 +104,11 @@ class StorageTier(Protocol):
 
     def free(self, stored: Stored) -> None:
         """Give the space behind ``stored`` back (it will not be loaded again)."""
+
+    def host_bytes(self) -> int:
+        """Host RAM held (pinned buffers, staging), in use or idle."""
+
+    def stats_dict(self) -> dict:
+        """Tier counters keyed by tier name (``{"disk": {...}}``); empty when there are none."""
 
     def close(self) -> None: ...

@@ -7,7 +7,9 @@ accelerator) or place them on a slower tier.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 import weakref
 from typing import Callable
 
@@ -18,32 +20,76 @@ __all__ = ["HostMemoryBudget"]
 _GiB = 1 << 30
 
 
-CGROUP_FILES = (
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
-)
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
-def _cgroup_available(files=CGROUP_FILES) -> int | None:
-    """Bytes left under this process's cgroup memory limit (v2, then v1), or None."""
-    for limit_file, usage_file in files:
-        try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            with open(usage_file) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _own_cgroups(proc_cgroup: str) -> tuple[str | None, str | None]:
+    """This process's cgroup path for v2 (``0::/path``) and for v1's memory controller."""
+    v2 = v1 = None
+    for line in (_read(proc_cgroup) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
             continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
-            return None  # no limit set
-        return int(limit) - usage
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "memory" in parts[1].split(","):
+            v1 = parts[2]
+    return v2, v1
+
+
+def _limit_left(directory: str, limit_name: str, usage_name: str) -> int | None:
+    limit, usage = _read(os.path.join(directory, limit_name)), _read(os.path.join(directory, usage_name))
+    if limit is None or usage is None or not limit.isdigit() or not usage.isdigit():
+        return None  # "max", missing, or unreadable: no limit at this level
+    if int(limit) >= 1 << 60:
+        return None  # v1 writes "no limit" as a huge number
+    return int(limit) - int(usage)
+
+
+def _levels(root: str, path: str):
+    """``root/path`` and each of its ancestors up to ``root``."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    for i in range(len(parts), -1, -1):
+        yield os.path.join(root, *parts[:i])
+
+
+def cgroup_available(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Bytes left under the tightest memory limit of this process's cgroup and its
+    ancestors (v2, else v1), or None where none is set.
+
+    A container or a SLURM job sets its limit on its own cgroup, not on the root: reading
+    the root's files would find no limit and the job would be OOM-killed instead of
+    offloading less.
+    """
+    v2, v1 = _own_cgroups(proc_cgroup)
+    candidates = []
+    if v2 is not None:
+        candidates.append((root, v2, "memory.max", "memory.current"))
+    if v1 is not None:
+        candidates.append((os.path.join(root, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    if not candidates:  # no /proc: the root's own files, as a last resort
+        candidates = [(root, "/", "memory.max", "memory.current"),
+                      (os.path.join(root, "memory"), "/", "memory.limit_in_bytes", "memory.usage_in_bytes")]
+    for base, path, limit_name, usage_name in candidates:
+        left = [n for d in _levels(base, path) if (n := _limit_left(d, limit_name, usage_name)) is not None]
+        # Inside a namespace the cgroup path may be "/" while the files are those of our own group.
+        if left:
+            return min(left)
     return None
 
 
 def _available_bytes() -> int:
     # In a container, the host's free RAM is not ours to take: the cgroup limit is.
     available = int(psutil.virtual_memory().available)
-    cgroup = _cgroup_available()
+    cgroup = cgroup_available()
     return available if cgroup is None else min(available, cgroup)
 
 
@@ -75,25 +121,26 @@ class HostMemoryBudget:
         >>> budget.release(1 << 30)
     """
 
+    REFRESH_S = 0.05
+
     def __init__(
         self,
         limit_bytes: int | None = None,
         min_free_bytes: int | None = None,
         available_fn: Callable[[], int] | None = None,
     ) -> None:
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ValueError(
-                f"host_budget_bytes={limit_bytes!r} is negative; pass a byte count >= 0 or None for no cap"
-            )
-        if min_free_bytes is not None and min_free_bytes < 0:
-            raise ValueError(
-                f"min_free_bytes={min_free_bytes!r} is negative; pass a byte count >= 0 or None for the default"
-            )
+        for name, value in (("host_budget_bytes", limit_bytes), ("min_free_bytes", min_free_bytes)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(
+                    f"{name}={value!r} is invalid; pass a byte count (int >= 0) or None "
+                    "(strings such as '16GiB' are read by OffloadConfig / parse_bytes)"
+                )
         self.limit_bytes = limit_bytes
         self.min_free_bytes = (
             max(2 * _GiB, _total_bytes() // 10) if min_free_bytes is None else int(min_free_bytes)
         )
-        self._available = available_fn or _available_bytes
+        self._read_available = available_fn or _available_bytes
+        self._reading: tuple[float, int, int] | None = None  # (time, available, used then)
         self._used = 0
         self._peak = 0
         self._refusals = 0
@@ -126,6 +173,16 @@ class HostMemoryBudget:
     @property
     def refusals(self) -> int:
         return self._refusals
+
+    def _available(self) -> int:
+        """System RAM available now. Reading it costs a psutil call and cgroup file reads
+        (~100 us), too much for every saved tensor: a reading is reused for
+        :attr:`REFRESH_S`, minus what this budget reserved since."""
+        now = time.monotonic()
+        reading = self._reading
+        if reading is None or now - reading[0] > self.REFRESH_S:
+            reading = self._reading = (now, self._read_available(), self._used)
+        return reading[1] - (self._used - reading[2])
 
     def headroom(self) -> int:
         """Bytes that could be reserved right now."""

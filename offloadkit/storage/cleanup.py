@@ -1,29 +1,40 @@
 """Private spill directories that never outlive their process.
 
-Each disk tier gets a directory created with mode 0700 and a name carrying the owning
-PID (``offloadkit-<pid>-<random>``). Directories are removed by their tier's ``close()``,
-at interpreter exit, and on SIGTERM (the previous handler still runs afterwards). A
-process killed with SIGKILL cannot clean up: the next tier created under the same parent
-removes directories whose owning process no longer exists.
+Each disk tier gets a directory ``offloadkit-<pid>-<random>`` (mode 0700) and, beside it,
+a lock file ``<directory>.lock`` that the owner holds locked for as long as the directory
+lives. A POSIX record lock is released by the kernel when its holder dies however it dies,
+and it is honoured across PID namespaces on one host and across hosts on network file
+systems, where ``kill(pid, 0)`` says nothing. So a directory is stale exactly when its lock
+can be taken: the next tier created under the same parent removes such directories.
+
+The tier's files are unlinked as soon as they are opened (their space returns when the
+process ends, even on SIGKILL); the empty directory goes with the tier's ``close()``, at
+interpreter exit (registered when the first directory is made, never at import), or with
+the next tier's stale sweep. No signal handler is installed: a graceful-preemption handler
+(Trainer, torchrun, SLURM) that keeps the process running keeps its directory too.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import os
 import re
 import shutil
-import signal
+import stat
 import tempfile
 import threading
+import time
 
-__all__ = ["create_private_dir", "remove_dir", "remove_stale_dirs", "live_dirs"]
+__all__ = ["create_private_dir", "remove_dir", "remove_stale_dirs", "live_dirs", "check_parent"]
 
 _PREFIX = "offloadkit-"
-_NAME = re.compile(r"^offloadkit-(\d+)-")
-_live: set[str] = set()
+_NAME = re.compile(r"^offloadkit-\d+-[A-Za-z0-9_]+$")
+_GRACE_S = 60.0  # a directory with no lock file younger than this may still be starting up
+_live: dict[str, int] = {}  # directory -> fd of its held lock file
 _lock = threading.Lock()
-_sigterm_installed = False
+_atexit_registered = False
 
 
 def live_dirs() -> set[str]:
@@ -31,92 +42,129 @@ def live_dirs() -> set[str]:
         return set(_live)
 
 
-def _pid_alive(pid: int) -> bool:
+def check_parent(parent: str) -> str:
+    """The real path of a user-given spill parent, refusing one an attacker could redirect.
+
+    A symlinked parent is followed only when its target is owned by this user (or by root
+    with the sticky bit, like ``/tmp``) and no one else can write to it otherwise.
+
+    Raises:
+        ValueError: naming the parent, its target and the fix.
+    """
+    real = os.path.realpath(parent)
+    if os.path.islink(parent) and os.path.exists(real):
+        st = os.stat(real)
+        sticky = bool(st.st_mode & stat.S_ISVTX)
+        others_write = bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+        owner_ok = st.st_uid == os.getuid() or (st.st_uid == 0 and sticky)
+        if not owner_ok or (others_write and not sticky):
+            raise ValueError(
+                f"disk directory {parent!r} is a symlink to {real!r}, which is owned by uid {st.st_uid} "
+                f"or writable by others; pass a directory you own (e.g. {real!r} after checking it)"
+            )
+    return real
+
+
+def _try_lock(path: str) -> int | None:
+    """Open and lock ``path``; the fd on success, None if someone holds it."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _is_real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)  # never a symlink to one
+    except OSError:
         return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def remove_stale_dirs(parent: str) -> list[str]:
-    """Remove this user's spill directories under ``parent`` whose process is gone."""
-    removed = []
+    """Remove this user's spill directories under ``parent`` whose owner is gone; returns
+    the directories really removed."""
+    removed: list[str] = []
     try:
         names = os.listdir(parent)
     except OSError:
         return removed
     uid = os.getuid()
+    mine = live_dirs()
     for name in names:
-        match = _NAME.match(name)
+        if not _NAME.match(name):
+            continue
         path = os.path.join(parent, name)
-        if not match or int(match.group(1)) == os.getpid():
+        if path in mine or not _is_real_dir(path) or os.lstat(path).st_uid != uid:
             continue
-        try:
-            if os.lstat(path).st_uid != uid or not os.path.isdir(path):
-                continue
-        except OSError:
-            continue
-        if not _pid_alive(int(match.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
+        lock_path = path + ".lock"
+        if os.path.exists(lock_path):
+            fd = _try_lock(lock_path)
+            if fd is None:
+                continue  # its owner is alive, wherever it runs
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.lexists(path):
+                    os.unlink(lock_path)
+            finally:
+                os.close(fd)
+        elif time.time() - os.lstat(path).st_mtime > _GRACE_S:
+            shutil.rmtree(path, ignore_errors=True)  # no lock at all: left by a crash mid-cleanup
+        if not os.path.lexists(path):
             removed.append(path)
     return removed
 
 
 def create_private_dir(parent: str | None = None) -> str:
-    """A new directory only this user can read (0700), removed when the process ends.
+    """A new directory only this user can read (0700), locked by this process.
 
     Raises:
         OSError: naming the parent directory, when it cannot be created or written.
     """
-    parent = parent or tempfile.gettempdir()
+    parent = check_parent(parent) if parent else tempfile.gettempdir()
     try:
         os.makedirs(parent, exist_ok=True)
         remove_stale_dirs(parent)
-        path = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent)  # mode 0700
+        # The lock file comes first, so no sweep ever sees the directory unlocked.
+        fd, lock_path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", suffix=".lock", dir=parent)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = lock_path[: -len(".lock")]
+        try:
+            os.mkdir(path, 0o700)
+        except OSError:
+            os.close(fd)
+            os.unlink(lock_path)
+            raise
     except OSError as exc:
-        raise OSError(exc.errno, f"offloadkit: cannot create a spill directory in {parent!r}: {exc.strerror}; "
-                                 "pass a writable disk directory") from exc
+        raise OSError(exc.errno or errno.EIO, f"offloadkit: cannot create a spill directory in {parent!r}: "
+                                              f"{exc.strerror}; pass a writable disk directory") from exc
+    global _atexit_registered
     with _lock:
-        _live.add(path)
-    _install_sigterm_handler()
+        _live[path] = fd
+        if not _atexit_registered:
+            atexit.register(_remove_all)
+            _atexit_registered = True
     return path
 
 
 def remove_dir(path: str) -> None:
+    """Remove a directory made by :func:`create_private_dir`, then release its lock."""
     shutil.rmtree(path, ignore_errors=True)
     with _lock:
-        _live.discard(path)
+        fd = _live.pop(path, None)
+    if fd is not None:
+        try:
+            os.unlink(path + ".lock")
+        except OSError:
+            pass
+        os.close(fd)
 
 
 def _remove_all() -> None:
     for path in live_dirs():
         remove_dir(path)
-
-
-atexit.register(_remove_all)
-
-
-def _install_sigterm_handler() -> None:
-    global _sigterm_installed
-    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum, frame):
-        _remove_all()
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_IGN:
-            return
-        else:  # default action: terminate, as if this handler were not there
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    try:
-        signal.signal(signal.SIGTERM, on_sigterm)
-        _sigterm_installed = True
-    except ValueError:  # not the main thread of the main interpreter
-        pass

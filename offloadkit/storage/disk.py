@@ -5,14 +5,18 @@ segment file with 4 KiB-aligned lengths and offsets (``O_DIRECT`` where the file
 takes it, so the page cache does not eat the RAM the tier exists to save), written and
 read by small thread pools whose ``os.pwrite``/``os.preadv`` calls release the GIL.
 Staging buffers come from a page-aligned pool accounted against the host budget; bytes
-in flight are bounded. A segment is unlinked as soon as its last entry is freed, which
-is the end of the step in a training loop.
+in flight are bounded. Segment files are unlinked as soon as they are opened (they live
+on through their descriptors, and their space returns when the process ends however it
+ends); a freed entry's extent is punched out of its file, so the space on disk follows
+what is alive even while an old graph keeps a few entries of a segment.
 
 Ordering: a write job waits for the device->host copy's event before touching the
-staging buffer; a read job waits for the entry's write, reads, then queues the
-host->device copy on the side stream (after the compute stream reached the point where
-the destination was allocated) and returns that copy's event; consumers wait for the
-job on the host and for the event on their stream.
+staging buffer; a read job waits for the entry's write and for every device copy still
+using its staging buffer (a recycled buffer may be the source of a host->device copy
+queued behind busy compute), reads, then queues the host->device copy on the side stream
+(after the compute stream reached the point where the destination was allocated) and
+returns that copy's event; consumers wait for the job on the host and for the event on
+their stream. After ``close()`` a graph that is still alive is read back synchronously.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import shutil
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -31,11 +35,14 @@ import torch
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import FutureCompletion, Loaded, Stored
 from offloadkit.storage.budget import HostMemoryBudget
+from offloadkit.runtime.copies import copy_on
 from offloadkit.storage.cleanup import create_private_dir, remove_dir
 from offloadkit.storage.fileio import (
     Busy,
     align,
+    allocated_bytes,
     pread_all,
+    punch_hole,
     pwrite_all,
     temporary_block,
     view,
@@ -58,20 +65,29 @@ class DiskOptions:
         threads: I/O threads for writes and, separately, for reads (>= 1).
         direct_io: True, False or "auto" (O_DIRECT where the filesystem supports it).
         max_inflight_bytes: writes queued but not finished, at most (backpressure).
+        segment_bytes: a segment file is closed to new entries past this size, so that
+            space returns even where the file system cannot punch holes.
     """
 
     directory: str | None = None
     threads: int = 4
     direct_io: bool | str = "auto"
     max_inflight_bytes: int = 1 << 30
+    segment_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        if not isinstance(self.threads, int) or self.threads < 1:
+        if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
+            raise ValueError(f"disk directory={self.directory!r} is invalid; pass a path (str) or None")
+        if self.directory is not None:
+            self.directory = os.fspath(self.directory)
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
             raise ValueError(f"disk threads={self.threads!r} is invalid; pass an int >= 1")
         if self.direct_io not in (True, False, "auto"):
             raise ValueError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
-        if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < 0:
-            raise ValueError(f"max_inflight_bytes={self.max_inflight_bytes!r} is invalid; pass bytes >= 0")
+        for name in ("max_inflight_bytes", "segment_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} is invalid; pass a byte count >= 0")
 
 
 @dataclass
@@ -81,6 +97,7 @@ class DiskStats:
     write_busy_s: float = 0.0  # wall time with at least one write in progress
     read_busy_s: float = 0.0
     segments: int = 0
+    holes_punched: int = 0
     fallbacks: int = 0  # entries kept in RAM because the disk refused them
     direct_io: bool | None = None
 
@@ -106,7 +123,7 @@ class _Segment:
     size: int = 0
     live: int = 0  # entries stored in it and not freed
     pending: int = 0  # I/O jobs that still use the descriptor
-    retired: bool = False  # unlinked; closed once no job uses it
+    sealed: bool = False  # takes no new entries; closed once nothing lives in it or uses it
 
 
 @dataclass(eq=False)
@@ -142,19 +159,26 @@ class DiskTier:
 
     def __init__(self, budget: HostMemoryBudget, options: DiskOptions | None = None, pin_memory: bool = True,
                  use_streams: bool = True) -> None:
+        if options is not None and not isinstance(options, DiskOptions):
+            raise ValueError(f"disk={options!r} is invalid; pass DiskOptions(directory=...) or None")
         self.options = options or DiskOptions()
         self.directory = create_private_dir(self.options.directory)
         # Staging is transient and bounded by max_inflight_bytes: the RAM cap (meant for
         # bytes kept in RAM) must not starve it; the free-RAM guard still applies.
         self.pool = HostBufferPool(pin_memory and torch.cuda.is_available(), budget, respect_cap=False)
+        self.pools = (self.pool,)
         self.use_streams = use_streams
         self.stats = DiskStats()
-        self._writer = ThreadPoolExecutor(self.options.threads, thread_name_prefix="offloadkit-disk-write")
-        self._reader = ThreadPoolExecutor(self.options.threads, thread_name_prefix="offloadkit-disk-read")
+        self._writer: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            self.options.threads, thread_name_prefix="offloadkit-disk-write")
+        self._reader: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            self.options.threads, thread_name_prefix="offloadkit-disk-read")
         self._lock = threading.Condition()
         self._segment: _Segment | None = None
+        self._segments: set[_Segment] = set()  # open descriptors
         self._segment_count = 0
         self._direct: bool | None = None if self.options.direct_io == "auto" else bool(self.options.direct_io)
+        self._can_punch = True
         self._inflight = 0
         self._pending_write_bytes = 0
         self.bytes_on_disk = 0  # extents allocated and not freed
@@ -166,6 +190,8 @@ class DiskTier:
 
     # -- StorageTier ---------------------------------------------------------------------
     def store(self, src: torch.Tensor) -> Stored | None:
+        if self._closed:
+            raise RuntimeError("offloadkit: the disk tier was closed; create a new manager")
         nbytes = src.numel()
         length = align(max(nbytes, 1))
         block = self._acquire_staging(nbytes)
@@ -174,7 +200,7 @@ class DiskTier:
             if free < length:
                 raise self._full_error(free, length)
             return None  # no staging memory at all: the engine keeps the tensor on the device
-        segment, offset = self._allocate(length, block)
+        segment, offset = self._allocate(length)
         if segment is None:
             budget = self.pool.budget
             if budget.limit_bytes is not None and budget.used_bytes > budget.limit_bytes:
@@ -186,26 +212,24 @@ class DiskTier:
         stored = Stored(tier=self, nbytes=nbytes, device=src.device)
         compute = current_stream(src.device)
         if compute is None:
-            if block.last_use is not None:
-                block.last_use[1].synchronize()  # a recycled buffer may still be in a device copy
+            block.wait_host()  # a recycled buffer may still be in a device copy
             block.view(nbytes).copy_(src)
             copied = None
         else:
             stream = self._side(src.device) if self.use_streams else compute
             if stream is not compute:
                 stream.wait_stream(compute)  # the source was produced on the compute stream
-            if block.last_use is not None and block.last_use[0] != stream:
-                stream.wait_event(block.last_use[1])
-            with torch.cuda.stream(stream):
-                block.view(nbytes).copy_(src, non_blocking=block.pinned)
+            block.order_device_use(stream)  # a recycled buffer may still feed an earlier copy
+            copy_on(stream, block.view(nbytes), src, non_blocking=block.pinned)
             copied = stream.record_event()
+            block.note_use(stream, copied)
             stored.done, stored.done_stream = copied, stream
         record = _Record(segment, offset, length, copied=copied)
         stored.payload = record
         if segment is None:  # no room on disk: the staging buffer is the copy
             record.fallback = block
             return stored
-        record.write = self._writer.submit(self._write_job, record, block, copied)
+        record.write = self._submit_write(record, block, copied)
         return stored
 
     def adopt(self, block: HostBlock, nbytes: int, device: torch.device, copied, pool: HostBufferPool,
@@ -215,12 +239,14 @@ class DiskTier:
         ``on_done(ok)`` runs when the write finished (``ok``) or failed; either way the block
         still belongs to the caller. Returns None when the disk has no room.
         """
+        if self._closed:
+            return None
         length = align(max(nbytes, 1))
-        segment, offset = self._allocate(length, block)
+        segment, offset = self._allocate(length)
         if segment is None:
             return None
         record = _Record(segment, offset, length, copied=copied, pool=pool)
-        record.write = self._writer.submit(self._write_job, record, block, copied, on_done)
+        record.write = self._submit_write(record, block, copied, on_done)
         return Stored(tier=self, nbytes=nbytes, device=device, payload=record)
 
     def load(self, stored: Stored) -> Loaded:
@@ -234,12 +260,21 @@ class DiskTier:
         if record.segment is not None:
             with self._lock:
                 record.segment.pending += 1
-        future = self._reader.submit(self._read_job, record, stored.nbytes, dst, allocated, stream)
+        with self._lock:
+            reader = self._reader
+        if reader is None:
+            # Closed while a graph is still alive: read it back on this thread.
+            future: Future = Future()
+            try:
+                future.set_result(self._read_job(record, stored.nbytes, dst, allocated, stream))
+            except BaseException as exc:
+                future.set_exception(exc)
+        else:
+            future = reader.submit(self._read_job, record, stored.nbytes, dst, allocated, stream)
         return Loaded(dst, ready=FutureCompletion(future), alloc_stream=compute)
 
     def free(self, stored: Stored, wait: bool = True) -> None:
-        """Give the entry's space back; with ``wait``, after its write finished (so the
-        segment file is gone by the time the step's last entry is freed)."""
+        """Give the entry's space back; with ``wait``, after its write finished."""
         record: _Record = stored.payload
         if record.write is not None and not record.write.done():
             if wait:
@@ -249,17 +284,34 @@ class DiskTier:
                 return
         self._release(record)
 
+    def host_bytes(self) -> int:
+        return self.pool.bytes_held
+
+    def disk_bytes(self) -> int:
+        """Bytes the file system really holds for this tier's files."""
+        with self._lock:
+            return sum(allocated_bytes(s.fd) for s in self._segments if s.fd >= 0)
+
+    def stats_dict(self) -> dict:
+        d = self.stats.as_dict()
+        d.update(bytes_on_disk=self.bytes_on_disk, disk_bytes=self.disk_bytes())
+        return {"disk": d}
+
     def close(self) -> None:
-        """Finish queued I/O, close files, remove the directory."""
+        """Finish queued I/O and remove the directory. Entries of graphs still alive stay
+        readable (their descriptors stay open) until they are freed."""
         if self._closed:
             return
         self._closed = True
-        self._writer.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
         with self._lock:
-            if self._segment is not None and not self._segment.retired:
-                self._retire(self._segment)
-            self._segment = None
+            writer, reader = self._writer, self._reader
+            self._writer = self._reader = None
+        for pool in (writer, reader):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        with self._lock:
+            if self._segment is not None:
+                self._seal(self._segment)
         remove_dir(self.directory)
         self.pool.close()
 
@@ -278,13 +330,17 @@ class DiskTier:
             block = self.pool.acquire(nbytes)
         return block
 
-    def _allocate(self, length: int, block: HostBlock) -> tuple[_Segment | None, int]:
+    def _allocate(self, length: int) -> tuple[_Segment | None, int]:
         with self._lock:
             free = shutil.disk_usage(self.directory).free - self._pending_write_bytes
             if free < length:
                 return None, 0
             segment = self._segment
-            if segment is None or segment.retired:
+            if segment is not None and segment.size + length > max(self.options.segment_bytes, length) \
+                    and segment.size:
+                self._seal(segment)
+                segment = None
+            if segment is None:
                 segment = self._segment = self._open_segment()
             offset = segment.size
             segment.size += length
@@ -301,20 +357,23 @@ class DiskTier:
         self.stats.segments += 1
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         direct_flag = getattr(os, "O_DIRECT", 0)
+        fd = -1
         if self._direct is not False and direct_flag:
             try:
                 fd = os.open(path, flags | direct_flag, 0o600)
                 self._direct = True
-                self.stats.direct_io = True
-                return _Segment(path, fd, True)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or self.options.direct_io is True:
                     raise OSError(exc.errno, f"offloadkit: cannot open {path} with O_DIRECT: {exc.strerror}"
                                   + ("; set direct_io to auto or false" if exc.errno == errno.EINVAL else "")) from exc
                 self._direct = False  # e.g. tmpfs: fall back to buffered I/O
-        fd = os.open(path, flags, 0o600)
-        self.stats.direct_io = False
-        return _Segment(path, fd, False)
+        if fd < 0:
+            fd = os.open(path, flags, 0o600)
+        self.stats.direct_io = bool(self._direct)
+        os.unlink(path)  # lives on through fd; its space returns when the process ends
+        segment = _Segment(path, fd, bool(self._direct))
+        self._segments.add(segment)
+        return segment
 
     def _full_error(self, free: int, length: int) -> DiskFullError:
         return DiskFullError(
@@ -331,6 +390,16 @@ class DiskTier:
                           RuntimeWarning, stacklevel=4)
 
     # -- jobs ------------------------------------------------------------------------------
+    def _submit_write(self, record: _Record, block: HostBlock, copied, on_done=None) -> Future:
+        with self._lock:
+            writer = self._writer
+        if writer is not None:
+            return writer.submit(self._write_job, record, block, copied, on_done)
+        future: Future = Future()  # closed: write on this thread
+        self._write_job(record, block, copied, on_done)
+        future.set_result(None)
+        return future
+
     def _write_job(self, record: _Record, block: HostBlock, copied, on_done=None) -> None:
         segment = record.segment
         if copied is not None:
@@ -364,38 +433,43 @@ class DiskTier:
                 self._lock.notify_all()
 
     def _read_job(self, record: _Record, nbytes: int, dst: torch.Tensor, allocated, stream):
-        if record.write is not None:
-            record.write.result()  # the bytes must be on disk (or kept in RAM) first
         segment = record.segment
-        staging, pooled = record.fallback, False
         try:
+            if record.write is not None:
+                record.write.result()  # the bytes must be on disk (or kept in RAM) first
+            staging, pooled = record.fallback, False
             if staging is None:
                 staging = self.pool.acquire(record.length)
                 pooled = staging is not None
                 if staging is None:  # over budget: a short-lived buffer outside the pool
                     staging = temporary_block(record.length)
-                with self._lock:
-                    self._read_busy.start(time.perf_counter())
-                try:
-                    pread_all(segment.fd, view(staging, record.length), record.offset)
-                finally:
+            try:
+                if staging is not record.fallback:
+                    # A recycled buffer may still be the source of a host->device copy queued
+                    # behind busy compute: the read must not overwrite it before that copy ran.
+                    staging.wait_host()
                     with self._lock:
-                        self.stats.read_busy_s += self._read_busy.stop(time.perf_counter())
-                        self.stats.bytes_read += record.length
-            if stream is None:
-                dst.copy_(staging.view(nbytes))
-                event = None
-            else:
+                        self._read_busy.start(time.perf_counter())
+                    try:
+                        pread_all(segment.fd, view(staging, record.length), record.offset)
+                    finally:
+                        with self._lock:
+                            self.stats.read_busy_s += self._read_busy.stop(time.perf_counter())
+                            self.stats.bytes_read += record.length
+                if stream is None:
+                    staging.wait_host()
+                    dst.copy_(staging.view(nbytes))
+                    return None
                 with torch.cuda.device(dst.device):
                     stream.wait_event(allocated)  # dst may reuse memory compute released before that point
-                    if record.copied is not None:
-                        stream.wait_event(record.copied)  # RAM-kept bytes: their device->host copy first
-                    with torch.cuda.stream(stream):
-                        dst.copy_(staging.view(nbytes), non_blocking=staging.pinned)
+                    staging.order_device_use(stream)  # RAM-kept bytes: their device->host copy first
+                    copy_on(stream, dst, staging.view(nbytes), non_blocking=staging.pinned)
                     event = stream.record_event()
-            if pooled:
-                self.pool.release(staging, (stream, event) if event is not None else None)
-            return event
+                staging.note_use(stream, event)
+                return event
+            finally:
+                if pooled:
+                    self.pool.release(staging)  # also when the read failed: never leak the buffer
         finally:
             if segment is not None:
                 with self._lock:
@@ -409,7 +483,7 @@ class DiskTier:
                 return
             record.freed = True
         if record.fallback is not None:
-            (record.pool or self.pool).release(record.fallback, record.fallback.last_use)
+            (record.pool or self.pool).release(record.fallback)
             record.fallback = None
         segment = record.segment
         if segment is None:
@@ -417,24 +491,26 @@ class DiskTier:
         with self._lock:
             segment.live -= 1
             self.bytes_on_disk -= record.length
-            if segment.live == 0 and not segment.retired:
-                self._retire(segment)  # the step is over for this file
+            if segment.fd >= 0 and segment.live > 0 and self._can_punch:
+                # Other entries keep this file: give this extent's blocks back now.
+                if punch_hole(segment.fd, record.offset, record.length):
+                    self.stats.holes_punched += 1
+                else:
+                    self._can_punch = False
+            if segment.live == 0:
+                self._seal(segment)
 
-    def _retire(self, segment: _Segment) -> None:
-        segment.retired = True
+    def _seal(self, segment: _Segment) -> None:
+        segment.sealed = True
         if self._segment is segment:
             self._segment = None
-        try:
-            os.unlink(segment.path)
-        except FileNotFoundError:
-            pass
         self._maybe_close(segment)
 
-    @staticmethod
-    def _maybe_close(segment: _Segment) -> None:
-        if segment.retired and segment.pending == 0 and segment.fd >= 0:
+    def _maybe_close(self, segment: _Segment) -> None:
+        if segment.sealed and segment.live == 0 and segment.pending == 0 and segment.fd >= 0:
             os.close(segment.fd)
             segment.fd = -1
+            self._segments.discard(segment)
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from offloadkit.runtime.device import PAGE_SIZE
 from offloadkit.storage.pool import HostBlock
 
-__all__ = ["Busy", "align", "view", "temporary_block", "pwrite_all", "pread_all"]
+__all__ = ["Busy", "align", "allocated_bytes", "view", "temporary_block", "punch_hole", "pwrite_all", "pread_all"]
 
 
 class Busy:
@@ -31,6 +32,35 @@ class Busy:
     def stop(self, now: float) -> float:
         self.active -= 1
         return now - self.since if self.active == 0 else 0.0
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+@functools.lru_cache(maxsize=1)
+def _fallocate():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # not Linux/glibc
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give the blocks of ``[offset, offset + length)`` back to the file system (the file
+    keeps its size). False where the file system or platform cannot."""
+    fn = _fallocate()
+    if fn is None:
+        return False
+    return fn(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0
+
+
+def allocated_bytes(fd: int) -> int:
+    """Bytes the file system holds for ``fd`` (holes excluded)."""
+    return os.fstat(fd).st_blocks * 512
 
 
 def align(n: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from offloadkit.runtime.copies import copy_on
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import Loaded, Stored
 from offloadkit.storage.pool import HostBufferPool
@@ -45,11 +46,9 @@ class HostTier:
 
     def __init__(self, pool: HostBufferPool, use_streams: bool = True) -> None:
         self.pool = pool
+        self.pools = (pool,)
         self.use_streams = bool(use_streams)
         self._side_streams: dict[int, torch.cuda.Stream] = {}
-        # Race tests: a device-side sleep queued before every side-stream copy makes any
-        # missing wait show up as wrong numbers instead of passing by luck.
-        self.debug_delay_cycles = 0
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -68,24 +67,16 @@ class HostTier:
         stored = Stored(tier=self, nbytes=nbytes, device=src.device, payload=block)
         compute = current_stream(src.device)
         if compute is None:
-            if block.last_use is not None:
-                block.last_use[1].synchronize()  # a recycled buffer may still be in a device copy
+            block.wait_host()  # a recycled block may still be in a device copy
             host.copy_(src)
             return stored
-        if self.use_streams:
-            side = self.side_stream(src.device)
-            # The source was produced by work already queued on the compute stream.
-            side.wait_stream(compute)
-            self._after_last_use(side, block)
-            with torch.cuda.stream(side):
-                self._debug_delay()
-                host.copy_(src, non_blocking=block.pinned)
-            stored.done, stored.done_stream = side.record_event(), side
-        else:
-            self._after_last_use(compute, block)
-            host.copy_(src, non_blocking=block.pinned)
-            stored.done, stored.done_stream = compute.record_event(), compute
-        stored.last_use = (stored.done_stream, stored.done)
+        stream = self.side_stream(src.device) if self.use_streams else compute
+        if stream is not compute:
+            stream.wait_stream(compute)  # the source was produced by work queued on compute
+        block.order_device_use(stream)  # a recycled block may still be read by an earlier copy
+        copy_on(stream, host, src, non_blocking=block.pinned)
+        stored.done, stored.done_stream = stream.record_event(), stream
+        block.note_use(stream, stored.done)
         return stored
 
     def load(self, stored: Stored) -> Loaded:
@@ -97,37 +88,26 @@ class HostTier:
         if compute is None:
             dst.copy_(host)
             return Loaded(dst)
-        if self.use_streams:
-            side = self.side_stream(stored.device)
-            # dst may reuse memory whose last reader is compute work queued before now.
-            side.wait_stream(compute)
-            with torch.cuda.stream(side):
-                self._debug_delay()
-                dst.copy_(host, non_blocking=block.pinned)
-            ready = side.record_event()
-            stored.last_use = (side, ready)
-            return Loaded(dst, ready=ready, alloc_stream=compute)
-        if stored.done_stream is not None and stored.done_stream != compute:
-            compute.wait_event(stored.done)  # stored on another stream: order after that copy
-        dst.copy_(host, non_blocking=block.pinned)
-        ready = compute.record_event()  # consumers on other streams wait on this
-        stored.last_use = (compute, ready)
+        stream = self.side_stream(stored.device) if self.use_streams else compute
+        if stream is not compute:
+            stream.wait_stream(compute)  # dst may reuse memory whose last reader is queued on compute
+        # The bytes must have landed: the device->host copy may be on another stream.
+        block.order_device_use(stream)
+        copy_on(stream, dst, host, non_blocking=block.pinned)
+        ready = stream.record_event()  # consumers on other streams wait on this
+        block.note_use(stream, ready)
         return Loaded(dst, ready=ready, alloc_stream=compute)
 
     def free(self, stored: Stored) -> None:
         block, stored.payload = stored.payload, None
         if block is not None:
-            self.pool.release(block, stored.last_use)
+            self.pool.release(block)  # the block carries its pending copies
+
+    def host_bytes(self) -> int:
+        return self.pool.bytes_held
+
+    def stats_dict(self) -> dict:
+        return {}
 
     def close(self) -> None:
         self.pool.close()
-
-    def _debug_delay(self) -> None:
-        if self.debug_delay_cycles:
-            torch.cuda._sleep(self.debug_delay_cycles)
-
-    @staticmethod
-    def _after_last_use(stream: torch.cuda.Stream, block) -> None:
-        # A recycled host buffer may still be read by an earlier copy on another stream.
-        if block.last_use is not None and block.last_use[0] != stream:
-            stream.wait_event(block.last_use[1])

@@ -56,6 +56,7 @@ class TieredTier:
 
     def __init__(self, ram: HostTier, disk: DiskTier, reserve_bytes: int = 512 << 20) -> None:
         self.ram, self.disk = ram, disk
+        self.pools = (ram.pool, disk.pool)
         cap = ram.pool.budget.limit_bytes
         self.reserve_bytes = reserve_bytes if cap is None else min(reserve_bytes, cap // 4)
         self.stats = TieredStats()
@@ -115,6 +116,12 @@ class TieredTier:
         else:
             self.disk.free(place.inner)
 
+    def host_bytes(self) -> int:
+        return sum(pool.bytes_held for pool in self.pools)
+
+    def stats_dict(self) -> dict:
+        return {"tiered": self.stats.as_dict(), **self.disk.stats_dict()}
+
     def close(self) -> None:
         self.disk.close()
         self.ram.close()
@@ -150,9 +157,8 @@ class TieredTier:
                     self.stats.demoted_entries += 1
                     self.stats.demoted_bytes += ram_stored.nbytes
                 self._lock.notify_all()
-                last_use = ram_stored.last_use
             if ok:
-                self.ram.pool.release(block, last_use)  # loads of the RAM copy were queued before
+                self.ram.pool.release(block)  # carries the loads of the RAM copy queued before
                 ram_stored.payload = None
                 if place.freed:
                     self.disk.free(disk_stored, wait=False)  # called from the write job itself

@@ -130,9 +130,12 @@ def test_files_gone_after_exception(tmp_path):
 
 
 CHILD = textwrap.dedent("""
-    import sys, time, torch
+    import signal, sys, time, torch
     from offloadkit import OffloadActivations
     from offloadkit.storage import DiskOptions
+    stop = []
+    if sys.argv[2] == "graceful":  # like Trainer/torchrun/SLURM preemption handlers: finish the step
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk",
                              disk=DiskOptions(directory=sys.argv[1]))
     x = torch.randn(256, 256, requires_grad=True)
@@ -140,23 +143,40 @@ CHILD = textwrap.dedent("""
         y = x.sin().cos()
     for e in list(ctx._entries):
         e.stored.payload.write.result()
-    print(ctx.tier.directory, flush=True)
-    time.sleep(60)
+    print(ctx.tier.directory, ctx.tier.disk_bytes(), flush=True)
+    deadline = time.time() + 60
+    while not stop and time.time() < deadline:
+        time.sleep(0.05)
+    y.sum().backward()  # reads the spilled activations back after the signal
+    ok = torch.equal(x.grad, (-torch.sin(torch.sin(x.detach())) * torch.cos(x.detach())))
+    print("backward-ok" if ok else "backward-wrong", flush=True)
 """)
 
 
-def _spawn(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    directory = proc.stdout.readline().strip()
-    assert directory and os.path.isdir(directory) and os.listdir(directory), "child did not spill"
+def _spawn(tmp_path, mode="default"):
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), mode], stdout=subprocess.PIPE, text=True)
+    directory, disk_bytes = proc.stdout.readline().split()
+    assert os.path.isdir(directory) and int(disk_bytes) > 0, "child did not spill"
     return proc, directory
 
 
-def test_sigterm_removes_the_directory(tmp_path):
-    proc, directory = _spawn(tmp_path)
+def test_sigterm_with_a_graceful_handler_keeps_the_run_going(tmp_path):
+    proc, directory = _spawn(tmp_path, "graceful")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == -signal.SIGTERM  # the default action still happens
-    assert not os.path.exists(directory)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=60) == 0
+    assert "backward-ok" in out, out
+    assert not os.path.exists(directory), "removed at exit"
+
+
+def test_sigterm_default_action_leaves_no_data_and_the_next_start_cleans_up(tmp_path):
+    proc, directory = _spawn(tmp_path)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # offloadkit installs no handler
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert os.listdir(directory) == [], "segment files are unlinked once open: no data outlives the process"
+    fresh = create_private_dir(str(tmp_path))
+    assert not os.path.exists(directory) and os.path.isdir(fresh)
 
 
 def test_stale_directory_of_a_killed_process_is_removed(tmp_path):
