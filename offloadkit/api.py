@@ -34,10 +34,11 @@ def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
         manager.flush()
 
     def post_hook(module, args, output):
+        step = manager.current_step()
         manager.mark_tail()
         grad_fn = first_grad_fn(output)
-        if grad_fn is not None:
-            grad_fn.register_prehook(lambda grad_outputs: manager.begin_backward())
+        if grad_fn is not None and step is not None:
+            grad_fn.register_prehook(lambda grad_outputs: manager.begin_backward(step))
 
     manager.add_hook_handle(head.register_forward_pre_hook(pre_hook))
     manager.add_hook_handle(head.register_forward_hook(post_hook))
@@ -93,7 +94,8 @@ def get_act_offloading_ctx_manager(
     )
     manager.track(model)
     base = unwrap_model(model)
-    manager.add_hook_handle(model.register_forward_pre_hook(lambda *_: manager.mark_forward_start()))
+    manager.add_hook_handle(model.register_forward_pre_hook(manager.forward_pre_hook))
+    manager.add_hook_handle(model.register_forward_hook(manager.forward_post_hook, always_call=True))
     head = head if head is not None else find_output_head(base)
     if head is None:
         if warn_if_no_head:

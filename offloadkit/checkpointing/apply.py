@@ -97,15 +97,17 @@ class CheckpointedBlocks:
         last = index == len(self.blocks) - 1
         if index == 0 and self.offloader is not None:
             self.offloader.policy.refresh()  # once per forward: parameters may have moved
+            self.offloader.mark_forward_start()
         offload = self.offloader is not None and not (last and self._keep_last_input)
         capture = self.offloader.capture() if offload else contextlib.nullcontext()
         with capture:
             out = checkpoint(original, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
         if self.offloader is not None:
             grad_fn = first_grad_fn(out)
-            if grad_fn is not None:
+            step = self.offloader.current_step()
+            if grad_fn is not None and step is not None:
                 # When backward reaches this block, the inputs of the blocks before it start coming back.
-                grad_fn.register_prehook(lambda grad_outputs: self.offloader.begin_backward())
+                grad_fn.register_prehook(lambda grad_outputs: self.offloader.begin_backward(step))
             if last:
                 self.offloader.flush()  # nothing of ours stays in flight into the loss
         return out

@@ -23,13 +23,20 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from offloadkit.engine.policy import OffloadPolicy
-from offloadkit.engine.prefetch import PrefetchPlanner
-from offloadkit.engine.spans import DeathQueue, Entry, Packed, span_view, storage_span
+from offloadkit.engine.prefetch import PrefetchPlanner, Step
+from offloadkit.engine.spans import DeathQueue, Entry, Kept, Packed, span_view, storage_span
 from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.runtime.autograd import (
+    current_graph_task,
+    pop_saved_tensor_hooks,
+    push_saved_tensor_hooks,
+    queue_engine_callback,
+)
 from offloadkit.runtime.device import accelerator_available, current_stream
 from offloadkit.storage.base import order_after
 from offloadkit.storage.budget import HostMemoryBudget
-from offloadkit.storage.factory import build_tier
+from offloadkit.storage.disk import DiskOptions
+from offloadkit.storage.factory import STORAGE_KINDS, build_tier
 
 __all__ = ["OffloadActivations"]
 
@@ -96,15 +103,9 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         offload_cpu_tensors: bool = False,
         measure_waits: bool = True,
     ) -> None:
-        if not isinstance(max_fwd_stash_size, int) or max_fwd_stash_size < 1:
-            raise ValueError(
-                f"max_fwd_stash_size={max_fwd_stash_size!r} is invalid; it must be an int >= 1 "
-                "(it bounds the device tensors kept alive while their copies are in flight)"
-            )
-        if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 0):
-            raise ValueError(f"prefetch={prefetch!r} is invalid; pass an int >= 0 (entries fetched ahead)")
-        if prefetch_bytes is not None and (not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
-            raise ValueError(f"prefetch_bytes={prefetch_bytes!r} is invalid; pass a byte count >= 0 or None")
+        _check_args(use_pin_memory=use_pin_memory, use_streams=use_streams, max_fwd_stash_size=max_fwd_stash_size,
+                    prefetch=prefetch, prefetch_bytes=prefetch_bytes, host_budget_bytes=host_budget_bytes,
+                    storage=storage, disk=disk, offload_cpu_tensors=offload_cpu_tensors)
         device_types = ("cuda", "cpu") if offload_cpu_tensors else ("cuda",)
         self.policy = OffloadPolicy(min_offload_size, device_types)
         self.use_streams = bool(use_streams)
@@ -131,17 +132,17 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         self._entries: set[Entry] = set()
         self._by_storage: dict[int, list[Entry]] = {}
         self._planner = PrefetchPlanner()
-        self._new_step_pending = False
         self._stash: deque[Entry] = deque()
-        self._bwd_active = False
-        self._bwd_task = -1  # autograd graph task of the current pass
-        self._bwd_pass = 0
-        self._keep_depth = 0  # > 0 inside excluded modules
-        self._tail = False  # after the output head: everything left in forward is needed at once
+        self._passes: dict[int, Step] = {}  # steps being consumed by a backward pass, by step id
+        # Forward state is per thread: a forward in another thread (nn.DataParallel replicas,
+        # user threads) has its own step, tail and excluded regions.
+        self._local = threading.local()
+        self._entered_threads: set[int] = set()
         self._budget_warned = False
         self._handles: list = []  # module hooks attached on this manager's behalf
         self._closed = False
         super().__init__(self._pack, self._unpack)
+
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self):
@@ -149,21 +150,37 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             raise RuntimeError("this OffloadActivations was closed; create a new one")
         with self._lock:
             self._drain()
-            self._tail = False
-            self._keep_depth = 0
             self.policy.refresh()
+            self._reset_forward()
+            self._entered_threads.add(threading.get_ident())
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, tb):
         super().__exit__(exc_type, exc, tb)
         with self._lock:
-            self._tail = False
-            self._keep_depth = 0
+            self._entered_threads.discard(threading.get_ident())
+            state = self._state()
+            state.tail, state.keep_depth = False, 0
             if exc_type is not None:
                 # The graph of a failed forward is about to be dropped; do not pin device memory for it.
                 self._flush_stash()
             self._drain()
         return False
+
+    # -- per-thread forward state -------------------------------------------------------------
+    def _state(self):
+        local = self._local
+        if not hasattr(local, "step"):
+            local.step, local.tail, local.keep_depth, local.pushed = None, False, 0, 0
+        return local
+
+    def _reset_forward(self) -> None:
+        state = self._state()
+        state.step, state.tail, state.keep_depth = None, False, 0
+
+    def current_step(self) -> Step | None:
+        """The step (graph) this thread's forward is saving into, if any."""
+        return self._state().step
 
     # -- public API --------------------------------------------------------------------------
     def track(self, module: torch.nn.Module) -> None:
@@ -176,10 +193,18 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     def keep_enter(self) -> None:
         """Start a region whose saved tensors stay on the device (see :meth:`exclude`)."""
-        self._keep_depth += 1
+        self._state().keep_depth += 1
 
     def keep_exit(self) -> None:
-        self._keep_depth = max(0, self._keep_depth - 1)
+        state = self._state()
+        state.keep_depth = max(0, state.keep_depth - 1)
+
+    def update_model_params(self, model: torch.nn.Module) -> None:
+        """Never offload ``model``'s parameters (re-read now; call again after they change).
+
+        The name TRL's engine gives this; :meth:`track` does the same.
+        """
+        self.track(model)
 
     def exclude(self, module: torch.nn.Module) -> None:
         """Keep everything ``module`` saves on the device. Detached by :meth:`remove`."""
@@ -187,8 +212,25 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         self._handles.append(module.register_forward_hook(lambda *_: self.keep_exit(), always_call=True))
 
     def mark_forward_start(self) -> None:
-        """A new forward begins (called by a root-module pre-hook)."""
-        self._tail = False
+        """A new forward begins (called by a root-module pre-hook): a new step."""
+        self._reset_forward()
+
+    def forward_pre_hook(self, module, args) -> None:
+        """Root-module pre-hook: a new step; and a forward that runs on another thread than the
+        one that entered the context (``nn.DataParallel`` replicas, user threads) gets the hooks
+        pushed for its duration, since saved-tensor hooks are per thread."""
+        self._reset_forward()
+        state = self._state()
+        if (self._entered_threads and threading.get_ident() not in self._entered_threads
+                and torch.is_grad_enabled()):
+            push_saved_tensor_hooks(self._pack, self._unpack)
+            state.pushed += 1
+
+    def forward_post_hook(self, module, args, output) -> None:
+        state = self._state()
+        if state.pushed:
+            state.pushed -= 1
+            pop_saved_tensor_hooks()
 
     def flush(self) -> None:
         """Let go of every device source whose copy is in flight (GPU-side waits only).
@@ -207,28 +249,30 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         at the peak.
         """
         with self._lock:
-            self._tail = True
+            self._state().tail = True
             self._flush_stash()
 
-    def begin_backward(self) -> None:
-        """Backward reached a known point (the head, a block's output): start the pass if it
-        has not started, and top the prefetch window up from the next entry needed."""
+    def begin_backward(self, step: Step | None) -> None:
+        """Backward reached a known point of ``step``'s graph (the head, a block's output):
+        start its pass if it has not started, and top the prefetch window up."""
+        if step is None:
+            return
         with self._lock:
             self._drain()
-            if not self._bwd_active:
-                self._begin_backward()
-            else:
-                self._prefetch(None)
+            if step.live <= 0:
+                return
+            self._pass_for(step)
+            self._prefetch(step, None)
 
     @contextlib.contextmanager
     def capture(self):
         """Route saved tensors through this manager for a short region, without the
         per-step work of ``__enter__`` (used around each checkpointed block's inputs)."""
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        push_saved_tensor_hooks(self._pack, self._unpack)
         try:
             yield self
         finally:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            pop_saved_tensor_hooks()
 
     def remove(self) -> None:
         """Detach every module hook this manager attached."""
@@ -252,9 +296,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     def _death_after_close(self, entry: Entry, seen_gen: int) -> None:
         with self._lock:
-            entry.live -= 1
-            if entry.live <= 0:
-                self._release(entry)
+            self._handle_died(entry, seen_gen)
 
     def drain(self) -> None:
         """Process handles autograd has released (done automatically on every hook call)."""
@@ -287,59 +329,88 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     @property
     def pool(self):
-        return getattr(self.tier, "pool", None) or getattr(getattr(self.tier, "ram", None), "pool", None)
+        """The tier's primary host pool (pinned RAM, or disk staging)."""
+        return self.tier.pools[0]
+
+    def host_bytes(self) -> int:
+        """Host RAM held by the storage tier (in use or cached)."""
+        return self.tier.host_bytes()
 
     def storage_stats(self) -> dict:
         """Counters of the storage tier(s): bytes written/read and bandwidth for disk, demotions."""
-        out = {"tier": self.tier.name}
-        disk = self.tier if self.tier.name == "disk" else getattr(self.tier, "disk", None)
-        if disk is not None:
-            out["disk"] = disk.stats.as_dict()
-        if self.tier.name == "tiered":
-            out["tiered"] = self.tier.stats.as_dict()
-        return out
+        return {"tier": self.tier.name, "host_bytes": self.tier.host_bytes(), **self.tier.stats_dict()}
 
     # -- pack ----------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
         nbytes = t.numel() * t.element_size()
-        reason = "excluded" if (self._keep_depth or self._tail) else self.policy.keep_reason(t)
+        state = self._state()
+        reason = "excluded" if (state.keep_depth or state.tail) else self.policy.keep_reason(t)
         if reason is not None:
             with self._lock:
                 self.stats.saved_tensors += 1
                 self.stats.note_kept(reason, nbytes)
-            return t.detach()  # never the tensor itself: that would form a reference cycle
+            return Kept(t)
         with self._lock:
             self.stats.saved_tensors += 1
             self._drain()
-            if self._bwd_active and torch._C._current_graph_task_id() == -1:
-                self._finish_pass()  # the last backward failed before its end callback ran
-            if self._new_step_pending or not self._entries:
-                self._planner.new_step()
-                self._new_step_pending = False
+            step = state.step
+            if step is None or step.passes or step.live <= 0:
+                step = state.step = Step()  # a new forward, or one whose backward already began
             storage = t.untyped_storage()
             start, end = storage_span(t)
-            entry = self._find(storage._cdata, start, end, t._version)
+            entry = self._find(step, storage._cdata, start, end, t._version)
             if entry is not None:
                 self.stats.deduplicated_tensors += 1
                 self.stats.deduplicated_bytes += nbytes
-                self._planner.on_saved(entry, new=False)  # backward needs it at its newest use
+                self._planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
             else:
-                entry = self._offload(storage, start, end, t.device, t._version)
+                overlapping = self._overlapping(step, storage._cdata, start, end, t._version)
+                if overlapping:
+                    start = min(start, *(e.start for e in overlapping))
+                    end = max(end, *(e.end for e in overlapping))
+                entry = self._offload(step, storage, start, end, t.device, t._version)
                 if entry is None:
                     self.stats.note_kept("budget", nbytes)
-                    return t.detach()
+                    return Kept(t)
+                for old in overlapping:
+                    self._merge(old, entry)
             entry.live += 1
             return Packed(entry, t, self._dead)
 
-    def _find(self, key: int, start: int, end: int, version: int) -> Entry | None:
-        # Same storage, range covered, and no in-place write since the copy was taken
+    def _find(self, step: Step, key: int, start: int, end: int, version: int) -> Entry | None:
+        # Same storage and graph, range covered, and no in-place write since the copy was taken
         # (views share their base's version counter).
         for entry in self._by_storage.get(key, ()):
-            if entry.start <= start and end <= entry.end and entry.version == version:
+            if entry.step is step and entry.start <= start and end <= entry.end and entry.version == version:
                 return entry
         return None
 
-    def _offload(self, storage, start: int, end: int, device: torch.device, version: int) -> Entry | None:
+    def _overlapping(self, step: Step, key: int, start: int, end: int, version: int) -> list[Entry]:
+        return [e for e in self._by_storage.get(key, ())
+                if e.step is step and e.version == version and e.start < end and start < e.end]
+
+    def _merge(self, old: Entry, new: Entry) -> None:
+        """``new`` covers ``old``'s range: serve ``old``'s handles from it and give ``old``'s
+        copy back, so each storage's bytes are held once (a slice saved before the whole)."""
+        old.merged_into, old.shift = new, old.start - new.start
+        new.live += old.live
+        self.stats.offloaded_bytes -= old.nbytes
+        self.stats.offloaded_tensors -= 1
+        self.stats.merged_entries += 1
+        if old.src is not None:
+            try:
+                self._stash.remove(old)
+            except ValueError:
+                pass
+            # Copies on one stream run in order: new's copy, queued after, covers old's source.
+            same = new.stored.done_stream is not None and old.stored.done_stream is new.stored.done_stream
+            self._drop_source(old, wait=not same)
+        self._entries.discard(old)
+        self._by_storage[old.key].remove(old)
+        self._planner.on_released(old)
+        old.stored.tier.free(old.stored)  # its pending copy is remembered by the tier
+
+    def _offload(self, step: Step, storage, start: int, end: int, device: torch.device, version: int):
         src = span_view(storage, start, end, device)
         stored = self.tier.store(src)
         if stored is None:
@@ -365,7 +436,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         self.stats.offloaded_bytes += entry.nbytes
         self._entries.add(entry)
         self._by_storage.setdefault(entry.key, []).append(entry)
-        self._planner.on_saved(entry, new=True)
+        self._planner.on_saved(step, entry, new=True)
         if not stored.copy_finished():
             entry.src, entry.src_stream = src, current_stream(device)
             self._stash.append(entry)
@@ -393,31 +464,29 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
 
     # -- unpack --------------------------------------------------------------------------------
     def _unpack(self, packed):
+        if isinstance(packed, Kept):
+            return packed.unpack()
         if not isinstance(packed, Packed):
             return packed
         with self._lock:
             self._drain()
-            entry = packed.entry
+            entry, shift = packed.entry.resolve()
             if entry.released:
                 raise RuntimeError(
                     "offloadkit: a saved tensor was unpacked after its offloaded copy was freed "
                     "(was the manager closed while its graph was still alive?)"
                 )
             packed.check_version()
-            if self._bwd_active and torch._C._current_graph_task_id() != self._bwd_task:
-                self._finish_pass()  # a pass that failed, or a new graph task
-            if not self._bwd_active:
-                self._begin_backward()
+            step = entry.step
+            self._pass_for(step)
             if entry.gpu is None:
                 self._fetch(entry)
                 self.stats.prefetch_misses += 1
             elif entry.prefetched:
                 self.stats.prefetch_hits += 1
                 entry.prefetched = False
-            if entry.consumed_pass != self._bwd_pass:
-                entry.consumed_pass = self._bwd_pass
-                self._planner.on_consumed(entry)
-            self._prefetch(entry)
+            self._planner.on_consumed(step, entry)
+            self._prefetch(step, entry)
             consumer = current_stream(entry.device)
             self._clock.wait(consumer, entry.gpu_ready, "backward", self.stats)
             if consumer is not None and entry.gpu_stream is not None and consumer != entry.gpu_stream:
@@ -425,7 +494,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
                 entry.gpu.record_stream(consumer)
             # The resident copy is a fetched buffer (offset 0) or, for a source still on the
             # device, a view of the original storage starting at entry.start.
-            offset = entry.gpu.storage_offset() // packed.itemsize + packed.offset
+            offset = (entry.gpu.storage_offset() + shift) // packed.itemsize + packed.offset
             out = torch.empty(0, dtype=packed.dtype, device=entry.device).set_(
                 entry.gpu.untyped_storage(), offset, packed.size, packed.stride
             )
@@ -437,57 +506,61 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
                     self._drop_resident(entry, consumed=True)
             return out
 
-    def _begin_backward(self) -> None:
-        self._bwd_pass += 1
-        if self.prefetch_bytes is None:
-            self._window_bytes = sum(e.nbytes for e in self._entries) // 16
-        if self._planner.begin_pass():
+    def _pass_for(self, step: Step) -> None:
+        """Make sure a backward pass of the current graph task is consuming ``step``."""
+        task = current_graph_task()
+        if self._passes.get(step.id) is step and step.task == task:
+            return
+        if self._passes.get(step.id) is step:
+            self._finish_pass(step)  # a pass that failed, or a new graph task on the same graph
+        if step.passes == 0:
+            self._window(step)
+        if self._planner.begin_pass(step, task):
             self.stats.replayed_passes += 1
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._bwd_active = True
-            self._bwd_task = torch._C._current_graph_task_id()
-        except RuntimeError:
-            pass  # unpacked outside a backward pass (e.g. reading grad_fn._saved_*)
+        self._passes[step.id] = step
+        if task is not None:
+            queue_engine_callback(lambda: self._end_backward(step, task))
         # Sources still on the device are the newest entries: backward needs them first.
-        while self._stash:
-            entry = self._stash.pop()
+        for entry in [e for e in self._stash if e.step is step]:
+            self._stash.remove(entry)
             self._make_resident(entry, entry.src, ready=None, stream=entry.src_stream,
                                 guard=(entry.src_stream, entry.stored.done))
             entry.src = None
             self.stats.stash_hits += 1
-        self._prefetch(None)
+        self._prefetch(step, None)
 
-    def _end_backward(self) -> None:
+    def _window(self, step: Step) -> None:
+        if self.prefetch_bytes is None:
+            step.window_bytes = sum(e.nbytes for e in step.by_seq.values()) // 16
+        else:
+            step.window_bytes = self.prefetch_bytes
+
+    def _end_backward(self, step: Step, task: int) -> None:
         with self._lock:
-            self._finish_pass()
+            if self._passes.get(step.id) is step and step.task == task:
+                self._finish_pass(step)
 
-    def _finish_pass(self) -> None:
+    def _finish_pass(self, step: Step) -> None:
         self._drain()
-        for entry in list(self._entries):
+        for entry in list(step.by_seq.values()):
             if entry.gpu is not None:
                 self._drop_resident(entry, consumed=False)  # fetched but never used this pass
-        self._planner.end_pass()
-        self._new_step_pending = True
-        self._bwd_active = False
-        self._bwd_task = -1
+        self._planner.end_pass(step)
+        self._passes.pop(step.id, None)
         self._clock.collect(self.stats)
 
-    def _prefetch(self, current: Entry | None) -> None:
+    def _prefetch(self, step: Step, current: Entry | None) -> None:
         if self.prefetch <= 0:
             return
         ahead = ahead_bytes = 0
-        for entry in self._planner.upcoming(current, self._consumed):
+        for entry in self._planner.upcoming(step, current):
             if entry.gpu is None:
                 self._fetch(entry)
                 entry.prefetched = True
             ahead += 1
             ahead_bytes += entry.nbytes
-            if ahead >= self.prefetch and ahead_bytes >= self._window_bytes:
+            if ahead >= self.prefetch and ahead_bytes >= step.window_bytes:
                 break
-
-    def _consumed(self, entry: Entry) -> bool:
-        return entry.consumed_pass == self._bwd_pass
 
     def _fetch(self, entry: Entry) -> None:
         loaded = entry.stored.tier.load(entry.stored)
@@ -516,15 +589,17 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         dead = self._dead
         while dead:
             entry, seen_gen = dead.popleft()
-            entry.live -= 1
-            if entry.gpu is not None and seen_gen != entry.gen:
-                entry.waiting -= 1
-                if entry.waiting <= 0:
-                    self._drop_resident(entry, consumed=False)
-            if entry.live <= 0:
-                self._release(entry)
-        if not self._entries:
-            self._planner.reset()
+            self._handle_died(entry, seen_gen)
+
+    def _handle_died(self, entry: Entry, seen_gen: int) -> None:
+        entry, _ = entry.resolve()
+        entry.live -= 1
+        if entry.gpu is not None and seen_gen != entry.gen:
+            entry.waiting -= 1
+            if entry.waiting <= 0:
+                self._drop_resident(entry, consumed=False)
+        if entry.live <= 0:
+            self._release(entry)
 
     def _release(self, entry: Entry) -> None:
         if entry.released:
@@ -546,6 +621,9 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             if not sharers:
                 del self._by_storage[entry.key]
         self._planner.on_released(entry)
+        step = entry.step
+        if step is not None and step.live <= 0 and self._passes.get(step.id) is step:
+            self._passes.pop(step.id, None)
 
     def _check_accelerator(self) -> None:
         global _warned_no_accelerator
@@ -572,3 +650,26 @@ def _weak(storage):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(storage)
+
+
+def _check_args(**args) -> None:
+    """``ValueError`` naming the argument, the value and the fix, before anything is built."""
+    for name in ("use_pin_memory", "use_streams", "offload_cpu_tensors"):
+        if not isinstance(args[name], bool):
+            raise ValueError(f"{name}={args[name]!r} is invalid; pass True or False")
+    stash = args["max_fwd_stash_size"]
+    if not isinstance(stash, int) or isinstance(stash, bool) or stash < 1:
+        raise ValueError(f"max_fwd_stash_size={stash!r} is invalid; it must be an int >= 1 "
+                         "(it bounds the device tensors kept alive while their copies are in flight)")
+    for name, what in (("prefetch", "entries fetched ahead"), ("prefetch_bytes", "bytes kept in flight ahead"),
+                       ("host_budget_bytes", "a byte cap on host memory")):
+        value = args[name]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name}={value!r} is invalid; pass an int >= 0 ({what}) or None"
+                             + ("; sizes like '16GiB' are read by OffloadConfig" if isinstance(value, str) else ""))
+    if args["storage"] not in STORAGE_KINDS:
+        raise ValueError(f"storage={args['storage']!r} is invalid; choose one of {', '.join(STORAGE_KINDS)}")
+    disk = args["disk"]
+    if disk is not None and not isinstance(disk, DiskOptions):
+        raise ValueError(f"disk={disk!r} is invalid; pass DiskOptions(directory=...) "
+                         f"(e.g. disk=DiskOptions(directory={disk!r})) or None")

@@ -1,101 +1,128 @@
-"""In which order backward will need offloaded entries.
+"""In which order backward will need offloaded entries, per graph.
 
-The first backward of a model assumes the reverse of the order in which entries were
-last saved. That is close but not exact: one autograd node may unpack several saved
-tensors in its own field order (attention unpacks q, k, v, out, ...), and parallel
-branches interleave. So every backward also records the order in which entries were
-really consumed; when the next step's forward creates the same entries (same count and
-sizes, the usual case for a training loop), backward replays that recorded order.
-The order is only a hint: a wrong guess costs a wait, never a wrong result.
+Every forward that saves tensors opens a :class:`Step` (its graph's entries, in save
+order). A backward pass consumes one step. The first backward of a model assumes the
+reverse of the order in which entries were last saved. That is close but not exact: one
+autograd node may unpack several saved tensors in its own field order (attention unpacks
+q, k, v, out, ...), and parallel branches interleave. So every pass that consumes a whole
+step records the order in which its entries were really used; the next step with the same
+number of entries replays it, also when its sizes differ (variable-length batches save
+the same tensors at other lengths). The order is only a hint: a wrong guess costs a wait,
+never a wrong result.
+
+Everything is tied to the step it came from, so a partial ``autograd.grad`` on an older
+retained graph, or two threads sharing one manager, never mix their bookkeeping.
 """
 
 from __future__ import annotations
 
+import itertools
+
 from offloadkit.engine.spans import BackwardOrder, Entry
 
-__all__ = ["PrefetchPlanner"]
+__all__ = ["PrefetchPlanner", "Step"]
+
+_step_ids = itertools.count()
+
+
+class Step:
+    """The offloaded entries of one forward (one graph), in save order."""
+
+    __slots__ = ("id", "order", "by_seq", "next_seq", "live", "passes", "task", "cursor", "plan", "trace",
+                 "consumed", "window_bytes")
+
+    def __init__(self) -> None:
+        self.id = next(_step_ids)
+        self.order = BackwardOrder()
+        self.by_seq: dict[int, Entry] = {}
+        self.next_seq = 0
+        self.live = 0  # entries not yet released
+        self.passes = 0  # backward passes started on it
+        self.task: int | None = None  # graph task consuming it now
+        self.cursor = 0
+        self.plan: list[int] | None = None  # the learned order, when it fits this step
+        self.trace: list[int] = []  # seqs in consumption order during the current pass
+        self.consumed: set[int] = set()  # seqs used in the current pass
+        self.window_bytes = 0
 
 
 class PrefetchPlanner:
-    """Tracks save order, records consumption order, and proposes what to fetch next."""
+    """Tracks save order per step, records consumption order, proposes what to fetch next."""
 
     def __init__(self) -> None:
-        self.order = BackwardOrder()
-        self._by_seq: dict[int, Entry] = {}
-        self._next_seq = 0
-        self._trace: list[tuple[int, int]] = []  # (seq, nbytes) in consumption order
-        self._plan: list[int] | None = None
-        self._plan_sizes: list[int] | None = None
-        self._active: list[int] | None = None  # the plan, when it matches this step
-        self._cursor = 0
+        self._plan: list[int] | None = None  # learned from the last pass that used a whole step
 
     # -- forward -----------------------------------------------------------------------
-    def new_step(self) -> None:
-        """Entries created from now on belong to a new forward."""
-        self._by_seq.clear()
-        self._next_seq = 0
-
-    def on_saved(self, entry: Entry, new: bool) -> None:
+    @staticmethod
+    def on_saved(step: Step, entry: Entry, new: bool) -> None:
         if new:
-            entry.seq = self._next_seq
-            self._next_seq += 1
-            self._by_seq[entry.seq] = entry
-        self.order.push(entry)
+            entry.step = step
+            entry.seq = step.next_seq
+            step.next_seq += 1
+            step.by_seq[entry.seq] = entry
+            step.live += 1
+        step.order.push(entry)
 
-    def on_released(self, entry: Entry) -> None:
-        self.order.remove(entry)
-        if self._by_seq.get(entry.seq) is entry:
-            del self._by_seq[entry.seq]
+    @staticmethod
+    def on_released(entry: Entry) -> None:
+        step = entry.step
+        if step is None:
+            return
+        step.order.remove(entry)
+        if step.by_seq.get(entry.seq) is entry:
+            del step.by_seq[entry.seq]
+            step.live -= 1
+        if step.live <= 0:
+            step.order.clear()
 
     # -- backward ----------------------------------------------------------------------
-    def begin_pass(self) -> bool:
-        """Start recording; returns True when this pass replays the learned order."""
-        self._trace = []
-        self._cursor = 0
+    def begin_pass(self, step: Step, task: int | None) -> bool:
+        """Start consuming ``step``; returns True when this pass replays the learned order."""
+        step.task = task
+        step.passes += 1
+        step.cursor = 0
+        step.trace = []
+        step.consumed = set()
         plan = self._plan
-        ok = (
-            plan is not None
-            and len(plan) == self._next_seq == len(self._by_seq)
-            and all(self._by_seq[s].nbytes == n for s, n in zip(plan, self._plan_sizes))
-        )
-        self._active = plan if ok else None
+        ok = plan is not None and len(plan) == step.next_seq == len(step.by_seq)
+        step.plan = plan if ok else None
         return ok
 
-    def on_consumed(self, entry: Entry) -> None:
-        """First use of ``entry`` in this backward pass."""
-        self._trace.append((entry.seq, entry.nbytes))
+    @staticmethod
+    def on_consumed(step: Step, entry: Entry) -> bool:
+        """Record the first use of ``entry`` in this pass; False if it was already used."""
+        if entry.seq in step.consumed:
+            return False
+        step.consumed.add(entry.seq)
+        step.trace.append(entry.seq)
+        return True
 
-    def end_pass(self) -> None:
+    def end_pass(self, step: Step) -> None:
         # Learn only from a pass that used every entry of its forward exactly once.
-        seqs = [s for s, _ in self._trace]
-        if seqs and len(seqs) == len(set(seqs)) == self._next_seq:
-            self._plan, self._plan_sizes = seqs, [n for _, n in self._trace]
-        self._trace = []
-        self._active = None
+        if step.trace and len(step.trace) == step.next_seq:
+            self._plan = step.trace
+        step.trace = []
+        step.plan = None
+        step.task = None
 
-    def upcoming(self, current: Entry | None, consumed):
-        """Entries in the order backward should need them next, skipping consumed ones.
-
-        ``consumed(entry)`` tells whether an entry was already used in this pass.
-        """
-        if self._active is not None:
-            plan, by_seq = self._active, self._by_seq
-            while self._cursor < len(plan):  # slide past the consumed front
-                e = by_seq.get(plan[self._cursor])
-                if e is None or e.released or consumed(e):
-                    self._cursor += 1
+    @staticmethod
+    def upcoming(step: Step, current: Entry | None):
+        """Entries of ``step`` in the order backward should need them next, skipping used ones."""
+        consumed = step.consumed
+        if step.plan is not None:
+            plan, by_seq = step.plan, step.by_seq
+            while step.cursor < len(plan):  # slide past the consumed front
+                e = by_seq.get(plan[step.cursor])
+                if e is None or e.released or e.seq in consumed:
+                    step.cursor += 1
                 else:
                     break
-            for i in range(self._cursor, len(plan)):
+            for i in range(step.cursor, len(plan)):
                 e = by_seq.get(plan[i])
-                if e is not None and not e.released and not consumed(e) and e is not current:
+                if e is not None and not e.released and e.seq not in consumed and e is not current:
                     yield e
             return
-        pos = len(self.order) if current is None else current.pos
-        for e in self.order.below(pos):
-            if not consumed(e):
+        pos = len(step.order) if current is None or current.step is not step else current.pos
+        for e in step.order.below(pos):
+            if e.seq not in consumed:
                 yield e
-
-    def reset(self) -> None:
-        if not self._by_seq:
-            self.order.clear()

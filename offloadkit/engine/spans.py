@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["ALIGN", "DeathQueue", "Entry", "Packed", "storage_span", "span_view"]
+from offloadkit.runtime.autograd import version_alias
+
+__all__ = ["ALIGN", "DeathQueue", "Entry", "Kept", "Packed", "inplace_error", "storage_span", "span_view"]
 
 # The CUDA caching allocator hands out 512-byte aligned blocks. Copying from a 512-aligned
 # start keeps every restored tensor's address congruent to the original modulo 512, so
@@ -56,9 +58,10 @@ class Entry:
     device: torch.device
     stored: object  # storage.base.Stored
     version: int = 0  # the source's version counter when the copy was taken
-    pos: int = -1  # position in the backward-order list
+    pos: int = -1  # position in its step's backward-order list
     seq: int = -1  # creation index within its forward (keys the learned backward order)
-    live: int = 0  # handles alive
+    step: object = None  # the prefetch.Step (forward / graph) it belongs to
+    live: int = 0  # handles alive (including those of entries merged into it)
     # Forward: the device source, kept alive while its copy is in flight.
     src: torch.Tensor | None = None
     src_stream: object = None
@@ -70,8 +73,19 @@ class Entry:
     gen: int = 0  # bumped every time a new resident copy is made
     waiting: int = 0  # live handles that have not consumed the current resident copy
     prefetched: bool = False
-    consumed_pass: int = -1  # backward pass in which a handle last unpacked it
     released: bool = False
+    # Set when a later save covered this entry's range and more: its handles are served by
+    # ``merged_into`` (``shift`` bytes further in), and its own copy was given back.
+    merged_into: "Entry | None" = None
+    shift: int = 0
+
+    def resolve(self) -> tuple["Entry", int]:
+        """The entry that holds this one's bytes now, and the byte offset of ours in it."""
+        entry, shift = self, 0
+        while entry.merged_into is not None:
+            shift += entry.shift
+            entry = entry.merged_into
+        return entry, shift
 
     @property
     def nbytes(self) -> int:
@@ -114,12 +128,15 @@ class Packed:
     """What autograd stores for an offloaded tensor: a handle, never the tensor itself.
 
     Holding the tensor would form a reference cycle (tensor -> grad_fn -> saved -> tensor)
-    that keeps the graph alive when no backward runs. A weak reference and the version
-    counter value let unpack detect an in-place write after the save, as autograd does
-    (saved-tensor hooks switch autograd's own check off).
+    that keeps the graph alive when no backward runs. An empty alias sharing the tensor's
+    version counter (:func:`~offloadkit.runtime.autograd.version_alias`) and the value it had
+    let unpack detect an in-place write after the save exactly as autograd does (saved-tensor
+    hooks switch autograd's own check off), also when the saved tensor object itself is gone
+    and a view of it was written.
     """
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "itemsize", "version", "ref", "seen_gen", "_dead")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "itemsize", "version", "alias", "ref",
+                 "seen_gen", "_dead")
 
     def __init__(self, entry: Entry, t: torch.Tensor, dead: DeathQueue) -> None:
         self.entry = entry
@@ -130,18 +147,15 @@ class Packed:
         # elements from the entry's first byte (entry.start is a multiple of every itemsize)
         self.offset = (t.storage_offset() * self.itemsize - entry.start) // self.itemsize
         self.version = t._version
-        self.ref = weakref.ref(t)
+        self.alias = version_alias(t)
+        self.ref = weakref.ref(t) if self.alias is None else None  # weaker fallback
         self.seen_gen = -1
         self._dead = dead
 
     def check_version(self) -> None:
-        t = self.ref()
+        t = self.alias if self.alias is not None else (self.ref() if self.ref is not None else None)
         if t is not None and t._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a saved {self.dtype} tensor of shape {tuple(self.size)} is at "
-                f"version {t._version}; expected version {self.version} instead (offloadkit)"
-            )
+            raise inplace_error(self.dtype, self.size, t._version, self.version)
 
     def __del__(self) -> None:
         # Runs on whichever thread drops the last reference (often an autograd worker).
@@ -149,6 +163,32 @@ class Packed:
             self._dead.append((self.entry, self.seen_gen))
         except Exception:  # interpreter shutdown
             pass
+
+
+def inplace_error(dtype, size, now: int, expected: int) -> RuntimeError:
+    """The error autograd raises for a saved tensor written in place after it was saved."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{dtype}{list(size)}] is at version {now}; expected version "
+        f"{expected} instead. Hint: the saved tensor was written in place between forward and "
+        "backward (offloadkit keeps autograd's check)"
+    )
+
+
+class Kept:
+    """What autograd stores for a tensor that stays where it is: a detached alias (sharing
+    memory and version counter) and the version it had, so in-place writes still raise."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t.detach()  # never the tensor itself: that would form a reference cycle
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise inplace_error(self.tensor.dtype, self.tensor.shape, self.tensor._version, self.version)
+        return self.tensor
 
 
 @dataclass

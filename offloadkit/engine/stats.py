@@ -26,6 +26,7 @@ class OffloadStats:
     offloaded_bytes: int = 0
     deduplicated_tensors: int = 0
     deduplicated_bytes: int = 0
+    merged_entries: int = 0  # copies given back because a later save covered them and more
     kept_tensors: int = 0
     kept_bytes: int = 0
     kept_by_reason: Counter = field(default_factory=Counter)

@@ -6,8 +6,6 @@ PyTorch upgrade that moves one has a single place to mend.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 __all__ = [
@@ -69,34 +67,13 @@ def version_alias(t: torch.Tensor) -> torch.Tensor | None:
     """An empty tensor sharing ``t``'s version counter but not its memory.
 
     Saved-tensor hooks turn autograd's own "modified by an inplace operation" check off.
-    To keep it without keeping the memory alive, a detached alias (which shares the version
-    counter) is pointed at an empty storage, and the counter is put back to the value it
-    had: ``set_`` counts as an in-place write. Returns None where that is not possible
-    (tensor subclasses, inference tensors); callers then fall back to a weaker check.
+    To keep it without keeping the memory alive: a detached alias shares the version
+    counter, and assigning ``.data`` swaps its storage for an empty one while keeping that
+    counter (no version bump, so nothing another thread reads changes). Returns None for
+    tensor subclasses, whose ``.data`` may not be plain; callers then use a weaker check.
     """
-    setter = _version_setter()
-    if setter is None or (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or t.is_inference():
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
         return None
-    version = t._version
     alias = t.detach()
-    with torch.no_grad():
-        alias.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
-    setter(alias, version)
+    alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return alias
-
-
-@functools.lru_cache(maxsize=1)
-def _version_setter():
-    """How this PyTorch sets a version counter (tuples since 2.4, one tensor before), or None."""
-    raw = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-    if raw is None:
-        return None
-    probe = torch.empty(1)
-    for setter in (lambda t, v: raw((t,), (v,)), lambda t, v: raw(t, v)):
-        try:
-            setter(probe, 7)
-        except (TypeError, RuntimeError):
-            continue
-        if probe._version == 7:
-            return setter
-    return None
