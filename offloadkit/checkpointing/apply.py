@@ -100,8 +100,14 @@ class CheckpointedBlocks:
             self.offloader.mark_forward_start()
         offload = self.offloader is not None and not (last and self._keep_last_input)
         capture = self.offloader.capture() if offload else contextlib.nullcontext()
+        fn, flat = original, args
+        if offload and kwargs:
+            # The checkpoint saves positional tensors through the saved-tensor hooks but keeps
+            # keyword arguments as plain Python objects: move keyword tensors to positions so
+            # they are offloaded like the rest (``hidden_states=`` callers).
+            fn, flat, kwargs = _keywords_as_positions(original, args, kwargs)
         with capture:
-            out = checkpoint(original, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+            out = checkpoint(fn, *flat, use_reentrant=False, context_fn=self._context_fn, **kwargs)
         if self.offloader is not None:
             grad_fn = first_grad_fn(out)
             step = self.offloader.current_step()
@@ -111,6 +117,49 @@ class CheckpointedBlocks:
             if last:
                 self.offloader.flush()  # nothing of ours stays in flight into the loss
         return out
+
+
+def _tensor_leaves(value, out: list) -> object:
+    """``value`` with each tensor replaced by its index in ``out`` (tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+        return _Slot(len(out) - 1)
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return type(value)(_tensor_leaves(v, out) for v in value)
+    if type(value) is dict:
+        return {k: _tensor_leaves(v, out) for k, v in value.items()}
+    return value
+
+
+def _rebuild(value, tensors):
+    if isinstance(value, _Slot):
+        return tensors[value.index]
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return type(value)(_rebuild(v, tensors) for v in value)
+    if type(value) is dict:
+        return {k: _rebuild(v, tensors) for k, v in value.items()}
+    return value
+
+
+class _Slot:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _keywords_as_positions(original: Callable, args: tuple, kwargs: dict):
+    """A function taking ``(*args, *keyword_tensors)`` that calls ``original`` as before."""
+    tensors: list = []
+    structure = {k: _tensor_leaves(v, tensors) for k, v in kwargs.items()}
+    if not tensors:
+        return original, args, kwargs
+    n = len(args)
+
+    def call(*flat):
+        return original(*flat[:n], **_rebuild(structure, flat[n:]))
+
+    return call, (*args, *tensors), {}
 
 
 def apply_activation_checkpointing(

@@ -7,18 +7,21 @@ import contextlib
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from offloadkit.engine.spans import Kept
+
 __all__ = ["NoOpManager"]
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
+def _keep(t: torch.Tensor) -> Kept:
     # A detached alias, not the tensor itself: returning an output tensor from a pack hook
     # forms a cycle (tensor -> grad_fn -> saved -> tensor) that leaks the graph when no
-    # backward runs. Autograd restores grad_fn / requires_grad on unpack.
-    return t.detach()
+    # backward runs. The alias carries the version it had, so in-place writes after the
+    # save still raise autograd's error. Autograd restores grad_fn / requires_grad on unpack.
+    return Kept(t)
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _unpack(kept: Kept) -> torch.Tensor:
+    return kept.unpack()
 
 
 class NoOpManager(saved_tensors_hooks, contextlib.ContextDecorator):
@@ -35,4 +38,4 @@ class NoOpManager(saved_tensors_hooks, contextlib.ContextDecorator):
     """
 
     def __init__(self) -> None:
-        super().__init__(_keep, _identity)
+        super().__init__(_keep, _unpack)

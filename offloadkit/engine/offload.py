@@ -153,7 +153,8 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             self.policy.refresh()
             self._reset_forward()
             self._entered_threads.add(threading.get_ident())
-        return super().__enter__()
+        super().__enter__()
+        return self
 
     def __exit__(self, exc_type, exc, tb):
         super().__exit__(exc_type, exc, tb)
@@ -205,6 +206,11 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         The name TRL's engine gives this; :meth:`track` does the same.
         """
         self.track(model)
+
+    @property
+    def param_storages(self) -> set[int]:
+        """Data pointers of the parameter and buffer storages that are never offloaded."""
+        return self.policy.storage_pointers()
 
     def exclude(self, module: torch.nn.Module) -> None:
         """Keep everything ``module`` saves on the device. Detached by :meth:`remove`."""

@@ -81,6 +81,16 @@ class OffloadPolicy:
                     found[storage._cdata] = StorageWeakRef(storage)
         self._param_storages = found
 
+    def storage_pointers(self) -> set[int]:
+        """Data pointers of the tracked parameter/buffer storages."""
+        out = set()
+        for module in self._modules:
+            for t in (*module.parameters(), *module.buffers()):
+                storage = _storage(t)
+                if storage is not None:
+                    out.add(storage.data_ptr())
+        return out
+
     def is_parameter_storage(self, t: torch.Tensor) -> bool:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return True
@@ -98,8 +108,8 @@ class OffloadPolicy:
             return "device"
         if t.layout is not torch.strided or t.is_conj() or t.is_neg():
             return "unsupported"
-        if t.numel() * t.element_size() < self.min_offload_size:
-            return "small"
+        if t.numel() == 0 or t.numel() * t.element_size() < self.min_offload_size:
+            return "small"  # nothing to move (and an empty view may sit on a non-resizable storage)
         if self.is_parameter_storage(t):
             return "parameter"
         return None

@@ -439,7 +439,7 @@ class DiskTier:
                 record.write.result()  # the bytes must be on disk (or kept in RAM) first
             staging, pooled = record.fallback, False
             if staging is None:
-                staging = self.pool.acquire(record.length)
+                staging = None if self._closed else self.pool.acquire(record.length)
                 pooled = staging is not None
                 if staging is None:  # over budget: a short-lived buffer outside the pool
                     staging = temporary_block(record.length)

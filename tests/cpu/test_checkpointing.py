@@ -192,12 +192,19 @@ def test_offload_inputs_parity_and_keeps_last_input():
     assert_bitwise_equal(ref[1], got[1], "grads")
     stats = handle.offloader.stats
     layers = model.config.num_hidden_layers
-    assert stats.offloaded_tensors == layers - 1  # every block input but the last one
-    assert stats.offloaded_bytes == (layers - 1) * 2 * 64 * 256 * 4
-    assert stats.prefetch_misses == 0, "block inputs must be on their way before recompute needs them"
+    hidden = 2 * 64 * 256 * 4
+    # every block input but the last one, plus the keyword inputs the blocks share (attention
+    # mask, rotary cos/sin), each moved once however many blocks take it
+    shared = 2 * 1 * 64 * 64 * 4 + 2 * (2 * 64 * 16 * 4)
+    assert stats.offloaded_tensors == layers - 1 + 3
+    assert stats.offloaded_bytes == (layers - 1) * hidden + shared
+    assert stats.deduplicated_tensors == 3 * (layers - 2)
     assert handle.offloader.is_idle()
+    handle.offloader.reset_stats()
     got2 = run_step(model, batch)
     assert_bitwise_equal(ref[1], got2[1], "grads, second step")
+    assert handle.offloader.stats.replayed_passes == 1
+    assert handle.offloader.stats.prefetch_misses == 0, "inputs must be on their way before recompute needs them"
     handle.remove()
 
 

@@ -159,3 +159,69 @@ def test_forward_without_backward_and_eval():
         model(**batch)
     assert streamer.resident_layers == 0
     streamer.remove()
+
+
+def test_evicted_weights_read_save_load_and_merge_without_crashing(tmp_path):
+    model = lora_llama("tiny")
+    batch = make_batch(256, 2, 16)
+    base_q = model.base_model.model.model.layers[0].self_attn.q_proj
+    original = base_q.base_layer.weight.detach().clone()
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    run_step(model, batch)
+    assert streamer.resident_layers == 0
+    # reading an evicted weight gives its value (from the host copy), never a crash
+    assert torch.equal(base_q.base_layer.weight, original)
+    state = model.state_dict()
+    assert torch.equal(state["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"], original)
+    # loading new values reaches the host copy and the next forward
+    reference = lora_llama("tiny")
+    new_state = {k: (v * 0.5 if "layers.1.mlp.up_proj.base_layer" in k else v) for k, v in state.items()}
+    model.load_state_dict(new_state)
+    reference.load_state_dict(new_state)
+    assert_bitwise_equal(run_step(reference, batch)[0], run_step(model, batch)[0], "loss after load_state_dict")
+    # PEFT merge / unmerge run with the block resident and write back
+    model.merge_adapter()
+    reference.merge_adapter()
+    assert torch.equal(base_q.base_layer.weight, reference.base_model.model.model.layers[0].self_attn.q_proj
+                       .base_layer.weight)
+    with torch.no_grad():  # merged adapters leave nothing trainable in the forward
+        assert_bitwise_equal(reference(**batch).loss, model(**batch).loss, "loss after merge")
+    model.unmerge_adapter()
+    reference.unmerge_adapter()
+    assert_bitwise_equal(run_step(reference, batch)[0], run_step(model, batch)[0], "loss after unmerge")
+    model.save_pretrained(str(tmp_path / "adapter"))
+    assert streamer.resident_layers == 0
+    streamer.remove()
+
+
+def test_moving_a_streamed_model_is_a_clear_error():
+    model = lora_llama("tiny")
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="remove"):
+        model(**make_batch(256, 1, 8))
+    streamer.remove()
+
+
+def test_failed_backward_does_not_leave_layers_resident():
+    model = lora_llama("small")
+    batch = make_batch(2048, 2, 16)
+    streamer = apply_layer_streaming(model, depth=2, simulate_on_cpu=True)
+
+    class Boom(Exception):
+        pass
+
+    def fail_in_backward(module, args, output):
+        t = output[0] if isinstance(output, tuple) else output
+        t.register_hook(lambda grad: (_ for _ in ()).throw(Boom()))
+
+    handle = model.base_model.model.model.layers[1].register_forward_hook(fail_in_backward)
+    out = model(**batch)
+    with pytest.raises(Boom):
+        out.loss.backward()
+    handle.remove()
+    del out
+    for _ in range(2):
+        run_step(model, batch)
+        assert streamer.resident_layers == 0, "the end of backward evicts again after a failed pass"
+    assert streamer.stats.max_resident <= 2
