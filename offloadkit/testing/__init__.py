@@ -1,6 +1,7 @@
 """Helpers shared by the test suites, the demo and the benchmarks: tiny models built from
 configs (no downloads), and bitwise comparison of losses and gradients."""
 
+from offloadkit.testing.delays import slow_copies
 from offloadkit.testing.models import LLAMA_SHAPES, build_llama, make_batch
 from offloadkit.testing.parity import assert_bitwise_equal, grads_of, run_step
 from offloadkit.testing.steps import (
@@ -18,5 +19,6 @@ __all__ = [
     "memory_after_each_step",
     "randomize_lora_b",
     "run_step",
+    "slow_copies",
     "step_on_side_stream",
 ]

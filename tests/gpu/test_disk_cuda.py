@@ -78,3 +78,57 @@ def test_hundred_steps_no_leak(tmp_path):
     assert os.listdir(ctx.tier.disk.directory) == []
     assert ctx.storage_stats()["tiered"]["demoted_entries"] > 0
     ctx.close()
+
+
+SLOW = 20_000_000  # ~ tens of ms per copy: far longer than a disk read of a few MiB
+
+
+def _slow_step(model, batch, ctx, stream):
+    """A step whose compute runs on ``stream`` behind a long sleep, so that every host->device
+    copy from a staging buffer is still queued when the next read wants the buffer."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLOW)
+        out = run_step(model, batch, ctx)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("storage", ["disk", "tiered"])
+def test_race_disk_read_never_overwrites_a_staging_buffer_in_use(tmp_path, storage, slow):
+    model, batch = small()
+    ref = run_step(model, batch)
+    budget = HostMemoryBudget((4 << 20) if storage == "tiered" else None, min_free_bytes=1 << 30)
+    # A tiny in-flight limit and one reader: the same staging memory is recycled read after read.
+    ctx = get_act_offloading_ctx_manager(model, storage=storage, budget=budget, prefetch=4,
+                                         disk=DiskOptions(directory=str(tmp_path), threads=1,
+                                                          max_inflight_bytes=2 << 20))
+    slow(SLOW, kinds=("h2d",))  # every host->device copy sits queued for milliseconds
+    for _ in range(2):
+        got = _slow_step(model, batch, ctx, torch.cuda.Stream())
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "grads")
+    assert ctx.storage_stats()["disk"]["bytes_read"] > 0
+    assert ctx.is_idle()
+    ctx.close()
+
+
+def test_race_detector_disk_staging_without_the_wait(tmp_path, slow, monkeypatch):
+    """Negative control: with the read's wait for its staging buffer removed, the race test
+    above must see wrong numbers, or it proves nothing."""
+    from offloadkit.storage.pool import HostBlock
+
+    model, batch = small()
+    ref = run_step(model, batch)
+    ctx = get_act_offloading_ctx_manager(model, storage="disk", prefetch=4,
+                                         budget=HostMemoryBudget(None, min_free_bytes=1 << 30),
+                                         disk=DiskOptions(directory=str(tmp_path), threads=1,
+                                                          max_inflight_bytes=2 << 20))
+    run_step(model, batch, ctx)  # warm the staging pool
+    monkeypatch.setattr(HostBlock, "wait_host", lambda self: None)
+    slow(SLOW, kinds=("h2d",))
+    got = _slow_step(model, batch, ctx, torch.cuda.Stream())
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        assert_bitwise_equal(ref[1], got[1], "grads")
+    gc.collect()
+    ctx.close()

@@ -57,7 +57,7 @@ def test_parity_checkpointing_input_offload_layer_streaming(input_offload, strea
         assert_bitwise_equal(ref[1], got[1], "lora grads")
     if input_offload:
         st = ckpt.offloader.collect_stats()
-        assert st.offloaded_tensors == 2 * (model.config.num_hidden_layers - 1)
+        assert st.offloaded_tensors >= 2 * (model.config.num_hidden_layers - 1)  # + shared keyword inputs
         assert st.prefetch_misses == 0 and ckpt.offloader.is_idle()
     if streamer is not None:
         assert streamer.stats.misses == 0 and streamer.stats.max_resident <= 2
@@ -66,13 +66,12 @@ def test_parity_checkpointing_input_offload_layer_streaming(input_offload, strea
     ckpt.remove()
 
 
-def test_races_slow_copies_and_non_default_stream():
+def test_races_slow_copies_and_non_default_stream(slow):
     model, batch = lora_llama()
     ref = reference(model, batch)
     ckpt = apply_activation_checkpointing(model, offload_inputs=True)
-    ckpt.offloader.tier.debug_delay_cycles = SLOW
+    slow(SLOW)
     streamer = apply_layer_streaming(model)
-    streamer.debug_delay_cycles = SLOW
     got = step_on_side_stream(run_step, model, batch)
     assert_bitwise_equal(ref[0], got[0], "loss")
     assert_bitwise_equal(ref[1], got[1], "lora grads")
@@ -81,12 +80,12 @@ def test_races_slow_copies_and_non_default_stream():
     ckpt.remove()
 
 
-def test_streaming_race_detector_catches_a_missing_wait(monkeypatch):
+def test_streaming_race_detector_catches_a_missing_wait(monkeypatch, slow):
     """Negative control: without the compute stream's wait on weight copies, numbers break."""
     model, batch = lora_llama()
     ref = reference(model, batch)
     streamer = apply_layer_streaming(model, depth=1)
-    streamer.debug_delay_cycles = SLOW * 5
+    slow(SLOW * 5)
     monkeypatch.setattr(WaitClock, "wait", lambda self, stream, event, phase, stats: None)
     got = run_step(model, batch)
     torch.cuda.synchronize()
