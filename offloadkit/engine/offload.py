@@ -15,6 +15,7 @@ copy is freed when autograd releases the last handle.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import warnings
 from collections import deque
@@ -138,6 +139,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         # user threads) has its own step, tail and excluded regions.
         self._local = threading.local()
         self._entered_threads: set[int] = set()
+        self._groups = itertools.count()
         self._budget_warned = False
         self._handles: list = []  # module hooks attached on this manager's behalf
         self._closed = False
@@ -172,7 +174,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
     def _state(self):
         local = self._local
         if not hasattr(local, "step"):
-            local.step, local.tail, local.keep_depth, local.pushed = None, False, 0, 0
+            local.step, local.tail, local.keep_depth, local.pushed, local.group = None, False, 0, 0, None
         return local
 
     def _reset_forward(self) -> None:
@@ -273,12 +275,16 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
     @contextlib.contextmanager
     def capture(self):
         """Route saved tensors through this manager for a short region, without the
-        per-step work of ``__enter__`` (used around each checkpointed block's inputs)."""
+        per-step work of ``__enter__`` (used around each checkpointed block's inputs, which
+        form one group: backward needs them together)."""
+        state = self._state()
+        previous, state.group = state.group, next(self._groups)
         push_saved_tensor_hooks(self._pack, self._unpack)
         try:
             yield self
         finally:
             pop_saved_tensor_hooks()
+            state.group = previous
 
     def remove(self) -> None:
         """Detach every module hook this manager attached."""
@@ -366,6 +372,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             start, end = storage_span(t)
             entry = self._find(step, storage._cdata, start, end, t._version)
             if entry is not None:
+                entry.group = state.group  # needed with its newest saver's group
                 self.stats.deduplicated_tensors += 1
                 self.stats.deduplicated_bytes += nbytes
                 self._planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
@@ -378,6 +385,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
                 if entry is None:
                     self.stats.note_kept("budget", nbytes)
                     return Kept(t)
+                entry.group = state.group
                 for old in overlapping:
                     self._merge(old, entry)
             entry.live += 1
@@ -558,15 +566,22 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
     def _prefetch(self, step: Step, current: Entry | None) -> None:
         if self.prefetch <= 0:
             return
+        # The window counts save groups (all inputs of one checkpointed block) or, outside
+        # them, single entries: a block whose recompute needs four inputs at once (hidden
+        # states, mask, rotary cos/sin) must not use up a window of two on its own.
         ahead = ahead_bytes = 0
+        last_group = None
         for entry in self._planner.upcoming(step, current):
+            new_group = entry.group is None or entry.group != last_group
+            if new_group and ahead >= self.prefetch and ahead_bytes >= step.window_bytes:
+                break
+            if new_group:
+                ahead += 1
+                last_group = entry.group
             if entry.gpu is None:
                 self._fetch(entry)
                 entry.prefetched = True
-            ahead += 1
             ahead_bytes += entry.nbytes
-            if ahead >= self.prefetch and ahead_bytes >= step.window_bytes:
-                break
 
     def _fetch(self, entry: Entry) -> None:
         loaded = entry.stored.tier.load(entry.stored)

@@ -61,6 +61,7 @@ class Entry:
     pos: int = -1  # position in its step's backward-order list
     seq: int = -1  # creation index within its forward (keys the learned backward order)
     step: object = None  # the prefetch.Step (forward / graph) it belongs to
+    group: int | None = None  # save group (one checkpointed block's inputs): fetched together
     live: int = 0  # handles alive (including those of entries merged into it)
     # Forward: the device source, kept alive while its copy is in flight.
     src: torch.Tensor | None = None

@@ -7,11 +7,12 @@ the bytes in; evicting resizes it to zero. The views autograd saved of the param
 (``weight.t()``) keep pointing at that storage object, so they are valid whenever the
 block is resident again in backward.
 
-While the block is evicted the parameters themselves point at the pinned host copy (a CPU
-tensor): reading a weight, ``state_dict()``, ``load_state_dict()`` or saving see the real
-values instead of a zero-byte storage, and using a weight in a GPU computation outside
-forward is an ordinary device-mismatch error, never a crash. The host copy is made once:
-frozen weights only change through :meth:`FlatWeights.write_back`.
+While the block is evicted the parameters themselves point at the pinned host copy, seen
+from the GPU at the same address (zero-copy; a CPU tensor where the GPU cannot address
+it): reading a weight, ``state_dict()``, ``load_state_dict()``, PEFT's merge or saving see
+and change the real values instead of a zero-byte storage, and ``model.to("cuda")`` (as
+the Trainer does) moves nothing. The host copy is made once; a resident block's in-place
+changes reach it through :meth:`FlatWeights.write_back`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from offloadkit.runtime.copies import copy_on
+from offloadkit.runtime.device import device_alias_of_host
 from offloadkit.storage.pool import HostBufferPool
 
 __all__ = ["FlatWeights", "streamable_reason"]
@@ -97,7 +99,9 @@ class FlatWeights:
             data = s.param.data
             self._device_views.append(torch.empty(0, dtype=data.dtype, device=device).set_(
                 self.storage, s.offset // data.element_size(), data.shape, data.stride()))
-            self._host_views.append(self.host_tensor(s))
+            host_view = self.host_tensor(s)
+            alias = device_alias_of_host(host_view, device) if self.host.pinned else None
+            self._host_views.append(alias if alias is not None else host_view)
         del flat
         self._point_params(resident=True)
         self.resident = True

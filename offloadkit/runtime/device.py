@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "accelerator_available",
+    "device_alias_of_host",
     "current_stream",
     "host_register",
     "host_unregister",
@@ -88,6 +89,29 @@ def _clear_last_cuda_error() -> None:
     lib = _loaded_cudart()
     if lib is not None:
         lib.cudaGetLastError()
+
+
+def device_alias_of_host(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A ``device`` tensor over page-locked ``host`` memory (zero-copy, read over the bus), or
+    None where the GPU cannot address it at the same pointer.
+
+    Streamed weights point at such aliases while evicted: they stay "on the GPU" for code
+    that moves or inspects the model (``model.to("cuda")`` is a no-op, PEFT's merge reads and
+    writes them), at the price of slow access outside forward and backward.
+    """
+    if device.type != "cuda" or host.device.type != "cpu":
+        return None
+    lib = _loaded_cudart()
+    if lib is None:
+        return None
+    dptr = ctypes.c_void_p()
+    err = lib.cudaHostGetDevicePointer(ctypes.byref(dptr), ctypes.c_void_p(host.data_ptr()), 0)
+    if err != 0 or dptr.value != host.data_ptr():
+        _clear_last_cuda_error()
+        return None
+    nbytes = host.numel() * host.element_size()
+    storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
+    return torch.empty(0, dtype=host.dtype, device=device).set_(storage, 0, host.shape, host.stride())
 
 
 def host_unregister(ptr: int) -> None:

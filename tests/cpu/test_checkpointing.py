@@ -199,6 +199,7 @@ def test_offload_inputs_parity_and_keeps_last_input():
     assert stats.offloaded_tensors == layers - 1 + 3
     assert stats.offloaded_bytes == (layers - 1) * hidden + shared
     assert stats.deduplicated_tensors == 3 * (layers - 2)
+    assert stats.prefetch_misses == 0, "a block's inputs come back together, ahead of its recompute"
     assert handle.offloader.is_idle()
     handle.offloader.reset_stats()
     got2 = run_step(model, batch)

@@ -58,7 +58,7 @@ def test_parity_checkpointing_input_offload_layer_streaming(input_offload, strea
     if input_offload:
         st = ckpt.offloader.collect_stats()
         assert st.offloaded_tensors >= 2 * (model.config.num_hidden_layers - 1)  # + shared keyword inputs
-        assert st.prefetch_misses == 0 and ckpt.offloader.is_idle()
+        assert st.prefetch_misses == 0 and ckpt.offloader.is_idle()  # a block's inputs come back together
     if streamer is not None:
         assert streamer.stats.misses == 0 and streamer.stats.max_resident <= 2
         assert streamer.resident_layers == 0
@@ -152,3 +152,31 @@ def test_state_dict_on_gpu_matches_original():
     streamer.remove()
     for k, v in model.state_dict().items():
         assert v.device.type == "cuda" and torch.equal(before[k], v.cpu()), k
+
+
+def test_evicted_weights_stay_usable_on_the_gpu(tmp_path):
+    """Evicted weights alias their pinned host copy on the GPU: the Trainer's model.to("cuda")
+    moves nothing, reads and PEFT merges see and change the real values, nothing crashes."""
+    model, batch = lora_llama()
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    original = q.base_layer.weight.detach().clone()
+    streamer = apply_layer_streaming(model)
+    run_step(model, batch)
+    before = torch.cuda.memory_allocated()
+    model.to("cuda")  # what the Trainer does: must not bring every frozen weight back
+    assert torch.cuda.memory_allocated() == before
+    w = q.base_layer.weight
+    assert w.device.type == "cuda" and torch.equal(w, original)
+    assert torch.equal(model.state_dict()["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"],
+                       original)
+    with torch.no_grad():
+        plain = model(**batch).loss
+        model.merge_adapter()
+        merged = model(**batch).loss
+        model.unmerge_adapter()
+        again = model(**batch).loss
+    torch.testing.assert_close(plain, merged, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(plain, again, rtol=1e-2, atol=1e-2)  # unmerge restores within bf16 rounding
+    model.save_pretrained(str(tmp_path / "adapter"))
+    assert streamer.resident_layers == 0
+    streamer.remove()
