@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -34,7 +35,7 @@ def storage_span(t: torch.Tensor) -> tuple[int, int]:
     itemsize = t.element_size()
     first = t.storage_offset() * itemsize
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return first - first % ALIGN, first + extent * itemsize
+    return int(first - first % ALIGN), int(first + extent * itemsize)
 
 
 def span_view(storage: torch.UntypedStorage, start: int, end: int, device: torch.device) -> torch.Tensor:
@@ -56,11 +57,11 @@ class Entry:
     start: int
     end: int
     device: torch.device
-    stored: object  # storage.base.Stored
+    stored: Any  # storage.base.Stored
     version: int = 0  # the source's version counter when the copy was taken
     pos: int = -1  # position in its step's backward-order list
     seq: int = -1  # creation index within its forward (keys the learned backward order)
-    step: object = None  # the prefetch.Step (forward / graph) it belongs to
+    step: Any = None  # the prefetch.Step (forward / graph) it belongs to
     group: int | None = None  # save group (one checkpointed block's inputs): fetched together
     live: int = 0  # handles alive (including those of entries merged into it)
     # Forward: the device source, kept alive while its copy is in flight.

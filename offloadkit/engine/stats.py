@@ -101,12 +101,12 @@ class WaitClock:
         if not self.enabled:
             stream.wait_event(event)
             return
-        start = torch.cuda.Event(enable_timing=True)
+        began = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        start.record(stream)
+        began.record(stream)
         stream.wait_event(event)
         end.record(stream)
-        self._pending.append((start, end, phase))
+        self._pending.append((began, end, phase))
         if len(self._pending) > 256:
             self.collect(stats)
 

@@ -105,8 +105,8 @@ class FlatWeights:
         del flat
         self._point_params(resident=True)
         self.resident = True
-        self.ready = None  # event: the load has landed
-        self.alloc_stream = None  # stream the resident memory belongs to
+        self.ready: torch.cuda.Event | None = None  # the load has landed
+        self.alloc_stream: torch.cuda.Stream | None = None  # stream the resident memory belongs to
         self.consumed = True
 
     # -- residency -----------------------------------------------------------------------

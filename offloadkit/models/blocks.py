@@ -39,7 +39,7 @@ def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
 
 
 def _from_module_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    found = []
+    found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
@@ -80,10 +80,10 @@ def find_blocks(
         blocks = _outermost((n, m) for n, m in base.named_modules() if n and predicate(n, m))
         how = "predicate"
     elif block_types is not None:
-        types = tuple(block_types)
+        types: tuple[type, ...] = tuple(block_types)
         if not types or not all(isinstance(t, type) for t in types):
             raise ValueError(f"block_types={block_types!r} must be a non-empty tuple of module classes")
-        blocks = _outermost((n, m) for n, m in base.named_modules() if isinstance(m, types))
+        blocks = _outermost((n, m) for n, m in base.named_modules() if isinstance(m, types))  # type: ignore[misc]
         how = f"block_types={[t.__name__ for t in types]}"
     else:
         hf_layer = _hf_layer_class()

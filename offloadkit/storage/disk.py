@@ -29,13 +29,14 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from offloadkit.runtime.copies import copy_on
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import FutureCompletion, Loaded, Stored
 from offloadkit.storage.budget import HostMemoryBudget
-from offloadkit.runtime.copies import copy_on
 from offloadkit.storage.cleanup import create_private_dir, remove_dir
 from offloadkit.storage.fileio import (
     Busy,
@@ -131,10 +132,10 @@ class _Record:
     segment: _Segment
     offset: int
     length: int  # aligned
-    write: object = None  # Future of the write job
-    copied: object = None  # event: the device->host copy into the staging buffer
+    write: Any = None  # Future of the write job
+    copied: Any = None  # event: the device->host copy into the staging buffer
     fallback: HostBlock | None = None  # bytes kept in RAM when the disk refused them
-    pool: object = None  # where ``fallback`` goes back to (None: this tier's staging pool)
+    pool: Any = None  # where ``fallback`` goes back to (None: this tier's staging pool)
     freed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -23,6 +23,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -56,7 +57,7 @@ class HostBlock:
     capacity: int
     pinned: bool
     uses: list = field(default_factory=list, repr=False)
-    chunk: object = field(default=None, repr=False)
+    chunk: Any = field(default=None, repr=False)
     offset: int = 0
 
     def view(self, nbytes: int) -> torch.Tensor:
@@ -86,7 +87,7 @@ class _Chunk:
     base: torch.Tensor
     capacity: int
     pinned: bool
-    unregister: object = None  # weakref.finalize: unregisters exactly once
+    unregister: Any = None  # weakref.finalize: unregisters exactly once
 
 
 @dataclass(eq=False)
