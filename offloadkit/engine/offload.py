@@ -1,15 +1,11 @@
 """The activation offloading engine: a ``saved_tensors_hooks`` context manager.
 
-Forward (pack): each saved tensor is checked by the :class:`OffloadPolicy`; offloaded
-ones are stored by storage byte range (deduplicated per storage) through a storage
-tier, and autograd keeps a small :class:`Packed` handle. The device source stays alive in
-a bounded *stash* until its copy has landed.
-
-Backward (unpack): entries come back in the reverse of the order they were last saved.
-While entry ``k`` is being used, the next ``prefetch`` entries are already on their way,
-so the compute stream only waits for a copy that could not have started earlier. The
-resident copy is dropped as soon as every handle sharing it has been unpacked; the host
-copy is freed when autograd releases the last handle.
+This module holds the manager's state, its context-manager and public API, and the
+lifetime of entries (a handle autograd releases, a closed manager). The forward half (pack,
+stash) is :mod:`offloadkit.engine.forward`; the backward half (passes, prefetch,
+residency) is :mod:`offloadkit.engine.backward`; which tensors move is
+:mod:`offloadkit.engine.policy`, in which order they come back :mod:`offloadkit.engine.prefetch`.
+The host copy of an entry is freed when autograd releases its last handle.
 """
 
 from __future__ import annotations
@@ -23,28 +19,27 @@ from collections import deque
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from offloadkit.engine.backward import BackwardPath
+from offloadkit.engine.forward import ForwardPath
 from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.engine.prefetch import PrefetchPlanner, Step
-from offloadkit.engine.spans import DeathQueue, Entry, Kept, Packed, span_view, storage_span
+from offloadkit.engine.spans import DeathQueue, Entry
 from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.engine.validation import check_args
 from offloadkit.runtime.autograd import (
-    current_graph_task,
     pop_saved_tensor_hooks,
     push_saved_tensor_hooks,
-    queue_engine_callback,
 )
-from offloadkit.runtime.device import accelerator_available, current_stream
-from offloadkit.storage.base import order_after
+from offloadkit.runtime.device import accelerator_available
 from offloadkit.storage.budget import HostMemoryBudget
-from offloadkit.storage.disk import DiskOptions
-from offloadkit.storage.factory import STORAGE_KINDS, build_tier
+from offloadkit.storage.factory import build_tier
 
 __all__ = ["OffloadActivations"]
 
 _warned_no_accelerator = False
 
 
-class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
+class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, contextlib.ContextDecorator):
     """Offload tensors saved for backward to host memory; bring them back ahead of need.
 
     Args:
@@ -104,7 +99,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         offload_cpu_tensors: bool = False,
         measure_waits: bool = True,
     ) -> None:
-        _check_args(use_pin_memory=use_pin_memory, use_streams=use_streams, max_fwd_stash_size=max_fwd_stash_size,
+        check_args(use_pin_memory=use_pin_memory, use_streams=use_streams, max_fwd_stash_size=max_fwd_stash_size,
                     prefetch=prefetch, prefetch_bytes=prefetch_bytes, host_budget_bytes=host_budget_bytes,
                     storage=storage, disk=disk, offload_cpu_tensors=offload_cpu_tensors)
         device_types = ("cuda", "cpu") if offload_cpu_tensors else ("cuda",)
@@ -352,259 +347,6 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         """Counters of the storage tier(s): bytes written/read and bandwidth for disk, demotions."""
         return {"tier": self.tier.name, "host_bytes": self.tier.host_bytes(), **self.tier.stats_dict()}
 
-    # -- pack ----------------------------------------------------------------------------------
-    def _pack(self, t: torch.Tensor):
-        nbytes = t.numel() * t.element_size()
-        state = self._state()
-        reason = "excluded" if (state.keep_depth or state.tail) else self.policy.keep_reason(t)
-        if reason is not None:
-            with self._lock:
-                self.stats.saved_tensors += 1
-                self.stats.note_kept(reason, nbytes)
-            return Kept(t)
-        with self._lock:
-            self.stats.saved_tensors += 1
-            self._drain()
-            step = state.step
-            if step is None or step.passes or step.live <= 0:
-                step = state.step = Step()  # a new forward, or one whose backward already began
-            storage = t.untyped_storage()
-            start, end = storage_span(t)
-            entry = self._find(step, storage._cdata, start, end, t._version)
-            if entry is not None:
-                entry.group = state.group  # needed with its newest saver's group
-                self.stats.deduplicated_tensors += 1
-                self.stats.deduplicated_bytes += nbytes
-                self._planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
-            else:
-                overlapping = self._overlapping(step, storage._cdata, start, end, t._version)
-                if overlapping:
-                    start = min(start, *(e.start for e in overlapping))
-                    end = max(end, *(e.end for e in overlapping))
-                entry = self._offload(step, storage, start, end, t.device, t._version)
-                if entry is None:
-                    self.stats.note_kept("budget", nbytes)
-                    return Kept(t)
-                entry.group = state.group
-                for old in overlapping:
-                    self._merge(old, entry)
-            entry.live += 1
-            return Packed(entry, t, self._dead)
-
-    def _find(self, step: Step, key: int, start: int, end: int, version: int) -> Entry | None:
-        # Same storage and graph, range covered, and no in-place write since the copy was taken
-        # (views share their base's version counter).
-        for entry in self._by_storage.get(key, ()):
-            if entry.step is step and entry.start <= start and end <= entry.end and entry.version == version:
-                return entry
-        return None
-
-    def _overlapping(self, step: Step, key: int, start: int, end: int, version: int) -> list[Entry]:
-        return [e for e in self._by_storage.get(key, ())
-                if e.step is step and e.version == version and e.start < end and start < e.end]
-
-    def _merge(self, old: Entry, new: Entry) -> None:
-        """``new`` covers ``old``'s range: serve ``old``'s handles from it and give ``old``'s
-        copy back, so each storage's bytes are held once (a slice saved before the whole)."""
-        old.merged_into, old.shift = new, old.start - new.start
-        new.live += old.live
-        self.stats.offloaded_bytes -= old.nbytes
-        self.stats.offloaded_tensors -= 1
-        self.stats.merged_entries += 1
-        if old.src is not None:
-            try:
-                self._stash.remove(old)
-            except ValueError:
-                pass
-            # Copies on one stream run in order: new's copy, queued after, covers old's source.
-            same = new.stored.done_stream is not None and old.stored.done_stream is new.stored.done_stream
-            self._drop_source(old, wait=not same)
-        self._entries.discard(old)
-        self._by_storage[old.key].remove(old)
-        self._planner.on_released(old)
-        old.stored.tier.free(old.stored)  # its pending copy is remembered by the tier
-
-    def _offload(self, step: Step, storage, start: int, end: int, device: torch.device, version: int):
-        src = span_view(storage, start, end, device)
-        stored = self.tier.store(src)
-        if stored is None:
-            if not self._budget_warned:
-                self._budget_warned = True
-                warnings.warn(
-                    f"offloadkit: host-memory budget reached ({self.budget.describe()}); further "
-                    "activations stay on the device. Raise host_budget_bytes or add a disk tier.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return None
-        entry = Entry(
-            key=storage._cdata,
-            weak=_weak(storage),
-            start=start,
-            end=end,
-            device=device,
-            stored=stored,
-            version=version,
-        )
-        self.stats.offloaded_tensors += 1
-        self.stats.offloaded_bytes += entry.nbytes
-        self._entries.add(entry)
-        self._by_storage.setdefault(entry.key, []).append(entry)
-        self._planner.on_saved(step, entry, new=True)
-        if not stored.copy_finished():
-            entry.src, entry.src_stream = src, current_stream(device)
-            self._stash.append(entry)
-            self._trim_stash()
-        return entry
-
-    def _trim_stash(self) -> None:
-        stash = self._stash
-        # Copies complete in order on the side stream: drop landed sources from the front.
-        while stash and stash[0].stored.copy_finished():
-            self._drop_source(stash.popleft(), wait=False)
-        while len(stash) > self.max_fwd_stash_size:
-            self._drop_source(stash.popleft(), wait=True)
-
-    def _drop_source(self, entry: Entry, wait: bool) -> None:
-        if wait:
-            # The side stream may still read the source: its memory must not be reused on the
-            # source's stream until the copy is done (GPU-side wait, no host sync).
-            self._clock.wait(entry.src_stream, entry.stored.done, "forward", self.stats)
-        entry.src = None
-
-    def _flush_stash(self) -> None:
-        while self._stash:
-            self._drop_source(self._stash.popleft(), wait=True)
-
-    # -- unpack --------------------------------------------------------------------------------
-    def _unpack(self, packed):
-        if isinstance(packed, Kept):
-            return packed.unpack()
-        if not isinstance(packed, Packed):
-            return packed
-        with self._lock:
-            self._drain()
-            entry, shift = packed.entry.resolve()
-            if entry.released:
-                raise RuntimeError(
-                    "offloadkit: a saved tensor was unpacked after its offloaded copy was freed "
-                    "(was the manager closed while its graph was still alive?)"
-                )
-            packed.check_version()
-            step = entry.step
-            self._pass_for(step)
-            if entry.gpu is None:
-                self._fetch(entry)
-                self.stats.prefetch_misses += 1
-            elif entry.prefetched:
-                self.stats.prefetch_hits += 1
-                entry.prefetched = False
-            self._planner.on_consumed(step, entry)
-            self._prefetch(step, entry)
-            consumer = current_stream(entry.device)
-            self._clock.wait(consumer, entry.gpu_ready, "backward", self.stats)
-            if consumer is not None and entry.gpu_stream is not None and consumer != entry.gpu_stream:
-                # Freed memory returns to the stream it was allocated on; record this use too.
-                entry.gpu.record_stream(consumer)
-            # The resident copy is a fetched buffer (offset 0) or, for a source still on the
-            # device, a view of the original storage starting at entry.start.
-            offset = (entry.gpu.storage_offset() + shift) // packed.itemsize + packed.offset
-            out = torch.empty(0, dtype=packed.dtype, device=entry.device).set_(
-                entry.gpu.untyped_storage(), offset, packed.size, packed.stride
-            )
-            if packed.seen_gen != entry.gen:
-                packed.seen_gen = entry.gen
-                entry.waiting -= 1
-                if entry.waiting <= 0:
-                    # Every sharer has its view; ``out`` keeps the memory alive while in use.
-                    self._drop_resident(entry, consumed=True)
-            return out
-
-    def _pass_for(self, step: Step) -> None:
-        """Make sure a backward pass of the current graph task is consuming ``step``."""
-        task = current_graph_task()
-        if self._passes.get(step.id) is step and step.task == task:
-            return
-        if self._passes.get(step.id) is step:
-            self._finish_pass(step)  # a pass that failed, or a new graph task on the same graph
-        if step.passes == 0:
-            self._window(step)
-        if self._planner.begin_pass(step, task):
-            self.stats.replayed_passes += 1
-        self._passes[step.id] = step
-        if task is not None:
-            queue_engine_callback(lambda: self._end_backward(step, task))
-        # Sources still on the device are the newest entries: backward needs them first.
-        for entry in [e for e in self._stash if e.step is step]:
-            self._stash.remove(entry)
-            self._make_resident(entry, entry.src, ready=None, stream=entry.src_stream,
-                                guard=(entry.src_stream, entry.stored.done))
-            entry.src = None
-            self.stats.stash_hits += 1
-        self._prefetch(step, None)
-
-    def _window(self, step: Step) -> None:
-        if self.prefetch_bytes is None:
-            step.window_bytes = sum(e.nbytes for e in step.by_seq.values()) // 16
-        else:
-            step.window_bytes = self.prefetch_bytes
-
-    def _end_backward(self, step: Step, task: int) -> None:
-        with self._lock:
-            if self._passes.get(step.id) is step and step.task == task:
-                self._finish_pass(step)
-
-    def _finish_pass(self, step: Step) -> None:
-        self._drain()
-        for entry in list(step.by_seq.values()):
-            if entry.gpu is not None:
-                self._drop_resident(entry, consumed=False)  # fetched but never used this pass
-        self._planner.end_pass(step)
-        self._passes.pop(step.id, None)
-        self._clock.collect(self.stats)
-
-    def _prefetch(self, step: Step, current: Entry | None) -> None:
-        if self.prefetch <= 0:
-            return
-        # The window counts save groups (all inputs of one checkpointed block) or, outside
-        # them, single entries: a block whose recompute needs four inputs at once (hidden
-        # states, mask, rotary cos/sin) must not use up a window of two on its own.
-        ahead = ahead_bytes = 0
-        last_group = None
-        for entry in self._planner.upcoming(step, current):
-            new_group = entry.group is None or entry.group != last_group
-            if new_group and ahead >= self.prefetch and ahead_bytes >= step.window_bytes:
-                break
-            if new_group:
-                ahead += 1
-                last_group = entry.group
-            if entry.gpu is None:
-                self._fetch(entry)
-                entry.prefetched = True
-            ahead_bytes += entry.nbytes
-
-    def _fetch(self, entry: Entry) -> None:
-        loaded = entry.stored.tier.load(entry.stored)
-        self.stats.restored_bytes += entry.nbytes
-        self._make_resident(entry, loaded.data, loaded.ready, loaded.alloc_stream,
-                            guard=(loaded.alloc_stream, loaded.ready) if loaded.ready is not None else None)
-
-    def _make_resident(self, entry: Entry, data, ready, stream, guard) -> None:
-        entry.gpu, entry.gpu_ready, entry.gpu_stream, entry.gpu_guard = data, ready, stream, guard
-        entry.gen += 1
-        entry.waiting = entry.live
-        entry.prefetched = False
-
-    def _drop_resident(self, entry: Entry, consumed: bool) -> None:
-        guard = entry.gpu_guard
-        if guard is not None and guard[1] is not None:
-            if not consumed or guard[1] is not entry.gpu_ready:
-                # Unconsumed prefetch: the copy may still write it. Stash source: the
-                # device->host copy may still read it. Either way, order the reuse after it.
-                order_after(guard[0], guard[1])
-        entry.gpu = entry.gpu_ready = entry.gpu_guard = entry.gpu_stream = None
-        entry.prefetched = False
-
     # -- lifetime ----------------------------------------------------------------------------
     def _drain(self) -> None:
         dead = self._dead
@@ -665,32 +407,3 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             self.close()
         except Exception:
             pass
-
-
-def _weak(storage):
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(storage)
-
-
-def _check_args(**args) -> None:
-    """``ValueError`` naming the argument, the value and the fix, before anything is built."""
-    for name in ("use_pin_memory", "use_streams", "offload_cpu_tensors"):
-        if not isinstance(args[name], bool):
-            raise ValueError(f"{name}={args[name]!r} is invalid; pass True or False")
-    stash = args["max_fwd_stash_size"]
-    if not isinstance(stash, int) or isinstance(stash, bool) or stash < 1:
-        raise ValueError(f"max_fwd_stash_size={stash!r} is invalid; it must be an int >= 1 "
-                         "(it bounds the device tensors kept alive while their copies are in flight)")
-    for name, what in (("prefetch", "entries fetched ahead"), ("prefetch_bytes", "bytes kept in flight ahead"),
-                       ("host_budget_bytes", "a byte cap on host memory")):
-        value = args[name]
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"{name}={value!r} is invalid; pass an int >= 0 ({what}) or None"
-                             + ("; sizes like '16GiB' are read by OffloadConfig" if isinstance(value, str) else ""))
-    if args["storage"] not in STORAGE_KINDS:
-        raise ValueError(f"storage={args['storage']!r} is invalid; choose one of {', '.join(STORAGE_KINDS)}")
-    disk = args["disk"]
-    if disk is not None and not isinstance(disk, DiskOptions):
-        raise ValueError(f"disk={disk!r} is invalid; pass DiskOptions(directory=...) "
-                         f"(e.g. disk=DiskOptions(directory={disk!r})) or None")

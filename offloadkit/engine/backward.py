@@ -1,0 +1,171 @@
+"""The backward half of the engine: which graph a pass consumes, what to fetch ahead, and
+when resident copies go.
+
+A pass starts at the first unpack of a step's entry under a graph task (or earlier, when
+backward reaches the head or a checkpointed block). Sources still in the forward stash
+become the first resident copies; the prefetch window then keeps the next entries (in the
+learned or the reverse save order) on their way, so the compute stream only waits for a
+copy that could not have started earlier. A resident copy is dropped once every handle
+sharing it has been unpacked; the end of the pass drops what was fetched and never used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from offloadkit.engine.prefetch import PrefetchPlanner, Step
+from offloadkit.engine.spans import Entry, Kept, Packed
+from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.runtime.autograd import current_graph_task, queue_engine_callback
+from offloadkit.runtime.device import current_stream
+from offloadkit.storage.base import order_after
+
+__all__ = ["BackwardPath"]
+
+
+class BackwardPath:
+    """Unpack, passes, prefetch and residency of :class:`~offloadkit.OffloadActivations`
+    (which holds the state declared here)."""
+
+    _lock: threading.RLock
+    _stash: deque[Entry]
+    _passes: dict[int, Step]
+    _planner: PrefetchPlanner
+    _clock: WaitClock
+    stats: OffloadStats
+    prefetch: int
+    prefetch_bytes: int | None
+
+    def _drain(self) -> None:  # the engine processes handles autograd released
+        raise NotImplementedError
+
+    def _unpack(self, packed):
+        if isinstance(packed, Kept):
+            return packed.unpack()
+        if not isinstance(packed, Packed):
+            return packed
+        with self._lock:
+            self._drain()
+            entry, shift = packed.entry.resolve()
+            if entry.released:
+                raise RuntimeError(
+                    "offloadkit: a saved tensor was unpacked after its offloaded copy was freed "
+                    "(was the manager closed while its graph was still alive?)"
+                )
+            packed.check_version()
+            step = entry.step
+            self._pass_for(step)
+            if entry.gpu is None:
+                self._fetch(entry)
+                self.stats.prefetch_misses += 1
+            elif entry.prefetched:
+                self.stats.prefetch_hits += 1
+                entry.prefetched = False
+            self._planner.on_consumed(step, entry)
+            self._prefetch(step, entry)
+            consumer = current_stream(entry.device)
+            self._clock.wait(consumer, entry.gpu_ready, "backward", self.stats)
+            if consumer is not None and entry.gpu_stream is not None and consumer != entry.gpu_stream:
+                # Freed memory returns to the stream it was allocated on; record this use too.
+                entry.gpu.record_stream(consumer)
+            # The resident copy is a fetched buffer (offset 0) or, for a source still on the
+            # device, a view of the original storage starting at entry.start.
+            offset = (entry.gpu.storage_offset() + shift) // packed.itemsize + packed.offset
+            out = torch.empty(0, dtype=packed.dtype, device=entry.device).set_(
+                entry.gpu.untyped_storage(), offset, packed.size, packed.stride
+            )
+            if packed.seen_gen != entry.gen:
+                packed.seen_gen = entry.gen
+                entry.waiting -= 1
+                if entry.waiting <= 0:
+                    # Every sharer has its view; ``out`` keeps the memory alive while in use.
+                    self._drop_resident(entry, consumed=True)
+            return out
+
+    def _pass_for(self, step: Step) -> None:
+        """Make sure a backward pass of the current graph task is consuming ``step``."""
+        task = current_graph_task()
+        if self._passes.get(step.id) is step and step.task == task:
+            return
+        if self._passes.get(step.id) is step:
+            self._finish_pass(step)  # a pass that failed, or a new graph task on the same graph
+        if step.passes == 0:
+            self._window(step)
+        if self._planner.begin_pass(step, task):
+            self.stats.replayed_passes += 1
+        self._passes[step.id] = step
+        if task is not None:
+            queue_engine_callback(lambda: self._end_backward(step, task))
+        # Sources still on the device are the newest entries: backward needs them first.
+        for entry in [e for e in self._stash if e.step is step]:
+            self._stash.remove(entry)
+            self._make_resident(entry, entry.src, ready=None, stream=entry.src_stream,
+                                guard=(entry.src_stream, entry.stored.done))
+            entry.src = None
+            self.stats.stash_hits += 1
+        self._prefetch(step, None)
+
+    def _window(self, step: Step) -> None:
+        if self.prefetch_bytes is None:
+            step.window_bytes = sum(e.nbytes for e in step.by_seq.values()) // 16
+        else:
+            step.window_bytes = self.prefetch_bytes
+
+    def _end_backward(self, step: Step, task: int) -> None:
+        with self._lock:
+            if self._passes.get(step.id) is step and step.task == task:
+                self._finish_pass(step)
+
+    def _finish_pass(self, step: Step) -> None:
+        self._drain()
+        for entry in list(step.by_seq.values()):
+            if entry.gpu is not None:
+                self._drop_resident(entry, consumed=False)  # fetched but never used this pass
+        self._planner.end_pass(step)
+        self._passes.pop(step.id, None)
+        self._clock.collect(self.stats)
+
+    def _prefetch(self, step: Step, current: Entry | None) -> None:
+        if self.prefetch <= 0:
+            return
+        # The window counts save groups (all inputs of one checkpointed block) or, outside
+        # them, single entries: a block whose recompute needs four inputs at once (hidden
+        # states, mask, rotary cos/sin) must not use up a window of two on its own.
+        ahead = ahead_bytes = 0
+        last_group = None
+        for entry in self._planner.upcoming(step, current):
+            new_group = entry.group is None or entry.group != last_group
+            if new_group and ahead >= self.prefetch and ahead_bytes >= step.window_bytes:
+                break
+            if new_group:
+                ahead += 1
+                last_group = entry.group
+            if entry.gpu is None:
+                self._fetch(entry)
+                entry.prefetched = True
+            ahead_bytes += entry.nbytes
+
+    def _fetch(self, entry: Entry) -> None:
+        loaded = entry.stored.tier.load(entry.stored)
+        self.stats.restored_bytes += entry.nbytes
+        self._make_resident(entry, loaded.data, loaded.ready, loaded.alloc_stream,
+                            guard=(loaded.alloc_stream, loaded.ready) if loaded.ready is not None else None)
+
+    def _make_resident(self, entry: Entry, data, ready, stream, guard) -> None:
+        entry.gpu, entry.gpu_ready, entry.gpu_stream, entry.gpu_guard = data, ready, stream, guard
+        entry.gen += 1
+        entry.waiting = entry.live
+        entry.prefetched = False
+
+    def _drop_resident(self, entry: Entry, consumed: bool) -> None:
+        guard = entry.gpu_guard
+        if guard is not None and guard[1] is not None:
+            if not consumed or guard[1] is not entry.gpu_ready:
+                # Unconsumed prefetch: the copy may still write it. Stash source: the
+                # device->host copy may still read it. Either way, order the reuse after it.
+                order_after(guard[0], guard[1])
+        entry.gpu = entry.gpu_ready = entry.gpu_guard = entry.gpu_stream = None
+        entry.prefetched = False

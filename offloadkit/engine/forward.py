@@ -1,0 +1,181 @@
+"""The forward half of the engine: what a saved tensor becomes, and the in-flight stash.
+
+Pack: the policy (or an excluded region, or the head's tail) may keep a tensor where it is
+(:class:`~offloadkit.engine.spans.Kept`, which still checks in-place writes). Otherwise its
+storage byte range is found in, merged with, or added to the current step's entries, and
+autograd keeps a small :class:`~offloadkit.engine.spans.Packed` handle. A new range starts
+its copy through the storage tier; the device source stays in a bounded stash until the
+copy has landed, and the source's stream waits on that copy before its memory is reused.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import deque
+
+import torch
+
+from offloadkit.engine.policy import OffloadPolicy
+from offloadkit.engine.prefetch import PrefetchPlanner, Step
+from offloadkit.engine.spans import DeathQueue, Entry, Kept, Packed, span_view, storage_span
+from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.runtime.device import current_stream
+from offloadkit.storage.base import StorageTier
+from offloadkit.storage.budget import HostMemoryBudget
+
+__all__ = ["ForwardPath"]
+
+
+class ForwardPath:
+    """Pack and stash of :class:`~offloadkit.OffloadActivations` (which holds the state
+    declared here)."""
+
+    _lock: threading.RLock
+    _stash: deque[Entry]
+    _entries: set[Entry]
+    _by_storage: dict[int, list[Entry]]
+    _planner: PrefetchPlanner
+    _clock: WaitClock
+    _dead: DeathQueue
+    _budget_warned: bool
+    policy: OffloadPolicy
+    stats: OffloadStats
+    tier: StorageTier
+    budget: HostMemoryBudget
+    max_fwd_stash_size: int
+
+    def _state(self):  # per-thread forward state, kept by the engine
+        raise NotImplementedError
+
+    def _drain(self) -> None:
+        raise NotImplementedError
+
+    def _pack(self, t: torch.Tensor):
+        nbytes = t.numel() * t.element_size()
+        state = self._state()
+        reason = "excluded" if (state.keep_depth or state.tail) else self.policy.keep_reason(t)
+        if reason is not None:
+            with self._lock:
+                self.stats.saved_tensors += 1
+                self.stats.note_kept(reason, nbytes)
+            return Kept(t)
+        with self._lock:
+            self.stats.saved_tensors += 1
+            self._drain()
+            step = state.step
+            if step is None or step.passes or step.live <= 0:
+                step = state.step = Step()  # a new forward, or one whose backward already began
+            storage = t.untyped_storage()
+            start, end = storage_span(t)
+            entry = self._find(step, storage._cdata, start, end, t._version)
+            if entry is not None:
+                entry.group = state.group  # needed with its newest saver's group
+                self.stats.deduplicated_tensors += 1
+                self.stats.deduplicated_bytes += nbytes
+                self._planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
+            else:
+                overlapping = self._overlapping(step, storage._cdata, start, end, t._version)
+                if overlapping:
+                    start = min(start, *(e.start for e in overlapping))
+                    end = max(end, *(e.end for e in overlapping))
+                entry = self._offload(step, storage, start, end, t.device, t._version)
+                if entry is None:
+                    self.stats.note_kept("budget", nbytes)
+                    return Kept(t)
+                entry.group = state.group
+                for old in overlapping:
+                    self._merge(old, entry)
+            entry.live += 1
+            return Packed(entry, t, self._dead)
+
+    def _find(self, step: Step, key: int, start: int, end: int, version: int) -> Entry | None:
+        # Same storage and graph, range covered, and no in-place write since the copy was taken
+        # (views share their base's version counter).
+        for entry in self._by_storage.get(key, ()):
+            if entry.step is step and entry.start <= start and end <= entry.end and entry.version == version:
+                return entry
+        return None
+
+    def _overlapping(self, step: Step, key: int, start: int, end: int, version: int) -> list[Entry]:
+        return [e for e in self._by_storage.get(key, ())
+                if e.step is step and e.version == version and e.start < end and start < e.end]
+
+    def _merge(self, old: Entry, new: Entry) -> None:
+        """``new`` covers ``old``'s range: serve ``old``'s handles from it and give ``old``'s
+        copy back, so each storage's bytes are held once (a slice saved before the whole)."""
+        old.merged_into, old.shift = new, old.start - new.start
+        new.live += old.live
+        self.stats.offloaded_bytes -= old.nbytes
+        self.stats.offloaded_tensors -= 1
+        self.stats.merged_entries += 1
+        if old.src is not None:
+            try:
+                self._stash.remove(old)
+            except ValueError:
+                pass
+            # Copies on one stream run in order: new's copy, queued after, covers old's source.
+            same = new.stored.done_stream is not None and old.stored.done_stream is new.stored.done_stream
+            self._drop_source(old, wait=not same)
+        self._entries.discard(old)
+        self._by_storage[old.key].remove(old)
+        self._planner.on_released(old)
+        old.stored.tier.free(old.stored)  # its pending copy is remembered by the tier
+
+    def _offload(self, step: Step, storage, start: int, end: int, device: torch.device, version: int):
+        src = span_view(storage, start, end, device)
+        stored = self.tier.store(src)
+        if stored is None:
+            if not self._budget_warned:
+                self._budget_warned = True
+                warnings.warn(
+                    f"offloadkit: host-memory budget reached ({self.budget.describe()}); further "
+                    "activations stay on the device. Raise host_budget_bytes or add a disk tier.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        entry = Entry(
+            key=storage._cdata,
+            weak=_weak(storage),
+            start=start,
+            end=end,
+            device=device,
+            stored=stored,
+            version=version,
+        )
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += entry.nbytes
+        self._entries.add(entry)
+        self._by_storage.setdefault(entry.key, []).append(entry)
+        self._planner.on_saved(step, entry, new=True)
+        if not stored.copy_finished():
+            entry.src, entry.src_stream = src, current_stream(device)
+            self._stash.append(entry)
+            self._trim_stash()
+        return entry
+
+    def _trim_stash(self) -> None:
+        stash = self._stash
+        # Copies complete in order on the side stream: drop landed sources from the front.
+        while stash and stash[0].stored.copy_finished():
+            self._drop_source(stash.popleft(), wait=False)
+        while len(stash) > self.max_fwd_stash_size:
+            self._drop_source(stash.popleft(), wait=True)
+
+    def _drop_source(self, entry: Entry, wait: bool) -> None:
+        if wait:
+            # The side stream may still read the source: its memory must not be reused on the
+            # source's stream until the copy is done (GPU-side wait, no host sync).
+            self._clock.wait(entry.src_stream, entry.stored.done, "forward", self.stats)
+        entry.src = None
+
+    def _flush_stash(self) -> None:
+        while self._stash:
+            self._drop_source(self._stash.popleft(), wait=True)
+
+
+def _weak(storage):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(storage)
