@@ -344,3 +344,54 @@ def test_registered_host_memory_is_unregistered_when_dropped():
         pool = HostBufferPool(True, HostMemoryBudget(min_free_bytes=0))
         assert pool.acquire(64 << 20).chunk.unregister is not None
     torch.cuda.synchronize()  # and no stale CUDA error surfaces
+
+
+def test_inplace_write_of_a_stashed_source_raises(slow):
+    """A source still in the forward stash is handed to backward as it is: an in-place
+    write after the save must raise autograd's error, not feed modified values."""
+    slow(SLOW_COPY_CYCLES)  # keep copies in flight so the source is still stashed at backward
+    x = torch.randn(4096, 1024, device=DEV, requires_grad=True)
+    ctx = OffloadActivations(max_fwd_stash_size=50)
+    with ctx:
+        h = x * 2
+        out = h.sin()
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    torch.cuda.synchronize()
+
+
+def test_backward_output_that_views_an_unpacked_tensor_stays_valid(slow):
+    """A backward node returns a view of its unpacked activation; that memory must not be
+    reused (by a later prefetch or allocation) while the view is still on its way."""
+
+    class ReturnsView(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a.t())
+            return torch.zeros(2, 4, device=DEV)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (saved,) = ctx.saved_tensors
+            return saved.t()
+
+    class PassThrough(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a * 3)
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            torch.cuda._sleep(SLOW_COPY_CYCLES)  # the view travels on while this runs
+            return grad.clone()
+
+    x = torch.ones(2048, 1024, device=DEV, requires_grad=True)
+    ctx = OffloadActivations(prefetch=4)
+    with ctx:
+        b = PassThrough.apply(x * 1.0)
+        loss = ReturnsView.apply(b * 1.0).sum()
+    loss.backward()
+    torch.cuda.synchronize()
+    assert torch.equal(x.grad, torch.ones_like(x)), "the view's memory was reused too early"
