@@ -287,6 +287,22 @@ class LayerStreamer:
             self.pool.close()
 
 
+def _refuse_fsdp2(model: nn.Module) -> None:
+    """FSDP2 owns the storage of the parameters it shards (it swaps them in and out itself):
+    two owners of one storage cannot coexist."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without distributed
+        return
+    sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise ValueError(
+            f"layer_offloading cannot stream weights that FSDP2 shards ({sharded[0] or 'the model'} is "
+            "fully_shard-ed); keep frozen shards in host memory with FSDP2's own offloading instead: "
+            "fully_shard(module, offload_policy=CPUOffloadPolicy()), or apply layer streaming without FSDP2"
+        )
+
+
 class _AttrHandle:
     """Removes an instance attribute set by the streamer, if it is still ours."""
 
@@ -320,6 +336,7 @@ def apply_layer_streaming(model: nn.Module, *, block_types=None, predicate=None,
         >>> streamer = apply_layer_streaming(peft_model)
         >>> loss = peft_model(**batch).loss; loss.backward()
     """
+    _refuse_fsdp2(model)
     blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
     if budget is None:
         budget = HostMemoryBudget(host_budget_bytes)

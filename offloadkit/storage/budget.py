@@ -15,6 +15,8 @@ from typing import Callable
 
 import psutil
 
+from offloadkit.runtime.ranks import local_world_size
+
 __all__ = ["HostMemoryBudget"]
 
 _GiB = 1 << 30
@@ -109,10 +111,17 @@ class HostMemoryBudget:
       processes and to machines whose RAM grows as it is used. Defaults to the larger
       of 2 GiB and 10% of total RAM.
 
+    Host RAM is a node's, not a process's: with ``ranks_per_node`` processes on a node (read
+    from the launcher's ``LOCAL_WORLD_SIZE``), each takes at most its share of the RAM above
+    ``min_free_bytes`` that is free now or already its own, so eight ranks do not each plan on
+    the whole free RAM (and machines whose RAM grows as it is used are followed live).
+    ``limit_bytes`` is a cap per process.
+
     Args:
-        limit_bytes: hard cap, or None.
+        limit_bytes: hard cap for this process, or None.
         min_free_bytes: RAM that must stay available, or None for the default.
         available_fn: returns available system RAM in bytes (injectable for tests).
+        ranks_per_node: processes sharing this node's RAM (None: from the environment).
 
     Example:
         >>> budget = HostMemoryBudget(limit_bytes=8 << 30)
@@ -128,6 +137,7 @@ class HostMemoryBudget:
         limit_bytes: int | None = None,
         min_free_bytes: int | None = None,
         available_fn: Callable[[], int] | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         for name, value in (("host_budget_bytes", limit_bytes), ("min_free_bytes", min_free_bytes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -140,6 +150,9 @@ class HostMemoryBudget:
             max(2 * _GiB, _total_bytes() // 10) if min_free_bytes is None else int(min_free_bytes)
         )
         self._read_available = available_fn or _available_bytes
+        self.ranks_per_node = local_world_size() if ranks_per_node is None else int(ranks_per_node)
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node={ranks_per_node!r} is invalid; pass an int >= 1")
         self._reading: tuple[float, int, int] | None = None  # (time, available, used then)
         self._used = 0
         self._peak = 0
@@ -184,18 +197,30 @@ class HostMemoryBudget:
             reading = self._reading = (now, self._read_available(), self._used)
         return reading[1] - (self._used - reading[2])
 
+    def node_share(self) -> int | None:
+        """This process's share of the node's RAM above the guard (None: alone on the node)."""
+        if self.ranks_per_node == 1:
+            return None
+        return max(0, self._available() + self._used - self.min_free_bytes) // self.ranks_per_node
+
+    def _cap(self) -> int | None:
+        caps = [c for c in (self.limit_bytes, self.node_share()) if c is not None]
+        return min(caps) if caps else None
+
     def headroom(self) -> int:
         """Bytes that could be reserved right now."""
         by_free = self._available() - self.min_free_bytes
-        if self.limit_bytes is None:
+        cap = self._cap()
+        if cap is None:
             return max(0, by_free)
-        return max(0, min(by_free, self.limit_bytes - self._used))
+        return max(0, min(by_free, cap - self._used))
 
     def try_reserve(self, nbytes: int, respect_cap: bool = True) -> bool:
         """Reserve ``nbytes``. ``respect_cap=False`` is for transient I/O buffers (disk
         staging, bounded by their own in-flight limit): only the free-RAM guard applies."""
         with self._lock:
-            if respect_cap and self.limit_bytes is not None and self._used + nbytes > self.limit_bytes:
+            cap = self._cap()
+            if respect_cap and cap is not None and self._used + nbytes > cap:
                 self._refusals += 1
                 return False
             if self._available() - nbytes < self.min_free_bytes:
@@ -212,8 +237,10 @@ class HostMemoryBudget:
                 raise RuntimeError(f"HostMemoryBudget released more than reserved ({self._used} bytes)")
 
     def describe(self) -> str:
-        cap = "none" if self.limit_bytes is None else f"{self.limit_bytes / _GiB:.2f} GiB"
+        cap = self._cap()
+        cap_text = "none" if cap is None else f"{cap / _GiB:.2f} GiB"
+        shared = f" (node RAM shared by {self.ranks_per_node} ranks)" if self.ranks_per_node > 1 else ""
         return (
             f"host budget: {self._used / _GiB:.2f} GiB held (peak {self._peak / _GiB:.2f}), "
-            f"cap {cap}, keep {self.min_free_bytes / _GiB:.2f} GiB free"
+            f"cap {cap_text}{shared}, keep {self.min_free_bytes / _GiB:.2f} GiB free"
         )

@@ -228,3 +228,13 @@ def test_pools_sharing_a_budget_give_idle_buffers_to_each_other():
     got = b_pool.acquire(2 * 65536)
     assert got is not None, "pool B must get room from pool A's idle buffers"
     assert a_pool.bytes_held == 2 * 65536 and b.used_bytes <= 4 * 65536
+
+
+def test_ranks_on_one_node_share_its_ram(monkeypatch):
+    b = HostMemoryBudget(min_free_bytes=4 * GiB, available_fn=lambda: 36 * GiB, ranks_per_node=8)
+    assert b.headroom() == 4 * GiB  # (36 - 4) / 8, not the whole 32 GiB
+    assert b.try_reserve(3 * GiB) and not b.try_reserve(2 * GiB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert HostMemoryBudget(min_free_bytes=0, available_fn=lambda: 40 * GiB).headroom() == 10 * GiB
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert HostMemoryBudget(min_free_bytes=0, available_fn=lambda: 40 * GiB).headroom() == 40 * GiB
