@@ -395,3 +395,37 @@ def test_backward_output_that_views_an_unpacked_tensor_stays_valid(slow):
     loss.backward()
     torch.cuda.synchronize()
     assert torch.equal(x.grad, torch.ones_like(x)), "the view's memory was reused too early"
+
+
+def test_fsdp2_checkpoint_input_offload_with_slow_copies(slow, monkeypatch):
+    """FSDP2 (one rank) swaps parameters in and out on its own streams: block inputs offloaded
+    under it, with every copy delayed, give FSDP2's own results bitwise."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from offloadkit.checkpointing import apply_activation_checkpointing
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        def sharded():
+            model = small_llama()
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+
+        plain, offloaded = sharded(), sharded()
+        apply_activation_checkpointing(plain)
+        handle = apply_activation_checkpointing(offloaded, offload_inputs=True)
+        batch = llama_batch(plain)
+        slow(SLOW_COPY_CYCLES // 4)
+        for _ in range(2):
+            ref, got = run_step(plain, batch), run_step(offloaded, batch)
+            assert_bitwise_equal(ref[0], got[0], "loss")
+            for name in ref[1]:
+                assert_bitwise_equal(ref[1][name].full_tensor(), got[1][name].full_tensor(), name)
+        assert handle.offloader.stats.offloaded_tensors > 0 and handle.offloader.is_idle()
+    finally:
+        dist.destroy_process_group()
