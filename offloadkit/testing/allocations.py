@@ -25,7 +25,7 @@ class AllocationTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.max_elements = 0
-        self.records: list[tuple[str, tuple, int]] = []
+        self.records: list[tuple[str, tuple, int, torch.dtype]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -36,12 +36,13 @@ class AllocationTracker(TorchDispatchMode):
                     and t.untyped_storage().data_ptr() not in inputs):
                 elements = t.untyped_storage().nbytes() // t.element_size()
                 self.max_elements = max(self.max_elements, elements)
-                self.records.append((str(func), tuple(t.shape), elements))
+                self.records.append((str(func), tuple(t.shape), elements, t.dtype))
         return out
 
-    def shapes_over(self, elements: int) -> list[tuple[str, tuple]]:
-        """(op, shape) of every allocation of at least ``elements`` elements."""
-        return [(op, shape) for op, shape, n in self.records if n >= elements]
+    def shapes_over(self, elements: int, dtype: torch.dtype | None = None) -> list[tuple[str, tuple]]:
+        """(op, shape) of every allocation of at least ``elements`` elements (of ``dtype``)."""
+        return [(op, shape) for op, shape, n, dt in self.records
+                if n >= elements and (dtype is None or dt == dtype)]
 
 
 class SavedTensorTracker(torch.autograd.graph.saved_tensors_hooks):
