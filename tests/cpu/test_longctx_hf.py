@@ -1,6 +1,6 @@
 """Chunked loss and tiled MLP on real Hugging Face models (random init, tiny configs):
 ``model(input_ids, labels=labels).loss`` and every gradient against the unchanged model,
-with PEFT LoRA and Hugging Face gradient checkpointing.
+with PEFT LoRA, Hugging Face gradient checkpointing, the config route and the Trainer.
 
 Tolerance: fp32, 1e-5 relative to the largest reference value of each tensor.
 """
@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from offloadkit import apply_chunked_loss, apply_tiled_mlp  # noqa: E402
+from offloadkit.config import ConfigError, OffloadConfig  # noqa: E402
+from offloadkit.integrations.runtime import prepare  # noqa: E402
 from offloadkit.testing import (  # noqa: E402
     AllocationTracker,
     SavedTensorTracker,
@@ -239,3 +241,81 @@ def test_sdpa_single_sequence_builds_no_seq_by_seq_mask(monkeypatch, extra):
     with AllocationTracker() as control:
         eager(input_ids=ids, use_cache=False)
     assert control.shapes_over(seq * seq), "the observable sees an [S, S] mask when one is built"
+
+
+def test_config_route_composes_with_checkpointing_and_disk_offloading(tmp_path):
+    data = batch()
+    model = lora(build_llama("tiny", attn_implementation="sdpa"))
+    ref = run_step(model, data)
+    keys = {"chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": 3, "tiled_mlp": True,
+            "tiled_mlp_num_shards": 2}
+    runtime = prepare(model, keys)
+    assert runtime.chunked_loss is not None and len(runtime.tiled_mlp.modules) == 2
+    alone = run_step(model, data, ctx=runtime.context())
+    close_all(alone, ref)
+    runtime.close()
+    assert all(k not in m.__dict__ for m in model.modules() for k in ("forward", "_loss_function"))
+    assert_bitwise_equal(run_step(model, data)[1], ref[1], "after close()")
+    runtime = prepare(model, {**keys, "gradient_checkpointing": True, "activation_offloading": "disk",
+                              "disk_dir": str(tmp_path)})
+    composed = run_step(model, data, ctx=runtime.context())
+    assert runtime.manager.collect_stats().offloaded_tensors > 0
+    runtime.close()
+    assert_bitwise_equal(composed[0], alone[0], "loss with checkpointing and offloading")
+    assert_bitwise_equal(composed[1], alone[1], "grads with checkpointing and offloading")
+
+
+def test_config_keys_validated_and_warned():
+    cfg = OffloadConfig.from_dict({"chunked_cross_entropy": True, "tiled_mlp": True, "tiled_mlp_num_shards": "auto"})
+    assert cfg.tiled_mlp_num_shards is None and cfg.chunked_cross_entropy_num_chunks is None
+    for data, message in [({"chunked_cross_entropy": "yes"}, "chunked_cross_entropy='yes' has the wrong type"),
+                          ({"chunked_cross_entropy_num_chunks": 0}, "chunked_cross_entropy_num_chunks=0 is too small"),
+                          ({"tiled_mlp_num_shards": 2.5}, "tiled_mlp_num_shards=2.5 has the wrong type"),
+                          ({"tiled_mlp": 1}, "tiled_mlp=1 has the wrong type")]:
+        with pytest.raises(ConfigError, match=message.replace("(", "\\(")):
+            OffloadConfig.from_dict(data)
+    with pytest.warns(UserWarning, match="tiled_mlp_num_shards only applies with tiled_mlp: true"):
+        OffloadConfig.from_dict({"tiled_mlp_num_shards": 4})
+    with pytest.warns(UserWarning, match="chunked_cross_entropy has no effect"):
+        runtime = prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+                          {"chunked_cross_entropy": True})
+    assert runtime.chunked_loss is None
+    runtime.close()
+
+
+def test_trainer_with_gradient_accumulation(tmp_path):
+    """The Trainer passes num_items_in_batch; losses match the unchanged model's."""
+    from offloadkit.integrations.trainer import OffloadCallback
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (8, 48))
+    rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
+    for row in rows[::2]:
+        row["labels"][:20] = -100
+
+    def train(callbacks):
+        model = build_llama("tiny", attn_implementation="sdpa")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+            learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
+            seed=0, remove_unused_columns=False, lr_scheduler_type="constant")
+        losses, chunked_calls = [], []
+
+        class Record(transformers.TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "loss" in logs:
+                    losses.append(logs["loss"])
+
+            def on_step_end(self, args, state, control, **kw):
+                for cb in callbacks:
+                    chunked_calls.append(cb.runtime.chunked_loss.calls)
+
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[Record(), *callbacks])
+        trainer.train()
+        return losses, chunked_calls
+
+    ref, _ = train([])
+    got, calls = train([OffloadCallback({"chunked_cross_entropy": True, "tiled_mlp": True, "tiled_mlp_num_shards": 2})])
+    assert calls == [2, 4, 6], "every micro-batch's loss went through the chunked path"
+    assert len(got) == len(ref) == 3
+    assert got == pytest.approx(ref, rel=1e-4)
