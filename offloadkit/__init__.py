@@ -22,6 +22,7 @@ from offloadkit.engine import (
     OffloadPolicy,
     OffloadStats,
 )
+from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp, chunked_cross_entropy
 from offloadkit.storage import HostBufferPool, HostMemoryBudget, HostTier
 
 __version__ = "0.1.0"
@@ -34,6 +35,9 @@ __all__ = [
     "OffloadActivations",
     "OffloadPolicy",
     "OffloadStats",
+    "apply_chunked_loss",
+    "apply_tiled_mlp",
+    "chunked_cross_entropy",
     "get_act_offloading_ctx_manager",
     "get_lora_act_offloading_ctx_manager",
 ]

@@ -122,6 +122,13 @@ class OffloadConfig:
         disk_dir / disk_threads / direct_io / disk_tiering: the disk tier.
         layer_offloading: stream frozen decoder-layer weights from pinned host memory.
         layer_offloading_depth: layers of frozen weights resident at once.
+        chunked_cross_entropy: compute the loss over token chunks, never holding the
+            full-vocabulary logits (Hugging Face causal LMs).
+        chunked_cross_entropy_num_chunks: chunks per loss (None: automatic, at most 1 GiB
+            of fp32 logits per chunk).
+        tiled_mlp: run each decoder layer's MLP over sequence shards (Axolotl's name).
+        tiled_mlp_num_shards: shards per MLP call (None or "auto": one shard's
+            intermediate at most 2**28 elements; untiled when that is one shard).
 
     Example:
         >>> OffloadConfig.from_dict({"gradient_checkpointing": True, "activation_offloading": True})
@@ -143,6 +150,10 @@ class OffloadConfig:
     disk_tiering: bool = False
     layer_offloading: bool = False
     layer_offloading_depth: int = 2
+    chunked_cross_entropy: bool = False
+    chunked_cross_entropy_num_chunks: int | None = None
+    tiled_mlp: bool = False
+    tiled_mlp_num_shards: int | None = None
     _warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
@@ -159,6 +170,8 @@ class OffloadConfig:
             data["prefetch_bytes"] = parse_bytes(data["prefetch_bytes"], "prefetch_bytes")
         if isinstance(data.get("activation_offloading"), str) and data["activation_offloading"].lower() in ("true", "false"):
             data["activation_offloading"] = data["activation_offloading"].lower() == "true"
+        if data.get("tiled_mlp_num_shards") == "auto":
+            data["tiled_mlp_num_shards"] = None
         config = cls(**data)
         config.validate()
         return config
@@ -190,6 +203,14 @@ class OffloadConfig:
             _expect(key, value, (int,), f"an integer >= {low}")
             if value < low:
                 raise ConfigError(f"{key}={value!r} is too small; it must be >= {low}")
+        for key, on in (("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
+                        ("tiled_mlp_num_shards", "tiled_mlp")):
+            _expect(on, getattr(self, on), (bool,), "true or false")
+            value = getattr(self, key)
+            if value is not None:
+                _expect(key, value, (int,), "an integer >= 1, or omit it for automatic")
+                if value < 1:
+                    raise ConfigError(f"{key}={value!r} is too small; it must be >= 1 (or omit it for automatic)")
         if self.direct_io not in (True, False, "auto"):
             raise ConfigError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
         if self.disk_dir is not None:
@@ -214,6 +235,10 @@ class OffloadConfig:
             disk_keys.append("disk_threads")
         if self.direct_io != "auto":
             disk_keys.append("direct_io")
+        for key, on in (("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
+                        ("tiled_mlp_num_shards", "tiled_mlp")):
+            if getattr(self, key) is not None and not getattr(self, on):
+                self._warn(f"{key} only applies with {on}: true; it has no effect")
         if disk_keys and self.activation_offloading != "disk":
             self._warn(f"{', '.join(disk_keys)} only apply with activation_offloading: disk; they have no effect")
         if self.activation_offloading is False:

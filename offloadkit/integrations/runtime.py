@@ -1,5 +1,6 @@
-"""Apply an :class:`OffloadConfig` to a model: checkpointing, activation offloading and
-layer streaming, in the right order, with one handle to detach everything.
+"""Apply an :class:`OffloadConfig` to a model: chunked loss, tiled MLP, checkpointing,
+activation offloading and layer streaming, in the right order, with one handle to detach
+everything.
 
 This is what the Trainer mixins, the callback and the CLI share; plain loops can use it too::
 
@@ -23,6 +24,7 @@ from offloadkit.api import attach_to_forward, get_act_offloading_ctx_manager
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.config import OffloadConfig
 from offloadkit.layers import apply_layer_streaming
+from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
 from offloadkit.models.heads import unwrap_model
 from offloadkit.storage import DiskOptions, HostMemoryBudget
 
@@ -42,6 +44,7 @@ class OffloadRuntime:
         checkpointing: offloadkit's checkpointing handle (None when off, or when Hugging
             Face's own gradient checkpointing is on).
         streamer: the layer streamer (or None).
+        chunked_loss / tiled_mlp: the long-context handles (or None).
     """
 
     def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
@@ -50,6 +53,8 @@ class OffloadRuntime:
         self.manager = None
         self.checkpointing = None
         self.streamer = None
+        self.chunked_loss = None
+        self.tiled_mlp = None
         self._forward_attachment = None
         self.notes: list[str] = list(config._warnings)
 
@@ -92,6 +97,11 @@ class OffloadRuntime:
         if self.checkpointing is not None:
             self.checkpointing.remove()
             self.checkpointing = None
+        for name in ("tiled_mlp", "chunked_loss"):
+            handle = getattr(self, name)
+            if handle is not None:
+                handle.remove()
+                setattr(self, name, None)
 
     def _note(self, message: str) -> None:
         self.notes.append(message)
@@ -111,6 +121,17 @@ def prepare(model: nn.Module, config: OffloadConfig | dict | None = None) -> Off
     runtime = OffloadRuntime(model, config)
     cuda = torch.cuda.is_available()
     mode = config.activation_offloading
+
+    if config.chunked_cross_entropy:
+        try:
+            runtime.chunked_loss = apply_chunked_loss(model, config.chunked_cross_entropy_num_chunks)
+        except ValueError as exc:
+            runtime._note(f"chunked_cross_entropy has no effect: {exc}")
+    if config.tiled_mlp:
+        try:
+            runtime.tiled_mlp = apply_tiled_mlp(model, config.tiled_mlp_num_shards)
+        except ValueError as exc:
+            runtime._note(f"tiled_mlp has no effect: {exc}")
 
     if config.gradient_checkpointing:
         if _hf_checkpointing_on(model):

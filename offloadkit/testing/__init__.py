@@ -1,6 +1,8 @@
 """Helpers shared by the test suites, the demo and the benchmarks: tiny models built from
-configs (no downloads), and bitwise comparison of losses and gradients."""
+configs (no downloads), bitwise comparison of losses and gradients, and trackers of what a
+region allocates and saves."""
 
+from offloadkit.testing.allocations import AllocationTracker, SavedTensorTracker
 from offloadkit.testing.delays import slow_copies
 from offloadkit.testing.models import LLAMA_SHAPES, build_llama, make_batch
 from offloadkit.testing.parity import assert_bitwise_equal, grads_of, run_step
@@ -11,6 +13,8 @@ from offloadkit.testing.steps import (
 )
 
 __all__ = [
+    "AllocationTracker",
+    "SavedTensorTracker",
     "LLAMA_SHAPES",
     "assert_bitwise_equal",
     "build_llama",
