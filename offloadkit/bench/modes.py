@@ -12,6 +12,7 @@ import torch
 from offloadkit.api import get_act_offloading_ctx_manager
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.layers import apply_layer_streaming
+from offloadkit.runtime.device import empty_host_cache
 from offloadkit.testing.models import LLAMA_SHAPES
 
 __all__ = ["MODES", "ModeSetup", "ModeHandle"]
@@ -73,9 +74,7 @@ def _save_on_cpu(ckpt: bool):
 
         def disable():
             _checkpointing(model, False)
-            empty = getattr(torch._C, "_host_emptyCache", None)
-            if empty is not None:
-                empty()  # give PyTorch's cached pinned blocks back between modes
+            empty_host_cache()  # give PyTorch's cached pinned blocks back between modes
 
         return ModeHandle(lambda: torch.autograd.graph.save_on_cpu(pin_memory=True), disable)
 

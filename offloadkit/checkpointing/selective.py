@@ -15,6 +15,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from offloadkit.runtime.ops import OpOverload, OpOverloadPacket
+
 __all__ = ["OP_GROUPS", "resolve_ops", "selective_context_fn"]
 
 
@@ -45,9 +47,9 @@ def resolve_ops(save: Iterable) -> frozenset:
             if item not in OP_GROUPS:
                 raise ValueError(f"selective op group {item!r} is unknown; use one of {sorted(OP_GROUPS)} or aten ops")
             ops.update(OP_GROUPS[item])
-        elif isinstance(item, torch._ops.OpOverloadPacket):
+        elif isinstance(item, OpOverloadPacket):
             ops.update(getattr(item, o) for o in item.overloads())
-        elif isinstance(item, torch._ops.OpOverload):
+        elif isinstance(item, OpOverload):
             ops.add(item)
         else:
             raise ValueError(f"selective save entry {item!r} is neither a group name nor an aten op")

@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "accelerator_available",
     "device_alias_of_host",
+    "empty_host_cache",
     "current_stream",
     "host_register",
     "host_unregister",
@@ -112,6 +113,13 @@ def device_alias_of_host(host: torch.Tensor, device: torch.device) -> torch.Tens
     nbytes = host.numel() * host.element_size()
     storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
     return torch.empty(0, dtype=host.dtype, device=device).set_(storage, 0, host.shape, host.stride())
+
+
+def empty_host_cache() -> None:
+    """Give PyTorch's cached pinned host blocks back (where this PyTorch can)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def host_unregister(ptr: int) -> None:
