@@ -97,7 +97,6 @@ class CheckpointedBlocks:
         last = index == len(self.blocks) - 1
         if index == 0 and self.offloader is not None:
             self.offloader.policy.refresh()  # once per forward: parameters may have moved
-            self.offloader.mark_forward_start()
         offload = self.offloader is not None and not (last and self._keep_last_input)
         capture = self.offloader.capture() if offload else contextlib.nullcontext()
         fn, flat = original, args

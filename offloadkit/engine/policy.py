@@ -76,9 +76,10 @@ class OffloadPolicy:
         found = {}
         for module in self._modules:
             for t in (*module.parameters(), *module.buffers()):
-                storage = _storage(t)
-                if storage is not None:
-                    found[storage._cdata] = StorageWeakRef(storage)
+                # A streamed frozen weight also owns a flat device storage it may not point at now.
+                for storage in (_storage(t), t.__dict__.get("_offloadkit_streamed_storage")):
+                    if storage is not None:
+                        found[storage._cdata] = StorageWeakRef(storage)
         self._param_storages = found
 
     def storage_pointers(self) -> set[int]:

@@ -106,12 +106,14 @@ class DeathQueue:
         self._lock = threading.Lock()
 
     def append(self, item) -> None:
-        handler = self._after_close
-        if handler is None:
-            self._queue.append(item)
-        else:
-            with self._lock:
-                handler(*item)
+        # The handler (after close) takes the engine's lock: call it outside ours, so the
+        # two locks are never taken in opposite orders.
+        with self._lock:
+            handler = self._after_close
+            if handler is None:
+                self._queue.append(item)
+                return
+        handler(*item)
 
     def popleft(self):
         return self._queue.popleft()
@@ -119,8 +121,10 @@ class DeathQueue:
     def close(self, handler) -> None:
         with self._lock:
             self._after_close = handler
-            while self._queue:
-                handler(*self._queue.popleft())
+            pending = list(self._queue)
+            self._queue.clear()
+        for item in pending:
+            handler(*item)
 
     def __bool__(self) -> bool:
         return bool(self._queue)

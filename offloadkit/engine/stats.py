@@ -86,18 +86,23 @@ class WaitClock:
         self._pending: list[tuple] = []
 
     def wait(self, stream, event, phase: str, stats: OffloadStats) -> None:
-        if event is None or event.query():
+        if event is None:
             return  # nothing to wait for
-        if stream is None or hasattr(event, "resolve"):
-            # Host-side work first (a disk read, or CPU tensors): block the host, timed.
+        if hasattr(event, "resolve"):
+            # Host-side work first (a disk read): block the host, timed. A failed read raises
+            # here, never hands back a buffer it did not fill.
             start = time.perf_counter()
-            if stream is None:
-                event.synchronize()
-            else:
-                event = event.resolve()
+            event = event.resolve()
             stats.host_wait_seconds += time.perf_counter() - start
-            if stream is None or event is None or event.query():
+            if event is None:
                 return
+        if event.query():
+            return
+        if stream is None:  # CPU tensors: the host is the consumer
+            start = time.perf_counter()
+            event.synchronize()
+            stats.host_wait_seconds += time.perf_counter() - start
+            return
         if not self.enabled:
             stream.wait_event(event)
             return

@@ -26,7 +26,9 @@ from offloadkit.runtime.copies import copy_on
 from offloadkit.runtime.device import device_alias_of_host
 from offloadkit.storage.pool import HostBufferPool
 
-__all__ = ["FlatWeights", "streamable_reason"]
+__all__ = ["FlatWeights", "STREAMED_STORAGE", "streamable_reason"]
+
+STREAMED_STORAGE = "_offloadkit_streamed_storage"  # parameter attribute: its flat device storage
 
 _ALIGN = 512
 _RAW_DATA_PARAMS = {"Params4bit", "Int8Params"}  # bitsandbytes: quantized bytes live in .data
@@ -147,6 +149,9 @@ class FlatWeights:
         views = self._device_views if resident else self._host_views
         for slot, view in zip(self.slots, views):
             slot.param.data = view
+            # Evicted parameters point at their host alias; the engine's policy must still
+            # recognise the flat device storage (``.detach()``/``.data`` aliases saved in forward).
+            slot.param.__dict__[STREAMED_STORAGE] = self.storage
 
     def check_params(self) -> None:
         """Raise if something replaced a streamed parameter's data (e.g. ``model.to()``)."""
@@ -159,10 +164,28 @@ class FlatWeights:
                     "device or dtype"
                 )
 
+    def adopt_replaced(self) -> None:
+        """Bring back into the flat storage any resident parameter whose ``.data`` was replaced
+        (PEFT's ``safe_merge``, DoRA and ``unmerge`` assign a new tensor instead of writing in place)."""
+        if not self.resident:
+            return
+        for slot, view in zip(self.slots, self._device_views):
+            data = slot.param.data
+            if data.numel() and data.data_ptr() == view.data_ptr():
+                continue
+            if data.shape != view.shape or data.dtype != view.dtype:
+                raise RuntimeError(
+                    f"offloadkit: {self.name}.{slot.name} was replaced by a {data.dtype}{list(data.shape)} tensor; "
+                    f"a streamed weight keeps its {view.dtype}{list(view.shape)} layout (call streamer.remove() first)"
+                )
+            view.copy_(data)
+            slot.param.data = view
+
     def write_back(self) -> None:
         """Copy the resident device bytes into the host copy (after weights were changed in place)."""
         if not self.resident:
             return
+        self.adopt_replaced()
         if self.ready is not None:
             self.ready.synchronize()
         self.host.wait_host()
@@ -188,6 +211,11 @@ class FlatWeights:
         self.ready = None
         self.consumed = True
         self._point_params(resident=True)
+        for slot in self.slots:
+            slot.param.__dict__.pop(STREAMED_STORAGE, None)
+        # GPU aliases of the host copy handed out while evicted (state_dict values, detached
+        # weights) may outlive this call: the host memory goes back only once they are gone.
+        aliases = [v.untyped_storage() for v in self._host_views if v.device.type != "cpu"]
         self._host_views = []
-        self._pool.release(self.host)
+        self._pool.release_when_unreferenced(self.host, aliases)
         self.host = None

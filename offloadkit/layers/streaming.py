@@ -177,6 +177,7 @@ class LayerStreamer:
             yield layer
         finally:
             with self._lock:
+                layer.adopt_replaced()
                 if layer.device.type == "cuda":
                     torch.cuda.current_stream(layer.device).synchronize()
                 layer.write_back()

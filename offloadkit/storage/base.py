@@ -31,16 +31,33 @@ class FutureCompletion:
     def query(self) -> bool:
         if not self.future.done():
             return False
+        if self.future.exception() is not None:
+            return True  # failed: no device copy is left to wait for
         event = self.future.result()
         return event is None or event.query()
 
     def resolve(self):
+        """The device event, or raise the host part's failure as a fresh exception: the stored
+        one would collect every frame it passes through (a whole backward pass, its graph
+        and host copies) and keep them alive for as long as the future lives."""
+        exc = self.future.exception()
+        if exc is not None:
+            raise _fresh(exc) from None
         return self.future.result()
 
     def synchronize(self) -> None:
+        if self.future.exception() is not None:
+            return
         event = self.future.result()
         if event is not None:
             event.synchronize()
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    try:
+        return type(exc)(*exc.args)
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def order_after(stream, completion) -> None:
@@ -51,6 +68,8 @@ def order_after(stream, completion) -> None:
         completion.synchronize()
         return
     if isinstance(completion, FutureCompletion):
+        if completion.future.exception() is not None:
+            return  # the host part failed: nothing was queued on the device
         completion = completion.resolve()
         if completion is None:
             return

@@ -95,15 +95,25 @@ def remove_stale_dirs(parent: str) -> list[str]:
     except OSError:
         return removed
     uid = os.getuid()
-    mine = live_dirs()
+    mine = {os.path.realpath(p) for p in live_dirs()}
+    # A POSIX lock never conflicts with its own process, and closing any descriptor of a
+    # locked file drops the lock: never open one of our own lock files, however it is named.
+    with _lock:
+        own_locks = {(st.st_dev, st.st_ino) for st in (os.fstat(fd) for fd in _live.values())}
     for name in names:
         if not _NAME.match(name):
             continue
         path = os.path.join(parent, name)
-        if path in mine or not _is_real_dir(path) or os.lstat(path).st_uid != uid:
+        if os.path.realpath(path) in mine or not _is_real_dir(path) or os.lstat(path).st_uid != uid:
             continue
         lock_path = path + ".lock"
-        if os.path.exists(lock_path):
+        try:
+            lock_id = (os.stat(lock_path).st_dev, os.stat(lock_path).st_ino)
+        except OSError:
+            lock_id = None
+        if lock_id in own_locks:
+            continue
+        if lock_id is not None:
             fd = _try_lock(lock_path)
             if fd is None:
                 continue  # its owner is alive, wherever it runs
@@ -126,7 +136,8 @@ def create_private_dir(parent: str | None = None) -> str:
     Raises:
         OSError: naming the parent directory, when it cannot be created or written.
     """
-    parent = check_parent(parent) if parent else tempfile.gettempdir()
+    # One spelling per directory: the live set and the sweep compare real paths.
+    parent = check_parent(parent) if parent else os.path.realpath(tempfile.gettempdir())
     try:
         os.makedirs(parent, exist_ok=True)
         remove_stale_dirs(parent)
@@ -134,9 +145,13 @@ def create_private_dir(parent: str | None = None) -> str:
         fd, lock_path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", suffix=".lock", dir=parent)
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         path = lock_path[: -len(".lock")]
+        with _lock:
+            _live[path] = fd  # before the directory exists: a sweep on another thread skips it
         try:
             os.mkdir(path, 0o700)
         except OSError:
+            with _lock:
+                _live.pop(path, None)
             os.close(fd)
             os.unlink(lock_path)
             raise
@@ -145,7 +160,6 @@ def create_private_dir(parent: str | None = None) -> str:
                                               f"{exc.strerror}; pass a writable disk directory") from exc
     global _atexit_registered
     with _lock:
-        _live[path] = fd
         if not _atexit_registered:
             atexit.register(_remove_all)
             _atexit_registered = True

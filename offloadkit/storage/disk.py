@@ -210,6 +210,15 @@ class DiskTier:
             self.stats.fallbacks += 1
             self._warn_fallback(f"{shutil.disk_usage(self.directory).free} bytes free in {self.directory}, "
                                 f"{length} needed")
+        try:
+            return self._stage(src, nbytes, length, block, segment, offset)
+        except BaseException:
+            if segment is not None:
+                self._unallocate(segment, length)  # nothing will write it: keep the counters true
+            self.pool.release(block)
+            raise
+
+    def _stage(self, src, nbytes, length, block, segment, offset) -> Stored:
         stored = Stored(tier=self, nbytes=nbytes, device=src.device)
         compute = current_stream(src.device)
         if compute is None:
@@ -240,14 +249,21 @@ class DiskTier:
         ``on_done(ok)`` runs when the write finished (``ok``) or failed; either way the block
         still belongs to the caller. Returns None when the disk has no room.
         """
-        if self._closed:
-            return None
+        with self._lock:
+            writer = self._writer
+        if writer is None:
+            return None  # closed: the bytes stay where they are
         length = align(max(nbytes, 1))
         segment, offset = self._allocate(length)
         if segment is None:
             return None
         record = _Record(segment, offset, length, copied=copied, pool=pool)
-        record.write = self._submit_write(record, block, copied, on_done)
+        try:
+            # Always on the pool: ``on_done`` must not run before the caller has recorded the demotion.
+            record.write = writer.submit(self._write_job, record, block, copied, on_done)
+        except RuntimeError:  # closed meanwhile
+            self._unallocate(segment, length)
+            return None
         return Stored(tier=self, nbytes=nbytes, device=device, payload=record)
 
     def load(self, stored: Stored) -> Loaded:
@@ -351,6 +367,17 @@ class DiskTier:
             self._inflight += length
             self._pending_write_bytes += length
             return segment, offset
+
+    def _unallocate(self, segment: _Segment, length: int) -> None:
+        with self._lock:
+            segment.live -= 1
+            segment.pending -= 1
+            self.bytes_on_disk -= length
+            self._inflight -= length
+            self._pending_write_bytes -= length
+            if segment.live == 0:
+                self._seal(segment)
+            self._lock.notify_all()
 
     def _open_segment(self) -> _Segment:
         path = os.path.join(self.directory, f"segment-{self._segment_count}.bin")

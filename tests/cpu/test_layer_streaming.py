@@ -225,3 +225,64 @@ def test_failed_backward_does_not_leave_layers_resident():
         run_step(model, batch)
         assert streamer.resident_layers == 0, "the end of backward evicts again after a failed pass"
     assert streamer.stats.max_resident <= 2
+
+
+@pytest.mark.parametrize("how", ["safe_merge", "dora"])
+def test_merges_that_replace_weight_data_reach_the_host_copy(how):
+    """PEFT's safe_merge, DoRA merges and unmerge assign a new ``.data`` instead of writing in
+    place: the streamer adopts it into the flat storage and the host copy."""
+    def build():
+        config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, use_dora=(how == "dora"))
+        model = peft.get_peft_model(build_llama("tiny"), config)
+        randomize_lora_b(model)
+        return model
+
+    model, reference = build(), build()
+    batch = make_batch(256, 2, 16)
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    run_step(model, batch)
+    with torch.no_grad():
+        if how == "safe_merge":
+            merged, merged_ref = model.merge_and_unload(safe_merge=True), reference.merge_and_unload(safe_merge=True)
+        else:
+            model.merge_adapter()
+            reference.merge_adapter()
+            merged, merged_ref = model, reference
+        assert_bitwise_equal(merged_ref(**batch).logits, merged(**batch).logits, "logits after merge")
+    assert streamer.resident_layers == 0
+
+
+def test_detached_aliases_of_streamed_weights_are_never_offloaded():
+    from offloadkit import get_act_offloading_ctx_manager
+
+    class DetachedLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return x @ self.lin.weight.detach().t()  # saves an alias with no Parameter base
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(DetachedLinear() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x).tanh()
+            return x.sum()
+
+    net = Net().requires_grad_(False)
+    x = torch.randn(32, 64, requires_grad=True)
+    net(x).backward()
+    ref = x.grad.clone()
+    x.grad = None
+    streamer = apply_layer_streaming(net, simulate_on_cpu=True)
+    ctx = get_act_offloading_ctx_manager(net, offload_cpu_tensors=True, min_offload_size=0, warn_if_no_head=False)
+    with ctx:
+        loss = net(x)
+    loss.backward()
+    assert ctx.stats.kept_by_reason["parameter"] >= 2, "the weight aliases were offloaded"
+    torch.testing.assert_close(x.grad, ref, rtol=0, atol=0)
+    streamer.remove()

@@ -414,3 +414,56 @@ def test_no_signal_handler_or_exit_hook_at_import():
     baseline = subprocess.run([sys.executable, "-c", "import atexit, torch; print(atexit._ncallbacks())"],
                               capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "True" and out[1] == baseline[0]
+
+
+def test_second_tier_under_a_symlinked_tmpdir_keeps_the_first(tmp_path, monkeypatch):
+    import tempfile
+
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    os.symlink(real, link)
+    monkeypatch.setenv("TMPDIR", str(link))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    first = cpu_ctx(storage="disk")  # default parent: the symlinked temp dir
+    second = cpu_ctx(storage="disk", disk=DiskOptions(directory=str(link)))
+    assert os.path.isdir(first.tier.directory), "a second tier swept the first one's live directory"
+    x = torch.randn(128, 128, requires_grad=True)
+    with first:
+        y = x.sin().cos()
+    y.sum().backward()
+    first.close()
+    second.close()
+
+
+def test_a_failed_read_releases_the_graph_and_the_next_step_works(tmp_path, monkeypatch):
+    import offloadkit.storage.disk as disk_mod
+
+    ctx = cpu_ctx(storage="disk", disk=DiskOptions(directory=str(tmp_path)))
+    x = torch.randn(256, 256, requires_grad=True)
+    with ctx:
+        y = x.sin().cos()
+    for e in list(ctx._entries):
+        e.stored.payload.write.result()
+    real = disk_mod.pread_all
+    calls = []
+
+    def fail_once(fd, buf, offset):
+        if not calls:
+            calls.append(1)
+            raise OSError(5, "I/O error")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(disk_mod, "pread_all", fail_once)
+    with pytest.raises(OSError):
+        y.sum().backward()
+    del y
+    gc.collect()
+    assert ctx.live_entries == 0, "the failed backward's graph must not be kept alive"
+    assert ctx.tier.disk_bytes() == 0
+    x.grad = None
+    with ctx:
+        y = x.sin().cos()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, -torch.sin(torch.sin(x.detach())) * torch.cos(x.detach()), rtol=0, atol=0)
+    ctx.close()
