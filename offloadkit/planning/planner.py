@@ -87,11 +87,9 @@ class Plan:
         """
         f = self.features
         out: dict = {"gradient_checkpointing": f.checkpointing, "layer_offloading": f.layer_streaming,
-                     "chunked_cross_entropy": f.loss_chunks > 0, "tiled_mlp": f.mlp_shards > 1}
-        if f.loss_chunks > 0:
-            out["chunked_cross_entropy_num_chunks"] = f.loss_chunks
-        if f.mlp_shards > 1:
-            out["tiled_mlp_num_shards"] = f.mlp_shards
+                     "chunked_cross_entropy": f.loss_chunks > 0, "tiled_mlp": f.mlp_shards > 1,
+                     "chunked_cross_entropy_num_chunks": f.loss_chunks or None,
+                     "tiled_mlp_num_shards": f.mlp_shards if f.mlp_shards > 1 else None, "disk_tiering": False}
         if not f.offload_inputs:
             out["activation_offloading"] = False
         elif "disk" not in self.placement:
