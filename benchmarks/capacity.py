@@ -191,6 +191,19 @@ def _setup_s(layers: int, full: int) -> float:
     return max(SETUP_S_FLOOR, SETUP_S_FULL_DEPTH * layers / full)
 
 
+def _detect_budgets(args) -> dict:
+    from offloadkit.planning import Budgets
+
+    budgets = Budgets.detect(host_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib else None,
+                             disk_dir=args.disk_dir)
+    try:
+        budgets = budgets.measure(disk_dir=args.disk_dir)
+    except Exception as exc:  # keep the defaults where timing is impossible
+        print(f"capacity: rates not measured ({exc}); using defaults", file=sys.stderr, flush=True)
+    return {"gpu": budgets.gpu_bytes, "host": budgets.host_bytes, "disk": budgets.disk_bytes,
+            "rates": budgets.rates.__dict__, "source": budgets.source}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
@@ -205,7 +218,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="capacity-results")
     ap.add_argument("--name", default="capacity")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--budgets-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.budgets_only:
+        print("BUDGETS " + json.dumps(_detect_budgets(args)), flush=True)
+        return 0
     if args.child is not None:
         spec = json.loads(args.child)
         try:
@@ -217,29 +234,31 @@ def main(argv=None) -> int:
 
     import psutil
 
-    from offloadkit.planning import Budgets, longest_sequence, resolve_shape
+    from offloadkit.planning import Budgets, Rates, longest_sequence, resolve_shape
 
     start = time.monotonic()
     full_layers = resolve_shape(args.shape).layers
     host_budget = (int(args.host_budget_gib * GiB) if args.host_budget_gib is not None
                    else max(1 << 30, int(psutil.virtual_memory().available - 16 * GiB)))
-    budgets = Budgets.detect(host_bytes=host_budget, disk_dir=args.disk_dir)
-    try:
-        budgets = budgets.measure(disk_dir=args.disk_dir)
-    except Exception as exc:  # keep the defaults where timing is impossible
-        print(f"capacity: rates not measured ({exc}); using defaults", flush=True)
+    # Read and time the machine in a child: a CUDA context in this process would take GPU
+    # memory from every probe.
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--budgets-only", "--host-budget-gib",
+                           str(host_budget / GiB)] + (["--disk-dir", args.disk_dir] if args.disk_dir else []),
+                          capture_output=True, text=True, timeout=120)
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BUDGETS ")]
+    if not found:
+        raise SystemExit(f"capacity: reading the budgets failed: {proc.stderr.strip()[-300:]}")
+    data = json.loads(found[-1][8:])
+    budgets = Budgets(data["gpu"], data["host"], data["disk"], Rates(**data["rates"]), data["source"])
     cap = longest_sequence(args.shape, lora_rank=args.lora_rank, budgets=budgets)
     report = {"shape": args.shape, "lora_rank": args.lora_rank, "budgets": {
         "gpu_gib": budgets.gpu_bytes / GiB, "host_gib": budgets.host_bytes / GiB, "disk_gib": budgets.disk_bytes / GiB,
         "source": budgets.source, "rates": budgets.rates.__dict__}, "capacity": cap.summary(),
         "full_depth_plan": cap.plan.table() if cap.plan else None, "probes": []}
-    try:
-        import torch
+    import torch
 
-        report["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        report["torch"] = torch.__version__
-    except Exception:
-        pass
+    report["device"] = budgets.source.get("gpu", "")  # names the GPU without a CUDA context here
+    report["torch"] = torch.__version__
     print(cap.summary(), flush=True)
     os.makedirs(args.out, exist_ok=True)
     for alts in _parse(args.probes, args.warmup, args.steps):
