@@ -129,6 +129,12 @@ class OffloadConfig:
         tiled_mlp: run each decoder layer's MLP over sequence shards (Axolotl's name).
         tiled_mlp_num_shards: shards per MLP call (None or "auto": one shard's
             intermediate at most 2**28 elements; untiled when that is one shard).
+        offload_plan: "none" (use the keys as given) or "auto": :func:`prepare` runs the
+            planner (:mod:`offloadkit.planning`) for the model and ``seq_len`` and sets
+            checkpointing, activation offloading (RAM, or RAM then disk), layer streaming,
+            the loss chunks and the MLP shards from its plan.
+        seq_len / batch_size: tokens per row and rows per step, read by ``offload_plan: auto``
+            only (the training keys of the same name fill them).
 
     Example:
         >>> OffloadConfig.from_dict({"gradient_checkpointing": True, "activation_offloading": True})
@@ -154,6 +160,9 @@ class OffloadConfig:
     chunked_cross_entropy_num_chunks: int | None = None
     tiled_mlp: bool = False
     tiled_mlp_num_shards: int | None = None
+    offload_plan: str = "none"
+    seq_len: int | None = None
+    batch_size: int = 1
     _warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
@@ -211,6 +220,16 @@ class OffloadConfig:
                 _expect(key, value, (int,), "an integer >= 1, or omit it for automatic")
                 if value < 1:
                     raise ConfigError(f"{key}={value!r} is too small; it must be >= 1 (or omit it for automatic)")
+        if self.offload_plan not in ("none", "auto"):
+            raise ConfigError(f"offload_plan={self.offload_plan!r} is invalid; use auto (plan from the model, seq_len "
+                              "and this machine's budgets) or none")
+        if self.seq_len is not None:
+            _expect("seq_len", self.seq_len, (int,), "an integer >= 1 (tokens per row)")
+            if self.seq_len < 1:
+                raise ConfigError(f"seq_len={self.seq_len!r} is too small; it must be >= 1")
+        _expect("batch_size", self.batch_size, (int,), "an integer >= 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size!r} is too small; it must be >= 1")
         if self.direct_io not in (True, False, "auto"):
             raise ConfigError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
         if self.disk_dir is not None:

@@ -34,7 +34,7 @@ Example config:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offloadkit", description="Train and fine-tune models that do not fit in "
                                      "GPU memory: activation offloading, checkpoint-input offloading, layer streaming.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,bench,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,bench,plan,demo}")
 
     train = sub.add_parser("train", help="fine-tune a causal LM with the memory options of a config file",
                            description="Fine-tune a causal language model through the Hugging Face Trainer with "
@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     bench.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     bench.add_argument("--name", default=None, help="file name stem (default <shape>-<seq_len>)")
+
+    from offloadkit.cli.plan import add_plan_parser
+
+    add_plan_parser(sub)
 
     demo = sub.add_parser("demo", help="train a small model with and without offloading and compare")
     demo.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
@@ -99,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 
             run_bench(args)
             return 0
+        if args.command == "plan":
+            from offloadkit.cli.plan import run_plan
+
+            return run_plan(args)
         from offloadkit.demo import run_demo
 
         return 0 if run_demo(args.steps, args.shape, args.seq_len, args.batch, args.device) else 1

@@ -28,7 +28,7 @@ from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
 from offloadkit.models.heads import unwrap_model
 from offloadkit.storage import DiskOptions, HostMemoryBudget
 
-__all__ = ["OffloadRuntime", "prepare"]
+__all__ = ["OffloadRuntime", "plan_for", "prepare"]
 
 
 def _hf_checkpointing_on(model: nn.Module) -> bool:
@@ -56,6 +56,7 @@ class OffloadRuntime:
         self.chunked_loss = None
         self.tiled_mlp = None
         self._forward_attachment = None
+        self.plan = None  # the planner's Plan under offload_plan: auto
         self.notes: list[str] = list(config._warnings)
 
     def context(self):
@@ -69,6 +70,11 @@ class OffloadRuntime:
 
     def report(self) -> dict:
         out: dict = {"config": self.config.to_dict(), "notes": self.notes}
+        if self.plan is not None:
+            out["plan"] = {"name": self.plan.name, "placement": self.plan.placement, "fits": self.plan.fits,
+                           "predicted_gpu_peak_bytes": self.plan.memory.gpu_peak,
+                           "predicted_host_bytes": self.plan.memory.host, "predicted_disk_bytes": self.plan.memory.disk,
+                           "predicted_step_s": self.plan.time.seconds, "bound": self.plan.time.bound}
         if self.manager is not None:
             out["activations"] = self.manager.collect_stats().as_dict()
             out["storage"] = self.manager.storage_stats()
@@ -108,17 +114,68 @@ class OffloadRuntime:
         warnings.warn(f"offloadkit: {message}", UserWarning, stacklevel=3)
 
 
-def prepare(model: nn.Module, config: OffloadConfig | dict | None = None) -> OffloadRuntime:
+def _lora_rank(model: nn.Module) -> int:
+    """The LoRA rank of a PEFT model (its first adapter's A matrix), 0 without adapters."""
+    for name, p in model.named_parameters():
+        if "lora_A" in name and p.dim() == 2:
+            return int(p.shape[0])
+    return 0
+
+
+def plan_for(model: nn.Module, config: OffloadConfig, seq_len: int | None = None):
+    """The planner's :class:`~offloadkit.planning.Plan` for ``model`` at ``seq_len`` (else
+    ``config.seq_len``), under this machine's budgets (``host_budget_bytes`` caps the RAM).
+
+    Raises:
+        ConfigError: without a sequence length, or for a model without a decoder config.
+    """
+    from offloadkit.config import ConfigError
+    from offloadkit.planning import Budgets, plan, resolve_shape
+
+    seq_len = seq_len if seq_len is not None else config.seq_len
+    if seq_len is None:
+        raise ConfigError("offload_plan: auto needs the sequence length: set seq_len (e.g. seq_len: 131072) "
+                          "or pass prepare(model, config, seq_len=...)")
+    base = unwrap_model(model)
+    try:
+        shape = resolve_shape(base)
+    except ValueError as exc:
+        raise ConfigError(f"offload_plan: auto cannot read the model's shape: {exc}") from exc
+    embed = getattr(base, "get_input_embeddings", lambda: None)()
+    dtype_bytes = embed.weight.element_size() if embed is not None else next(base.parameters()).element_size()
+    budgets = Budgets.detect(host_bytes=config.host_budget_bytes, disk_dir=config.disk_dir)
+    return plan(shape, seq_len, batch=config.batch_size, lora_rank=_lora_rank(model), budgets=budgets,
+                dtype_bytes=dtype_bytes, stream_depth=config.layer_offloading_depth)
+
+
+def prepare(model: nn.Module, config: OffloadConfig | dict | None = None, *, seq_len: int | None = None) -> OffloadRuntime:
     """Attach what ``config`` asks for to ``model``; returns the :class:`OffloadRuntime`.
 
     Settings that cannot take effect on this machine or model are skipped with one warning
     each (no GPU for layer streaming, no frozen weights to stream, streams on a CPU-only
     machine). With ``activation_offloading: disk`` on a CPU-only machine, CPU activations
     go to disk (that saves host RAM).
+
+    With ``offload_plan: auto`` the planner decides checkpointing, activation offloading,
+    layer streaming, loss chunks and MLP shards for ``seq_len`` (else ``config.seq_len``);
+    its choice replaces those keys (``runtime.plan`` holds the plan, ``runtime.config`` the
+    config applied).
+
+    Example:
+        >>> runtime = prepare(model, {"offload_plan": "auto", "seq_len": 131072})  # doctest: +SKIP
     """
     if not isinstance(config, OffloadConfig):
         config = OffloadConfig.from_dict(config or {})
+    chosen = None
+    if config.offload_plan == "auto":
+        chosen = plan_for(model, config, seq_len)
+        config = config.replace(**chosen.to_config())
     runtime = OffloadRuntime(model, config)
+    if chosen is not None:
+        runtime.plan = chosen
+        if not chosen.fits:
+            runtime._note(f"offload_plan: auto found no plan within the budgets ({'; '.join(chosen.reasons)}); "
+                          f"applying the most frugal one ({chosen.name})")
     cuda = torch.cuda.is_available()
     mode = config.activation_offloading
 

@@ -1,0 +1,345 @@
+"""Capacity benchmark: the longest sequence a training step runs at, per mode, each probe
+in its own process (a CUDA OOM or a hung probe cannot poison the next), beside the
+planner's prediction of its peak and step time.
+
+Modes:
+  hf_ckpt     Hugging Face gradient checkpointing (non-reentrant), the model's own loss.
+  everything  offloadkit checkpointing + block inputs offloaded (tiered: pinned RAM up to
+              the host budget, then disk) + frozen-layer streaming + chunked loss + tiled MLP.
+  auto        whatever ``offload_plan: auto`` chooses.
+
+A probe is ``mode:seq_len:layers[:warmup[:steps]]``; ``a|b`` runs the first alternative
+whose predicted time fits what is left of ``--budget-s`` (e.g. full depth, else reduced).
+One step is forward, backward and AdamW on the LoRA parameters. Before each probe its
+time is predicted from the planner's step-time model; probes that would not fit the time
+left are skipped and say so.
+
+  PYTHONPATH=$PWD python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 \\
+      --probes "hf_ckpt:16384:32:1:2;everything:16384:32:1:2" --budget-s 400 --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+GiB = float(1 << 30)
+# Seconds a probe spends outside its steps: interpreter, imports, building the model on the
+# GPU, PEFT wrapping, pinning streamed weights. Assumed for the 8B shape at full depth
+# (scaled by depth, 8 s floor); checked against the wall times this script records.
+SETUP_S_FULL_DEPTH = 30.0
+SETUP_S_FLOOR = 8.0
+# Measured steps run slower than the planner's model predicts in the first step (kernel
+# selection, allocator growth): time budgets use this margin. Assumed.
+TIME_MARGIN = 1.3
+MODES = ("hf_ckpt", "everything", "auto")
+
+
+# --------------------------------------------------------------------------- planning side
+def _features(mode: str, workload, host_budget: int):
+    from offloadkit.planning.memory import Features, auto_loss_chunks, auto_mlp_shards
+    from offloadkit.storage.pool import size_class
+
+    w = workload
+    if mode == "hf_ckpt":
+        return Features(checkpointing=True)
+    streamed = w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes) if w.lora_rank else 0
+    ram_blocks = max(0, (host_budget - streamed) // size_class(w.block_input_bytes))
+    return Features(checkpointing=True, offload_inputs=True, ram_blocks=ram_blocks, layer_streaming=bool(w.lora_rank),
+                    loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
+                    mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate))
+
+
+def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_budget: int, budgets=None) -> dict:
+    """The planner's memory and time for a probe (``auto``: the plan it would choose)."""
+    from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, plan, resolve_shape
+
+    budgets = budgets or Budgets.detect(host_bytes=host_budget)
+    if mode == "auto":
+        p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets, layers=layers)
+        m, t, f = p.memory, p.time, p.features
+    else:
+        w = Workload(resolve_shape(shape, layers), seq, 1, lora_rank)
+        f = _features(mode, w, host_budget)
+        m = estimate_memory(w, f)
+        t = estimate_time(w, f, budgets.rates, m.block_placement)
+    return {"peak_gib": m.gpu_peak / GiB, "reserved_gib": m.gpu_reserved / GiB, "host_gib": m.host / GiB,
+            "disk_gib": m.disk / GiB, "step_s": t.seconds, "bound": t.bound, "flops": t.flops,
+            "placement": "".join(p[0] for p in m.block_placement), "loss_chunks": f.loss_chunks,
+            "mlp_shards": f.mlp_shards, "fits_gpu": m.gpu_reserved <= budgets.gpu_bytes}
+
+
+# --------------------------------------------------------------------------- child side
+def _rss_sampler(peak: list, stop: threading.Event) -> None:
+    import psutil
+
+    proc = psutil.Process()
+    while not stop.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        stop.wait(0.2)
+
+
+def run_probe(spec: dict) -> dict:
+    """One probe in this process: build, attach the mode, warm up, time the steps."""
+    import torch
+
+    from offloadkit.integrations.peft_utils import apply_lora
+    from offloadkit.integrations.runtime import prepare
+    from offloadkit.testing import build_llama
+
+    mode, seq, layers = spec["mode"], spec["seq_len"], spec["layers"]
+    out: dict = {"status": "ok"}
+    t_setup = time.perf_counter()
+    model = build_llama(spec["shape"], dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa",
+                        num_hidden_layers=layers, max_position_embeddings=max(seq, 131072))
+    model.config.use_cache = False
+    if spec["lora_rank"]:
+        model = apply_lora(model, rank=spec["lora_rank"])
+    model.train()
+    runtime = None
+    if mode == "hf_ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        if mode == "everything":
+            p = spec["predicted"]
+            config = {"gradient_checkpointing": True, "activation_offloading": "disk", "disk_tiering": True,
+                      "host_budget_bytes": spec["host_budget"], "layer_offloading": True,
+                      "activation_loading_horizon": 4 if "d" in p["placement"] else 2,
+                      "chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": p["loss_chunks"],
+                      "tiled_mlp": p["mlp_shards"] > 1, "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None}
+            if spec.get("disk_dir"):
+                config["disk_dir"] = spec["disk_dir"]
+        else:
+            config = {"offload_plan": "auto", "seq_len": seq, "host_budget_bytes": spec["host_budget"]}
+        runtime = prepare(model, config)
+        out["config"] = {k: v for k, v in runtime.config.to_dict().items() if v not in (None, False)}
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
+    out["setup_s"] = time.perf_counter() - t_setup
+
+    def step():
+        ctx = runtime.context() if runtime is not None else torch.enable_grad()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    peak_rss, stop = [0], threading.Event()
+    sampler = threading.Thread(target=_rss_sampler, args=(peak_rss, stop), daemon=True)
+    sampler.start()
+    try:
+        for _ in range(spec["warmup"]):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if runtime is not None and runtime.manager is not None:
+            runtime.manager.reset_stats()
+        times = []
+        for _ in range(spec["steps"]):
+            t0 = time.perf_counter()
+            out["loss"] = step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out["step_times_s"] = [round(x, 3) for x in times]
+        out["step_s"] = sorted(times)[len(times) // 2]
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+    except torch.cuda.OutOfMemoryError as exc:
+        out["status"], out["note"] = "oom", str(exc).split("\n")[0][:160]
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+    finally:
+        stop.set()
+        sampler.join()
+    out["host_rss_gib"] = peak_rss[0] / GiB
+    if runtime is not None:
+        report = runtime.report()
+        storage = report.get("storage") or {}
+        disk = storage.get("disk") or {}
+        out["disk_written_gib"] = disk.get("bytes_written", 0) / GiB
+        out["offloaded_gib"] = report.get("activations", {}).get("offloaded_bytes", 0) / GiB
+        out["tiered"] = storage.get("tiered")
+        runtime.close()
+    return out
+
+
+# --------------------------------------------------------------------------- parent side
+def _parse(probes: str, default_warmup: int, default_steps: int) -> list[list[dict]]:
+    groups = []
+    for group in filter(None, (g.strip() for g in probes.split(";"))):
+        alts = []
+        for alt in group.split("|"):
+            parts = alt.split(":")
+            if len(parts) < 3 or parts[0] not in MODES:
+                raise SystemExit(f"capacity: probe {alt!r} is not mode:seq_len:layers[:warmup[:steps]] with mode in {MODES}")
+            nums = [int(x) for x in parts[1:]]
+            alts.append({"mode": parts[0], "seq_len": nums[0], "layers": nums[1],
+                         "warmup": nums[2] if len(nums) > 2 else default_warmup,
+                         "steps": nums[3] if len(nums) > 3 else default_steps})
+        groups.append(alts)
+    return groups
+
+
+def _setup_s(layers: int, full: int) -> float:
+    return max(SETUP_S_FLOOR, SETUP_S_FULL_DEPTH * layers / full)
+
+
+def _detect_budgets(args) -> dict:
+    from offloadkit.planning import Budgets
+
+    budgets = Budgets.detect(host_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib else None,
+                             disk_dir=args.disk_dir)
+    try:
+        budgets = budgets.measure(disk_dir=args.disk_dir)
+    except Exception as exc:  # keep the defaults where timing is impossible
+        print(f"capacity: rates not measured ({exc}); using defaults", file=sys.stderr, flush=True)
+    return {"gpu": budgets.gpu_bytes, "host": budgets.host_bytes, "disk": budgets.disk_bytes,
+            "rates": budgets.rates.__dict__, "source": budgets.source}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--probes", required=False, default="")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget for all probes")
+    ap.add_argument("--host-budget-gib", type=float, default=None,
+                    help="pinned RAM for block inputs and streamed weights (default: available RAM less 16 GiB)")
+    ap.add_argument("--disk-dir", default=None)
+    ap.add_argument("--out", default="capacity-results")
+    ap.add_argument("--name", default="capacity")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--budgets-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.budgets_only:
+        print("BUDGETS " + json.dumps(_detect_budgets(args)), flush=True)
+        return 0
+    if args.child is not None:
+        spec = json.loads(args.child)
+        try:
+            result = run_probe(spec)
+        except Exception as exc:  # reported as a result, not a traceback in the table
+            result = {"status": "error", "note": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    import psutil
+
+    from offloadkit.planning import Budgets, Rates, longest_sequence, resolve_shape
+
+    start = time.monotonic()
+    full_layers = resolve_shape(args.shape).layers
+    host_budget = (int(args.host_budget_gib * GiB) if args.host_budget_gib is not None
+                   else max(1 << 30, int(psutil.virtual_memory().available - 16 * GiB)))
+    # Read and time the machine in a child: a CUDA context in this process would take GPU
+    # memory from every probe.
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--budgets-only", "--host-budget-gib",
+                           str(host_budget / GiB)] + (["--disk-dir", args.disk_dir] if args.disk_dir else []),
+                          capture_output=True, text=True, timeout=120)
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BUDGETS ")]
+    if not found:
+        raise SystemExit(f"capacity: reading the budgets failed: {proc.stderr.strip()[-300:]}")
+    data = json.loads(found[-1][8:])
+    budgets = Budgets(data["gpu"], data["host"], data["disk"], Rates(**data["rates"]), data["source"])
+    cap = longest_sequence(args.shape, lora_rank=args.lora_rank, budgets=budgets)
+    report = {"shape": args.shape, "lora_rank": args.lora_rank, "budgets": {
+        "gpu_gib": budgets.gpu_bytes / GiB, "host_gib": budgets.host_bytes / GiB, "disk_gib": budgets.disk_bytes / GiB,
+        "source": budgets.source, "rates": budgets.rates.__dict__}, "capacity": cap.summary(),
+        "full_depth_plan": cap.plan.table() if cap.plan else None, "probes": []}
+    import torch
+
+    report["device"] = budgets.source.get("gpu", "")  # names the GPU without a CUDA context here
+    report["torch"] = torch.__version__
+    print(cap.summary(), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    for alts in _parse(args.probes, args.warmup, args.steps):
+        chosen, skipped = None, []
+        for alt in alts:
+            pred = predict(args.shape, alt["mode"], alt["seq_len"], alt["layers"], args.lora_rank, host_budget, budgets)
+            est = _setup_s(alt["layers"], full_layers) + TIME_MARGIN * pred["step_s"] * (alt["warmup"] + alt["steps"])
+            left = args.budget_s - (time.monotonic() - start)
+            if est <= left:
+                chosen = dict(alt, predicted=pred, estimate_s=est)
+                break
+            skipped.append(dict(alt, predicted=pred, estimate_s=est, status="skipped",
+                                note=f"predicted {est:.0f} s > {left:.0f} s left"))
+        for s in skipped:
+            report["probes"].append(s)
+            print(f"skip {s['mode']} {s['seq_len']} x {s['layers']} layers: {s['note']}", flush=True)
+        if chosen is None:
+            continue
+        spec = dict(chosen, shape=args.shape, lora_rank=args.lora_rank, host_budget=host_budget, disk_dir=args.disk_dir)
+        full = predict(args.shape, chosen["mode"], chosen["seq_len"], full_layers, args.lora_rank, host_budget, budgets)
+        left = args.budget_s - (time.monotonic() - start)
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                                  capture_output=True, text=True, timeout=max(30.0, min(left, 2 * chosen["estimate_s"] + 60)))
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if lines:
+                result = json.loads(lines[-1][7:])
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+                result = {"status": "error", "note": f"exit {proc.returncode}: {tail[0][:200]}"}
+        except subprocess.TimeoutExpired:
+            result = {"status": "timeout", "note": f"killed after {time.monotonic() - t0:.0f} s"}
+        result["wall_s"] = time.monotonic() - t0
+        row = dict(chosen, **result, full_depth_predicted=full)
+        if row.get("peak_allocated_gib"):
+            row["measured_over_predicted"] = row["peak_allocated_gib"] / chosen["predicted"]["peak_gib"]
+            row["tokens_per_s"] = chosen["seq_len"] / row["step_s"]
+            row["tflops"] = chosen["predicted"]["flops"] / row["step_s"] / 1e12
+        report["probes"].append(row)
+        print(_line(row), flush=True)
+        _write(report, args.out, args.name)
+    _write(report, args.out, args.name)
+    print(open(os.path.join(args.out, args.name + ".md")).read())
+    return 0
+
+
+def _line(r: dict) -> str:
+    head = f"{r['mode']:<10} {r['seq_len']:>7} x {r['layers']:>2}L {r['status']:<7}"
+    if r.get("step_s"):
+        return (head + f" step {r['step_s']:.2f} s (pred {r['predicted']['step_s']:.2f}) {r['tokens_per_s']:.0f} tok/s "
+                f"{r['tflops']:.0f} TFLOP/s peak {r['peak_allocated_gib']:.2f} GiB (pred {r['predicted']['peak_gib']:.2f}, "
+                f"x{r['measured_over_predicted']:.2f}) wall {r['wall_s']:.0f} s")
+    return head + f" {r.get('note', '')} wall {r.get('wall_s', 0):.0f} s"
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _write(report: dict, out: str, name: str) -> None:
+    with open(os.path.join(out, name + ".json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    lines = [f"{report['shape']}, LoRA r={report['lora_rank']}; {report.get('device')}, torch {report.get('torch')}",
+             f"budgets: GPU {report['budgets']['gpu_gib']:.1f} GiB, host {report['budgets']['host_gib']:.1f} GiB, "
+             f"disk {report['budgets']['disk_gib']:.1f} GiB; rates {report['budgets']['rates']}",
+             f"planner, full depth: {report['capacity']}", "",
+             "| mode | seq | layers | status | step s | pred step s | bound | tokens/s | TFLOP/s | peak alloc GiB | "
+             "pred peak GiB | meas/pred | reserved GiB | host RSS GiB | disk GiB | full-depth host+disk GiB (pred) | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["probes"]:
+        p, full = r["predicted"], r.get("full_depth_predicted") or {}
+        footprint = f"{full['host_gib']:.1f}+{full['disk_gib']:.1f}" if full else ""
+        lines.append(f"| {r['mode']} | {r['seq_len']} | {r['layers']} | {r['status']} | {_fmt(r.get('step_s'))} | "
+                     f"{p['step_s']:.2f} | {p['bound']} | {_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('tflops'), '.0f')} | "
+                     f"{_fmt(r.get('peak_allocated_gib'))} | {p['peak_gib']:.2f} | {_fmt(r.get('measured_over_predicted'))} | "
+                     f"{_fmt(r.get('peak_reserved_gib'))} | {_fmt(r.get('host_rss_gib'))} | {_fmt(r.get('disk_written_gib'))} | "
+                     f"{footprint} | {r.get('note', '')[:80]} |")
+    with open(os.path.join(out, name + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

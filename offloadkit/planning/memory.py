@@ -1,0 +1,256 @@
+"""Bytes of one training step of a Llama-style decoder: what sits on the GPU at the peak,
+in host RAM and on disk, for a given set of offloadkit features.
+
+Every figure is a sum of named tensors (bf16 weights, fp32 norm upcasts, fp32 LoRA input
+casts, SDPA's outputs and log-sum-exp, ...). The per-layer saved set is what autograd saves
+inside one decoder layer; ``tests/cpu/test_planning.py`` checks it against the tensors a
+tiny bf16 Llama really saves. Assumptions are the named constants below.
+
+Layout of a step with checkpointing (the only mode the planner uses past short lengths):
+forward keeps each layer's input (on the GPU, or offloaded), the loss runs chunk by chunk,
+then backward recomputes one layer at a time. The GPU peak is the fixed part (weights,
+trainable state, block inputs held on the GPU, rotary tables, the residual stream) plus the
+larger of the loss phase and one layer's recompute + backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from offloadkit.planning.shape import ModelShape
+
+__all__ = ["Features", "Workload", "MemoryEstimate", "estimate_memory", "layer_saved_bytes",
+           "FRAGMENTATION", "UNCHUNKED_LOSS_BYTES_PER_LOGIT", "LOSS_CHUNK_ELEMENTS", "MLP_SHARD_ELEMENTS",
+           "HOST_BASELINE_BYTES", "auto_loss_chunks", "auto_mlp_shards"]
+
+# The caching allocator reserves more than is allocated (block rounding, freed blocks that
+# cannot be merged): reserved ~= allocated x this. Assumed; the capacity runs print both.
+FRAGMENTATION = 1.10
+# Bytes per logit element of the unchunked Hugging Face loss at its peak (bf16 logits, fp32
+# log-softmax and its gradient, part of the fp32 upcast). Derived from the 8B LoRA 16K
+# checkpointing peak measured on H200 (benchmarks/results/engine/llama-3-8b-lora-16k-h200.md:
+# 42.92 GiB allocated, minus this model's other parts, over 16384 x 128256 logits).
+UNCHUNKED_LOSS_BYTES_PER_LOGIT = 11.5
+# The automatic chunking of offloadkit.longctx (kept equal to its constants).
+LOSS_CHUNK_ELEMENTS = 2**28
+MLP_SHARD_ELEMENTS = 2**28
+# Bytes per element of one loss chunk at its peak: the bf16 matmul output while it becomes
+# fp32 (2 + 4), then fp32 exp in place with its bf16 gradient (4 + 2); see longctx/loss.py.
+LOSS_CHUNK_BYTES_PER_LOGIT = 6
+# Host RSS of a CUDA PyTorch process with transformers and peft imported, before any
+# offloading. Assumed (typical: 3-5 GiB).
+HOST_BASELINE_BYTES = 4 << 30
+# Block inputs brought back ahead in backward (the engine's default horizon).
+HORIZON_RAM, HORIZON_DISK = 2, 4
+
+
+def auto_loss_chunks(tokens: int, vocab: int) -> int:
+    """Chunks of the automatic chunked loss (at most 2**28 fp32 logits per chunk)."""
+    return max(1, math.ceil(tokens / max(1, LOSS_CHUNK_ELEMENTS // vocab)))
+
+
+def auto_mlp_shards(tokens: int, intermediate: int) -> int:
+    """Shards of the automatic tiled MLP (at most 2**28 intermediate elements per shard)."""
+    return max(1, math.ceil(tokens * intermediate / MLP_SHARD_ELEMENTS))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the shape, tokens and precision.
+
+    Attributes:
+        shape: the model.
+        seq_len / batch: tokens per row and rows per step.
+        lora_rank: 0 for a full fine-tune.
+        dtype_bytes: bytes per weight and activation element (2 for bf16).
+        adapter_bytes: bytes per LoRA parameter (PEFT keeps adapters in fp32 by default).
+    """
+
+    shape: ModelShape
+    seq_len: int
+    batch: int = 1
+    lora_rank: int = 16
+    dtype_bytes: int = 2
+    adapter_bytes: int = 4
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.batch
+
+    @property
+    def block_input_bytes(self) -> int:
+        """One decoder layer's input ``[B, S, H]``."""
+        return self.tokens * self.shape.hidden * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Features:
+    """Which offloadkit features are on.
+
+    Attributes:
+        checkpointing: checkpoint every decoder layer.
+        offload_inputs: offload block inputs (all but the last layer's).
+        ram_blocks: how many offloaded block inputs fit in the RAM budget (the rest go to
+            disk, oldest first); None: all in RAM.
+        layer_streaming / stream_depth: stream frozen layer weights, layers resident.
+        loss_chunks: chunks of the chunked loss; 0: the unchunked loss.
+        mlp_shards: shards of the tiled MLP; 1: untiled.
+        horizon: offloaded block inputs brought back ahead in backward (None: the engine's
+            default, 2 from RAM and 4 from disk).
+    """
+
+    checkpointing: bool = True
+    offload_inputs: bool = False
+    ram_blocks: int | None = None
+    layer_streaming: bool = False
+    stream_depth: int = 2
+    loss_chunks: int = 0
+    mlp_shards: int = 1
+    horizon: int | None = None
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted bytes. ``gpu_parts`` and ``phase`` explain ``gpu_peak``.
+
+    Attributes:
+        gpu_peak: predicted peak allocated bytes (``torch.cuda.max_memory_allocated``).
+        gpu_reserved: the allocator's reservation at that peak (x :data:`FRAGMENTATION`);
+            this is what must fit in the GPU budget.
+        host: host RAM (pinned block inputs, streamed weights, process baseline).
+        disk: bytes of block inputs on disk.
+        block_placement: per layer, where its input lives in backward: gpu, ram or disk.
+        gpu_parts: named parts of the peak.
+        phase: "loss" or "layer backward", whichever is larger.
+    """
+
+    gpu_peak: int
+    gpu_reserved: int
+    host: int
+    disk: int
+    block_placement: list[str]
+    gpu_parts: dict[str, int] = field(default_factory=dict)
+    phase: str = ""
+
+
+def layer_saved_bytes(w: Workload, mlp_shards: int = 1) -> int:
+    """Bytes autograd saves inside one decoder layer (its recompute, under checkpointing).
+
+    Counted per token: RMSNorm's fp32 input and rsqrt (twice), q/k/v and the SDPA output and
+    fp32 log-sum-exp, and the MLP's gate, up, SiLU and product. Full fine-tuning also saves
+    each norm's bf16 output and normalised value (for the weight gradients); LoRA instead
+    saves each adapter's fp32 copy of its input and the rank-r activation. A tiled MLP saves
+    only its input. Rotary tables are shared by all layers and counted once elsewhere.
+    """
+    s, t, b = w.shape, w.tokens, w.dtype_bytes
+    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    per_token = 2 * (4 * h + 4)  # two norms: fp32 input and fp32 rsqrt
+    per_token += b * (2 * q + 2 * kv) + 4 * s.heads  # SDPA: q, k, v, out; fp32 log-sum-exp per head
+    a = w.adapter_bytes
+    if w.lora_rank:
+        r = w.lora_rank
+        per_token += a * (3 * h + q) + 4 * a * r  # adapters of q, k, v, o: fp32 inputs, A outputs
+        if mlp_shards <= 1:
+            per_token += 3 * b * i + a * (2 * h + i) + 3 * a * r  # gate, up, SiLU; adapters of gate, up, down
+        else:
+            per_token += b * h  # the tiled MLP keeps only its input
+    else:
+        per_token += 2 * 2 * b * h  # each norm's normalised bf16 value and output
+        per_token += 4 * b * i if mlp_shards <= 1 else 0  # gate, up, SiLU, product (tiled: its input is the norm output)
+    return t * per_token
+
+
+def _layer_transient_bytes(w: Workload, mlp_shards: int) -> int:
+    """Largest set of temporaries while one layer runs backward: an MLP shard's recompute
+    and gradients (two bf16 and one fp32 tensor of the intermediate width per token, plus
+    the shard's saved set), or attention's input gradients with the fp32 norm gradient."""
+    s, t, b = w.shape, w.tokens, w.dtype_bytes
+    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    shard_tokens = math.ceil(t / max(1, mlp_shards))
+    mlp = (2 * b + 4) * i * shard_tokens
+    if mlp_shards > 1:  # the shard's own saved set is rebuilt in backward
+        mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
+    attn = t * (b * (q + 2 * kv) + 3 * 4 * h)
+    return max(mlp, attn)
+
+
+def _placement(w: Workload, f: Features) -> list[str]:
+    layers = w.shape.layers
+    if not (f.checkpointing and f.offload_inputs):
+        return ["gpu"] * layers
+    offloaded = layers - 1  # the last layer's input stays: backward needs it first
+    in_ram = offloaded if f.ram_blocks is None else max(0, min(offloaded, f.ram_blocks))
+    # The tiered store keeps the newest entries in RAM and demotes the oldest to disk.
+    return ["disk"] * (offloaded - in_ram) + ["ram"] * in_ram + ["gpu"]
+
+
+def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
+    """Predict GPU peak, host RAM and disk bytes of one step.
+
+    Args:
+        w: the workload.
+        f: the features.
+
+    Returns:
+        A :class:`MemoryEstimate`.
+
+    Example:
+        >>> from offloadkit.planning.shape import resolve_shape
+        >>> m = estimate_memory(Workload(resolve_shape("llama-3-8b"), 16384), Features(offload_inputs=True, loss_chunks=8))
+        >>> m.block_placement[-1]
+        'gpu'
+    """
+    s, t, b = w.shape, w.tokens, w.dtype_bytes
+    h = s.hidden
+    parts: dict[str, int] = {}
+    edge = (s.embed_params + s.head_params + h) * b
+    if f.layer_streaming and w.lora_rank:
+        parts["weights"] = edge + min(f.stream_depth, s.layers) * s.layer_params * b
+    else:
+        parts["weights"] = s.params * b
+    if w.lora_rank:
+        parts["trainable state"] = s.lora_params(w.lora_rank) * w.adapter_bytes * 4  # param, grad, AdamW m and v
+    else:
+        parts["trainable state"] = s.params * b * 3  # grad, AdamW m and v in the weights' dtype
+    placement = _placement(w, f)
+    block = w.block_input_bytes
+    if f.checkpointing:
+        on_gpu = placement.count("gpu")
+        if f.offload_inputs:
+            horizon = f.horizon if f.horizon is not None else HORIZON_DISK if "disk" in placement else HORIZON_RAM
+            on_gpu += min(horizon, s.layers - 1)  # prefetched ahead in backward
+        parts["block inputs"] = on_gpu * block
+    else:
+        parts["activations"] = s.layers * (layer_saved_bytes(w, f.mlp_shards) + block)
+    # cos and sin in fp32 then in the activations' dtype, shared by every layer.
+    parts["rotary"] = 2 * t * s.head_dim * (4 + b)
+    # The residual stream and its gradient, plus the layer output being formed.
+    parts["residual stream"] = 3 * t * h * b
+    fixed = sum(parts.values())
+
+    loss: dict[str, int] = {"final norm": t * (4 * h + 4 + (2 * b * h if not w.lora_rank else b * h))}
+    if f.loss_chunks:
+        chunk = math.ceil(t / f.loss_chunks)
+        loss["loss chunk"] = chunk * s.vocab * LOSS_CHUNK_BYTES_PER_LOGIT
+        loss["hidden gradient"] = t * h * b  # computed in forward by the chunked loss
+    else:
+        loss["logits"] = int(t * s.vocab * UNCHUNKED_LOSS_BYTES_PER_LOGIT)
+    layer: dict[str, int] = {}
+    if f.checkpointing:
+        layer["layer recompute"] = layer_saved_bytes(w, f.mlp_shards)
+    layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards)
+    loss_bytes, layer_bytes = sum(loss.values()), sum(layer.values())
+    if loss_bytes >= layer_bytes:
+        phase, extra = "loss", loss
+    else:
+        phase, extra = "layer backward", layer
+    parts.update(extra)
+    gpu_peak = int(fixed + max(loss_bytes, layer_bytes))
+
+    host = HOST_BASELINE_BYTES + placement.count("ram") * block
+    if f.layer_streaming and w.lora_rank:
+        host += s.layers * s.layer_params * b  # pinned host copies of the frozen layers
+    disk = placement.count("disk") * block
+    return MemoryEstimate(gpu_peak=gpu_peak, gpu_reserved=int(gpu_peak * FRAGMENTATION), host=host, disk=disk, block_placement=placement,
+                          gpu_parts=parts, phase=phase)

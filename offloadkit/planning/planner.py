@@ -1,0 +1,318 @@
+"""The planner: for a model, a sequence length and the machine's budgets, which features to
+turn on, where each block input goes (GPU, pinned RAM, disk), the loss chunking and MLP
+tiling, and the predicted peak, host and disk bytes and step time; and the longest
+sequence that fits, beside the longest the budgets physically allow.
+
+Candidates, fastest first (offloading costs copies, streaming costs more copies): layer
+checkpointing alone; with block inputs offloaded (pinned RAM up to the host budget, the
+oldest to disk past it); with frozen layers streamed as well (LoRA). The chunked loss and
+the tiled MLP are on in every candidate: they cost no extra copies (the tiled MLP costs a
+third MLP forward only when it tiles). The first candidate whose predicted reservation,
+host and disk use fit wins; ties in time go to the lower peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from offloadkit.planning.budgets import Budgets
+from offloadkit.planning.memory import (
+    HOST_BASELINE_BYTES,
+    Features,
+    MemoryEstimate,
+    Workload,
+    auto_loss_chunks,
+    auto_mlp_shards,
+    estimate_memory,
+)
+from offloadkit.planning.shape import ModelShape, resolve_shape
+from offloadkit.planning.timing import StepTime, estimate_time
+from offloadkit.storage.pool import size_class
+
+__all__ = ["Plan", "plan", "longest_sequence", "physical_limit", "Capacity", "SEQ_STEP"]
+
+GiB = float(1 << 30)
+# Sequence lengths are searched in multiples of this (kernels prefer aligned lengths).
+SEQ_STEP = 1024
+
+
+@dataclass
+class Plan:
+    """What to do for one step, and what it is predicted to cost.
+
+    Attributes:
+        workload / features / budgets: the inputs and the chosen features.
+        name: the chosen candidate.
+        memory / time: predictions.
+        fits: whether every budget holds.
+        reasons: why it does not fit (empty when it does).
+        rejected: the faster candidates that did not fit, with why.
+    """
+
+    workload: Workload
+    features: Features
+    budgets: Budgets
+    name: str
+    memory: MemoryEstimate
+    time: StepTime
+    fits: bool
+    reasons: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def placement(self) -> list[str]:
+        """Per layer: where its input waits for backward ("gpu", "ram" or "disk"); every
+        layer is recomputed."""
+        return self.memory.block_placement
+
+    def host_budget_bytes(self) -> int | None:
+        """``host_budget_bytes`` that realises the RAM share (streamed weights included: they
+        share the budget), or None when nothing spills to disk."""
+        if "disk" not in self.placement:
+            return None
+        w, f = self.workload, self.features
+        ram = self.placement.count("ram") * size_class(w.block_input_bytes)
+        if f.layer_streaming and w.lora_rank:
+            ram += w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
+        return max(ram, 1 << 20)
+
+    def to_config(self) -> dict:
+        """The :class:`~offloadkit.config.OffloadConfig` keys that realise this plan.
+
+        Example:
+            >>> from offloadkit.config import OffloadConfig
+            >>> OffloadConfig.from_dict(plan("tiny", 512, budgets=Budgets(8 << 30, 8 << 30, 8 << 30)).to_config())
+            ... # doctest: +ELLIPSIS
+            OffloadConfig(...)
+        """
+        f = self.features
+        out: dict = {"gradient_checkpointing": f.checkpointing, "layer_offloading": f.layer_streaming,
+                     "chunked_cross_entropy": f.loss_chunks > 0, "tiled_mlp": f.mlp_shards > 1,
+                     "chunked_cross_entropy_num_chunks": f.loss_chunks or None,
+                     "tiled_mlp_num_shards": f.mlp_shards if f.mlp_shards > 1 else None, "disk_tiering": False}
+        if not f.offload_inputs:
+            out["activation_offloading"] = False
+        elif "disk" not in self.placement:
+            out["activation_offloading"] = True
+        else:
+            out["activation_offloading"] = "disk"
+            if "ram" in self.placement:
+                out["disk_tiering"] = True
+                out["host_budget_bytes"] = self.host_budget_bytes()
+        return out
+
+    def table(self) -> str:
+        """The plan as a text table."""
+        w, m, t, b = self.workload, self.memory, self.time, self.budgets
+        lora = f"LoRA r={w.lora_rank}" if w.lora_rank else "full fine-tune"
+        runs = _runs(self.placement)
+        lines = [
+            f"plan for {w.shape.name} ({w.shape.layers} layers), {w.seq_len} tokens x {w.batch}, {lora}: {self.name}"
+            + ("" if self.fits else "  ** DOES NOT FIT: " + "; ".join(self.reasons) + " **"),
+            "",
+            "| layers | block input | where | backward |",
+            "|---|---|---|---|",
+        ]
+        for (lo, hi), where in runs:
+            lines.append(f"| {lo}-{hi} | {w.block_input_bytes / GiB:.2f} GiB each | {where} | recompute |")
+        f = self.features
+        lines += [
+            "",
+            f"loss: {'chunked, ' + str(f.loss_chunks) + ' chunks' if f.loss_chunks else 'unchunked'};  "
+            f"MLP: {str(f.mlp_shards) + ' shards' if f.mlp_shards > 1 else 'untiled'};  "
+            f"layer streaming: {'on, depth ' + str(f.stream_depth) if f.layer_streaming else 'off'}",
+            "",
+            "| | predicted | budget |",
+            "|---|---|---|",
+            f"| GPU peak allocated | {m.gpu_peak / GiB:.2f} GiB ({m.phase}) | |",
+            f"| GPU reserved | {m.gpu_reserved / GiB:.2f} GiB | {b.gpu_bytes / GiB:.2f} GiB |",
+            f"| host RAM | {m.host / GiB:.2f} GiB (incl. {HOST_BASELINE_BYTES / GiB:.0f} GiB process) | "
+            f"{b.host_bytes / GiB:.2f} GiB + process |",
+            f"| disk | {m.disk / GiB:.2f} GiB | {b.disk_bytes / GiB:.2f} GiB |",
+            f"| step time | {t.seconds:.2f} s ({t.bound}-bound; compute {t.compute_s:.2f} s, PCIe {t.pcie_s:.2f} s, "
+            f"disk {t.disk_s:.2f} s) | |",
+            f"| tokens/s, TFLOP/s | {w.tokens / t.seconds:.0f}, {t.flops / t.seconds / 1e12:.0f} | |",
+            "",
+            "GPU peak parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.gpu_parts.items()) + " GiB",
+            f"rates ({b.rates.source}): matmul {b.rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s, attention "
+            f"{b.rates.attention_flops_per_s / 1e12:.0f} TFLOP/s, PCIe {b.rates.pcie_bytes_per_s / 1e9:.1f} GB/s, "
+            f"disk write/read {b.rates.disk_write_bytes_per_s / 1e9:.2f}/{b.rates.disk_read_bytes_per_s / 1e9:.2f} GB/s",
+        ]
+        for name, why in self.rejected:
+            lines.append(f"not chosen: {name}: {why}")
+        return "\n".join(lines)
+
+
+def _runs(placement: list[str]) -> list[tuple[tuple[int, int], str]]:
+    runs: list[tuple[tuple[int, int], str]] = []
+    for i, where in enumerate(placement):
+        if runs and runs[-1][1] == where:
+            runs[-1] = ((runs[-1][0][0], i), where)
+        else:
+            runs.append(((i, i), where))
+    return runs
+
+
+def _check(w: Workload, m: MemoryEstimate, b: Budgets) -> list[str]:
+    reasons = []
+    if m.gpu_reserved > b.gpu_bytes:
+        reasons.append(f"GPU needs {m.gpu_reserved / GiB:.1f} GiB of {b.gpu_bytes / GiB:.1f}")
+    if m.host - HOST_BASELINE_BYTES > b.host_bytes:
+        reasons.append(f"host RAM needs {(m.host - HOST_BASELINE_BYTES) / GiB:.1f} GiB of {b.host_bytes / GiB:.1f}")
+    if m.disk > b.disk_bytes:
+        reasons.append(f"disk needs {m.disk / GiB:.1f} GiB of {b.disk_bytes / GiB:.1f}")
+    return reasons
+
+
+def _ram_blocks(w: Workload, streaming: bool, b: Budgets) -> int:
+    room = b.host_bytes
+    if streaming and w.lora_rank:
+        room -= w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
+    return max(0, room // size_class(w.block_input_bytes))
+
+
+def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:
+    base = Features(checkpointing=True, loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
+                    mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate), stream_depth=stream_depth)
+    out = [("checkpointing", base),
+           ("checkpointing + block-input offload", replace(base, offload_inputs=True, ram_blocks=_ram_blocks(w, False, b)))]
+    if w.lora_rank:
+        out.append(("checkpointing + block-input offload + layer streaming",
+                    replace(base, offload_inputs=True, layer_streaming=True, ram_blocks=_ram_blocks(w, True, b))))
+    return out
+
+
+def _workload(model, seq_len: int, batch: int, lora_rank: int, layers: int | None, dtype_bytes: int) -> Workload:
+    if seq_len < 1 or batch < 1:
+        raise ValueError(f"seq_len={seq_len!r} and batch={batch!r} must be >= 1")
+    if lora_rank < 0:
+        raise ValueError(f"lora_rank={lora_rank!r} must be >= 0 (0: full fine-tune)")
+    shape = model if isinstance(model, ModelShape) and layers is None else resolve_shape(model, layers)
+    return Workload(shape, seq_len, batch, lora_rank, dtype_bytes)
+
+
+def plan(model, seq_len: int, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets | None = None,
+         layers: int | None = None, dtype_bytes: int = 2, stream_depth: int = 2) -> Plan:
+    """Choose the features for one step and predict its cost.
+
+    Args:
+        model: a shape name, model directory, config (dict or object), model or :class:`ModelShape`.
+        seq_len / batch: tokens per row, rows.
+        lora_rank: LoRA rank on every linear layer; 0 for a full fine-tune.
+        budgets: what may be used (default: read from this machine).
+        layers: override the depth.
+        dtype_bytes: 2 for bf16/fp16 weights and activations.
+        stream_depth: layers resident when streaming.
+
+    Returns:
+        The fastest :class:`Plan` that fits, or the most frugal one with ``fits=False``.
+
+    Example:
+        >>> p = plan("llama-3-8b", 65536, budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
+        >>> p.fits, p.to_config()["chunked_cross_entropy"]
+        (True, True)
+    """
+    w = _workload(model, seq_len, batch, lora_rank, layers, dtype_bytes)
+    b = budgets if budgets is not None else Budgets.detect()
+    results = []
+    for name, f in _candidates(w, b, stream_depth):
+        m = estimate_memory(w, f)
+        t = estimate_time(w, f, b.rates, m.block_placement)
+        reasons = _check(w, m, b)
+        results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
+    fitting = [p for p in results if p.fits]
+    if fitting:
+        best = min(fitting, key=lambda p: (round(p.time.seconds, 2), p.memory.gpu_peak))
+    else:
+        best = min(results, key=lambda p: p.memory.gpu_reserved)
+    best.rejected = [(p.name, "; ".join(p.reasons) or "slower") for p in results
+                     if p is not best and (not p.fits or p.time.seconds < best.time.seconds)]
+    return best
+
+
+@dataclass
+class Capacity:
+    """The longest sequence the plan fits, beside what the budgets physically allow.
+
+    Attributes:
+        longest: longest ``seq_len`` (multiple of :data:`SEQ_STEP`) for which :func:`plan` fits.
+        physical: longest for which the irreducible bytes fit: one layer's recompute and
+            backward with the MLP tiled, one loss chunk, the resident edge weights and two
+            streamed layers on the GPU, and every block input somewhere on GPU, RAM or disk.
+        plan: the plan at ``longest`` (None when even :data:`SEQ_STEP` does not fit).
+        limit: what stops ``physical`` ("gpu" or "storage").
+    """
+
+    longest: int
+    physical: int
+    plan: Plan | None
+    limit: str
+
+    @property
+    def ratio(self) -> float:
+        return self.longest / self.physical if self.physical else 0.0
+
+    def summary(self) -> str:
+        return (f"longest sequence that fits: {self.longest} tokens; physically allowed by the budgets: "
+                f"{self.physical} tokens ({self.limit}-limited); reached {self.ratio:.0%}")
+
+
+def _search(fits, high: int) -> int:
+    lo, hi = 0, max(1, high // SEQ_STEP)
+    while fits(hi * SEQ_STEP) and hi < (1 << 40) // SEQ_STEP:  # grow past the guess if it fits
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * SEQ_STEP):
+            lo = mid
+        else:
+            hi = mid
+    return lo * SEQ_STEP
+
+
+def physical_limit(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets, layers: int | None = None,
+                   dtype_bytes: int = 2) -> tuple[int, str]:
+    """Longest sequence whose irreducible bytes fit the budgets (see :class:`Capacity`), and
+    what limits it."""
+    w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes)
+    storage = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
+
+    def gpu_ok(seq: int) -> bool:
+        w = replace(w0, seq_len=seq)
+        f = Features(checkpointing=True, offload_inputs=True, layer_streaming=bool(lora_rank), horizon=0,
+                     loss_chunks=max(1, w.tokens), mlp_shards=max(1, w.tokens))
+        return estimate_memory(w, f).gpu_peak <= budgets.gpu_bytes
+
+    def storage_ok(seq: int) -> bool:
+        w = replace(w0, seq_len=seq)
+        streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes if lora_rank else 0
+        return w.shape.layers * w.block_input_bytes + streamed <= storage
+
+    by_gpu = _search(gpu_ok, 1 << 16)
+    by_storage = _search(storage_ok, 1 << 16)
+    return (by_gpu, "gpu") if by_gpu <= by_storage else (by_storage, "storage")
+
+
+def longest_sequence(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets | None = None,
+                     layers: int | None = None, dtype_bytes: int = 2, stream_depth: int = 2) -> Capacity:
+    """Binary search for the longest sequence :func:`plan` fits under ``budgets``.
+
+    Example:
+        >>> cap = longest_sequence("llama-3-8b", budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
+        >>> cap.longest <= cap.physical
+        True
+    """
+    b = budgets if budgets is not None else Budgets.detect()
+
+    def fits(seq: int) -> bool:
+        return plan(model, seq, batch=batch, lora_rank=lora_rank, budgets=b, layers=layers,
+                    dtype_bytes=dtype_bytes, stream_depth=stream_depth).fits
+
+    longest = _search(fits, 1 << 16)
+    physical, limit = physical_limit(model, batch=batch, lora_rank=lora_rank, budgets=b, layers=layers,
+                                     dtype_bytes=dtype_bytes)
+    best = plan(model, longest, batch=batch, lora_rank=lora_rank, budgets=b, layers=layers, dtype_bytes=dtype_bytes,
+                stream_depth=stream_depth) if longest else None
+    return Capacity(longest, max(physical, longest), best, limit)
+
+

@@ -1,0 +1,141 @@
+"""Step time of one training step from FLOPs and bytes moved, and what bounds it.
+
+FLOPs counted (per token, P = a decoder layer's linear weights x layers):
+- linears: forward 2P; backward 4P for a full fine-tune (input and weight gradients), 2P
+  for LoRA (input gradients only; the adapters' own FLOPs are added); recompute 2P under
+  checkpointing, plus the MLP's forward once more when it is tiled;
+- the head: forward and input gradient 2VH each (and 2VH for its weight in a full fine-tune);
+- causal attention: 2 S^2 (heads x head_dim) per layer and row forward (half of the
+  full square's 4 S^2 d), backward twice that, recompute once more: 8 S^2 d per layer.
+
+Executed work is counted (the recompute included): achieved TFLOP/s reported by the
+capacity benchmark is hardware FLOPs, not "model FLOPs".
+
+Copies overlap compute on side streams: forward takes max(compute, device->host copies,
+disk writes) and backward max(compute, host->device copies, disk reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offloadkit.planning.memory import Features, Workload
+
+__all__ = ["Rates", "StepTime", "step_flops", "estimate_time",
+           "MATMUL_FLOPS_PER_S", "ATTENTION_FLOPS_PER_S", "PCIE_BYTES_PER_S", "DISK_WRITE_BYTES_PER_S",
+           "DISK_READ_BYTES_PER_S"]
+
+# bf16 FLOP rates of a whole Llama step, not of one large matmul. Derived: the 8B LoRA
+# r=16 16K checkpointing step on H200 (2.984 s, benchmarks/results/engine/
+# llama-3-8b-lora-16k-h200.md) is 1.007e15 FLOPs by this module's count, 3.37e14 FLOP/s;
+# the H100 SXM has the same dense bf16 peak. Attention's rate is assumed a little lower
+# (causal flash/efficient SDPA kernels, backward included).
+MATMUL_FLOPS_PER_S = 3.37e14
+ATTENTION_FLOPS_PER_S = 3.0e14
+# Pinned host<->device copies: 55.5 GB/s measured on the H200 (PCIe Gen5) in
+# benchmarks/results/README.md; a shared link is assumed to give each direction that much.
+PCIE_BYTES_PER_S = 55.5e9
+# O_DIRECT sequential file I/O: 2.4 GB/s write and 2.7 GB/s read measured with dd on the
+# lent GPU machine (benchmarks/results/disk/disk-raw-dd-h200.txt); writes are assumed to
+# reach 1.3 GB/s under concurrent reads (the lower end reported for that disk).
+DISK_WRITE_BYTES_PER_S = 1.3e9
+DISK_READ_BYTES_PER_S = 2.7e9
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Throughputs the step-time model uses (override any with measured ones).
+
+    Example:
+        >>> Rates(matmul_flops_per_s=4e14).pcie_bytes_per_s
+        55500000000.0
+    """
+
+    matmul_flops_per_s: float = MATMUL_FLOPS_PER_S
+    attention_flops_per_s: float = ATTENTION_FLOPS_PER_S
+    pcie_bytes_per_s: float = PCIE_BYTES_PER_S
+    disk_write_bytes_per_s: float = DISK_WRITE_BYTES_PER_S
+    disk_read_bytes_per_s: float = DISK_READ_BYTES_PER_S
+    source: str = "defaults"
+
+
+@dataclass
+class StepTime:
+    """Predicted step time and its parts (seconds), and the bound of each phase.
+
+    Attributes:
+        seconds: predicted step time.
+        compute_s / pcie_s / disk_s: time each resource needs over the whole step.
+        bound: what sets the step time ("compute", "pcie" or "disk").
+        linear_flops / attention_flops: executed FLOPs.
+    """
+
+    seconds: float
+    compute_s: float
+    pcie_s: float
+    disk_s: float
+    bound: str
+    linear_flops: float
+    attention_flops: float
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops
+
+
+def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
+    """(forward linear, backward linear, forward attention, backward attention) FLOPs, where
+    backward includes the recompute."""
+    s, t = w.shape, w.tokens
+    layer_linear = sum(a * b for a, b in s.linears)
+    mlp_linear = sum(a * b for a, b in s.linears[4:])
+    p = layer_linear * s.layers
+    head = s.vocab * s.hidden
+    fwd = 2 * p * t + 2 * head * t
+    bwd = (4 * p + 4 * head) * t if not w.lora_rank else (2 * p + 2 * head) * t
+    if w.lora_rank:
+        adapters = s.lora_params(w.lora_rank)
+        fwd += 2 * adapters * t
+        bwd += 4 * adapters * t
+    if f.checkpointing:
+        bwd += 2 * p * t + (2 * adapters * t if w.lora_rank else 0)
+        if f.mlp_shards > 1:
+            bwd += 2 * mlp_linear * s.layers * t
+    attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers
+    attn_bwd = 2 * attn_fwd + (attn_fwd if f.checkpointing else 0)
+    return float(fwd), float(bwd), attn_fwd, attn_bwd
+
+
+def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) -> StepTime:
+    """Predict one step's time from FLOPs and the bytes each link moves.
+
+    Args:
+        w, f: the workload and features.
+        rates: throughputs.
+        placement: per layer, where its input lives ("gpu", "ram", "disk").
+
+    Returns:
+        A :class:`StepTime`.
+    """
+    lf, lb, af, ab = step_flops(w, f)
+    fwd_compute = lf / rates.matmul_flops_per_s + af / rates.attention_flops_per_s
+    bwd_compute = lb / rates.matmul_flops_per_s + ab / rates.attention_flops_per_s
+    block = w.block_input_bytes
+    moved = sum(1 for p in placement if p != "gpu") * block  # each way
+    streamed = 0
+    if f.layer_streaming and w.lora_rank:
+        streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes  # per pass: forward, then backward
+    fwd_pcie = (moved + streamed) / rates.pcie_bytes_per_s  # inputs out and weights in share the link
+    bwd_pcie = (moved + streamed) / rates.pcie_bytes_per_s
+    on_disk = placement.count("disk") * block
+    fwd_disk = on_disk / rates.disk_write_bytes_per_s
+    bwd_disk = on_disk / rates.disk_read_bytes_per_s
+    fwd = max(fwd_compute, fwd_pcie, fwd_disk)
+    bwd = max(bwd_compute, bwd_pcie, bwd_disk)
+    totals = {"compute": fwd_compute + bwd_compute, "pcie": fwd_pcie + bwd_pcie, "disk": fwd_disk + bwd_disk}
+    # The bound is the resource that sets the longer phase's time.
+    phases = [(fwd, (fwd_compute, fwd_pcie, fwd_disk)), (bwd, (bwd_compute, bwd_pcie, bwd_disk))]
+    _, parts = max(phases, key=lambda x: x[0])
+    bound = ("compute", "pcie", "disk")[max(range(3), key=lambda k: parts[k])]
+    return StepTime(seconds=fwd + bwd, compute_s=totals["compute"], pcie_s=totals["pcie"], disk_s=totals["disk"],
+                    bound=bound, linear_flops=lf + lb, attention_flops=af + ab)

@@ -1,0 +1,204 @@
+"""The planner: its byte accounting against what a tiny Llama really saves and offloads,
+monotonicity, budget-limited searches, the config it produces, prepare() with
+offload_plan: auto, and the ``offloadkit plan`` command."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.config import ConfigError, OffloadConfig
+from offloadkit.integrations.runtime import prepare
+from offloadkit.longctx import chunked_cross_entropy
+from offloadkit.planning import Budgets, Features, Workload, estimate_memory, longest_sequence, plan, resolve_shape
+from offloadkit.planning.memory import LOSS_CHUNK_BYTES_PER_LOGIT, auto_loss_chunks, layer_saved_bytes
+from offloadkit.testing import AllocationTracker, build_llama
+
+pytest.importorskip("transformers")
+GiB = 1 << 30
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIG = Budgets(79 * GiB, 110 * GiB, 60 * GiB)
+
+
+def _saved_in_layer(model, ids, index):
+    """Bytes of distinct storages autograd saves inside decoder layer ``index`` that are not
+    parameters and not shared with the next layer (the rotary tables)."""
+    layers = [m for n, m in model.named_modules() if n.endswith(("layers.%d" % index, "layers.%d" % (index + 1)))]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = [dict(), dict()]
+    for k, layer in enumerate(layers):
+        original = layer.forward
+
+        def forward(*a, _o=original, _k=k, **kw):
+            def pack(t):
+                seen[_k][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return _o(*a, **kw)
+
+        layer.forward = forward
+    model(input_ids=ids, labels=ids).loss.backward()
+    return sum(n for ptr, n in seen[0].items() if ptr not in params and ptr not in seen[1])
+
+
+@pytest.mark.parametrize("lora,tiled", [(0, False), (8, False), (8, True), (0, True)])
+def test_layer_saved_bytes_match_what_autograd_saves(lora, tiled):
+    from offloadkit import apply_tiled_mlp
+
+    model = build_llama("tiny", dtype=torch.bfloat16, attn_implementation="sdpa", num_hidden_layers=3)
+    model.config.use_cache = False
+    if lora:
+        from offloadkit.integrations.peft_utils import apply_lora
+
+        model = apply_lora(model, rank=lora)
+        model.enable_input_require_grads()  # as under checkpointing: layer inputs require grad
+    model.train()
+    if tiled:
+        apply_tiled_mlp(model, num_shards=4)
+    batch, seq = 2, 256
+    ids = torch.randint(0, 256, (batch, seq))
+    measured = _saved_in_layer(model, ids, 1)
+    w = Workload(resolve_shape("tiny"), seq, batch, lora_rank=lora)
+    predicted = layer_saved_bytes(w, mlp_shards=4 if tiled else 1)
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+
+
+def test_block_inputs_offloaded_as_planned():
+    model = build_llama("tiny", num_hidden_layers=4, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model.train()
+    handle = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True, storage="disk")
+    try:
+        ids = torch.randint(0, 256, (2, 128))
+        model(input_ids=ids, labels=ids).loss.backward()
+        offloaded = handle.offloader.collect_stats().offloaded_bytes
+    finally:
+        handle.remove()
+    w = Workload(resolve_shape("tiny", layers=4), 128, 2, lora_rank=0, dtype_bytes=4)
+    m = estimate_memory(w, Features(offload_inputs=True))
+    planned = sum(p != "gpu" for p in m.block_placement) * w.block_input_bytes
+    assert m.block_placement == ["ram", "ram", "ram", "gpu"]
+    # The rest are the rotary tables and position ids passed to each block (counted as
+    # GPU-resident "rotary" by the planner): less than one block input.
+    assert planned <= offloaded < planned + w.block_input_bytes
+
+
+def test_loss_chunk_bytes_match_the_chunked_loss():
+    tokens, hidden, vocab = 512, 32, 1000
+    w = Workload(resolve_shape({"hidden_size": hidden, "intermediate_size": 64, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "vocab_size": vocab}), tokens, lora_rank=0, dtype_bytes=4)
+    chunks = 8
+    part = estimate_memory(w, Features(loss_chunks=chunks)).gpu_parts
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    weight = torch.randn(vocab, hidden)
+    labels = torch.randint(0, vocab, (tokens,))
+    with AllocationTracker() as t:
+        chunked_cross_entropy(h, weight, labels, num_chunks=chunks, shift=False).backward()
+    largest_fp32 = max(n for _, _, n, dt in t.records if dt == torch.float32 and n != tokens * hidden)
+    assert largest_fp32 == tokens // chunks * vocab
+    if "loss chunk" in part:
+        assert part["loss chunk"] == largest_fp32 * LOSS_CHUNK_BYTES_PER_LOGIT
+    assert auto_loss_chunks(16384, 128256) == 8  # 2**28 // 128256 = 2092 tokens per chunk
+
+
+def test_more_tokens_more_memory_and_time():
+    previous = None
+    for seq in (8192, 16384, 65536, 131072, 262144):
+        p = plan("llama-3-8b", seq, budgets=BIG)
+        now = (p.memory.gpu_peak, p.memory.host + p.memory.disk, p.time.seconds)
+        if previous is not None:
+            assert all(a < b for a, b in zip(previous, now)), (seq, previous, now)
+        previous = now
+
+
+def test_depth_does_not_change_the_gpu_peak_when_offloading_and_streaming():
+    f = Features(offload_inputs=True, layer_streaming=True, loss_chunks=32, mlp_shards=4)
+    est = {n: estimate_memory(Workload(resolve_shape("llama-3-8b", layers=n), 65536), f) for n in (8, 32)}
+    # Only the LoRA adapters and their AdamW state grow with depth (0.5 GiB at 32 layers).
+    peaks = {n: m.gpu_peak - m.gpu_parts["trainable state"] for n, m in est.items()}
+    assert peaks[8] == peaks[32]
+    plain = Features(loss_chunks=32, mlp_shards=4)
+    assert (estimate_memory(Workload(resolve_shape("llama-3-8b", layers=32), 65536), plain).gpu_peak
+            > estimate_memory(Workload(resolve_shape("llama-3-8b", layers=8), 65536), plain).gpu_peak)
+
+
+def test_ram_exhaustion_pushes_oldest_block_inputs_to_disk():
+    small_ram = Budgets(79 * GiB, 40 * GiB, 200 * GiB)
+    p = plan("llama-3-8b", 262144, budgets=small_ram)
+    assert p.fits, p.reasons
+    assert p.placement[0] == "disk" and p.placement[-1] == "gpu"
+    first_ram = p.placement.index("ram")
+    assert set(p.placement[:first_ram]) == {"disk"} and set(p.placement[first_ram:-1]) == {"ram"}
+    cfg = OffloadConfig.from_dict(p.to_config())
+    assert cfg.activation_offloading == "disk" and cfg.disk_tiering and cfg.host_budget_bytes <= 40 * GiB
+    assert p.memory.disk == p.placement.count("disk") * p.workload.block_input_bytes
+    assert p.time.disk_s > 0
+
+
+def test_tiny_budgets_give_a_short_longest_sequence():
+    roomy = longest_sequence("llama-3-8b", budgets=BIG)
+    tight = longest_sequence("llama-3-8b", budgets=Budgets(12 * GiB, 24 * GiB, 1 * GiB))
+    assert 0 < tight.longest < roomy.longest
+    assert tight.longest <= tight.physical and roomy.longest <= roomy.physical
+    assert plan("llama-3-8b", tight.longest, budgets=tight.plan.budgets).fits
+    assert not plan("llama-3-8b", tight.longest + 4096, budgets=tight.plan.budgets).fits
+    nothing = longest_sequence("llama-3-8b", budgets=Budgets(1 * GiB, 1 * GiB, 1 * GiB))
+    assert nothing.longest == 0 and nothing.plan is None
+
+
+def test_offload_plan_config_validation():
+    assert OffloadConfig.from_dict({"offload_plan": "auto", "seq_len": 4096}).offload_plan == "auto"
+    with pytest.raises(ConfigError, match="offload_plan='sometimes'"):
+        OffloadConfig.from_dict({"offload_plan": "sometimes"})
+    with pytest.raises(ConfigError, match="seq_len=0"):
+        OffloadConfig.from_dict({"offload_plan": "auto", "seq_len": 0})
+    with pytest.raises(ConfigError, match="did you mean 'offload_plan'"):
+        OffloadConfig.from_dict({"offload_plans": "auto"})
+
+
+def test_prepare_applies_the_plan():
+    from offloadkit.integrations.peft_utils import apply_lora
+
+    model = apply_lora(build_llama("tiny", attn_implementation="sdpa"), rank=4)
+    with pytest.raises(ConfigError, match="needs the sequence length"):
+        prepare(model, {"offload_plan": "auto"})
+    runtime = prepare(model, {"offload_plan": "auto", "host_budget_bytes": "2GiB"}, seq_len=4096)
+    try:
+        assert runtime.plan is not None and runtime.plan.workload.lora_rank == 4
+        assert runtime.plan.workload.shape.layers == 2
+        assert runtime.config.gradient_checkpointing and runtime.checkpointing is not None
+        assert runtime.config.chunked_cross_entropy and runtime.chunked_loss is not None
+        assert runtime.chunked_loss is not None
+        assert runtime.report()["plan"]["placement"] == runtime.plan.placement
+        ids = torch.randint(0, 256, (1, 64))
+        with runtime.context():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+    finally:
+        runtime.close()
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "offloadkit", "plan", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+
+
+def test_cli_plan_prints_the_table_and_the_longest_sequence():
+    r = _cli("--shape", "llama-3-8b", "--seq-len", "131072", "--gpu-gib", "79", "--host-gib", "110", "--disk-gib", "60")
+    assert r.returncode == 0, r.stderr
+    assert "| layers | block input | where | backward |" in r.stdout
+    assert "longest sequence that fits" in r.stdout and "physically allowed" in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_plan_bad_arguments_give_one_line():
+    for args in (("--shape", "nope", "--seq-len", "1024"), ("--shape", "tiny", "--seq-len", "0"),
+                 ("--shape", "tiny", "--seq-len", "1024", "--gpu-gib", "-1")):
+        r = _cli(*args, "--no-search")
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert r.stderr.startswith("offloadkit: error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
