@@ -105,9 +105,13 @@ def prepare(model: nn.Module, config: OffloadConfig | dict | None = None) -> Off
     each (no GPU for layer streaming, no frozen weights to stream, streams on a CPU-only
     machine). With ``activation_offloading: disk`` on a CPU-only machine, CPU activations
     go to disk (that saves host RAM).
+
+    Raises:
+        ConfigError: the disk tier's directory is a file or cannot be written.
     """
     if not isinstance(config, OffloadConfig):
         config = OffloadConfig.from_dict(config or {})
+    config.check_paths()  # a bad disk directory fails here, not inside the first step
     runtime = OffloadRuntime(model, config)
     cuda = torch.cuda.is_available()
     mode = config.activation_offloading
