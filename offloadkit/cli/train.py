@@ -9,6 +9,7 @@ data is a local ``.txt``/``.jsonl``/``.json`` file or the shipped public-domain 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -184,6 +185,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         raise ConfigError(f"{cfg.name('dataset')}: {exc}; use a smaller {cfg.name('seq_len')} or more text") from None
     notes = [f"Axolotl keys without effect here: {', '.join(cfg._ignored)}"] if cfg._ignored else []
     planned = _steps_planned(cfg, len(dataset))
+    if cfg.resume_from_checkpoint:
+        with open(os.path.join(cfg.resume_from_checkpoint, "trainer_state.json")) as f:
+            planned = max(1, planned - json.load(f).get("global_step", 0))
     profile_step = min(cfg.profile_step, planned - 1)
     if profile_step != cfg.profile_step:
         notes.append(f"profile_step {cfg.profile_step} is past the run's {planned} steps; step {profile_step} "
