@@ -15,11 +15,12 @@ import difflib
 import json
 import os
 import re
+import tempfile
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ConfigError", "OffloadConfig", "parse_bytes", "load_mapping", "check_keys"]
+__all__ = ["ConfigError", "OffloadConfig", "parse_bytes", "load_mapping", "check_keys", "check_writable_dir"]
 
 ALIASES = {"sm_activation_offloading": "activation_offloading"}
 _ACTIVATION_MODES = (False, True, "legacy", "disk")
@@ -89,6 +90,32 @@ def check_keys(data: dict, known: list[str], source: str) -> dict:
             raise ConfigError(f"{source}: unknown key {key!r} (value {value!r}); {hint}")
         out[key] = value
     return out
+
+
+def check_writable_dir(path: str, key: str, fix: str) -> str:
+    """Create ``path`` if missing and prove a file can be written in it.
+
+    Args:
+        path: the directory.
+        key: the config key, for the message.
+        fix: what to do instead, for the message.
+
+    Returns:
+        The path.
+
+    Raises:
+        ConfigError: ``path`` is a file, or cannot be created or written.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is a file, not a directory; {fix}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".offloadkit-probe-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"{key}={path!r} cannot be written ({exc.strerror or exc}); {fix}") from None
+    return path
 
 
 def _expect(key: str, value: Any, kinds: tuple, example: str) -> None:
@@ -266,6 +293,15 @@ class OffloadConfig:
             if changed:
                 self._warn(f"{', '.join(changed)} only apply with activation_offloading on; they have no effect")
         return self
+
+    def check_paths(self) -> None:
+        """Machine-dependent checks, run before anything loads: the disk tier's directory
+        (or the system temp directory it defaults to) must be a writable directory."""
+        if self.activation_offloading == "disk":
+            where = self.disk_dir if self.disk_dir is not None else tempfile.gettempdir()
+            key = "disk_dir" if self.disk_dir is not None else "disk_dir (default: the temp directory)"
+            check_writable_dir(where, key, "give a writable directory for offloaded activations (it is created "
+                               "if missing)")
 
     def _warn(self, message: str) -> None:
         self._warnings.append(message)

@@ -183,7 +183,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     shape = LLAMA_SHAPES[cfg.shape]
     report = {
         "config": asdict(cfg),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "device": torch.cuda.get_device_name() if _on_cuda(cfg) else f"CPU {platform.processor() or platform.machine()}",
         "torch": torch.__version__,
         "host_ram_gib": psutil.virtual_memory().total / GiB,
         "copy_bandwidth": measure_copy_bandwidth(),

@@ -15,7 +15,7 @@ from offloadkit.layers import apply_layer_streaming
 from offloadkit.runtime.device import empty_host_cache
 from offloadkit.testing.models import LLAMA_SHAPES
 
-__all__ = ["MODES", "ModeSetup", "ModeHandle"]
+__all__ = ["MODES", "CPU_MODES", "ModeSetup", "ModeHandle", "estimated_activation_bytes"]
 
 
 @dataclass
@@ -49,21 +49,34 @@ def _plain(ckpt: bool):
     return enable
 
 
+def _storage_kwargs(cfg) -> dict:
+    """Where offloadkit modes put activations: the storage tier, and CPU tensors on a CPU run."""
+    kwargs: dict = {"offload_cpu_tensors": not cfg.device.startswith("cuda")}
+    if cfg.storage != "ram":
+        from offloadkit.storage import DiskOptions
+
+        kwargs.update(storage=cfg.storage, disk=DiskOptions(directory=cfg.disk_dir))
+    if cfg.host_budget_gib is not None:
+        kwargs["host_budget_bytes"] = int(cfg.host_budget_gib * (1 << 30))
+    return kwargs
+
+
 def _offloadkit(ckpt: bool):
     def enable(model, cfg):
         _checkpointing(model, ckpt)
-        budget = None if cfg.host_budget_gib is None else int(cfg.host_budget_gib * (1 << 30))
         manager = get_act_offloading_ctx_manager(
             model, prefetch=cfg.prefetch, prefetch_bytes=cfg.prefetch_bytes,
-            max_fwd_stash_size=cfg.max_fwd_stash_size, host_budget_bytes=budget,
+            max_fwd_stash_size=cfg.max_fwd_stash_size, **_storage_kwargs(cfg),
         )
 
         def disable():
             manager.close()
             _checkpointing(model, False)
 
-        return ModeHandle(lambda: manager, disable, stats=lambda: manager.collect_stats().as_dict(),
-                          stats_reset=manager.reset_stats)
+        def stats():
+            return {**manager.collect_stats().as_dict(), "storage": manager.storage_stats()}
+
+        return ModeHandle(lambda: manager, disable, stats=stats, stats_reset=manager.reset_stats)
 
     return enable
 
@@ -89,13 +102,7 @@ def _blocks(input_offload: bool, layer_stream: bool, hf_ckpt: bool = False):
         if hf_ckpt:
             _checkpointing(model, True)
         else:
-            storage_kw = {}
-            if input_offload and cfg.storage != "ram":
-                from offloadkit.storage import DiskOptions
-
-                storage_kw = dict(storage=cfg.storage, disk=DiskOptions(directory=cfg.disk_dir))
-                if cfg.host_budget_gib is not None:
-                    storage_kw["host_budget_bytes"] = int(cfg.host_budget_gib * (1 << 30))
+            storage_kw = _storage_kwargs(cfg) if input_offload else {}
             ckpt = apply_activation_checkpointing(model, offload_inputs=input_offload, prefetch=cfg.prefetch,
                                                   **storage_kw)
         streamer = apply_layer_streaming(model, depth=cfg.stream_depth) if layer_stream else None
@@ -152,15 +159,32 @@ def _needs_host_ram(cfg) -> str | None:
     return None
 
 
+def _needs_gpu(what: str):
+    def reason(cfg) -> str | None:
+        return None if cfg.device.startswith("cuda") else f"{what} needs a CUDA GPU"
+
+    return reason
+
+
+def _offload_fits(cfg) -> str | None:
+    if cfg.storage == "disk" and not cfg.device.startswith("cuda"):
+        return None  # CPU activations go to files, not to more RAM
+    return _needs_host_ram(cfg)
+
+
 MODES: dict[str, ModeSetup] = {
     "none": ModeSetup("none", _plain(False)),
     "ckpt": ModeSetup("ckpt", _plain(True)),
     "ckpt+offload": ModeSetup("ckpt+offload", _offloadkit(True)),
-    "offload": ModeSetup("offload", _offloadkit(False), _needs_host_ram),
-    "ckpt+save_on_cpu": ModeSetup("ckpt+save_on_cpu", _save_on_cpu(True)),
-    "save_on_cpu": ModeSetup("save_on_cpu", _save_on_cpu(False), _needs_host_ram),
+    "offload": ModeSetup("offload", _offloadkit(False), _offload_fits),
+    "ckpt+save_on_cpu": ModeSetup("ckpt+save_on_cpu", _save_on_cpu(True), _needs_gpu("save_on_cpu (GPU to CPU copies)")),
+    "save_on_cpu": ModeSetup("save_on_cpu", _save_on_cpu(False),
+                             lambda cfg: _needs_gpu("save_on_cpu (GPU to CPU copies)")(cfg) or _needs_host_ram(cfg)),
     "ok_ckpt": ModeSetup("ok_ckpt", _blocks(False, False)),
     "ckpt+input_offload": ModeSetup("ckpt+input_offload", _blocks(True, False)),
-    "ckpt+layer_stream": ModeSetup("ckpt+layer_stream", _blocks(False, True, hf_ckpt=True)),
-    "ckpt+input_offload+layer_stream": ModeSetup("ckpt+input_offload+layer_stream", _blocks(True, True)),
+    "ckpt+layer_stream": ModeSetup("ckpt+layer_stream", _blocks(False, True, hf_ckpt=True),
+                                   _needs_gpu("layer streaming")),
+    "ckpt+input_offload+layer_stream": ModeSetup("ckpt+input_offload+layer_stream", _blocks(True, True),
+                                                 _needs_gpu("layer streaming")),
 }
+CPU_MODES = ("none", "ckpt", "ckpt+offload", "offload")

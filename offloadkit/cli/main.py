@@ -4,52 +4,78 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
+import warnings
 
 __all__ = ["main", "build_parser"]
 
-_TRAIN_EPILOG = """\
-The config file is flat YAML (or JSON). Training keys: model, model_shape, dataset,
-text_field, output_dir, seq_len, batch_size, gradient_accumulation_steps, max_steps,
-learning_rate, warmup_steps, logging_steps, lora_rank, dtype, seed, profile_step.
-Offloading keys: gradient_checkpointing, selective_checkpointing, activation_offloading
-(false | true | legacy | disk), activation_loading_horizon, prefetch_bytes,
-min_offload_size, max_fwd_stash_size, use_pin_memory, host_budget_bytes (e.g. 16GiB),
-host_min_free_bytes,
-disk_dir, disk_threads, direct_io, disk_tiering, layer_offloading, layer_offloading_depth.
 
-Without a config: the built-in small Llama model on the shipped public-domain corpus,
-LoRA rank 8, 40 steps, gradient checkpointing, and activation offloading to pinned RAM
-plus layer streaming on a GPU (activation offloading to disk on a CPU-only machine).
+def _train_epilog() -> str:
+    from offloadkit.cli.train_config import DEFAULT_STEPS, TrainConfig
+    from offloadkit.config import OffloadConfig
+
+    def wrap(title: str, keys: list[str]) -> str:
+        return textwrap.fill(f"{title}: {', '.join(keys)}.", width=100, subsequent_indent="  ")
+
+    return f"""\
+The config file is flat YAML (or JSON), with offloadkit's keys or an Axolotl config's.
+{wrap("Training keys", TrainConfig.train_keys())}
+{wrap("Offloading keys", OffloadConfig.keys())}
+activation_offloading is false | true | legacy | disk; sizes take units (host_budget_bytes: 16GiB).
+Axolotl keys: base_model, datasets (one local file, type: completion), sequence_len,
+micro_batch_size, num_epochs, adapter: lora, lora_r, lora_alpha, lora_dropout,
+lora_target_modules, lora_target_linear, bf16, plus the shared ones above. Axolotl keys
+that cannot take effect here are listed in one warning.
+
+Without a config: a full fine-tune of the built-in small Llama model on the shipped
+public-domain corpus, {DEFAULT_STEPS} steps, with gradient checkpointing and activation
+offloading (to pinned RAM on a GPU, to disk on a CPU-only machine). Its first steps also
+run without offloadkit, and the report compares the two: peak memory and step time.
 
 Example config:
-  model_shape: llama-3.2-1b
+  model: /models/Llama-3.2-1B
+  dataset: data/train.jsonl
   seq_len: 4096
   lora_rank: 16
   gradient_checkpointing: true
   activation_offloading: true
   layer_offloading: true
+  save_steps: 50
 """
+
+
+def _version() -> str:
+    from offloadkit import __version__
+
+    return f"offloadkit {__version__}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offloadkit", description="Train and fine-tune models that do not fit in "
                                      "GPU memory: activation offloading, checkpoint-input offloading, layer streaming.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,bench,plan,demo}")
 
     train = sub.add_parser("train", help="fine-tune a causal LM with the memory options of a config file",
                            description="Fine-tune a causal language model through the Hugging Face Trainer with "
-                           "offloadkit's memory options; writes the model/adapter, report.json, report.md and "
-                           "memory_timeline.png to output_dir.", epilog=_TRAIN_EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           "offloadkit's memory options, and compare its first steps with the same steps without "
+                           "offloadkit; writes the model/adapter, report.json, report.md and memory_timeline.png "
+                           "to output_dir.", epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", nargs="?", help="YAML or JSON config file (default: built-in defaults)")
+    train.add_argument("--config", dest="config_option", metavar="FILE", help="the config file (same as the positional)")
     train.add_argument("--output-dir", help="override output_dir")
     train.add_argument("--max-steps", type=int, help="override max_steps")
+    train.add_argument("--resume-from-checkpoint", nargs="?", const=True, metavar="DIR",
+                       help="resume from DIR, or from the newest checkpoint in output_dir when DIR is omitted")
 
     bench = sub.add_parser("bench", help="run memory-saving modes side by side on a model shape",
                            description="Benchmark modes side by side (median step time, tokens/s, peak GPU memory "
-                           "allocated and reserved, host RSS); prints a table, writes JSON, Markdown and a plot.")
-    bench.add_argument("--shape", default="llama-3.2-1b", help="tiny, small, llama-3.2-1b (default) or llama-3-8b")
-    bench.add_argument("--seq-len", type=int, default=16384, help="tokens in the sequence (default 16384)")
+                           "allocated and reserved, host RSS); prints a table, writes JSON, Markdown and a plot. "
+                           "Without a GPU it runs on the CPU with the disk tier.")
+    bench.add_argument("--shape", default=None,
+                       help="tiny, small, llama-3.2-1b or llama-3-8b (default: llama-3.2-1b on a GPU, small on a CPU)")
+    bench.add_argument("--seq-len", type=int, default=None, help="tokens in the sequence (default: 16384 on a GPU, "
+                       "1024 on a CPU)")
     bench.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tune)")
     bench.add_argument("--modes", default=None, help="semicolon-separated modes, each optionally with overrides, e.g. "
                        "'ckpt;ckpt+offload@prefetch=4;ckpt+input_offload+layer_stream'")
@@ -58,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefetch", type=int, default=None,
                        help="activation_loading_horizon (default: 2 from RAM, 4 from disk)")
     bench.add_argument("--host-budget-gib", type=float, default=None, help="host RAM cap for offloaded bytes")
+    bench.add_argument("--storage", choices=["ram", "disk", "tiered"], default=None,
+                       help="where offloadkit modes put activations (default: ram on a GPU, disk on a CPU or when "
+                       "--disk-dir is given)")
     bench.add_argument("--disk-dir", default=None, help="parent directory for disk-tier files")
-    bench.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    bench.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     bench.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     bench.add_argument("--name", default=None, help="file name stem (default <shape>-<seq_len>)")
 
@@ -76,27 +105,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """Our own warnings as one line each; other libraries' as Python shows them."""
+    text = str(message)
+    if text.startswith("offloadkit: "):
+        print(f"offloadkit: warning: {text[len('offloadkit: '):]}", file=sys.stderr)
+    else:
+        print(warnings.formatwarning(message, category, filename, lineno, line).rstrip(), file=sys.stderr)
+
+
+def _train(args) -> None:
+    from offloadkit.cli.train import TrainConfig, run_train
+    from offloadkit.config import ConfigError
+
+    if args.config and args.config_option and args.config != args.config_option:
+        raise ConfigError(f"two config files given ({args.config!r} and --config {args.config_option!r}); give one")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ConfigError(f"--max-steps={args.max_steps} must be an integer >= 1")
+    cfg = TrainConfig.from_file(args.config or args.config_option)
+    if args.output_dir is not None:
+        cfg.output_dir = args.output_dir
+    if args.max_steps is not None:
+        cfg.max_steps = args.max_steps
+    if args.resume_from_checkpoint is not None:
+        cfg.resume_from_checkpoint = args.resume_from_checkpoint
+    cfg.validate("command line")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # saving shards draws a bar; offloadkit's own is enough
+    run_train(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import warnings
-
     from offloadkit.config import ConfigError
 
     # Deprecation chatter from the libraries we drive is not the user's to fix.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.showwarning = _show_warning
 
     try:
         if args.command == "train":
-            from offloadkit.cli.train import TrainConfig, run_train
-
-            cfg = TrainConfig.from_file(args.config)
-            if args.output_dir:
-                cfg.output_dir = args.output_dir
-            if args.max_steps:
-                cfg.max_steps = args.max_steps
-                cfg.validate()
-            run_train(cfg)
+            _train(args)
             return 0
         if args.command == "bench":
             from offloadkit.cli.bench import run_bench
@@ -110,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         from offloadkit.demo import run_demo
 
         return 0 if run_demo(args.steps, args.shape, args.seq_len, args.batch, args.device) else 1
-    except (ConfigError, FileNotFoundError, ImportError, ValueError) as exc:
-        print(f"offloadkit: error: {exc}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError, ImportError, ValueError, OSError) as exc:
+        print(f"offloadkit: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("offloadkit: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"offloadkit: {exc or 'interrupted'}", file=sys.stderr)
         return 130
 
 

@@ -1,196 +1,252 @@
-"""``offloadkit train CONFIG.yaml``: fine-tune a causal LM through the Trainer integration.
+"""``offloadkit train [CONFIG.yaml]``: fine-tune a causal LM through the Trainer integration,
+and show what offloadkit saved and what it cost.
 
-One flat YAML (or JSON) file holds both the training settings below and the offloading
-keys of :class:`~offloadkit.config.OffloadConfig` (``gradient_checkpointing``,
-``activation_offloading``, ``layer_offloading``, ...). No downloads: the model is a local
-Hugging Face directory or a built-in Llama shape; the data is a local ``.txt``/``.jsonl``
-file or the shipped public-domain corpus.
+The first ``profile_step + 1`` steps also run without offloadkit (where they fit), measured
+the same way; the report puts both side by side and ``memory_timeline.png`` overlays them.
+No downloads: the model is a local Hugging Face directory or a built-in Llama shape; the
+data is a local ``.txt``/``.jsonl``/``.json`` file or the shipped public-domain corpus.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import math
 import os
+import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from offloadkit.config import ConfigError, OffloadConfig, check_keys, load_mapping
+from offloadkit.cli.train_config import TrainConfig, default_offload
+from offloadkit.config import ConfigError
 
-__all__ = ["TrainConfig", "run_train", "default_offload"]
-
-
-def default_offload(cuda: bool) -> dict:
-    """The built-in default: everything that helps on this machine, nothing that cannot work."""
-    if cuda:
-        return {"gradient_checkpointing": True, "activation_offloading": True, "layer_offloading": True}
-    # On a CPU-only machine the activations are CPU memory: moving them to disk saves RAM.
-    return {"gradient_checkpointing": True, "activation_offloading": "disk"}
+__all__ = ["TrainConfig", "TrainingInterrupted", "run_train", "default_offload"]
 
 
-@dataclass
-class TrainConfig:
-    """Settings of ``offloadkit train`` (besides the offloading keys).
-
-    Attributes:
-        model: local Hugging Face model directory; None builds ``model_shape`` from a config.
-        model_shape: built-in Llama shape: tiny, small, llama-3.2-1b, llama-3-8b.
-        dataset: local .txt or .jsonl file; None uses the shipped public-domain corpus.
-        text_field: the JSONL field holding the text.
-        output_dir: where the model/adapter, report and plot go.
-        seq_len, batch_size, gradient_accumulation_steps, max_steps, learning_rate,
-        warmup_steps, logging_steps, seed: the usual.
-        lora_rank: LoRA rank on all linear layers (0 or None: full fine-tune).
-        dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32.
-        profile_step: the step whose memory timeline is plotted.
-        offload: the offloading configuration.
-    """
-
-    model: str | None = None
-    model_shape: str = "small"
-    dataset: str | None = None
-    text_field: str = "text"
-    output_dir: str = "offloadkit-output"
-    seq_len: int = 256
-    batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    max_steps: int = 40
-    learning_rate: float = 1e-3
-    warmup_steps: int = 0
-    logging_steps: int = 5
-    lora_rank: int | None = 8
-    dtype: str = "auto"
-    seed: int = 0
-    profile_step: int = 3
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-
-    @classmethod
-    def train_keys(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if f.name != "offload"]
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "config", cuda: bool | None = None) -> "TrainConfig":
-        cuda = torch.cuda.is_available() if cuda is None else cuda
-        data = check_keys(dict(data), cls.train_keys() + OffloadConfig.keys(), source)
-        train = {k: v for k, v in data.items() if k in cls.train_keys()}
-        offload = {k: v for k, v in data.items() if k in OffloadConfig.keys()}
-        if not offload:
-            offload = default_offload(cuda)
-        config = cls(**train, offload=OffloadConfig.from_dict(offload, source=source))
-        config.validate(source)
-        return config
-
-    @classmethod
-    def from_file(cls, path: str | None) -> "TrainConfig":
-        return cls.from_dict(load_mapping(path) if path else {}, source=path or "built-in defaults")
-
-    def validate(self, source: str = "config") -> None:
-        from offloadkit.testing.models import LLAMA_SHAPES
-
-        ints = {"seq_len": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
-                "warmup_steps": 0, "logging_steps": 1, "seed": 0, "profile_step": 0}
-        for key, low in ints.items():
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{source}: {key}={value!r} must be an integer >= {low}")
-        if not isinstance(self.learning_rate, (int, float)) or self.learning_rate <= 0:
-            raise ConfigError(f"{source}: learning_rate={self.learning_rate!r} must be a positive number")
-        if self.lora_rank is not None and (isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int)
-                                           or self.lora_rank < 0):
-            raise ConfigError(f"{source}: lora_rank={self.lora_rank!r} must be an integer >= 0 (0: full fine-tune)")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ConfigError(f"{source}: dtype={self.dtype!r} must be auto, bfloat16, float16 or float32")
-        if self.model is None and self.model_shape not in LLAMA_SHAPES:
-            raise ConfigError(f"{source}: model_shape={self.model_shape!r} is unknown; use one of {sorted(LLAMA_SHAPES)}")
-        if self.model is not None and not os.path.isdir(self.model):
-            raise ConfigError(f"{source}: model={self.model!r} is not a directory; give a local Hugging Face model "
-                              "directory (offloadkit train does not download) or omit it for the built-in model")
-        if self.dataset is not None and not os.path.isfile(self.dataset):
-            raise ConfigError(f"{source}: dataset={self.dataset!r} does not exist; give a .txt or .jsonl file or "
-                              "omit it for the shipped corpus")
-        if self.offload.layer_offloading and not self.lora_rank and self.model is None:
-            self.offload._warn("layer_offloading streams frozen weights; with a full fine-tune (lora_rank 0) "
-                               "there are none, so it has no effect")
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; the message says where the run stopped and what was kept."""
 
 
 def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
-    from offloadkit.testing.models import LLAMA_SHAPES, build_llama
+    from offloadkit.testing.models import build_llama
 
     if cfg.model is None:
-        vocab = max(LLAMA_SHAPES[cfg.model_shape]["vocab_size"], BYTE_VOCAB_SIZE)
-        model = build_llama(cfg.model_shape, dtype=dtype, device=device, seed=cfg.seed,
-                            attn_implementation="sdpa", vocab_size=vocab, max_position_embeddings=max(cfg.seq_len, 2048))
-        return model, byte_tokenizer()
+        # The vocabulary is the byte tokenizer's: ids past it would never be trained.
+        model = build_llama(cfg.model_shape, dtype=dtype, device=device, seed=cfg.seed, attn_implementation="sdpa",
+                            vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=max(cfg.seq_len, 2048))
+        return model, byte_tokenizer(), f"built-in '{cfg.model_shape}' Llama (random init)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tokenizer_dir = cfg.tokenizer or cfg.model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{cfg.name('tokenizer') if cfg.tokenizer else cfg.name('model')}={tokenizer_dir!r}: "
+                          f"the tokenizer could not be loaded ({' '.join(str(exc).split())})") from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"model={cfg.model!r} could not be loaded as a local Hugging Face model: "
-                          f"{str(exc).splitlines()[0]}") from exc
+        raise ConfigError(f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
+                          f"({' '.join(str(exc).split())})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer
+    return model.to(device), tokenizer, cfg.model
+
+
+def _training_args(cfg: TrainConfig, cuda: bool, **overrides):
+    from transformers import TrainingArguments
+
+    from offloadkit.integrations.hf_args import checkpointing_requested, set_checkpointing
+
+    reporters = [cfg.report_to] if isinstance(cfg.report_to, str) else list(cfg.report_to)
+    reporters = [r for r in reporters if r != "none"]
+    kwargs = dict(
+        output_dir=cfg.output_dir, per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_steps=cfg.max_steps or -1,
+        num_train_epochs=cfg.num_epochs or 1.0, learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        lr_scheduler_type=cfg.lr_scheduler, optim=cfg.optimizer, logging_steps=cfg.logging_steps,
+        save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,
+        save_total_limit=cfg.save_total_limit, report_to=reporters or "none", disable_tqdm=True, seed=cfg.seed,
+        remove_unused_columns=False, use_cpu=not cuda, dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    args = TrainingArguments(**kwargs)
+    if cfg.gradient_checkpointing_kwargs:
+        set_checkpointing(args, checkpointing_requested(args), cfg.gradient_checkpointing_kwargs)
+    return args
+
+
+def _quiet(trainer):
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for callback in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(callback)
+    return trainer
+
+
+def _steps_planned(cfg: TrainConfig, blocks: int) -> int:
+    if cfg.max_steps:
+        return cfg.max_steps
+    per_epoch = max(1, math.ceil(blocks / cfg.batch_size) // cfg.gradient_accumulation_steps)
+    return max(1, math.ceil(per_epoch * cfg.num_epochs))
+
+
+def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool) -> dict:
+    off = cfg.offload
+    parts = []
+    if off.gradient_checkpointing:
+        parts.append("gradient checkpointing" + (" (selective)" if off.selective_checkpointing else ""))
+    mode = off.activation_offloading
+    if mode:
+        parts.append({True: "activation offloading to pinned RAM (overlapped)", "legacy":
+                      "activation offloading to RAM (synchronous)", "disk": "activation offloading to disk"}[mode])
+    if off.layer_offloading:
+        parts.append("frozen-layer streaming")
+    shape = f"{cfg.batch_size} x {cfg.seq_len}"
+    if cfg.gradient_accumulation_steps > 1:
+        shape += f" x {cfg.gradient_accumulation_steps} accumulated"
+    return {"model": name, "fine_tune": f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "full fine-tune",
+            "dtype": str(dtype).replace("torch.", ""), "step_shape": shape,
+            "offload_summary": ", ".join(parts) or "nothing (offloading keys all off)",
+            "memory_measure": "GPU memory allocated" if cuda else "process RSS"}
+
+
+def _sample(model, tokenizer, prompt: str, seed: int) -> str:
+    """A short continuation from the trained model, to see what it learnt."""
+    model.eval()
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=80, do_sample=True, top_k=10, temperature=0.7,
+                             pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def _save(cfg: TrainConfig, model, tokenizer, base_dir: str | None) -> tuple[str, str]:
+    save_dir = os.path.join(cfg.output_dir, "adapter" if cfg.lora_rank else "model")
+    if cfg.lora_rank and base_dir is not None:
+        for peft_config in model.peft_config.values():
+            peft_config.base_model_name_or_path = os.path.abspath(base_dir)
+    model.save_pretrained(save_dir)  # offloading is detached by now: an ordinary model/adapter
+    tokenizer.save_pretrained(save_dir)
+    if cfg.lora_rank:
+        return save_dir, f"peft.AutoPeftModelForCausalLM.from_pretrained({save_dir!r})"
+    return save_dir, f"transformers.AutoModelForCausalLM.from_pretrained({save_dir!r})"
 
 
 def run_train(cfg: TrainConfig, log=print) -> dict:
-    """Fine-tune as ``cfg`` says; returns the report (also written to ``output_dir``)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
-    from transformers import Trainer, TrainingArguments
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    """Fine-tune as ``cfg`` says; returns the report (also written to ``output_dir``).
 
-    from offloadkit.cli.report import (
-        MemoryTimeline,
-        ProgressBar,
-        build_report,
-        write_report,
-    )
+    Raises:
+        ConfigError: a setting that cannot work, found before the first step.
+        TrainingInterrupted: Ctrl-C during training.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
+    from offloadkit.cli.preflight import preflight
+
+    wall = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    cfg = cfg.resolved(cuda)
+    preflight(cfg)
     from offloadkit.data import TokenBlocks, load_texts
+
+    try:
+        texts = load_texts(cfg.dataset, cfg.text_field)
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.name('dataset')}: {exc}") from None
+    from transformers import Trainer
+
+    from offloadkit.cli.compare import measure_without_offloadkit, saving
+    from offloadkit.cli.measure import RunMeasure, StepProbe
+    from offloadkit.cli.plot import plot_timelines
+    from offloadkit.cli.report import ProgressBar, build_report, offload_probes, write_report
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
-    cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
     torch.manual_seed(cfg.seed)
-    model, tokenizer = _load_model(cfg, device, dtype)
+    model, tokenizer, name = _load_model(cfg, device, dtype)
+    base_dir = None
     if cfg.lora_rank:
         from offloadkit.integrations.peft_utils import apply_lora
 
-        model = apply_lora(model, rank=cfg.lora_rank)
-    dataset = TokenBlocks(tokenizer, load_texts(cfg.dataset, cfg.text_field), cfg.seq_len)
-    args = TrainingArguments(
-        output_dir=cfg.output_dir, per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_steps=cfg.max_steps,
-        learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, lr_scheduler_type="cosine",
-        logging_steps=cfg.logging_steps, save_strategy="no", report_to=[], disable_tqdm=True,
-        seed=cfg.seed, remove_unused_columns=False, use_cpu=not cuda, dataloader_num_workers=0,
-    )
+        if cfg.model is None:
+            # The built-in base exists only in this process: save it so the adapter can be used later.
+            base_dir = os.path.join(cfg.output_dir, "base")
+            model.save_pretrained(base_dir)
+            tokenizer.save_pretrained(base_dir)
+        model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
+                           dropout=cfg.lora_dropout)
+    try:
+        dataset = TokenBlocks(tokenizer, texts, cfg.seq_len)
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.name('dataset')}: {exc}; use a smaller {cfg.name('seq_len')} or more text") from None
+    notes = [f"Axolotl keys without effect here: {', '.join(cfg._ignored)}"] if cfg._ignored else []
+    planned = _steps_planned(cfg, len(dataset))
+    if cfg.resume_from_checkpoint:
+        with open(os.path.join(cfg.resume_from_checkpoint, "trainer_state.json")) as f:
+            planned = max(1, planned - json.load(f).get("global_step", 0))
+    profile_step = min(cfg.profile_step, planned - 1)
+    if profile_step != cfg.profile_step:
+        notes.append(f"profile_step {cfg.profile_step} is past the run's {planned} steps; step {profile_step} "
+                     "is measured instead")
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len
 
     class OffloadTrainer(ActivationOffloadingMixin, Trainer):
         pass
 
-    trainer = OffloadTrainer(model=model, args=args, train_dataset=dataset, offload_config=cfg.offload)
-    for callback in (PrinterCallback, ProgressCallback):
-        trainer.remove_callback(callback)
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len
-    progress = ProgressBar(cfg.max_steps, tokens_per_step, log)
-    timeline = MemoryTimeline(trainer, cfg.profile_step)
+    trainer = _quiet(OffloadTrainer(model=model, args=_training_args(cfg, cuda), train_dataset=dataset,
+                                    offload_config=cfg.offload))
+    with_ = RunMeasure("with offloadkit")
+    probe = StepProbe(with_, profile_step, extra=offload_probes(trainer))
+    progress = ProgressBar(tokens_per_step, with_.step_times)
+    trainer.add_callback(probe)
     trainer.add_callback(progress)
-    trainer.add_callback(timeline)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    result = trainer.train()
+    try:
+        trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+    except KeyboardInterrupt:
+        progress.close()
+        probe.stop()
+        kept = f"; checkpoints so far are in {cfg.output_dir}" if cfg.save_steps else "; nothing was saved"
+        raise TrainingInterrupted(f"interrupted at step {progress.step} of {progress.total}{kept}") from None
     elapsed = time.perf_counter() - start
-    report = build_report(cfg, trainer, result, progress, timeline, elapsed, tokens_per_step)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    save_dir = os.path.join(cfg.output_dir, "adapter" if cfg.lora_rank else "model")
-    model.save_pretrained(save_dir)  # offloading is detached: an ordinary model/adapter
-    tokenizer.save_pretrained(save_dir)
-    report["saved_to"] = save_dir
-    write_report(report, cfg.output_dir, timeline, log)
+
+    report = build_report(trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda))
+    report["profile_step"] = profile_step
+    report["notes"] = notes + report["notes"]
+    report["saved_to"], report["load_hint"] = _save(cfg, trainer.model, tokenizer, base_dir)
+    if cfg.model is None and cfg.dataset is None:
+        report["sample"] = _sample(trainer.model, tokenizer, texts[0][:15], cfg.seed)
+    trainer.optimizer = trainer.lr_scheduler = None  # the plain run builds its own
+    del trainer
+
+    def plain_trainer(max_steps, callbacks):
+        args = _training_args(cfg, cuda, max_steps=max_steps, save_strategy="no", report_to="none",
+                              logging_strategy="no")
+        return _quiet(Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks))
+
+    if cfg.compare and len(with_.step_times) > profile_step:
+        print(f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison", file=sys.stderr)
+        without = measure_without_offloadkit(plain_trainer, model, profile_step, tokens_per_step)
+    else:
+        without = RunMeasure("without offloadkit", status="skipped",
+                             note="compare: false" if not cfg.compare else "the run was shorter than the profiled step")
+    report["comparison"] = saving(without, with_)
+    report["runs"] = {"without": without.as_dict(), "with": with_.as_dict()}
+    c = report["comparison"]
+    title = f"offloadkit train, {name}: step {profile_step}"
+    if c["status"] == "ok":
+        change = "" if c["peak_change"] is None else f" ({c['peak_change'] * 100:+.0f}%)"
+        title += (f"\npeak {c['peak_bytes'][0] / 2**30:.3f} -> {c['peak_bytes'][1] / 2**30:.3f} GiB{change}, "
+                  f"step time {c['median_step_s'][0]:.3f} -> {c['median_step_s'][1]:.3f} s, without -> with offloadkit")
+    report["memory_plot"], report["plot_note"] = plot_timelines(
+        [without, with_], os.path.join(cfg.output_dir, "memory_timeline.png"), title=title,
+        memory_label=report["memory_measure"], profile_step=profile_step, steps_run=len(with_.step_times))
+    report["wall_seconds"] = time.perf_counter() - wall
+    write_report(report, cfg.output_dir, log)
     return report

@@ -161,11 +161,15 @@ def prepare(model: nn.Module, config: OffloadConfig | dict | None = None, *, seq
     its choice replaces those keys (``runtime.plan`` holds the plan, ``runtime.config`` the
     config applied).
 
+    Raises:
+        ConfigError: the disk tier's directory is a file or cannot be written.
+
     Example:
         >>> runtime = prepare(model, {"offload_plan": "auto", "seq_len": 131072})  # doctest: +SKIP
     """
     if not isinstance(config, OffloadConfig):
         config = OffloadConfig.from_dict(config or {})
+    config.check_paths()  # a bad disk directory fails here, not inside the first step
     chosen = None
     if config.offload_plan == "auto":
         chosen = plan_for(model, config, seq_len)

@@ -14,27 +14,43 @@ Callback, for code that cannot change its Trainer class::
 Everything is attached when ``train()`` starts and detached when it ends, so the model is
 an ordinary model for evaluation, generation and saving afterwards. Evaluation and
 generation run without offloading (no gradients, nothing saved). Gradient checkpointing
-is Hugging Face's own, switched to non-reentrant; selective checkpointing uses offloadkit's.
+is Hugging Face's own, switched to non-reentrant and set under the field name of every
+transformers version; it is checked to be on at the first training step (offloadkit's
+own takes over if not). Selective checkpointing uses offloadkit's. With TRL's
+``activation_offloading=True`` the mixin switches TRL's engine off and offloads itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
 import torch
 
+from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.config import ALIASES, OffloadConfig, load_mapping
+from offloadkit.integrations.hf_args import (
+    checkpointing_kwargs,
+    checkpointing_requested,
+    model_checkpointing_on,
+    set_checkpointing,
+    user_set,
+)
 from offloadkit.integrations.runtime import OffloadRuntime, prepare
+from offloadkit.models.heads import unwrap_model
 
 __all__ = ["ActivationOffloadingMixin", "LayerOffloadingMixin", "OffloadCallback", "resolve_config"]
+
+_TRL_NOTE = ("TRL's activation_offloading is switched off: offloadkit's mixin offloads the activations "
+             "(one engine, not two stacked)")
 
 
 def resolve_config(offload_config: Any, args=None, defaults: dict | None = None) -> OffloadConfig:
     """An :class:`OffloadConfig` from a config object, dict, YAML/JSON path or ``None``,
-    completed by same-named attributes of the training arguments (``activation_offloading``,
-    ``activation_loading_horizon``, SageMaker's ``sm_activation_offloading``, ...) and by
-    ``defaults``."""
+    completed by same-named attributes the user set on the training arguments
+    (``activation_offloading``, ``activation_loading_horizon``, SageMaker's
+    ``sm_activation_offloading``, ...), by their checkpointing flag, and by ``defaults``."""
     if isinstance(offload_config, OffloadConfig):
         data = offload_config.to_dict()
     elif isinstance(offload_config, str):
@@ -47,31 +63,38 @@ def resolve_config(offload_config: Any, args=None, defaults: dict | None = None)
     if args is not None:
         for key in (*OffloadConfig.keys(), *ALIASES):
             target = ALIASES.get(key, key)
-            if target not in data and hasattr(args, key) and key != "gradient_checkpointing":
+            if target not in data and key != "gradient_checkpointing" and user_set(args, key):
                 data[target] = getattr(args, key)
-        if getattr(args, "gradient_checkpointing", False):
+        if checkpointing_requested(args):
             data.setdefault("gradient_checkpointing", True)
     for key, value in (defaults or {}).items():
         data.setdefault(key, value)
     return OffloadConfig.from_dict(data, source="offload config")
 
 
-def _use_hf_checkpointing(args, config: OffloadConfig) -> OffloadConfig:
-    """Hugging Face checkpointing (non-reentrant) for plain checkpointing; offloadkit's for
-    selective. Returns the config ``prepare()`` should apply on top of the Trainer's own."""
+def _use_hf_checkpointing(args, config: OffloadConfig):
+    """Hand plain checkpointing to the Trainer (non-reentrant); selective stays offloadkit's.
+
+    Returns:
+        ``(config for prepare(), restore)``: ``restore()`` puts the arguments back.
+    """
     if not config.gradient_checkpointing:
-        return config
+        return config, lambda: None
     if config.selective_checkpointing:
-        args.gradient_checkpointing = False
-        return config
-    args.gradient_checkpointing = True
-    kwargs = dict(args.gradient_checkpointing_kwargs or {})
+        return config, set_checkpointing(args, False)
+    kwargs = checkpointing_kwargs(args)
     if kwargs.get("use_reentrant", False):
         warnings.warn("offloadkit: use_reentrant=True recomputes under no_grad and saves nothing to offload; "
                       "non-reentrant checkpointing is recommended", UserWarning, stacklevel=3)
     kwargs.setdefault("use_reentrant", False)
-    args.gradient_checkpointing_kwargs = kwargs
-    return config.replace(gradient_checkpointing=False)
+    return config.replace(gradient_checkpointing=False), set_checkpointing(args, True, kwargs)
+
+
+def _train_args(args: tuple, kwargs: dict):
+    """The training arguments passed to a Trainer constructor (keyword or second positional)."""
+    if "args" in kwargs:
+        return kwargs["args"]
+    return args[1] if len(args) > 1 else None
 
 
 class _OffloadingTrainerMixin:
@@ -80,27 +103,80 @@ class _OffloadingTrainerMixin:
     _offload_defaults: dict = {}
 
     def __init__(self, *args, offload_config: Any = None, **kwargs):
+        train_args = _train_args(args, kwargs)
+        notes: list[str] = []
+        trl_flag = getattr(train_args, "activation_offloading", None) is True
+        if trl_flag:
+            # TRL builds its own offloading context in __init__ when this is on; the mixin's
+            # engine replaces it, so TRL must not build one (two stacked engines copy twice).
+            train_args.activation_offloading = False
+            notes.append(_TRL_NOTE)
         super().__init__(*args, **kwargs)
+        own = getattr(self, "maybe_activation_offload_context", None)
+        if own is not None and not isinstance(own, contextlib.nullcontext):
+            self.maybe_activation_offload_context = contextlib.nullcontext()
+            if not notes:
+                notes.append(_TRL_NOTE)
         defaults: dict = {}
         for cls in reversed(type(self).__mro__):  # both mixins' defaults when both are used
             defaults.update(cls.__dict__.get("_offload_defaults", {}))
+        if trl_flag:
+            defaults["activation_offloading"] = True
         self.offload_config = resolve_config(offload_config, self.args, defaults)
         self.offload_runtime: OffloadRuntime | None = None
         self.offload_report: dict | None = None
+        self.offload_notes = notes
+        for note in notes:
+            warnings.warn(f"offloadkit: {note}", UserWarning, stacklevel=2)
+        self._checkpointing_active: bool | None = None
 
     def train(self, *args, **kwargs):
-        config = _use_hf_checkpointing(self.args, self.offload_config)
+        was_on = model_checkpointing_on(unwrap_model(self.model))
+        config, restore_args = _use_hf_checkpointing(self.args, self.offload_config)
         self.offload_runtime = prepare(self.model, config)
+        self._checkpointing_active = None
         try:
             return super().train(*args, **kwargs)
         finally:
-            self.offload_report = self.offload_runtime.report()
+            report = self.offload_runtime.report()
+            report["config"] = self.offload_config.to_dict()  # as asked, checkpointing included
+            report["checkpointing_active"] = bool(self._checkpointing_active)
+            report["notes"] = self.offload_notes + report["notes"]
+            self.offload_report = report
             self.offload_runtime.close()
             self.offload_runtime = None
+            restore_args()
+            base = unwrap_model(self.model)
+            if not was_on and not checkpointing_requested(self.args) and model_checkpointing_on(base):
+                # The mixin turned the Trainer's checkpointing on; leave the model as it came.
+                disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    disable()
+
+    def _check_checkpointing(self) -> None:
+        """On the first training forward: is the checkpointing that was asked for really on?
+
+        If the Trainer did not switch it on (a transformers version reading another field),
+        offloadkit's own checkpointing takes over, with one note; never silently dropped.
+        """
+        runtime = self.offload_runtime
+        wanted = self.offload_config.gradient_checkpointing
+        active = model_checkpointing_on(unwrap_model(self.model)) or runtime.checkpointing is not None
+        if wanted and not active:
+            runtime.checkpointing = apply_activation_checkpointing(
+                self.model, selective=self.offload_config.selective_checkpointing)
+            runtime._note("gradient_checkpointing: the Trainer did not switch it on; offloadkit's own "
+                          "checkpointing is used instead")
+            active = True
+        self._checkpointing_active = active
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         runtime = self.offload_runtime
-        if runtime is None or runtime.manager is None or not model.training or not torch.is_grad_enabled():
+        training = runtime is not None and model.training and torch.is_grad_enabled()
+        if training and self._checkpointing_active is None:
+            self._check_checkpointing()
+        if not training or runtime.manager is None:
             return super().compute_loss(model, inputs, *args, **kwargs)
         with runtime.context():
             return super().compute_loss(model, inputs, *args, **kwargs)

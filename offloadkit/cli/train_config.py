@@ -1,0 +1,217 @@
+"""Settings of ``offloadkit train``: one typed dataclass, read from flat YAML/JSON (offloadkit's
+keys, or an Axolotl config) with one-line errors naming the key, the value and the fix.
+
+Checks here are pure (types, ranges, combinations); what depends on the machine (paths,
+installed packages) is checked by :mod:`offloadkit.cli.preflight` before the model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from offloadkit.config import ConfigError, OffloadConfig, check_keys, load_mapping
+
+__all__ = ["TrainConfig", "default_offload", "DEFAULT_STEPS"]
+
+DEFAULT_STEPS = 100
+_FLOATS = ("learning_rate", "lora_dropout", "num_epochs")
+_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+               "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
+
+
+def default_offload(cuda: bool) -> dict:
+    """The built-in default: everything that helps on this machine, nothing that cannot work."""
+    if cuda:
+        return {"gradient_checkpointing": True, "activation_offloading": True}
+    # On a CPU-only machine the activations are CPU memory: moving them to disk saves RAM.
+    return {"gradient_checkpointing": True, "activation_offloading": "disk"}
+
+
+@dataclass
+class TrainConfig:
+    """Settings of ``offloadkit train`` (besides the offloading keys).
+
+    Attributes:
+        model: local Hugging Face model directory; None builds ``model_shape`` from a config.
+        tokenizer: local tokenizer directory (default: the model directory).
+        model_shape: built-in Llama shape: tiny, small, llama-3.2-1b, llama-3-8b.
+        dataset: local .txt, .jsonl or .json file; None uses the shipped public-domain corpus.
+        text_field: the JSON field holding the text.
+        output_dir: where the model/adapter, checkpoints, report and plot go.
+        seq_len, batch_size: tokens per sequence and sequences per step (None: 256 x 4 on
+            a CPU, 1024 x 16 on a GPU).
+        max_steps: optimizer steps (None: ``num_epochs`` when given, else 100).
+        num_epochs: passes over the dataset when ``max_steps`` is not given.
+        learning_rate, lr_scheduler, warmup_steps, optimizer, gradient_accumulation_steps,
+        logging_steps, seed: as in Hugging Face ``TrainingArguments``.
+        save_steps, save_total_limit: Trainer checkpoints every N steps, keeping the last K.
+        resume_from_checkpoint: a checkpoint directory, or true for the newest in output_dir.
+        report_to: "none", or a logger the Trainer supports (tensorboard, wandb, ...).
+        lora_rank: LoRA rank (0: full fine-tune); lora_alpha (default 2 x rank),
+            lora_dropout, lora_target_modules ("all-linear" or a list of module names).
+        dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32.
+        gradient_checkpointing_kwargs: passed to the Trainer's checkpointing (use_reentrant).
+        profile_step: the step whose memory is measured and plotted.
+        compare: also run the first steps without offloadkit and show both.
+        offload: the offloading configuration.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    model_shape: str = "small"
+    dataset: str | None = None
+    text_field: str = "text"
+    output_dir: str = "offloadkit-output"
+    seq_len: int | None = None
+    batch_size: int | None = None
+    gradient_accumulation_steps: int = 1
+    max_steps: int | None = None
+    num_epochs: float | None = None
+    learning_rate: float = 3e-3
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 5
+    optimizer: str = "adamw_torch"
+    logging_steps: int = 1
+    save_steps: int | None = None
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | bool | None = None
+    report_to: str | list = "none"
+    lora_rank: int | None = 0
+    lora_alpha: int | None = None
+    lora_dropout: float = 0.0
+    lora_target_modules: str | list = "all-linear"
+    dtype: str = "auto"
+    seed: int = 0
+    gradient_checkpointing_kwargs: dict | None = None
+    profile_step: int = 2
+    compare: bool = True
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    _names: dict = field(default_factory=dict, repr=False, compare=False)  # key -> as written by the user
+    _ignored: list = field(default_factory=list, repr=False, compare=False)  # Axolotl keys without effect
+
+    @classmethod
+    def train_keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "offload" and not f.name.startswith("_")]
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config", cuda: bool | None = None) -> "TrainConfig":
+        """Build and validate; Axolotl configs are recognised by their keys and mapped."""
+        from offloadkit.integrations import axolotl
+
+        names: dict = {}
+        ignored: list = []
+        if axolotl.looks_like_axolotl(data):
+            data, names, ignored = axolotl.to_train_dict(data, cls.train_keys() + OffloadConfig.keys(), source)
+        data = check_keys(dict(data), cls.train_keys() + OffloadConfig.keys(), source)
+        train = {k: v for k, v in data.items() if k in cls.train_keys()}
+        offload = {k: v for k, v in data.items() if k in OffloadConfig.keys()}
+        if not offload:
+            offload = default_offload(_cuda() if cuda is None else cuda)
+        for key in _FLOATS:
+            if isinstance(train.get(key), str):
+                train[key] = _float(train[key], names.get(key, key), source)
+        config = cls(**train, offload=OffloadConfig.from_dict(offload, source=source), _names=names, _ignored=ignored)
+        config.validate(source)
+        config.warn_without_effect()
+        return config
+
+    @classmethod
+    def from_file(cls, path: str | None) -> "TrainConfig":
+        return cls.from_dict(load_mapping(path) if path else {}, source=path or "built-in defaults")
+
+    def name(self, key: str) -> str:
+        """The key as the user wrote it (an Axolotl name, when the config was one)."""
+        return self._names.get(key, key)
+
+    def resolved(self, cuda: bool) -> "TrainConfig":
+        """A copy with the device-dependent defaults filled in."""
+        return dataclasses.replace(
+            self, seq_len=self.seq_len or (1024 if cuda else 256), batch_size=self.batch_size or (16 if cuda else 4),
+            max_steps=self.max_steps if self.max_steps or self.num_epochs else DEFAULT_STEPS)
+
+    def warn_without_effect(self) -> None:
+        """One warning per setting that cannot take effect (called once, when the config is read)."""
+        if self.offload.layer_offloading and not self.lora_rank and self.model is None:
+            self.offload._warn(f"layer_offloading streams frozen weights; with a full fine-tune "
+                               f"({self.name('lora_rank')}: 0) there are none, so it has no effect")
+        lora_keys = [k for k in ("lora_alpha",) if getattr(self, k) is not None]
+        lora_keys += [k for k in ("lora_dropout",) if getattr(self, k)]
+        lora_keys += [k for k in ("lora_target_modules",) if getattr(self, k) != "all-linear"]
+        if lora_keys and not self.lora_rank:
+            self.offload._warn(f"{', '.join(self.name(k) for k in lora_keys)} only apply with LoRA "
+                               f"({self.name('lora_rank')} > 0); they have no effect")
+
+    def validate(self, source: str = "config") -> None:
+        from offloadkit.testing.models import LLAMA_SHAPES
+
+        def fail(key, value, fix):
+            raise ConfigError(f"{source}: {self.name(key)}={value!r} {fix}")
+
+        ints = {"gradient_accumulation_steps": 1, "warmup_steps": 0, "logging_steps": 1, "seed": 0,
+                "profile_step": 0, "seq_len": 2, "batch_size": 1, "max_steps": 1, "save_steps": 1,
+                "save_total_limit": 1, "lora_rank": 0, "lora_alpha": 1}
+        for key, low in ints.items():
+            value = getattr(self, key)
+            if value is None and key in ("seq_len", "batch_size", "max_steps", "save_steps", "save_total_limit",
+                                         "lora_rank", "lora_alpha"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                fail(key, value, f"must be an integer >= {low}")
+        for key, low, example in (("learning_rate", 0.0, "2e-4"), ("num_epochs", 0.0, "3")):
+            value = getattr(self, key)
+            if value is None and key == "num_epochs":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= low:
+                fail(key, value, f"must be a positive number, e.g. {example}")
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
+                or not 0 <= self.lora_dropout < 1:
+            fail("lora_dropout", self.lora_dropout, "must be a number in [0, 1)")
+        for key in ("model", "tokenizer", "dataset", "output_dir"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, str):
+                what = "one file path (.txt, .jsonl or .json); join several files into one" if key == "dataset" \
+                    else "a path (a string)"
+                fail(key, value, f"must be {what}")
+        if not self.output_dir:
+            fail("output_dir", self.output_dir, "must name a directory")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            fail("text_field", self.text_field, "must be the name of a JSON field, e.g. text")
+        if self.lr_scheduler not in _SCHEDULERS:
+            fail("lr_scheduler", self.lr_scheduler, f"is not a scheduler; use one of {', '.join(_SCHEDULERS)}")
+        if not isinstance(self.optimizer, str):
+            fail("optimizer", self.optimizer, "must be an optimizer name, e.g. adamw_torch")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            fail("dtype", self.dtype, "must be auto, bfloat16, float16 or float32")
+        if not (self.lora_target_modules == "all-linear" or (
+                isinstance(self.lora_target_modules, list) and self.lora_target_modules
+                and all(isinstance(m, str) for m in self.lora_target_modules))):
+            fail("lora_target_modules", self.lora_target_modules, 'must be "all-linear" or a list like [q_proj, v_proj]')
+        if self.gradient_checkpointing_kwargs is not None:
+            kwargs = self.gradient_checkpointing_kwargs
+            if not isinstance(kwargs, dict) or not set(kwargs) <= {"use_reentrant", "preserve_rng_state"}:
+                fail("gradient_checkpointing_kwargs", kwargs, "takes a mapping with use_reentrant (and "
+                     "preserve_rng_state), e.g. {use_reentrant: false}")
+        if not isinstance(self.resume_from_checkpoint, (str, bool, type(None))):
+            fail("resume_from_checkpoint", self.resume_from_checkpoint, "must be a checkpoint directory or true")
+        if not isinstance(self.compare, bool):
+            fail("compare", self.compare, "must be true or false")
+        reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to
+        if not isinstance(reporters, list) or not all(isinstance(r, str) for r in reporters):
+            fail("report_to", self.report_to, "must be none, tensorboard, or a list of logger names")
+        if self.model is None and self.model_shape not in LLAMA_SHAPES:
+            fail("model_shape", self.model_shape, f"is unknown; use one of {sorted(LLAMA_SHAPES)}")
+
+
+def _float(value: str, key: str, source: str) -> float:
+    # PyYAML reads 2e-4 (no dot) as a string; accept what the user obviously meant.
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{source}: {key}={value!r} is not a number; write it like 2e-4 or 0.0002") from None
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,283 @@
+"""The ``offloadkit`` command as a user runs it, in a subprocess: the default run, Axolotl
+configs, errors before training, the CPU bench, and the everyday options. Every run is
+checked for its exit code and for the absence of a traceback."""
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from offloadkit.data import byte_tokenizer, load_texts  # noqa: E402
+from offloadkit.testing import build_llama  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env():
+    # The package under test, whatever the working directory of the command.
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+
+
+def _cli(*args, cwd=None, timeout=600):
+    env = _env()
+    proc = subprocess.run([sys.executable, "-m", "offloadkit", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def _one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("offloadkit: error:")]
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "train:" not in proc.stderr  # stopped before the first step
+    return lines[0]
+
+
+def _tiny(tmp_path, extra="", name="run.yaml", **keys):
+    base = {"model_shape": "tiny", "seq_len": 32, "batch_size": 2, "max_steps": 2, "compare": "false",
+            "output_dir": tmp_path / "out", "activation_offloading": "disk", "disk_dir": tmp_path}
+    base.update(keys)
+    path = tmp_path / name
+    path.write_text("".join(f"{k}: {v}\n" for k, v in base.items()) + extra)
+    return path
+
+
+def test_default_run_compares_learns_and_saves_a_model(tmp_path):
+    start = time.perf_counter()
+    proc = _cli("train", "--output-dir", tmp_path / "out", cwd=tmp_path)
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    comparison = report["comparison"]
+    assert comparison["status"] == "ok"
+    without, with_ = comparison["peak_bytes"]
+    assert with_ < without  # offloadkit's run needs less memory for the same step
+    assert all(comparison["median_step_s"])
+    assert report["final_loss"] < 0.5 * report["first_loss"]  # it learns
+    assert report["fine_tune"] == "full fine-tune" and report["checkpointing_active"]
+    assert re.search(r"peak memory \(process RSS\) \d+\.\d+ -> \d+\.\d+ GiB \(-\d+%\), "
+                     r"step time \d+\.\d+ -> \d+\.\d+ s", proc.stdout), proc.stdout
+    phases = {p[0] for p in report["runs"]["with"]["phases"]}
+    assert {"forward", "backward", "optimizer"} <= phases
+    assert {p[0] for p in report["runs"]["without"]["phases"]} == phases
+    assert (out / "memory_timeline.png").stat().st_size > 20_000
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "model")  # reusable: model and tokenizer
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
+    assert model.config.vocab_size == len(tokenizer)
+    assert wall < 300
+
+
+def test_axolotl_config_trains_with_lora_and_checkpoints(tmp_path):
+    model_dir = tmp_path / "base"
+    build_llama("tiny", vocab_size=259).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "train.jsonl"
+    text = load_texts()[0]
+    data.write_text("".join(json.dumps({"text": text[i:i + 400]}) + "\n" for i in range(0, 8000, 400)))
+    config = tmp_path / "axolotl.yaml"
+    config.write_text(f"""\
+base_model: {model_dir}
+datasets:
+  - path: {data}
+    type: completion
+sequence_len: 32
+micro_batch_size: 2
+gradient_accumulation_steps: 2
+num_epochs: 1
+max_steps: 4
+learning_rate: 2e-4
+lr_scheduler: cosine
+warmup_steps: 1
+optimizer: adamw_torch
+adapter: lora
+lora_r: 4
+lora_alpha: 8
+lora_dropout: 0.0
+lora_target_linear: true
+bf16: false
+seed: 1
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+activation_offloading: disk
+disk_dir: {tmp_path}
+output_dir: {tmp_path / "out"}
+logging_steps: 1
+save_steps: 2
+sample_packing: true
+wandb_project: my-project
+load_in_8bit: false
+compare: false
+""")
+    proc = _cli("train", config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "have no effect" in line]
+    assert len(warned) == 1 and "sample_packing, wandb_project" in warned[0], proc.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["fine_tune"] == "LoRA r=4" and report["steps"] == 4 and report["dtype"] == "float32"
+    assert report["offload"]["config"]["gradient_checkpointing"] and report["checkpointing_active"]
+    assert report["offloaded"]["activations_to_disk_bytes_per_step"] > 0
+    assert (tmp_path / "out" / "checkpoint-2").is_dir() and (tmp_path / "out" / "checkpoint-4").is_dir()
+    adapter = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8
+
+
+def test_axolotl_unknown_key_is_one_line_with_a_suggestion(tmp_path):
+    config = tmp_path / "axolotl.yaml"
+    config.write_text("base_model: /models/x\nmicro_batch_sise: 2\n")
+    _one_line_error(_cli("train", config), "unknown key 'micro_batch_sise'", "did you mean 'micro_batch_size'?")
+
+
+def _read_only_dir(tmp_path):
+    if os.geteuid() != 0:
+        path = tmp_path / "read-only"
+        path.mkdir()
+        path.chmod(0o500)
+        return path
+    if os.path.isdir("/sys") and not os.access("/sys", os.W_OK | os.X_OK) or _mkdir_fails("/sys/offloadkit-probe"):
+        return "/sys/offloadkit-probe"  # root can write anywhere but a read-only mount
+    pytest.skip("no read-only directory available to root here")
+
+
+def _mkdir_fails(path):
+    try:
+        os.mkdir(path)
+    except OSError:
+        return True
+    os.rmdir(path)
+    return False
+
+
+def test_output_dir_that_is_a_file_or_read_only_fails_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    _one_line_error(_cli("train", _tiny(tmp_path, output_dir=blocker)), f"output_dir={str(blocker)!r} is a file")
+    _one_line_error(_cli("train", _tiny(tmp_path, output_dir=blocker / "sub")), "output_dir=", "cannot be written")
+    read_only = _read_only_dir(tmp_path)
+    _one_line_error(_cli("train", _tiny(tmp_path, output_dir=f"{read_only}/out")), "cannot be written",
+                    "choose a writable directory")
+
+
+def test_disk_dir_that_is_a_file_or_read_only_fails_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    _one_line_error(_cli("train", _tiny(tmp_path, disk_dir=blocker)), f"disk_dir={str(blocker)!r} is a file",
+                    "writable directory")
+    read_only = _read_only_dir(tmp_path)
+    _one_line_error(_cli("train", _tiny(tmp_path, disk_dir=read_only)), "disk_dir=", "cannot be written")
+
+
+def test_other_mistakes_fail_before_training(tmp_path):
+    _one_line_error(_cli("train", _tiny(tmp_path, dataset="[a.jsonl, b.jsonl]")),
+                    "dataset=['a.jsonl', 'b.jsonl'] must be one file path")
+    _one_line_error(_cli("train", _tiny(tmp_path), "--max-steps", "0"), "--max-steps=0 must be an integer >= 1")
+    no_tokenizer = tmp_path / "model-only"
+    build_llama("tiny", vocab_size=259).save_pretrained(no_tokenizer)
+    line = _one_line_error(_cli("train", _tiny(tmp_path, model=no_tokenizer)), "holds no tokenizer",
+                           "tokenizer.save_pretrained")
+    assert line.rstrip().endswith("or set tokenizer: DIR")  # a whole sentence
+    records = tmp_path / "train.json"
+    records.write_text(json.dumps([{"body": "some text"}] * 50))
+    _one_line_error(_cli("train", _tiny(tmp_path, dataset=records)), "no 'text' field", "set text_field")
+    _one_line_error(_cli("train", _tiny(tmp_path, resume_from_checkpoint="true")),
+                    "resume_from_checkpoint=true but output_dir=", "set save_steps")
+
+
+def test_json_dataset_trains_on_its_records(tmp_path):
+    records = tmp_path / "train.json"
+    text = load_texts()[0]
+    records.write_text(json.dumps([{"body": text[i:i + 300]} for i in range(0, 6000, 300)]))
+    proc = _cli("train", _tiny(tmp_path, dataset=records, text_field="body"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["steps"] == 2
+
+
+def test_config_option_version_and_resume(tmp_path):
+    proc = _cli("--version")
+    assert proc.returncode == 0 and re.fullmatch(r"offloadkit \d+\.\d+\.\d+\s*", proc.stdout)
+    config = _tiny(tmp_path, max_steps=4, save_steps=2)
+    proc = _cli("train", "--config", config)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "out" / "checkpoint-4").is_dir()
+    proc = _cli("train", "--config", config, "--max-steps", 6, "--resume-from-checkpoint")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["steps"] == 2 and report["losses"][0][0] == 5  # steps 5 and 6 only
+    state = json.loads((tmp_path / "out" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    _one_line_error(_cli("train", config, "--config", tmp_path / "other.yaml"), "two config files given")
+
+
+def test_report_to_tensorboard(tmp_path):
+    config = _tiny(tmp_path, report_to="tensorboard")
+    proc = _cli("train", config)
+    if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
+        _one_line_error(proc, "report_to='tensorboard'", "pip install tensorboard")
+        return
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [f for _, _, files in os.walk(tmp_path / "out") for f in files if f.startswith("events.out.tfevents")]
+    assert events
+
+
+def test_plot_note_when_the_run_is_shorter_than_the_profiled_step(tmp_path):
+    proc = _cli("train", _tiny(tmp_path, max_steps=1, profile_step=5))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert any("profile_step 5 is past the run's 1 steps; step 0 is measured" in n for n in report["notes"])
+    assert (tmp_path / "out" / "memory_timeline.png").exists()
+
+
+def test_interrupted_message_on_its_own_line(tmp_path):
+    config = _tiny(tmp_path, max_steps=100000, seq_len=64)
+    env = _env()
+    proc = subprocess.Popen([sys.executable, "-m", "offloadkit", "train", str(config)], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    seen = b""
+    deadline = time.monotonic() + 120
+    os.set_blocking(proc.stderr.fileno(), False)
+    while b"train:" not in seen or b"step/s" not in seen:
+        assert time.monotonic() < deadline and proc.poll() is None, seen.decode()
+        seen += proc.stderr.read() or b""
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=60)
+    stderr = (seen + (rest or b"")).decode()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert re.search(r"\noffloadkit: interrupted at step \d+ of 100000; nothing was saved\n?$", stderr), stderr[-500:]
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("offloadkit-")]  # spill directory removed
+
+
+def test_bench_without_gpu_runs_on_cpu_with_the_disk_tier(tmp_path):
+    if importlib.util.find_spec("torch") and __import__("torch").cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    disk = tmp_path / "spill"
+    proc = _cli("bench", "--shape", "tiny", "--seq-len", 128, "--steps", 1, "--warmup", 1, "--disk-dir", disk,
+                "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "tiny-128.json").read_text())
+    assert report["config"]["storage"] == "disk" and report["config"]["disk_dir"] == str(disk)
+    rows = {r["mode"]: r for r in report["results"]}
+    assert list(rows) == ["none", "ckpt", "ckpt+offload", "offload"]
+    assert all(r["status"] == "ok" and r["loss_bits_equal_reference"] for r in rows.values())
+    for mode in ("ckpt+offload", "offload"):
+        assert rows[mode]["offload"]["storage"]["disk"]["bytes_written"] > 0
+    # The README's command, on a machine without a GPU: one line, no traceback.
+    _one_line_error(_cli("bench", "--shape", "llama-3.2-1b", "--seq-len", 16384), "run it on a CUDA GPU",
+                    "--shape small --seq-len 1024")
+    _one_line_error(_cli("bench", "--device", "cuda"), "no CUDA GPU is available")
+    _one_line_error(_cli("bench", "--storage", "ram", "--disk-dir", disk), "--disk-dir", "only applies with")
