@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -25,6 +28,49 @@ __all__ = ["TrainConfig", "TrainingInterrupted", "run_train", "default_offload"]
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during training; the message says where the run stopped and what was kept."""
+
+
+class _StopAtStepEnd:
+    """The first Ctrl-C ends training at the end of the running step (a ``KeyboardInterrupt``
+    raised mid-step can land inside any constructor or finaliser); a second one stops at once.
+
+    Installed only around ``trainer.train()`` on the main thread, and restored after it.
+    """
+
+    def __init__(self, log) -> None:
+        self.requested = False
+        self._log = log
+        self._previous = None
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        owner = self
+
+        class StopCallback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if owner.requested:
+                    control.should_training_stop = True
+                    control.should_save = False
+
+        return StopCallback()
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self._log("\noffloadkit: stopping at the end of this step (Ctrl-C again to stop now)")
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
@@ -202,13 +248,18 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     with_ = RunMeasure("with offloadkit")
     probe = StepProbe(with_, profile_step, extra=offload_probes(trainer))
     progress = ProgressBar(tokens_per_step, with_.step_times)
+    stop = _StopAtStepEnd(lambda message: print(message, file=sys.stderr, flush=True))
     trainer.add_callback(probe)
     trainer.add_callback(progress)
+    trainer.add_callback(stop.callback())
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+        with stop.installed():
+            trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
+        if stop.requested:
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         progress.close()
         probe.stop()

@@ -105,7 +105,9 @@ class TrainConfig:
             data, names, ignored = axolotl.to_train_dict(data, cls.train_keys() + OffloadConfig.keys(), source)
         data = check_keys(dict(data), cls.train_keys() + OffloadConfig.keys(), source)
         train = {k: v for k, v in data.items() if k in cls.train_keys()}
-        offload = {k: v for k, v in data.items() if k in OffloadConfig.keys()}
+        # seq_len and batch_size are keys of both: the run owns them (validated under the user's
+        # names) and resolved() hands them to the planner.
+        offload = {k: v for k, v in data.items() if k in OffloadConfig.keys() and k not in train}
         if not offload:
             offload = default_offload(_cuda() if cuda is None else cuda)
         for key in _FLOATS:
@@ -126,9 +128,11 @@ class TrainConfig:
 
     def resolved(self, cuda: bool) -> "TrainConfig":
         """A copy with the device-dependent defaults filled in."""
+        seq_len, batch_size = self.seq_len or (1024 if cuda else 256), self.batch_size or (16 if cuda else 4)
         return dataclasses.replace(
-            self, seq_len=self.seq_len or (1024 if cuda else 256), batch_size=self.batch_size or (16 if cuda else 4),
-            max_steps=self.max_steps if self.max_steps or self.num_epochs else DEFAULT_STEPS)
+            self, seq_len=seq_len, batch_size=batch_size,
+            max_steps=self.max_steps if self.max_steps or self.num_epochs else DEFAULT_STEPS,
+            offload=dataclasses.replace(self.offload, seq_len=seq_len, batch_size=batch_size))
 
     def warn_without_effect(self) -> None:
         """One warning per setting that cannot take effect (called once, when the config is read)."""

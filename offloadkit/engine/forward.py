@@ -21,6 +21,7 @@ from offloadkit.engine.prefetch import PrefetchPlanner, Step
 from offloadkit.engine.spans import DeathQueue, Entry, Kept, Packed, span_view, storage_span
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.runtime.device import current_stream
+from offloadkit.runtime.storages import StorageRef
 from offloadkit.storage.base import StorageTier
 from offloadkit.storage.budget import HostMemoryBudget
 
@@ -176,6 +177,4 @@ class ForwardPath:
 
 
 def _weak(storage):
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(storage)
+    return StorageRef(storage)

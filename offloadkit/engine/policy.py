@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from offloadkit.runtime.storages import StorageRef
 
 __all__ = ["OffloadPolicy", "KEEP_REASONS"]
 
@@ -57,7 +58,7 @@ class OffloadPolicy:
         self._modules: list[nn.Module] = []
         # StorageImpl address -> weak reference. Holding the weak reference keeps the address
         # from being reused by a new (activation) storage after the parameter's is freed.
-        self._param_storages: dict[int, StorageWeakRef] = {}
+        self._param_storages: dict[int, StorageRef] = {}
 
     def track(self, module: nn.Module) -> None:
         """Treat every parameter and buffer storage of ``module`` as never-offload."""
@@ -79,7 +80,7 @@ class OffloadPolicy:
                 # A streamed frozen weight also owns a flat device storage it may not point at now.
                 for storage in (_storage(t), t.__dict__.get("_offloadkit_streamed_storage")):
                     if storage is not None:
-                        found[storage._cdata] = StorageWeakRef(storage)
+                        found[storage._cdata] = StorageRef(storage)
         self._param_storages = found
 
     def storage_pointers(self) -> set[int]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadkit.runtime.autograd import version_alias
+from offloadkit.runtime.storages import StorageRef
 
 __all__ = ["ALIGN", "DeathQueue", "Entry", "Kept", "Packed", "inplace_error", "storage_span", "span_view"]
 
@@ -53,7 +53,7 @@ class Entry:
     """
 
     key: int  # StorageImpl address; stable while ``weak`` is held
-    weak: StorageWeakRef
+    weak: StorageRef
     start: int
     end: int
     device: torch.device

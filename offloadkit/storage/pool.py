@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadkit.runtime.device import PAGE_SIZE, host_register, host_unregister
+from offloadkit.runtime.storages import StorageRef
 from offloadkit.storage.budget import HostMemoryBudget
 
 __all__ = ["HostBlock", "HostBufferPool", "size_class"]
@@ -183,7 +183,7 @@ class HostBufferPool:
     def release_when_unreferenced(self, block: HostBlock, storages: list) -> None:
         """Return ``block`` once every storage in ``storages`` (aliases of its memory made
         elsewhere, e.g. on the GPU) has been freed; at once if there are none."""
-        refs = [StorageWeakRef(s) for s in storages]
+        refs = [StorageRef(s) for s in storages]
         if not refs:
             self.release(block)
             return
