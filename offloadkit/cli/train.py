@@ -240,7 +240,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     report["runs"] = {"without": without.as_dict(), "with": with_.as_dict()}
     c = report["comparison"]
     title = f"offloadkit train, {name}: step {profile_step}"
-    if c["status"] == "ok":
+    if c["status"] == "ok" and None not in c["peak_bytes"]:
         change = "" if c["peak_change"] is None else f" ({c['peak_change'] * 100:+.0f}%)"
         title += (f"\npeak {c['peak_bytes'][0] / 2**30:.3f} -> {c['peak_bytes'][1] / 2**30:.3f} GiB{change}, "
                   f"step time {c['median_step_s'][0]:.3f} -> {c['median_step_s'][1]:.3f} s, without -> with offloadkit")
