@@ -222,7 +222,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     report["saved_to"], report["load_hint"] = _save(cfg, trainer.model, tokenizer, base_dir)
     if cfg.model is None and cfg.dataset is None:
         report["sample"] = _sample(trainer.model, tokenizer, texts[0][:15], cfg.seed)
-    trainer.optimizer = trainer.lr_scheduler = None  # the plain run builds its own
+    # The plain run builds its own optimizer: this one's state must not count against it.
+    trainer.accelerator.free_memory()
+    trainer.optimizer = trainer.lr_scheduler = None
     del trainer
 
     def plain_trainer(max_steps, callbacks):

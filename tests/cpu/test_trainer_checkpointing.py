@@ -7,7 +7,6 @@ import dataclasses
 import warnings
 
 import pytest
-import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 transformers = pytest.importorskip("transformers")
