@@ -90,7 +90,8 @@ def _bench_config(args) -> BenchConfig:
         check_writable_dir(args.disk_dir or tempfile.gettempdir(), "--disk-dir", "give a writable directory")
     cfg = BenchConfig(shape=args.shape or ("llama-3.2-1b" if device == "cuda" else "small"),
                       seq_len=args.seq_len or (16384 if device == "cuda" else 1024), lora_rank=args.lora_rank or None,
-                      steps=args.steps, warmup=args.warmup, prefetch=args.prefetch, host_budget_gib=args.host_budget_gib,
+                      steps=args.steps, warmup=args.warmup, prefetch=args.prefetch,
+                      host_budget_gib=args.host_budget_gib,
                       device=device, disk_dir=args.disk_dir, storage=storage)
     if device == "cpu":
         cfg.dtype = "float32"  # bf16 matmuls are slow on most CPUs

@@ -60,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Fine-tune a causal language model through the Hugging Face Trainer with "
                            "offloadkit's memory options, and compare its first steps with the same steps without "
                            "offloadkit; writes the model/adapter, report.json, report.md and memory_timeline.png "
-                           "to output_dir.", epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                           "to output_dir.", epilog=_train_epilog(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", nargs="?", help="YAML or JSON config file (default: built-in defaults)")
-    train.add_argument("--config", dest="config_option", metavar="FILE", help="the config file (same as the positional)")
+    train.add_argument("--config", dest="config_option", metavar="FILE",
+                       help="the config file (same as the positional)")
     train.add_argument("--output-dir", help="override output_dir")
     train.add_argument("--max-steps", type=int, help="override max_steps")
     train.add_argument("--resume-from-checkpoint", nargs="?", const=True, metavar="DIR",

@@ -47,7 +47,8 @@ class RunMeasure:
         status: "ok", "out of memory" or "skipped".
         note: why, when not ok.
         step_times: seconds per optimizer step, in order.
-        step_peaks: peak memory per step (GPU runs; on CPU only the profiled step's).
+        step_peaks: peak GPU memory allocated per step (empty without a GPU).
+        peak_reserved_bytes: the most GPU memory the allocator reserved in any step.
         profile_step: the step whose timeline was sampled.
         start_bytes: memory when the profiled step began.
         peak_bytes: peak memory of the profiled step.
@@ -60,6 +61,7 @@ class RunMeasure:
     note: str = ""
     step_times: list = field(default_factory=list)
     step_peaks: list = field(default_factory=list)
+    peak_reserved_bytes: int | None = None
     profile_step: int | None = None
     start_bytes: int | None = None
     peak_bytes: int | None = None
@@ -73,7 +75,8 @@ class RunMeasure:
 
     def as_dict(self) -> dict:
         return {"label": self.label, "status": self.status, "note": self.note, "step_times_s": self.step_times,
-                "median_step_s": self.median_step_s, "profile_step": self.profile_step,
+                "median_step_s": self.median_step_s, "step_peaks": self.step_peaks,
+                "peak_reserved_bytes": self.peak_reserved_bytes, "profile_step": self.profile_step,
                 "start_bytes": self.start_bytes, "peak_bytes": self.peak_bytes, "phases": self.phases}
 
 
@@ -133,9 +136,10 @@ class StepProbe(TrainerCallback):
     # -- sampling ----------------------------------------------------------------------------
     def _sample(self) -> None:
         host, disk = self.extra
-        while not self._stop.is_set():
+        while True:  # at least one sample, however short the step
             self.measure.samples.append((self._now(), device_bytes(), host(), disk()))
-            time.sleep(self.interval)
+            if self._stop.wait(self.interval):
+                break
 
     # -- callbacks ---------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -168,6 +172,8 @@ class StepProbe(TrainerCallback):
         self.measure.step_times.append(time.perf_counter() - self._t0)
         if torch.cuda.is_available():
             self.measure.step_peaks.append(torch.cuda.max_memory_allocated())
+            self.measure.peak_reserved_bytes = max(self.measure.peak_reserved_bytes or 0,
+                                                   torch.cuda.max_memory_reserved())
         if self._handles:
             self.stop()
             samples = [s[1] for s in self.measure.samples]

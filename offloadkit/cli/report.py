@@ -146,8 +146,9 @@ def build_report(trainer, losses: list, with_measure, elapsed: float, tokens_per
         "median_step_s": median,
         "tokens_per_s": tokens_per_step / median if median else 0.0,
         "train_seconds": elapsed,
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+        # Peaks over the training steps (the probe resets the counters at every step).
+        "peak_gpu_bytes": max(with_measure.step_peaks) if cuda and with_measure.step_peaks else None,
+        "peak_gpu_reserved_bytes": with_measure.peak_reserved_bytes if cuda else None,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
         "checkpointing_active": offload.get("checkpointing_active", False),
         "offloaded": {
@@ -187,7 +188,9 @@ def _comparison_lines(report: dict) -> list[str]:
     memory = "peak GPU memory" if report["device"] != "cpu" else "peak memory (process RSS)"
     (pa, pb), (ta, tb) = c["peak_bytes"], c["median_step_s"]
     step = f"step {report.get('profile_step')}"
-    if c["status"] != "ok":
+    if c["status"] != "ok" or pa is None or pb is None:
+        if c["status"] == "ok":
+            return [f"  without -> with offloadkit ({step}): no memory sample was taken in that step"]
         return [f"  without -> with offloadkit ({step}): without offloadkit {c['status']} ({c['note']}); "
                 f"with offloadkit: {memory} {_gib(pb)}, step time {tb:.3f} s"]
     lines = [f"  without -> with offloadkit ({step}):",

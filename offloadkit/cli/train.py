@@ -273,7 +273,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     report["saved_to"], report["load_hint"] = _save(cfg, trainer.model, tokenizer, base_dir)
     if cfg.model is None and cfg.dataset is None:
         report["sample"] = _sample(trainer.model, tokenizer, texts[0][:15], cfg.seed)
-    trainer.optimizer = trainer.lr_scheduler = None  # the plain run builds its own
+    # The plain run builds its own optimizer: this one's state must not count against it.
+    trainer.accelerator.free_memory()
+    trainer.optimizer = trainer.lr_scheduler = None
     del trainer
 
     def plain_trainer(max_steps, callbacks):
@@ -291,7 +293,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     report["runs"] = {"without": without.as_dict(), "with": with_.as_dict()}
     c = report["comparison"]
     title = f"offloadkit train, {name}: step {profile_step}"
-    if c["status"] == "ok":
+    if c["status"] == "ok" and None not in c["peak_bytes"]:
         change = "" if c["peak_change"] is None else f" ({c['peak_change'] * 100:+.0f}%)"
         title += (f"\npeak {c['peak_bytes'][0] / 2**30:.3f} -> {c['peak_bytes'][1] / 2**30:.3f} GiB{change}, "
                   f"step time {c['median_step_s'][0]:.3f} -> {c['median_step_s'][1]:.3f} s, without -> with offloadkit")

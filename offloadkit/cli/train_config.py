@@ -190,7 +190,8 @@ class TrainConfig:
         if not (self.lora_target_modules == "all-linear" or (
                 isinstance(self.lora_target_modules, list) and self.lora_target_modules
                 and all(isinstance(m, str) for m in self.lora_target_modules))):
-            fail("lora_target_modules", self.lora_target_modules, 'must be "all-linear" or a list like [q_proj, v_proj]')
+            fail("lora_target_modules", self.lora_target_modules,
+                 'must be "all-linear" or a list like [q_proj, v_proj]')
         if self.gradient_checkpointing_kwargs is not None:
             kwargs = self.gradient_checkpointing_kwargs
             if not isinstance(kwargs, dict) or not set(kwargs) <= {"use_reentrant", "preserve_rng_state"}:

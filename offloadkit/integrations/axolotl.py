@@ -110,7 +110,8 @@ def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict
 
     def put(target: str, value, written: str) -> None:
         if target in out:
-            raise ConfigError(f"{source}: {written} and {names.get(target, target)} are the same setting ({target}); keep one")
+            raise ConfigError(f"{source}: {written} and {names.get(target, target)} are the same setting "
+                              f"({target}); keep one")
         out[target] = value
         names[target] = written
 

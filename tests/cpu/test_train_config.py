@@ -58,6 +58,12 @@ def test_axolotl_keys_without_effect_get_one_warning_listing_them():
     assert cfg._ignored == ["sample_packing", "wandb_project", "val_set_size", "flash_attention"]
 
 
+def test_axolotl_offload_spelling_of_gradient_checkpointing():
+    data = {k: v for k, v in AXOLOTL.items() if k != "activation_offloading"}
+    cfg, _ = _cfg(dict(data, gradient_checkpointing="offload"))
+    assert cfg.offload.gradient_checkpointing is True and cfg.offload.activation_offloading is True
+
+
 def test_axolotl_without_adapter_is_a_full_fine_tune():
     data = {k: v for k, v in AXOLOTL.items() if k != "adapter"}
     cfg, messages = _cfg(data)
