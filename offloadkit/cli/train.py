@@ -9,9 +9,9 @@ data is a local ``.txt``/``.jsonl``/``.json`` file or the shipped public-domain 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import contextlib
 import os
 import signal
 import sys

@@ -276,3 +276,29 @@ def test_freed_parameter_storage_address_is_never_mistaken_for_an_activation():
     # the registry's weak reference keeps the old StorageImpl address from being reused
     assert all(t.untyped_storage()._cdata != old_key for t in fresh)
     assert all(policy.keep_reason(t) is None for t in fresh)
+
+
+def test_storage_ref_tracks_liveness_and_tolerates_a_half_built_object():
+    import gc
+    import sys
+
+    from offloadkit.runtime.storages import StorageRef
+
+    storage = torch.zeros(4).untyped_storage()
+    ref = StorageRef(storage)
+    assert not ref.expired()
+    del storage
+    gc.collect()
+    assert ref.expired()
+    # A KeyboardInterrupt landing inside __init__ leaves the object without its reference;
+    # finalising it must not print "Exception ignored" with a traceback.
+    messages = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = messages.append
+    try:
+        half = StorageRef.__new__(StorageRef)
+        del half
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    assert not messages
