@@ -56,7 +56,11 @@ def _features(mode: str, workload, host_budget: int):
 
 
 def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_budget: int, budgets=None) -> dict:
-    """The planner's memory and time for a probe (``auto``: the plan it would choose)."""
+    """The planner's memory and time for a probe (``auto``: the plan it would choose;
+    ``everything``: every feature on, with the tiling and prefetch horizon the planner picks
+    for the full-depth model, so that a reduced-depth probe holds what a full step holds)."""
+    from dataclasses import replace
+
     from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, plan, resolve_shape
 
     budgets = budgets or Budgets.detect(host_bytes=host_budget)
@@ -66,12 +70,16 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
     else:
         w = Workload(resolve_shape(shape, layers), seq, 1, lora_rank)
         f = _features(mode, w, host_budget)
+        if mode == "everything":
+            full = plan(shape, seq, lora_rank=lora_rank, budgets=budgets).features
+            f = replace(f, horizon=full.horizon, tiled_projections=full.tiled_projections)
         m = estimate_memory(w, f)
         t = estimate_time(w, f, budgets.rates, m.block_placement)
     return {"peak_gib": m.gpu_peak / GiB, "reserved_gib": m.gpu_reserved / GiB, "host_gib": m.host / GiB,
             "disk_gib": m.disk / GiB, "step_s": t.seconds, "bound": t.bound, "flops": t.flops,
             "placement": "".join(p[0] for p in m.block_placement), "loss_chunks": f.loss_chunks,
-            "mlp_shards": f.mlp_shards, "fits_gpu": m.gpu_reserved <= budgets.gpu_bytes}
+            "mlp_shards": f.mlp_shards, "tiled_projections": f.tiled_projections, "horizon": f.horizon,
+            "fits_gpu": m.gpu_reserved <= budgets.gpu_bytes}
 
 
 # --------------------------------------------------------------------------- child side
@@ -109,7 +117,8 @@ def run_probe(spec: dict) -> dict:
             p = spec["predicted"]
             config = {"gradient_checkpointing": True, "activation_offloading": "disk", "disk_tiering": True,
                       "host_budget_bytes": spec["host_budget"], "layer_offloading": True,
-                      "activation_loading_horizon": 4 if "d" in p["placement"] else 2,
+                      "activation_loading_horizon": p.get("horizon") or (4 if "d" in p["placement"] else 2),
+                      "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
                       "chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": p["loss_chunks"],
                       "tiled_mlp": p["mlp_shards"] > 1, "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None}
             if spec.get("disk_dir"):

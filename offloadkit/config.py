@@ -156,6 +156,10 @@ class OffloadConfig:
         tiled_mlp: run each decoder layer's MLP over sequence shards (Axolotl's name).
         tiled_mlp_num_shards: shards per MLP call (None or "auto": one shard's
             intermediate at most 2**28 elements; untiled when that is one shard).
+        tiled_projections: with ``tiled_mlp``, also run each layer's norms and attention
+            projections (with their adapters) over sequence shards, so they save only their
+            bf16 inputs (no fp32 upcasts or adapter input copies). With automatic shards they
+            run untiled below ``2**28 / hidden`` tokens.
         offload_plan: "none" (use the keys as given) or "auto": :func:`prepare` runs the
             planner (:mod:`offloadkit.planning`) for the model and ``seq_len`` and sets
             checkpointing, activation offloading (RAM, or RAM then disk), layer streaming,
@@ -187,6 +191,7 @@ class OffloadConfig:
     chunked_cross_entropy_num_chunks: int | None = None
     tiled_mlp: bool = False
     tiled_mlp_num_shards: int | None = None
+    tiled_projections: bool = False
     offload_plan: str = "none"
     seq_len: int | None = None
     batch_size: int = 1
@@ -247,6 +252,10 @@ class OffloadConfig:
                 _expect(key, value, (int,), "an integer >= 1, or omit it for automatic")
                 if value < 1:
                     raise ConfigError(f"{key}={value!r} is too small; it must be >= 1 (or omit it for automatic)")
+        _expect("tiled_projections", self.tiled_projections, (bool,), "true or false")
+        if self.tiled_projections and not self.tiled_mlp:
+            raise ConfigError("tiled_projections=True needs tiled_mlp: true (it extends the MLP's tiling to the "
+                              "norms and attention projections)")
         if self.offload_plan not in ("none", "auto"):
             raise ConfigError(f"offload_plan={self.offload_plan!r} is invalid; use auto (plan from the model, seq_len "
                               "and this machine's budgets) or none")

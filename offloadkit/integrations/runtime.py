@@ -190,7 +190,8 @@ def prepare(model: nn.Module, config: OffloadConfig | dict | None = None, *, seq
             runtime._note(f"chunked_cross_entropy has no effect: {exc}")
     if config.tiled_mlp:
         try:
-            runtime.tiled_mlp = apply_tiled_mlp(model, config.tiled_mlp_num_shards)
+            runtime.tiled_mlp = apply_tiled_mlp(model, config.tiled_mlp_num_shards,
+                                                projections=config.tiled_projections)
         except ValueError as exc:
             runtime._note(f"tiled_mlp has no effect: {exc}")
 

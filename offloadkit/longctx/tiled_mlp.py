@@ -12,12 +12,18 @@ The RNG state is replayed in backward, so dropout inside the module (LoRA dropou
 the same masks as in forward.
 
 Automatic shard count: ``ceil(tokens * width / 2**28)``, where width is the widest
-``out_features`` of the module's linear layers (the intermediate size; the input width
+``in_features`` or ``out_features`` of the module's linear layers (the intermediate size; the input width
 when there are none), so one shard's widest tensor has at most 2**28 elements (512 MiB in
 bf16). When that gives one shard the module runs untiled (no recompute cost).
 
 Inside a checkpointed layer the tiled forward runs again during the layer's recompute, so
 the MLP's forward is computed three times per step instead of two.
+
+Past the MLP, what a LoRA layer saves grows with length through its norms (fp32 upcasts of
+the input) and its attention projections (PEFT keeps an fp32 copy of each adapter's input):
+about 100 KB per token for an 8B layer, 50 GiB at 512K tokens. ``projections=True`` runs
+those token-wise modules over shards too, so each saves only its bf16 input; attention
+itself (SDPA or flash) sees the whole sequence.
 """
 
 from __future__ import annotations
@@ -162,8 +168,10 @@ def tiled_forward(fn: Callable, x: torch.Tensor, num_shards: int, params=None) -
 
 
 def _width(module: nn.Module) -> int | None:
-    widths: list[int] = [m.out_features for m in module.modules()  # type: ignore[misc]
-                         if isinstance(getattr(m, "out_features", None), int)]
+    """The widest feature dimension of the module's linear layers (inputs too: a LoRA
+    projection's fp32 input copy is as wide as its input)."""
+    widths: list[int] = [getattr(m, attr) for m in module.modules() for attr in ("in_features", "out_features")
+                         if isinstance(getattr(m, attr, None), int)]
     return max(widths) if widths else None
 
 
@@ -186,7 +194,7 @@ class TiledMLPHandle:
                 raise ValueError(f"{name} is already tiled by offloadkit; remove() the first handle")
         for name, module in self.modules:
             previous = module.__dict__.get("forward")
-            wrapper = functools.partial(self._call, module, module.forward, _width(module))
+            wrapper = functools.partial(self._call, module, module.forward, _width(module), self.num_shards)
             module.forward = wrapper
             module.__dict__[_MARK] = wrapper
             self._saved.append((module, previous))
@@ -202,18 +210,18 @@ class TiledMLPHandle:
                     module.forward = previous  # type: ignore[method-assign, assignment]
         self._saved.clear()
 
-    def shards_for(self, x: torch.Tensor, width: int | None) -> int:
-        if self.num_shards is not None:
-            return min(self.num_shards, x.shape[-2])
+    def shards_for(self, x: torch.Tensor, width: int | None, fixed: int | None = None) -> int:
+        if fixed is not None:
+            return min(fixed, x.shape[-2])
         tokens = x.numel() // x.shape[-1]
         return min(auto_num_shards(tokens, width or x.shape[-1]), x.shape[-2])
 
-    def _call(self, module: nn.Module, original: Callable, width: int | None, *args, **kwargs):
+    def _call(self, module: nn.Module, original: Callable, width: int | None, fixed: int | None, *args, **kwargs):
         if len(args) != 1 or kwargs or not torch.is_tensor(args[0]) or args[0].dim() < 2:
             return original(*args, **kwargs)
         x = args[0]
-        shards = self.shards_for(x, width)
-        if shards <= 1 and self.num_shards is None:
+        shards = self.shards_for(x, width, fixed)
+        if shards <= 1 and fixed is None:
             return original(x)
         params = [p for p in module.parameters() if p.requires_grad]
         return tiled_forward(original, x, shards, params)
@@ -227,10 +235,29 @@ def _parse_shards(num_shards) -> int | None:
     return num_shards
 
 
+def _linear_like(module: nn.Module) -> bool:
+    """A linear layer, also wrapped (PEFT's LoRA layers keep the original in ``base_layer``)."""
+    base = getattr(module, "base_layer", module)
+    return isinstance(getattr(base, "in_features", None), int) and isinstance(getattr(base, "out_features", None), int)
+
+
+def _projection_parts(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The token-wise modules of a decoder layer besides its MLP: the layer's own norms
+    (direct children named ``*norm``) and the attention module's linear projections."""
+    parts = [(f"{name}.{n}", m) for n, m in block.named_children() if n.lower().endswith("norm")]
+    for attr in ("self_attn", "attn", "attention"):
+        attn = getattr(block, attr, None)
+        if isinstance(attn, nn.Module):
+            parts += [(f"{name}.{attr}.{n}", m) for n, m in attn.named_children() if _linear_like(m)]
+            break
+    return parts
+
+
 def apply_tiled_mlp(
     model: nn.Module,
     num_shards: int | str | None = None,
     predicate: Callable[[str, nn.Module], bool] | None = None,
+    projections: bool = False,
 ) -> TiledMLPHandle:
     """Run the MLP of every decoder layer (``layer.mlp``) over sequence shards.
 
@@ -240,11 +267,14 @@ def apply_tiled_mlp(
     Args:
         model: a Hugging Face model (PEFT and other wrappers are looked through) or any
             model whose blocks have an ``mlp``.
-        num_shards: shards per call; None or "auto": ``ceil(tokens * width / 2**28)``,
-            untiled when that is 1.
+        num_shards: shards per call; None or "auto": ``ceil(tokens * width / 2**28)`` for
+            each module's width, untiled when that is 1.
         predicate: ``predicate(name, module) -> bool`` choosing the modules instead, e.g.
             ``lambda n, m: n.endswith(("mlp", "layernorm"))`` to tile the norms' fp32
             upcasts too. Chosen modules must be token-wise.
+        projections: also tile each layer's norms and attention projections (q/k/v/o with
+            their adapters); with automatic shards they run untiled below ``2**28 / hidden``
+            tokens (64K for hidden 4096), so short sequences pay nothing.
 
     Returns:
         A :class:`TiledMLPHandle`; ``handle.remove()`` restores the modules.
@@ -263,6 +293,9 @@ def apply_tiled_mlp(
         modules = [(f"{name}.mlp", block.mlp) for name, block in find_blocks(base)
                    if isinstance(getattr(block, "mlp", None), nn.Module)]
         how = "layer.mlp of the decoder layers"
+    if projections:
+        for name, block in find_blocks(base):
+            modules += _projection_parts(name, block)
     if not modules:
         raise ValueError(f"no modules to tile in {type(base).__name__} by {how}; "
                          "choose them with predicate=lambda name, module: ...")

@@ -22,7 +22,7 @@ from offloadkit.planning.shape import ModelShape
 
 __all__ = ["Features", "Workload", "MemoryEstimate", "estimate_memory", "layer_saved_bytes",
            "FRAGMENTATION", "UNCHUNKED_LOSS_BYTES_PER_LOGIT", "LOSS_CHUNK_ELEMENTS", "MLP_SHARD_ELEMENTS",
-           "HOST_BASELINE_BYTES", "auto_loss_chunks", "auto_mlp_shards"]
+           "HOST_BASELINE_BYTES", "auto_loss_chunks", "auto_mlp_shards", "tiles_projections"]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
 # cannot be merged): reserved ~= allocated x this. Assumed; the capacity runs print both.
@@ -48,6 +48,12 @@ HORIZON_RAM, HORIZON_DISK = 2, 4
 def auto_loss_chunks(tokens: int, vocab: int) -> int:
     """Chunks of the automatic chunked loss (at most 2**28 fp32 logits per chunk)."""
     return max(1, math.ceil(tokens / max(1, LOSS_CHUNK_ELEMENTS // vocab)))
+
+
+def tiles_projections(tokens: int, hidden: int) -> bool:
+    """Whether the automatic shard count tiles the norms and projections (more than 2**28
+    elements in one ``[tokens, hidden]`` tensor)."""
+    return auto_mlp_shards(tokens, hidden) > 1
 
 
 def auto_mlp_shards(tokens: int, intermediate: int) -> int:
@@ -96,6 +102,8 @@ class Features:
         layer_streaming / stream_depth: stream frozen layer weights, layers resident.
         loss_chunks: chunks of the chunked loss; 0: the unchunked loss.
         mlp_shards: shards of the tiled MLP; 1: untiled.
+        tiled_projections: the norms and attention projections run tiled too (they save
+            only their bf16 inputs).
         horizon: offloaded block inputs brought back ahead in backward (None: the engine's
             default, 2 from RAM and 4 from disk).
     """
@@ -107,6 +115,7 @@ class Features:
     stream_depth: int = 2
     loss_chunks: int = 0
     mlp_shards: int = 1
+    tiled_projections: bool = False
     horizon: int | None = None
 
 
@@ -134,7 +143,7 @@ class MemoryEstimate:
     phase: str = ""
 
 
-def layer_saved_bytes(w: Workload, mlp_shards: int = 1) -> int:
+def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool = False) -> int:
     """Bytes autograd saves inside one decoder layer (its recompute, under checkpointing).
 
     Counted per token: RMSNorm's fp32 input and rsqrt (twice), q/k/v and the SDPA output and
@@ -142,9 +151,15 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1) -> int:
     each norm's bf16 output and normalised value (for the weight gradients); LoRA instead
     saves each adapter's fp32 copy of its input and the rank-r activation. A tiled MLP saves
     only its input. Rotary tables are shared by all layers and counted once elsewhere.
+    With the norms and projections tiled as well, a layer saves SDPA's set and three bf16
+    ``[S, H]`` tensors: the normalised input (shared by q, k and v), the post-attention
+    residual and the MLP's input; SDPA's output is the o projection's input (CUDA's
+    attention kernels return it in ``[B, S, H, D]`` memory, so no copy is made).
     """
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    if tiled_projections:
+        return t * (b * (2 * q + 2 * kv) + 4 * s.heads + 3 * b * h)
     per_token = 2 * (4 * h + 4)  # two norms: fp32 input and fp32 rsqrt
     per_token += b * (2 * q + 2 * kv) + 4 * s.heads  # SDPA: q, k, v, out; fp32 log-sum-exp per head
     a = w.adapter_bytes
@@ -161,17 +176,19 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1) -> int:
     return t * per_token
 
 
-def _layer_transient_bytes(w: Workload, mlp_shards: int) -> int:
+def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool = False) -> int:
     """Largest set of temporaries while one layer runs backward: an MLP shard's recompute
     and gradients (two bf16 and one fp32 tensor of the intermediate width per token, plus
-    the shard's saved set), or attention's input gradients with the fp32 norm gradient."""
+    the shard's saved set), or attention's input gradients with the fp32 norm gradient
+    (tiled norms: the fp32 query-gradient accumulator of the attention kernel and two bf16
+    ``[S, H]`` gradients instead)."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
     shard_tokens = math.ceil(t / max(1, mlp_shards))
     mlp = (2 * b + 4) * i * shard_tokens
     if mlp_shards > 1:  # the shard's own saved set is rebuilt in backward
         mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
-    attn = t * (b * (q + 2 * kv) + 3 * 4 * h)
+    attn = t * (b * (q + 2 * kv) + (4 * q + 2 * b * h if tiled_projections else 3 * 4 * h))
     return max(mlp, attn)
 
 
@@ -222,7 +239,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
             on_gpu += min(horizon, s.layers - 1)  # prefetched ahead in backward
         parts["block inputs"] = on_gpu * block
     else:
-        parts["activations"] = s.layers * (layer_saved_bytes(w, f.mlp_shards) + block)
+        parts["activations"] = s.layers * (layer_saved_bytes(w, f.mlp_shards, f.tiled_projections) + block)
     # cos and sin in fp32 then in the activations' dtype, shared by every layer.
     parts["rotary"] = 2 * t * s.head_dim * (4 + b)
     # The residual stream and its gradient, plus the layer output being formed.
@@ -238,8 +255,8 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         loss["logits"] = int(t * s.vocab * UNCHUNKED_LOSS_BYTES_PER_LOGIT)
     layer: dict[str, int] = {}
     if f.checkpointing:
-        layer["layer recompute"] = layer_saved_bytes(w, f.mlp_shards)
-    layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards)
+        layer["layer recompute"] = layer_saved_bytes(w, f.mlp_shards, f.tiled_projections)
+    layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections)
     loss_bytes, layer_bytes = sum(loss.values()), sum(layer.values())
     if loss_bytes >= layer_bytes:
         phase, extra = "loss", loss

@@ -13,10 +13,13 @@ host and disk use fit wins; ties in time go to the lower peak.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
+    HORIZON_DISK,
+    HORIZON_RAM,
     HOST_BASELINE_BYTES,
     Features,
     MemoryEstimate,
@@ -24,6 +27,7 @@ from offloadkit.planning.memory import (
     auto_loss_chunks,
     auto_mlp_shards,
     estimate_memory,
+    tiles_projections,
 )
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import StepTime, estimate_time
@@ -89,7 +93,10 @@ class Plan:
         out: dict = {"gradient_checkpointing": f.checkpointing, "layer_offloading": f.layer_streaming,
                      "chunked_cross_entropy": f.loss_chunks > 0, "tiled_mlp": f.mlp_shards > 1,
                      "chunked_cross_entropy_num_chunks": f.loss_chunks or None,
-                     "tiled_mlp_num_shards": f.mlp_shards if f.mlp_shards > 1 else None, "disk_tiering": False}
+                     "tiled_mlp_num_shards": f.mlp_shards if f.mlp_shards > 1 else None, "disk_tiering": False,
+                     "tiled_projections": f.tiled_projections and f.mlp_shards > 1}
+        if f.offload_inputs and f.horizon is not None:
+            out["activation_loading_horizon"] = f.horizon
         if not f.offload_inputs:
             out["activation_offloading"] = False
         elif "disk" not in self.placement:
@@ -119,7 +126,9 @@ class Plan:
         lines += [
             "",
             f"loss: {'chunked, ' + str(f.loss_chunks) + ' chunks' if f.loss_chunks else 'unchunked'};  "
-            f"MLP: {str(f.mlp_shards) + ' shards' if f.mlp_shards > 1 else 'untiled'};  "
+            f"MLP: {str(f.mlp_shards) + ' shards' if f.mlp_shards > 1 else 'untiled'}"
+            f"{' (norms and attention projections too)' if f.tiled_projections else ''};  "
+            f"{'prefetch horizon: ' + str(f.horizon) + ';  ' if f.offload_inputs and f.horizon is not None else ''}"
             f"layer streaming: {'on, depth ' + str(f.stream_depth) if f.layer_streaming else 'off'}",
             "",
             "| | predicted | budget |",
@@ -172,8 +181,10 @@ def _ram_blocks(w: Workload, streaming: bool, b: Budgets) -> int:
 
 
 def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:
-    base = Features(checkpointing=True, loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
-                    mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate), stream_depth=stream_depth)
+    mlp_shards = auto_mlp_shards(w.tokens, w.shape.intermediate)
+    base = Features(checkpointing=True, loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab), mlp_shards=mlp_shards,
+                    tiled_projections=mlp_shards > 1 and tiles_projections(w.tokens, w.shape.hidden),
+                    stream_depth=stream_depth)
     out = [("checkpointing", base),
            ("checkpointing + block-input offload", replace(base, offload_inputs=True, ram_blocks=_ram_blocks(w, False, b)))]
     if w.lora_rank:
@@ -219,6 +230,13 @@ def plan(model, seq_len: int, *, batch: int = 1, lora_rank: int = 16, budgets: B
         m = estimate_memory(w, f)
         t = estimate_time(w, f, b.rates, m.block_placement)
         reasons = _check(w, m, b)
+        shorter = _shortest_horizon(w, f, m, t, b)
+        if reasons and shorter is not None:
+            # Fewer block inputs in flight, still fetched within the layers of backward ahead.
+            f = replace(f, horizon=shorter)
+            m = estimate_memory(w, f)
+            t = estimate_time(w, f, b.rates, m.block_placement)
+            reasons = _check(w, m, b)
         results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
     fitting = [p for p in results if p.fits]
     if fitting:
@@ -228,6 +246,19 @@ def plan(model, seq_len: int, *, batch: int = 1, lora_rank: int = 16, budgets: B
     best.rejected = [(p.name, "; ".join(p.reasons) or "slower") for p in results
                      if p is not best and (not p.fits or p.time.seconds < best.time.seconds)]
     return best
+
+
+def _shortest_horizon(w: Workload, f: Features, m: MemoryEstimate, t, b: Budgets) -> int | None:
+    """The smallest prefetch horizon that still hides a block input's fetch behind the
+    backward of the layers ahead of it, when that is below the engine's default; else None."""
+    if not (f.checkpointing and f.offload_inputs) or f.horizon is not None:
+        return None
+    from_disk = "disk" in m.block_placement
+    default = HORIZON_DISK if from_disk else HORIZON_RAM
+    rate = b.rates.disk_read_bytes_per_s if from_disk else b.rates.pcie_bytes_per_s
+    layer_backward_s = max(t.compute_s / 2 / w.shape.layers, 1e-9)  # about half the compute is backward
+    needed = max(1, math.ceil(w.block_input_bytes / rate / layer_backward_s))
+    return needed if needed < default else None
 
 
 @dataclass
@@ -280,7 +311,7 @@ def physical_limit(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budge
     def gpu_ok(seq: int) -> bool:
         w = replace(w0, seq_len=seq)
         f = Features(checkpointing=True, offload_inputs=True, layer_streaming=bool(lora_rank), horizon=0,
-                     loss_chunks=max(1, w.tokens), mlp_shards=max(1, w.tokens))
+                     loss_chunks=max(1, w.tokens), mlp_shards=max(1, w.tokens), tiled_projections=True)
         return estimate_memory(w, f).gpu_peak <= budgets.gpu_bytes
 
     def storage_ok(seq: int) -> bool:

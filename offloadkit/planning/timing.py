@@ -3,7 +3,8 @@
 FLOPs counted (per token, P = a decoder layer's linear weights x layers):
 - linears: forward 2P; backward 4P for a full fine-tune (input and weight gradients), 2P
   for LoRA (input gradients only; the adapters' own FLOPs are added); recompute 2P under
-  checkpointing, plus the MLP's forward once more when it is tiled;
+  checkpointing, plus the MLP's (and the attention projections') forward once more when
+  tiled;
 - the head: forward and input gradient 2VH each (and 2VH for its weight in a full fine-tune);
 - causal attention: 2 S^2 (heads x head_dim) per layer and row forward (half of the
   full square's 4 S^2 d), backward twice that, recompute once more: 8 S^2 d per layer.
@@ -101,6 +102,8 @@ def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
         bwd += 2 * p * t + (2 * adapters * t if w.lora_rank else 0)
         if f.mlp_shards > 1:
             bwd += 2 * mlp_linear * s.layers * t
+        if f.tiled_projections:
+            bwd += 2 * (layer_linear - mlp_linear) * s.layers * t
     attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers
     attn_bwd = 2 * attn_fwd + (attn_fwd if f.checkpointing else 0)
     return float(fwd), float(bwd), attn_fwd, attn_bwd

@@ -319,3 +319,39 @@ def test_trainer_with_gradient_accumulation(tmp_path):
     assert calls == [2, 4, 6], "every micro-batch's loss went through the chunked path"
     assert len(got) == len(ref) == 3
     assert got == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non-reentrant"])
+def test_tiled_projections_match_and_remove_restores(checkpointing):
+    """Norms and attention projections (with LoRA adapters) over shards: fp32 parity."""
+    model = lora(build_llama("tiny", attn_implementation="sdpa"))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    data = batch()
+    ref = run_step(model, data)
+    handle = apply_tiled_mlp(model, num_shards=3, projections=True)
+    layers = model.config.num_hidden_layers
+    names = [n for n, _ in handle.modules]
+    assert len(names) == 7 * layers, names  # mlp, two norms, q/k/v/o
+    assert sum(n.endswith("self_attn.q_proj") for n in names) == layers
+    got = run_step(model, data)
+    close_all(got, ref)
+    handle.remove()
+    again = run_step(model, data)
+    assert_bitwise_equal(again[1], ref[1], "grads after remove()")
+
+
+def test_tiled_projections_config_route():
+    with pytest.raises(ConfigError, match="tiled_projections=True needs tiled_mlp: true"):
+        OffloadConfig.from_dict({"tiled_projections": True})
+    model = lora(build_llama("tiny", attn_implementation="sdpa"))
+    runtime = prepare(model, {"tiled_mlp": True, "tiled_mlp_num_shards": 2, "tiled_projections": True,
+                              "gradient_checkpointing": True})
+    assert len(runtime.tiled_mlp.modules) == 7 * model.config.num_hidden_layers
+    ref_model = lora(build_llama("tiny", attn_implementation="sdpa"))
+    ref_model.load_state_dict(model.state_dict())
+    data = batch()
+    with runtime.context():
+        got = run_step(model, data)
+    close_all(got, run_step(ref_model, data))
+    runtime.close()

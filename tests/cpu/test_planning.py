@@ -44,7 +44,8 @@ def _saved_in_layer(model, ids, index):
     return sum(n for ptr, n in seen[0].items() if ptr not in params and ptr not in seen[1])
 
 
-@pytest.mark.parametrize("lora,tiled", [(0, False), (8, False), (8, True), (0, True)])
+@pytest.mark.parametrize("lora,tiled", [(0, False), (8, False), (8, True), (0, True), (8, "projections"),
+                                        (0, "projections")])
 def test_layer_saved_bytes_match_what_autograd_saves(lora, tiled):
     from offloadkit import apply_tiled_mlp
 
@@ -57,13 +58,20 @@ def test_layer_saved_bytes_match_what_autograd_saves(lora, tiled):
         model.enable_input_require_grads()  # as under checkpointing: layer inputs require grad
     model.train()
     if tiled:
-        apply_tiled_mlp(model, num_shards=4)
-    batch, seq = 2, 256
+        apply_tiled_mlp(model, num_shards=4, projections=tiled == "projections")
+    # SDPA's output is the o projection's input when the kernel returns it in [B, S, H, D]
+    # memory (CUDA kernels; the CPU kernel only at batch 1, else the projection copies it).
+    batch, seq = (1, 512) if tiled == "projections" else (2, 256)
     ids = torch.randint(0, 256, (batch, seq))
     measured = _saved_in_layer(model, ids, 1)
     w = Workload(resolve_shape("tiny"), seq, batch, lora_rank=lora)
-    predicted = layer_saved_bytes(w, mlp_shards=4 if tiled else 1)
+    predicted = layer_saved_bytes(w, mlp_shards=4 if tiled else 1, tiled_projections=tiled == "projections")
+    if tiled == "projections":  # the tiled input norm keeps the layer's input: the block input under checkpointing
+        predicted += w.block_input_bytes
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+    if tiled == "projections":  # no fp32 norm upcasts and no adapter input copies: bf16 [S, H] inputs only
+        untiled = layer_saved_bytes(w, mlp_shards=4)
+        assert measured < (0.5 if lora else 0.75) * untiled, (measured, untiled)
 
 
 def test_block_inputs_offloaded_as_planned():
@@ -202,3 +210,21 @@ def test_cli_plan_bad_arguments_give_one_line():
         r = _cli(*args, "--no-search")
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert r.stderr.startswith("offloadkit: error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_long_plans_tile_projections_and_shorten_the_horizon_only_when_needed():
+    budgets = Budgets(int(78.18 * GiB), 109 * GiB, 60 * GiB)
+    long = plan("llama-3-8b", 524288, lora_rank=16, budgets=budgets)
+    cfg = long.to_config()
+    assert long.fits, long.reasons
+    assert cfg["tiled_projections"] and cfg["tiled_mlp"] and cfg["activation_loading_horizon"] == 1
+    assert long.memory.gpu_parts["block inputs"] == 2 * long.workload.block_input_bytes  # the last one + one ahead
+    OffloadConfig.from_dict(cfg)  # a valid config
+    # Without the projections tiled the same step does not fit.
+    untiled = estimate_memory(long.workload, Features(**{**long.features.__dict__, "tiled_projections": False}))
+    assert untiled.gpu_reserved > budgets.gpu_bytes
+    # Short sequences: nothing tiled past the MLP, the engine's default horizon.
+    short = plan("llama-3-8b", 16384, lora_rank=16, budgets=budgets).to_config()
+    assert not short["tiled_projections"] and "activation_loading_horizon" not in short
+    cap = longest_sequence("llama-3-8b", lora_rank=16, budgets=budgets)
+    assert cap.longest >= 524288, cap.summary()
