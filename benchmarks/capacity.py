@@ -6,6 +6,8 @@ Modes:
   hf_ckpt     Hugging Face gradient checkpointing (non-reentrant), the model's own loss.
   everything  offloadkit checkpointing + block inputs offloaded (tiered: pinned RAM up to
               the host budget, then disk) + frozen-layer streaming + chunked loss + tiled MLP.
+  in_gpu      everything's checkpointing, chunked loss and tiling with nothing offloaded or
+              streamed: the reference for what the offloading machinery costs.
   auto        whatever ``offload_plan: auto`` chooses.
 
 A probe is ``mode:seq_len:layers[:warmup[:steps]]``; ``a|b`` runs the first alternative
@@ -37,7 +39,7 @@ SETUP_S_FLOOR = 8.0
 # Measured steps run slower than the planner's model predicts in the first step (kernel
 # selection, allocator growth): time budgets use this margin. Assumed.
 TIME_MARGIN = 1.3
-MODES = ("hf_ckpt", "everything", "auto")
+MODES = ("hf_ckpt", "everything", "in_gpu", "auto")
 
 
 # --------------------------------------------------------------------------- planning side
@@ -48,6 +50,9 @@ def _features(mode: str, workload, host_budget: int):
     w = workload
     if mode == "hf_ckpt":
         return Features(checkpointing=True)
+    if mode == "in_gpu":
+        return Features(checkpointing=True, loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
+                        mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate))
     streamed = w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes) if w.lora_rank else 0
     ram_blocks = max(0, (host_budget - streamed) // size_class(w.block_input_bytes))
     return Features(checkpointing=True, offload_inputs=True, ram_blocks=ram_blocks, layer_streaming=bool(w.lora_rank),
@@ -70,7 +75,7 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
     else:
         w = Workload(resolve_shape(shape, layers), seq, 1, lora_rank)
         f = _features(mode, w, host_budget)
-        if mode == "everything":
+        if mode in ("everything", "in_gpu"):
             full = plan(shape, seq, lora_rank=lora_rank, budgets=budgets).features
             f = replace(f, horizon=full.horizon, tiled_projections=full.tiled_projections)
         m = estimate_memory(w, f)
@@ -123,6 +128,12 @@ def run_probe(spec: dict) -> dict:
                       "tiled_mlp": p["mlp_shards"] > 1, "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None}
             if spec.get("disk_dir"):
                 config["disk_dir"] = spec["disk_dir"]
+        elif mode == "in_gpu":
+            p = spec["predicted"]
+            config = {"gradient_checkpointing": True, "activation_offloading": False,
+                      "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
+                      "chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": p["loss_chunks"],
+                      "tiled_mlp": p["mlp_shards"] > 1, "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None}
         else:
             config = {"offload_plan": "auto", "seq_len": seq, "host_budget_bytes": spec["host_budget"]}
         runtime = prepare(model, config)

@@ -57,7 +57,7 @@ def offload_probes(trainer):
 class ProgressBar(TrainerCallback):
     """A progress bar with loss, tokens/s and memory (GPU allocated, or RSS on CPU)."""
 
-    def __init__(self, tokens_per_step: int, step_times: list[float]) -> None:
+    def __init__(self, tokens_per_step: int, step_times: list[float], show: bool = True) -> None:
         from tqdm.auto import tqdm
 
         self._tqdm = tqdm
@@ -67,12 +67,14 @@ class ProgressBar(TrainerCallback):
         self.step = 0
         self.total = 0
         self._bar = None
+        self._show = show
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.total = state.max_steps
         self.step = state.global_step
-        self._bar = self._tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
-                               dynamic_ncols=True)
+        if self._show:
+            self._bar = self._tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
+                                   dynamic_ncols=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step = state.global_step
@@ -228,6 +230,11 @@ def format_report(report: dict) -> str:
         f"    frozen parameters    {_gib(mem['frozen_parameters_bytes'])}, of which "
         f"{_gib(mem['frozen_parameters_streamed_from_host_bytes'])} live in pinned host memory",
     ]
+    if len(report.get("ranks") or []) > 1:
+        from offloadkit.cli.distributed import rank_lines
+
+        lines += [f"  {len(report['ranks'])} processes (figures above are rank 0's; tokens count all ranks):",
+                  *rank_lines(report["ranks"])]
     lines += [f"  note: {note}" for note in report["notes"]]
     if report.get("sample"):
         lines.append(f"  sample from the trained model: {report['sample']!r}")

@@ -73,6 +73,10 @@ class _StopAtStepEnd:
             signal.signal(signal.SIGINT, self._previous)
 
 
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
 def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
     from offloadkit.testing.models import build_llama
@@ -204,12 +208,18 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     from transformers import Trainer
 
     from offloadkit.cli.compare import measure_without_offloadkit, saving
+    from offloadkit.cli.distributed import Ranks, barrier, gather, rank_figures
     from offloadkit.cli.measure import RunMeasure, StepProbe
     from offloadkit.cli.plot import plot_timelines
     from offloadkit.cli.report import ProgressBar, build_report, offload_probes, write_report
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
-    device = "cuda" if cuda else "cpu"
+    ranks = Ranks.from_env()
+    if not ranks.main:
+        log = _silent  # rank 0 speaks for the run
+    device = ranks.device(cuda)
+    if cuda:
+        torch.cuda.set_device(device)
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
     torch.manual_seed(cfg.seed)
@@ -221,8 +231,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         if cfg.model is None:
             # The built-in base exists only in this process: save it so the adapter can be used later.
             base_dir = os.path.join(cfg.output_dir, "base")
-            model.save_pretrained(base_dir)
-            tokenizer.save_pretrained(base_dir)
+            if ranks.main:
+                model.save_pretrained(base_dir)
+                tokenizer.save_pretrained(base_dir)
         model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
                            dropout=cfg.lora_dropout)
     try:
@@ -238,7 +249,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     if profile_step != cfg.profile_step:
         notes.append(f"profile_step {cfg.profile_step} is past the run's {planned} steps; step {profile_step} "
                      "is measured instead")
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len * ranks.world
 
     class OffloadTrainer(ActivationOffloadingMixin, Trainer):
         pass
@@ -247,8 +258,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
                                     offload_config=cfg.offload))
     with_ = RunMeasure("with offloadkit")
     probe = StepProbe(with_, profile_step, extra=offload_probes(trainer))
-    progress = ProgressBar(tokens_per_step, with_.step_times)
-    stop = _StopAtStepEnd(lambda message: print(message, file=sys.stderr, flush=True))
+    progress = ProgressBar(tokens_per_step, with_.step_times, show=ranks.main)
+    stop = _StopAtStepEnd(lambda message: ranks.main and print(message, file=sys.stderr, flush=True))
     trainer.add_callback(probe)
     trainer.add_callback(progress)
     trainer.add_callback(stop.callback())
@@ -270,9 +281,14 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     report = build_report(trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda))
     report["profile_step"] = profile_step
     report["notes"] = notes + report["notes"]
-    report["saved_to"], report["load_hint"] = _save(cfg, trainer.model, tokenizer, base_dir)
-    if cfg.model is None and cfg.dataset is None:
-        report["sample"] = _sample(trainer.model, tokenizer, texts[0][:15], cfg.seed)
+    report["world_size"] = trainer.args.world_size  # the Trainer's own view of the process group
+    if ranks.distributed:
+        report["step_shape"] = f"{ranks.world} processes x {report['step_shape']}"
+    report["ranks"] = gather(rank_figures(report, ranks))
+    if ranks.main:
+        report["saved_to"], report["load_hint"] = _save(cfg, trainer.model, tokenizer, base_dir)
+        if cfg.model is None and cfg.dataset is None:
+            report["sample"] = _sample(trainer.model, tokenizer, texts[0][:15], cfg.seed)
     # The plain run builds its own optimizer: this one's state must not count against it.
     trainer.accelerator.free_memory()
     trainer.optimizer = trainer.lr_scheduler = None
@@ -283,8 +299,13 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
                               logging_strategy="no")
         return _quiet(Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks))
 
-    if cfg.compare and len(with_.step_times) > profile_step:
-        print(f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison", file=sys.stderr)
+    if ranks.distributed:
+        # A rank that runs out of memory alone would leave the others waiting in a collective.
+        without = RunMeasure("without offloadkit", status="skipped",
+                             note=f"a {ranks.world}-process run; run one process to compare")
+    elif cfg.compare and len(with_.step_times) > profile_step:
+        print(f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison",
+              file=sys.stderr)
         without = measure_without_offloadkit(plain_trainer, model, profile_step, tokens_per_step)
     else:
         without = RunMeasure("without offloadkit", status="skipped",
@@ -297,9 +318,13 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         change = "" if c["peak_change"] is None else f" ({c['peak_change'] * 100:+.0f}%)"
         title += (f"\npeak {c['peak_bytes'][0] / 2**30:.3f} -> {c['peak_bytes'][1] / 2**30:.3f} GiB{change}, "
                   f"step time {c['median_step_s'][0]:.3f} -> {c['median_step_s'][1]:.3f} s, without -> with offloadkit")
+    if not ranks.main:
+        barrier()  # rank 0 writes the output directory
+        return report
     report["memory_plot"], report["plot_note"] = plot_timelines(
         [without, with_], os.path.join(cfg.output_dir, "memory_timeline.png"), title=title,
         memory_label=report["memory_measure"], profile_step=profile_step, steps_run=len(with_.step_times))
     report["wall_seconds"] = time.perf_counter() - wall
     write_report(report, cfg.output_dir, log)
+    barrier()
     return report

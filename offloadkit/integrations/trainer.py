@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from offloadkit.checkpointing import apply_activation_checkpointing
-from offloadkit.config import ALIASES, OffloadConfig, load_mapping
+from offloadkit.config import ALIASES, ConfigError, OffloadConfig, load_mapping
 from offloadkit.integrations.hf_args import (
     checkpointing_kwargs,
     checkpointing_requested,
@@ -123,6 +123,12 @@ class _OffloadingTrainerMixin:
         if trl_flag:
             defaults["activation_offloading"] = True
         self.offload_config = resolve_config(offload_config, self.args, defaults)
+        if self.offload_config.layer_offloading and getattr(self.args, "deepspeed", None):
+            # DeepSpeed places (and with ZeRO-3 partitions) the weights itself: two owners of
+            # the same storage cannot coexist.
+            raise ConfigError("layer_offloading cannot stream weights that DeepSpeed manages (TrainingArguments."
+                              "deepspeed is set); use DeepSpeed's own offload_param in its config, or turn "
+                              "layer_offloading off")
         self.offload_runtime: OffloadRuntime | None = None
         self.offload_report: dict | None = None
         self.offload_notes = notes

@@ -180,15 +180,15 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     """Largest set of temporaries while one layer runs backward: an MLP shard's recompute
     and gradients (two bf16 and one fp32 tensor of the intermediate width per token, plus
     the shard's saved set), or attention's input gradients with the fp32 norm gradient
-    (tiled norms: the fp32 query-gradient accumulator of the attention kernel and two bf16
-    ``[S, H]`` gradients instead)."""
+    (tiled norms: two bf16 ``[S, H]`` gradients instead; with this the 8B LoRA probes at
+    384K and 512K tokens on an H100 peaked at 0.98x and 0.92x the prediction)."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
     shard_tokens = math.ceil(t / max(1, mlp_shards))
     mlp = (2 * b + 4) * i * shard_tokens
     if mlp_shards > 1:  # the shard's own saved set is rebuilt in backward
         mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
-    attn = t * (b * (q + 2 * kv) + (4 * q + 2 * b * h if tiled_projections else 3 * 4 * h))
+    attn = t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
     return max(mlp, attn)
 
 

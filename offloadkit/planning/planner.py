@@ -5,10 +5,13 @@ sequence that fits, beside the longest the budgets physically allow.
 
 Candidates, fastest first (offloading costs copies, streaming costs more copies): layer
 checkpointing alone; with block inputs offloaded (pinned RAM up to the host budget, the
-oldest to disk past it); with frozen layers streamed as well (LoRA). The chunked loss and
-the tiled MLP are on in every candidate: they cost no extra copies (the tiled MLP costs a
-third MLP forward only when it tiles). The first candidate whose predicted reservation,
-host and disk use fit wins; ties in time go to the lower peak.
+oldest to disk past it); with frozen layers streamed as well (LoRA). The chunked loss is on
+in every candidate (it costs no extra work). Tiling costs one more forward of what it
+tiles, so each candidate comes with the MLP untiled, tiled, and (past 2**28 / hidden
+tokens) with the norms and attention projections tiled too. When a candidate does not fit
+the GPU and fetching a block input takes less than a layer's backward, the prefetch horizon
+is shortened to what still hides the fetch. The fastest candidate whose predicted
+reservation, host and disk use fit wins; ties in time go to the lower peak.
 """
 
 from __future__ import annotations
@@ -183,13 +186,21 @@ def _ram_blocks(w: Workload, streaming: bool, b: Budgets) -> int:
 def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:
     mlp_shards = auto_mlp_shards(w.tokens, w.shape.intermediate)
     base = Features(checkpointing=True, loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab), mlp_shards=mlp_shards,
-                    tiled_projections=mlp_shards > 1 and tiles_projections(w.tokens, w.shape.hidden),
                     stream_depth=stream_depth)
     out = [("checkpointing", base),
            ("checkpointing + block-input offload", replace(base, offload_inputs=True, ram_blocks=_ram_blocks(w, False, b)))]
     if w.lora_rank:
         out.append(("checkpointing + block-input offload + layer streaming",
                     replace(base, offload_inputs=True, layer_streaming=True, ram_blocks=_ram_blocks(w, True, b))))
+    tiled = out
+    out = []
+    if mlp_shards > 1:
+        # Tiling costs the tiled modules' forward once more: each variant is offered untiled
+        # first, and plan() keeps the fastest that fits.
+        out += [(name + " (MLP untiled)", replace(f, mlp_shards=1)) for name, f in tiled]
+    out += tiled
+    if mlp_shards > 1 and tiles_projections(w.tokens, w.shape.hidden):
+        out += [(name + " + tiled projections", replace(f, tiled_projections=True)) for name, f in tiled]
     return out
 
 

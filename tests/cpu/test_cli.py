@@ -281,3 +281,24 @@ def test_bench_without_gpu_runs_on_cpu_with_the_disk_tier(tmp_path):
                     "--shape small --seq-len 1024")
     _one_line_error(_cli("bench", "--device", "cuda"), "no CUDA GPU is available")
     _one_line_error(_cli("bench", "--storage", "ram", "--disk-dir", disk), "--disk-dir", "only applies with")
+
+
+def test_torchrun_two_processes_one_report_with_every_rank(tmp_path):
+    """``torchrun --nproc_per_node 2 -m offloadkit train``: DDP through the Trainer (gloo on
+    the CPU), one report and one output directory from rank 0, each rank's peaks in it, the
+    spill directories removed, LoRA on the built-in model saved once with its base."""
+    config = _tiny(tmp_path, max_steps=3, lora_rank=4, logging_steps=1)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "offloadkit", "train", str(config)], capture_output=True, text=True, env=_env(),
+                          cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.count("offloadkit train report") == 1, proc.stdout
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["world_size"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert all(r["activations_to_disk_bytes_per_step"] > 0 for r in report["ranks"])  # both ranks offloaded
+    assert report["tokens_per_step"] == 2 * 2 * 32 and report["step_shape"].startswith("2 processes x ")
+    assert report["comparison"]["status"] == "skipped"
+    assert "rank 1: peak RSS" in proc.stdout
+    assert (tmp_path / "out" / "adapter").is_dir() and (tmp_path / "out" / "base").is_dir()
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("offloadkit-")]  # spill directories removed

@@ -223,6 +223,8 @@ def test_long_plans_tile_projections_and_shorten_the_horizon_only_when_needed():
     # Without the projections tiled the same step does not fit.
     untiled = estimate_memory(long.workload, Features(**{**long.features.__dict__, "tiled_projections": False}))
     assert untiled.gpu_reserved > budgets.gpu_bytes
+    # 128K fits untiled: the faster plan wins (the projections' extra forward is not paid).
+    assert not plan("llama-3-8b", 131072, lora_rank=16, budgets=budgets).to_config()["tiled_projections"]
     # Short sequences: nothing tiled past the MLP, the engine's default horizon.
     short = plan("llama-3-8b", 16384, lora_rank=16, budgets=budgets).to_config()
     assert not short["tiled_projections"] and "activation_loading_horizon" not in short

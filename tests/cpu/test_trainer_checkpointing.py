@@ -203,3 +203,15 @@ def test_training_argument_defaults_do_not_override_the_mixin(tmp_path):
     assert resolve_config(None, plain, {"activation_offloading": True}).activation_offloading is True
     chosen = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], activation_offloading=True)
     assert resolve_config(None, chosen, {}).activation_offloading is True
+
+
+def test_layer_streaming_under_deepspeed_is_refused_with_a_clear_error(tmp_path):
+    from offloadkit.config import ConfigError
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    args.deepspeed = {"zero_optimization": {"stage": 3}}  # as a DeepSpeed launch sets it
+    data = TokenBlocks(byte_tokenizer(), load_texts(), 32)
+    with pytest.raises(ConfigError, match="layer_offloading cannot stream weights that DeepSpeed manages"):
+        OffloadTrainer(model=_model(), args=args, train_dataset=data, offload_config={"layer_offloading": True})
+    # Activation offloading alone is left to run.
+    OffloadTrainer(model=_model(), args=args, train_dataset=data, offload_config={"activation_offloading": True})

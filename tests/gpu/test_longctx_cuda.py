@@ -335,8 +335,8 @@ def test_tiled_projections_saved_bytes_match_the_planner_on_cuda():
 
 
 def test_tiled_projections_compose_with_input_offload_and_streaming():
-    """The config route a long-context plan produces (tiled projections, horizon 1, disk-tiered
-    block inputs, streaming) equals the same tiling under HF checkpointing, bitwise."""
+    """The config route a long-context plan produces (tiled projections, horizon 1, block inputs
+    on disk, streaming) equals the same tiling under HF checkpointing, bitwise."""
     from offloadkit.integrations.runtime import prepare
 
     model = lora_model(layers=4)
@@ -348,8 +348,8 @@ def test_tiled_projections_compose_with_input_offload_and_streaming():
     model.gradient_checkpointing_disable()
     mlp_handle.remove()
     loss_handle.remove()
-    runtime = prepare(model, {"gradient_checkpointing": True, "activation_offloading": "disk", "disk_tiering": True,
-                              "host_budget_bytes": 1 << 20, "layer_offloading": True, "activation_loading_horizon": 1,
+    runtime = prepare(model, {"gradient_checkpointing": True, "activation_offloading": "disk",
+                              "layer_offloading": True, "activation_loading_horizon": 1,
                               "chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": 3, "tiled_mlp": True,
                               "tiled_mlp_num_shards": 3, "tiled_projections": True})
     try:
