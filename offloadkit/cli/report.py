@@ -233,7 +233,8 @@ def format_report(report: dict) -> str:
     if len(report.get("ranks") or []) > 1:
         from offloadkit.cli.distributed import rank_lines
 
-        lines += [f"  {len(report['ranks'])} processes (figures above are rank 0's; tokens count all ranks):",
+        lines += [f"  {len(report['ranks'])} processes, {report.get('parallel', 'ddp').upper()} (figures above are "
+                  "rank 0's; tokens count all ranks):",
                   *rank_lines(report["ranks"])]
     lines += [f"  note: {note}" for note in report["notes"]]
     if report.get("sample"):

@@ -282,6 +282,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     report["profile_step"] = profile_step
     report["notes"] = notes + report["notes"]
     report["world_size"] = trainer.args.world_size  # the Trainer's own view of the process group
+    report["parallel"] = ("fsdp" if getattr(trainer, "is_fsdp_enabled", False) else "deepspeed"
+                          if getattr(trainer, "is_deepspeed_enabled", False) else "ddp"
+                          if trainer.args.world_size > 1 else "one process")
     if ranks.distributed:
         report["step_shape"] = f"{ranks.world} processes x {report['step_shape']}"
     report["ranks"] = gather(rank_figures(report, ranks))

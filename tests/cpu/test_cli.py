@@ -295,7 +295,7 @@ def test_torchrun_two_processes_one_report_with_every_rank(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout.count("offloadkit train report") == 1, proc.stdout
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["world_size"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert report["world_size"] == 2 and report["parallel"] == "ddp" and [r["rank"] for r in report["ranks"]] == [0, 1]
     assert all(r["activations_to_disk_bytes_per_step"] > 0 for r in report["ranks"])  # both ranks offloaded
     assert report["tokens_per_step"] == 2 * 2 * 32 and report["step_shape"].startswith("2 processes x ")
     assert report["comparison"]["status"] == "skipped"
