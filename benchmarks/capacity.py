@@ -122,7 +122,8 @@ def run_probe(spec: dict) -> dict:
             p = spec["predicted"]
             config = {"gradient_checkpointing": True, "activation_offloading": "disk", "disk_tiering": True,
                       "host_budget_bytes": spec["host_budget"], "layer_offloading": True,
-                      "activation_loading_horizon": p.get("horizon") or (4 if "d" in p["placement"] else 2),
+                      "activation_loading_horizon": (p["horizon"] if p.get("horizon") is not None
+                                                     else 4 if "d" in p["placement"] else 2),
                       "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
                       "chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": p["loss_chunks"],
                       "tiled_mlp": p["mlp_shards"] > 1, "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections import deque
 
 import torch
@@ -45,6 +46,8 @@ class ForwardPath:
     tier: StorageTier
     budget: HostMemoryBudget
     max_fwd_stash_size: int
+    tensor_id: int
+    _saves: weakref.WeakValueDictionary
 
     def _state(self):  # per-thread forward state, kept by the engine
         raise NotImplementedError
@@ -60,7 +63,7 @@ class ForwardPath:
             with self._lock:
                 self.stats.saved_tensors += 1
                 self.stats.note_kept(reason, nbytes)
-            return Kept(t)
+                return self._register(Kept(t))
         with self._lock:
             self.stats.saved_tensors += 1
             self._drain()
@@ -70,6 +73,7 @@ class ForwardPath:
             storage = t.untyped_storage()
             start, end = storage_span(t)
             entry = self._find(step, storage._cdata, start, end, t._version)
+            copied = entry is None
             if entry is not None:
                 entry.group = state.group  # needed with its newest saver's group
                 self.stats.deduplicated_tensors += 1
@@ -83,12 +87,18 @@ class ForwardPath:
                 entry = self._offload(step, storage, start, end, t.device, t._version)
                 if entry is None:
                     self.stats.note_kept("budget", nbytes)
-                    return Kept(t)
+                    return self._register(Kept(t))
                 entry.group = state.group
                 for old in overlapping:
                     self._merge(old, entry)
             entry.live += 1
-            return Packed(entry, t, self._dead)
+            return self._register(Packed(entry, t, self._dead, copied))
+
+    def _register(self, handle):
+        """Number the save and remember it weakly: read by the ``tracker`` view (caller holds the lock)."""
+        self.tensor_id += 1
+        self._saves[self.tensor_id] = handle
+        return handle
 
     def _find(self, step: Step, key: int, start: int, end: int, version: int) -> Entry | None:
         # Same storage and graph, range covered, and no in-place write since the copy was taken

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import threading
 import warnings
+import weakref
 from collections import deque
 
 import torch
@@ -23,7 +24,7 @@ from offloadkit.engine.backward import BackwardPath
 from offloadkit.engine.forward import ForwardPath
 from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.engine.prefetch import PrefetchPlanner, Step
-from offloadkit.engine.spans import DeathQueue, Entry
+from offloadkit.engine.spans import DeathQueue, Entry, Kept
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.engine.validation import check_args
 from offloadkit.runtime.autograd import (
@@ -137,6 +138,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self._groups = itertools.count()
         self._budget_warned = False
         self._handles: list = []  # module hooks attached on this manager's behalf
+        self.tensor_id = 0  # saves numbered so far (TRL's name); never reset
+        self._saves: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> handle autograd holds
         self._closed = False
         super().__init__(self._pack, self._unpack)
 
@@ -208,6 +211,34 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
     def param_storages(self) -> set[int]:
         """Data pointers of the parameter and buffer storages that are never offloaded."""
         return self.policy.storage_pointers()
+
+    @property
+    def tracker(self) -> dict[int, tuple]:
+        """Saves autograd still holds, by id: ``(tensor, offloaded, stride, storage_offset, shape)``.
+
+        The view TRL's engine offers under this name, read-only. ``offloaded`` is True for the
+        save that started a copy; kept saves (``tensor`` is the device tensor) and saves served
+        by an earlier save's copy (``tensor`` is None) are False. Emptied as autograd releases
+        its handles after backward.
+        """
+        with self._lock:
+            saves = list(self._saves.items())
+        out = {}
+        for tid, handle in saves:
+            if isinstance(handle, Kept):
+                t = handle.tensor
+                out[tid] = (t, False, t.stride(), t.storage_offset(), t.shape)
+            else:
+                offset = (handle.entry.start // handle.itemsize) + handle.offset
+                out[tid] = (None, handle.copied, handle.stride, offset, handle.size)
+        return out
+
+    @property
+    def storage_to_tensor_id(self) -> dict[int, int]:
+        """For each storage range copied and still held: the id of the save that copied it (TRL's name)."""
+        with self._lock:
+            saves = list(self._saves.items())
+        return {id(h.entry): tid for tid, h in saves if not isinstance(h, Kept) and h.copied}
 
     def exclude(self, module: torch.nn.Module) -> None:
         """Keep everything ``module`` saves on the device. Detached by :meth:`remove`."""

@@ -142,10 +142,11 @@ class Packed:
     """
 
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "itemsize", "version", "alias", "ref",
-                 "seen_gen", "_dead")
+                 "seen_gen", "copied", "_dead", "__weakref__")
 
-    def __init__(self, entry: Entry, t: torch.Tensor, dead: DeathQueue) -> None:
+    def __init__(self, entry: Entry, t: torch.Tensor, dead: DeathQueue, copied: bool = True) -> None:
         self.entry = entry
+        self.copied = copied  # this save started the copy (False: served by an earlier save's copy)
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
@@ -185,7 +186,7 @@ class Kept:
     """What autograd stores for a tensor that stays where it is: a detached alias (sharing
     memory and version counter) and the version it had, so in-place writes still raise."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.tensor = t.detach()  # never the tensor itself: that would form a reference cycle

@@ -9,8 +9,9 @@ oldest to disk past it); with frozen layers streamed as well (LoRA). The chunked
 in every candidate (it costs no extra work). Tiling costs one more forward of what it
 tiles, so each candidate comes with the MLP untiled, tiled, and (past 2**28 / hidden
 tokens) with the norms and attention projections tiled too. When a candidate does not fit
-the GPU and fetching a block input takes less than a layer's backward, the prefetch horizon
-is shortened to what still hides the fetch. The fastest candidate whose predicted
+the GPU, the prefetch horizon is shortened: first to what still hides the fetch of a block
+input behind the layers of backward ahead, then to 0 (each fetch is waited for, which the
+step time counts; at long context a fetch is a small part of a layer's backward). The fastest candidate whose predicted
 reservation, host and disk use fit wins; ties in time go to the lower peak.
 """
 
@@ -241,13 +242,15 @@ def plan(model, seq_len: int, *, batch: int = 1, lora_rank: int = 16, budgets: B
         m = estimate_memory(w, f)
         t = estimate_time(w, f, b.rates, m.block_placement)
         reasons = _check(w, m, b)
-        shorter = _shortest_horizon(w, f, m, t, b)
-        if reasons and shorter is not None:
-            # Fewer block inputs in flight, still fetched within the layers of backward ahead.
+        for shorter in _shorter_horizons(w, f, m, t, b) if reasons else ():
+            # Fewer block inputs in flight: first the fewest that still hide each fetch behind
+            # the layers of backward ahead, then none (each fetch waited for).
             f = replace(f, horizon=shorter)
             m = estimate_memory(w, f)
             t = estimate_time(w, f, b.rates, m.block_placement)
             reasons = _check(w, m, b)
+            if not reasons:
+                break
         results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
     fitting = [p for p in results if p.fits]
     if fitting:
@@ -259,17 +262,18 @@ def plan(model, seq_len: int, *, batch: int = 1, lora_rank: int = 16, budgets: B
     return best
 
 
-def _shortest_horizon(w: Workload, f: Features, m: MemoryEstimate, t, b: Budgets) -> int | None:
-    """The smallest prefetch horizon that still hides a block input's fetch behind the
-    backward of the layers ahead of it, when that is below the engine's default; else None."""
+def _shorter_horizons(w: Workload, f: Features, m: MemoryEstimate, t, b: Budgets) -> list[int]:
+    """Prefetch horizons below the engine's default to try when the step does not fit: the
+    smallest that still hides a block input's fetch behind the backward of the layers ahead
+    of it, then 0."""
     if not (f.checkpointing and f.offload_inputs) or f.horizon is not None:
-        return None
+        return []
     from_disk = "disk" in m.block_placement
     default = HORIZON_DISK if from_disk else HORIZON_RAM
     rate = b.rates.disk_read_bytes_per_s if from_disk else b.rates.pcie_bytes_per_s
     layer_backward_s = max(t.compute_s / 2 / w.shape.layers, 1e-9)  # about half the compute is backward
     needed = max(1, math.ceil(w.block_input_bytes / rate / layer_backward_s))
-    return needed if needed < default else None
+    return ([needed] if needed < default else []) + [0]
 
 
 @dataclass
@@ -278,9 +282,10 @@ class Capacity:
 
     Attributes:
         longest: longest ``seq_len`` (multiple of :data:`SEQ_STEP`) for which :func:`plan` fits.
-        physical: longest for which the irreducible bytes fit: one layer's recompute and
-            backward with the MLP tiled, one loss chunk, the resident edge weights and two
-            streamed layers on the GPU, and every block input somewhere on GPU, RAM or disk.
+        physical: longest for which the irreducible bytes fit (:func:`physical_limit`): one
+            layer's recompute and backward with one-token tiles, the resident edge weights and
+            two streamed layers on the GPU, and, together with them, every block input and
+            streamed weight somewhere on GPU, RAM or disk.
         plan: the plan at ``longest`` (None when even :data:`SEQ_STEP` does not fit).
         limit: what stops ``physical`` ("gpu" or "storage").
     """
@@ -315,20 +320,31 @@ def _search(fits, high: int) -> int:
 def physical_limit(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets, layers: int | None = None,
                    dtype_bytes: int = 2) -> tuple[int, str]:
     """Longest sequence whose irreducible bytes fit the budgets (see :class:`Capacity`), and
-    what limits it."""
-    w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes)
-    storage = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
+    what limits it.
 
-    def gpu_ok(seq: int) -> bool:
+    Two conditions. The working set of the GPU's largest moment (one layer's recompute and
+    backward with one-token tiles, the resident weights, the last block input, nothing
+    fetched ahead, no allocator overhead) must fit the GPU alone ("gpu"). And everything
+    alive at that moment, the working set plus the other block inputs and the streamed
+    weights, must fit GPU, RAM and disk together ("storage"): a byte held on the GPU is not
+    also free for block inputs.
+    """
+    w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes)
+    pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
+
+    def working_set(seq: int):
         w = replace(w0, seq_len=seq)
         f = Features(checkpointing=True, offload_inputs=True, layer_streaming=bool(lora_rank), horizon=0,
                      loss_chunks=max(1, w.tokens), mlp_shards=max(1, w.tokens), tiled_projections=True)
-        return estimate_memory(w, f).gpu_peak <= budgets.gpu_bytes
+        return w, estimate_memory(w, f).gpu_peak
+
+    def gpu_ok(seq: int) -> bool:
+        return working_set(seq)[1] <= budgets.gpu_bytes
 
     def storage_ok(seq: int) -> bool:
-        w = replace(w0, seq_len=seq)
+        w, gpu = working_set(seq)
         streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes if lora_rank else 0
-        return w.shape.layers * w.block_input_bytes + streamed <= storage
+        return gpu + (w.shape.layers - 1) * w.block_input_bytes + streamed <= pooled
 
     by_gpu = _search(gpu_ok, 1 << 16)
     by_storage = _search(storage_ok, 1 << 16)

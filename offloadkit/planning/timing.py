@@ -13,7 +13,8 @@ Executed work is counted (the recompute included): achieved TFLOP/s reported by 
 capacity benchmark is hardware FLOPs, not "model FLOPs".
 
 Copies overlap compute on side streams: forward takes max(compute, device->host copies,
-disk writes) and backward max(compute, host->device copies, disk reads).
+disk writes) and backward max(compute, host->device copies, disk reads). With a prefetch
+horizon of 0 nothing is fetched ahead, so every block input's fetch adds to backward.
 """
 
 from __future__ import annotations
@@ -133,11 +134,15 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     on_disk = placement.count("disk") * block
     fwd_disk = on_disk / rates.disk_write_bytes_per_s
     bwd_disk = on_disk / rates.disk_read_bytes_per_s
+    exposed = 0.0
+    if f.checkpointing and f.offload_inputs and f.horizon == 0:
+        # Nothing is fetched ahead: each offloaded block input arrives while its layer waits.
+        exposed = moved / rates.pcie_bytes_per_s + on_disk / rates.disk_read_bytes_per_s
     fwd = max(fwd_compute, fwd_pcie, fwd_disk)
-    bwd = max(bwd_compute, bwd_pcie, bwd_disk)
+    bwd = max(bwd_compute + exposed, bwd_pcie, bwd_disk)
     totals = {"compute": fwd_compute + bwd_compute, "pcie": fwd_pcie + bwd_pcie, "disk": fwd_disk + bwd_disk}
     # The bound is the resource that sets the longer phase's time.
-    phases = [(fwd, (fwd_compute, fwd_pcie, fwd_disk)), (bwd, (bwd_compute, bwd_pcie, bwd_disk))]
+    phases = [(fwd, (fwd_compute, fwd_pcie, fwd_disk)), (bwd, (bwd_compute, bwd_pcie + exposed, bwd_disk))]
     _, parts = max(phases, key=lambda x: x[0])
     bound = ("compute", "pcie", "disk")[max(range(3), key=lambda k: parts[k])]
     return StepTime(seconds=fwd + bwd, compute_s=totals["compute"], pcie_s=totals["pcie"], disk_s=totals["disk"],

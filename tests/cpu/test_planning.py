@@ -230,3 +230,48 @@ def test_long_plans_tile_projections_and_shorten_the_horizon_only_when_needed():
     assert not short["tiled_projections"] and "activation_loading_horizon" not in short
     cap = longest_sequence("llama-3-8b", lora_rank=16, budgets=budgets)
     assert cap.longest >= 524288, cap.summary()
+
+
+H100 = Budgets(int(78.18 * GiB), int(109.1 * GiB), int(60.8 * GiB))  # the lent H100's budgets
+
+
+def test_physical_limit_holds_everything_alive_at_once():
+    from offloadkit.planning import physical_limit
+    from offloadkit.planning.planner import SEQ_STEP
+
+    physical, limit = physical_limit("llama-3-8b", budgets=H100)
+    shape = resolve_shape("llama-3-8b")
+
+    def alive(seq):
+        w = Workload(shape, seq)
+        f = Features(offload_inputs=True, layer_streaming=True, horizon=0, loss_chunks=seq, mlp_shards=seq,
+                     tiled_projections=True)
+        gpu = estimate_memory(w, f).gpu_peak
+        return gpu, gpu + (shape.layers - 1) * w.block_input_bytes + shape.layers * shape.layer_params * 2
+
+    pooled = H100.gpu_bytes + H100.host_bytes + H100.disk_bytes
+    gpu, total = alive(physical)
+    assert gpu <= H100.gpu_bytes and total <= pooled
+    gpu, total = alive(physical + SEQ_STEP)
+    assert gpu > H100.gpu_bytes or total > pooled
+    # GPU bytes are not counted twice: the working set and the block inputs share the pool,
+    # so on these budgets storage stops the step while the GPU alone would take more tokens.
+    assert limit == "storage" and alive(physical + 8 * SEQ_STEP)[0] <= H100.gpu_bytes
+
+
+def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets():
+    cap = longest_sequence("llama-3-8b", lora_rank=16, budgets=H100)
+    assert cap.ratio >= 0.9, cap.summary()
+    p = cap.plan
+    assert p.fits and p.memory.disk <= H100.disk_bytes and p.memory.gpu_reserved <= H100.gpu_bytes
+    # At the edge nothing is fetched ahead: the horizon is 0, and the step time pays for each fetch.
+    assert p.features.horizon == 0 and p.to_config()["activation_loading_horizon"] == 0
+    from dataclasses import replace
+
+    from offloadkit.planning import estimate_time
+
+    ahead = estimate_time(p.workload, replace(p.features, horizon=1), H100.rates, p.placement)
+    assert p.time.seconds > ahead.seconds
+    # One more block input held on the GPU would not fit: that is why the horizon went to 0.
+    held = estimate_memory(p.workload, replace(p.features, horizon=1))
+    assert held.gpu_reserved > H100.gpu_bytes

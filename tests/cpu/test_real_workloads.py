@@ -294,6 +294,29 @@ def test_update_model_params_and_param_storages():
     assert ctx.stats.kept_by_reason["parameter"] > 0 and ctx.stats.offloaded_tensors > 0
 
 
+def test_tracker_shows_copied_shared_and_kept_saves_until_backward():
+    lin = torch.nn.Linear(64, 64)
+    ctx = cpu_ctx()
+    ctx.update_model_params(lin)
+    x = torch.randn(32, 64, requires_grad=True)
+    with ctx:
+        h = lin(x)  # saves x (copied) and the weight (a parameter: kept)
+        y = torch.sigmoid(h)  # saves its output (copied)
+        out = (y * y.t().t()).sum()  # saves y again twice, served by its first copy
+    saved = ctx.tensor_id
+    tracker = ctx.tracker
+    assert saved == len(tracker) >= 5
+    copied = [v for v in tracker.values() if v[1]]
+    assert len(copied) == len(ctx.storage_to_tensor_id) == 2, "x and y: one copy each"
+    kept = [v for v in tracker.values() if not v[1] and v[0] is not None]
+    assert any(v[0].data_ptr() == lin.weight.data_ptr() for v in kept), "the weight is kept, not copied"
+    shared = [v for v in tracker.values() if not v[1] and v[0] is None]
+    assert len(shared) >= 1 and all(tuple(v[4]) == (32, 64) for v in shared)
+    out.backward()
+    assert ctx.tracker == {} and ctx.storage_to_tensor_id == {}, "released with the graph"
+    assert ctx.tensor_id == saved, "ids keep counting across steps, as TRL's do"
+
+
 def test_noop_region_inside_offloading_with_backward_inside():
     model = build_llama("tiny")
     batch = make_batch(256, 2, 16)

@@ -1,0 +1,145 @@
+"""Full-depth host and disk footprint of a long-context plan, run for real without the compute.
+
+The capacity probes past 128K run 2 layers of the 8B shape (the GPU peak does not depend on
+depth); what depth does change is where the block inputs wait: at 640K tokens, 31 inputs of
+5 GiB, in pinned RAM up to the host budget and on disk past it, beside 13 GiB of streamed
+frozen weights. This probe builds a model of the plan's full depth whose layers hold the
+real frozen weight bytes and pass ``[1, S, hidden]`` bf16 block inputs on, but compute only
+``x * scale`` (a trainable scalar per layer), and runs one training step through
+``prepare()`` with the plan's config: the same checkpointing, tiered storage, host budget,
+prefetch horizon and layer streaming as the real step. It measures peak RSS, pinned bytes,
+bytes written to disk and the step time, and checks every restored block input: each
+layer's scale gradient is ``sum(x)`` of its restored input, which must equal, bit for bit,
+the same reduction over the original.
+
+    PYTHONPATH=$PWD python3 benchmarks/footprint.py --shape llama-3-8b --lora-rank 16 --seq-len 655360 --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+import psutil
+import torch
+from torch import nn
+
+GiB = float(1 << 30)
+
+
+class Layer(nn.Module):
+    """A decoder layer's frozen bytes and a trainable scale; forward is ``x * scale``."""
+
+    def __init__(self, hidden: int, frozen_elements: int) -> None:
+        super().__init__()
+        rows = max(1, frozen_elements // hidden)
+        self.frozen = nn.Parameter(torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda"), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones((), device="cuda"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.to(x.dtype)
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, hidden: int, frozen_elements: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(hidden, frozen_elements) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _sample_rss(peak: list, stop: threading.Event) -> None:
+    proc = psutil.Process()
+    while not stop.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        stop.wait(0.1)
+
+
+def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict:
+    from offloadkit.integrations.runtime import prepare
+    from offloadkit.planning import Budgets, plan, resolve_shape
+
+    shape = resolve_shape(shape_name)
+    budgets = Budgets.detect(disk_dir=disk_dir)
+    p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets)
+    config = dict(p.to_config(), chunked_cross_entropy=False, chunked_cross_entropy_num_chunks=None, tiled_mlp=False,
+                  tiled_mlp_num_shards=None, tiled_projections=False)
+    if disk_dir:
+        config["disk_dir"] = disk_dir
+    out: dict = {"shape": shape.name, "layers": shape.layers, "seq_len": seq, "fits": p.fits, "plan": p.name,
+                 "placement": "".join(x[0] for x in p.placement), "config": config,
+                 "budgets_gib": {"gpu": budgets.gpu_bytes / GiB, "host": budgets.host_bytes / GiB,
+                                 "disk": budgets.disk_bytes / GiB},
+                 "predicted": {"host_gib": p.memory.host / GiB, "disk_gib": p.memory.disk / GiB},
+                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    frozen = shape.layer_params if lora_rank else 0
+    model = Stack(shape.layers, shape.hidden, frozen)
+    t0 = time.perf_counter()
+    runtime = prepare(model, config)
+    out["prepare_s"] = time.perf_counter() - t0
+    x_gpu = torch.randn(1, seq, shape.hidden, dtype=torch.bfloat16, device="cuda")
+    # What every layer's scale gradient must be: its input is x (all scales are 1).
+    probe = torch.ones((), device="cuda", requires_grad=True)
+    (expected,) = torch.autograd.grad((x_gpu * probe.to(x_gpu.dtype)).sum(), probe)
+
+    peak, stop = [0], threading.Event()
+    sampler = threading.Thread(target=_sample_rss, args=(peak, stop), daemon=True)
+    sampler.start()
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with runtime.context():
+            loss = model(x_gpu).sum()
+        torch.cuda.synchronize()
+        out["forward_s"] = time.perf_counter() - t0
+        out["host_held_after_forward_gib"] = runtime.manager.host_bytes() / GiB
+        out["on_disk_after_forward_gib"] = (runtime.manager.storage_stats().get("disk") or {}).get("bytes_on_disk", 0) / GiB
+        loss.backward()
+        torch.cuda.synchronize()
+        out["step_s"] = time.perf_counter() - t0
+    finally:
+        stop.set()
+        sampler.join()
+    grads = [layer.scale.grad for layer in model.layers]
+    out["restored_inputs_exact"] = all(g is not None and torch.equal(g, expected) for g in grads)
+    report = runtime.report()
+    storage = report.get("storage") or {}
+    disk = storage.get("disk") or {}
+    out["peak_rss_gib"] = peak[0] / GiB
+    out["disk_written_gib"] = disk.get("bytes_written", 0) / GiB
+    out["disk_read_gib"] = disk.get("bytes_read", 0) / GiB
+    out["disk_fallbacks"] = disk.get("fallbacks", 0)
+    out["disk_write_gb_s"], out["disk_read_gb_s"] = disk.get("write_gb_s"), disk.get("read_gb_s")
+    out["offloaded_gib"] = report["activations"]["offloaded_bytes"] / GiB
+    out["streamed_weights_gib"] = (report.get("layer_streaming") or {}).get("streamed_bytes", 0) / GiB
+    out["peak_gpu_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+    out["tiered"] = storage.get("tiered")
+    runtime.close()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--disk-dir", default=None)
+    ap.add_argument("--out", default="footprint-results")
+    args = ap.parse_args(argv)
+    result = run(args.shape, args.seq_len, args.lora_rank, args.disk_dir)
+    os.makedirs(args.out, exist_ok=True)
+    name = f"footprint-{args.shape}-{args.seq_len}"
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(json.dumps(result, indent=2, default=str))
+    return 0 if result["restored_inputs_exact"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
