@@ -17,7 +17,7 @@ import psutil
 
 from offloadkit.runtime.ranks import local_world_size
 
-__all__ = ["HostMemoryBudget"]
+__all__ = ["HostMemoryBudget", "cgroup_available", "cgroup_limits"]
 
 _GiB = 1 << 30
 
@@ -47,13 +47,24 @@ def _own_cgroups(proc_cgroup: str) -> tuple[str | None, str | None]:
     return v2, v1
 
 
-def _limit_left(directory: str, limit_name: str, usage_name: str) -> int | None:
+def _reclaimable(directory: str, stat_key: str) -> int:
+    """Page cache the kernel drops before it OOM-kills (counted in a cgroup's usage)."""
+    for line in (_read(os.path.join(directory, "memory.stat")) or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key == stat_key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _limit_and_left(directory: str, names: tuple[str, str, str]) -> tuple[int, int] | None:
+    limit_name, usage_name, stat_key = names
     limit, usage = _read(os.path.join(directory, limit_name)), _read(os.path.join(directory, usage_name))
     if limit is None or usage is None or not limit.isdigit() or not usage.isdigit():
         return None  # "max", missing, or unreadable: no limit at this level
     if int(limit) >= 1 << 60:
         return None  # v1 writes "no limit" as a huge number
-    return int(limit) - int(usage)
+    used = max(0, int(usage) - _reclaimable(directory, stat_key))
+    return int(limit), int(limit) - used
 
 
 def _levels(root: str, path: str):
@@ -63,29 +74,39 @@ def _levels(root: str, path: str):
         yield os.path.join(root, *parts[:i])
 
 
-def cgroup_available(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup") -> int | None:
-    """Bytes left under the tightest memory limit of this process's cgroup and its
-    ancestors (v2, else v1), or None where none is set.
+_V2 = ("memory.max", "memory.current", "inactive_file")
+_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
 
-    A container or a SLURM job sets its limit on its own cgroup, not on the root: reading
-    the root's files would find no limit and the job would be OOM-killed instead of
-    offloading less.
+
+def cgroup_limits(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup") -> tuple[int, int] | None:
+    """``(limit, left)``: the tightest memory limit of this process's cgroup and its ancestors
+    (v2, else v1), and the bytes left under the limits, or None where none is set.
+
+    A container or a SLURM job sets its limit on its own cgroup, not on the root: reading the
+    root's files would find no limit and the job would be OOM-killed instead of offloading
+    less. Inactive page cache counts as free: the kernel reclaims it before any OOM kill.
     """
     v2, v1 = _own_cgroups(proc_cgroup)
     candidates = []
     if v2 is not None:
-        candidates.append((root, v2, "memory.max", "memory.current"))
+        candidates.append((root, v2, _V2))
     if v1 is not None:
-        candidates.append((os.path.join(root, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+        candidates.append((os.path.join(root, "memory"), v1, _V1))
     if not candidates:  # no /proc: the root's own files, as a last resort
-        candidates = [(root, "/", "memory.max", "memory.current"),
-                      (os.path.join(root, "memory"), "/", "memory.limit_in_bytes", "memory.usage_in_bytes")]
-    for base, path, limit_name, usage_name in candidates:
-        left = [n for d in _levels(base, path) if (n := _limit_left(d, limit_name, usage_name)) is not None]
+        candidates = [(root, "/", _V2), (os.path.join(root, "memory"), "/", _V1)]
+    for base, path, names in candidates:
+        found = [x for d in _levels(base, path) if (x := _limit_and_left(d, names)) is not None]
         # Inside a namespace the cgroup path may be "/" while the files are those of our own group.
-        if left:
-            return min(left)
+        if found:
+            return min(f[0] for f in found), min(f[1] for f in found)
     return None
+
+
+def cgroup_available(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Bytes left under the tightest memory limit of this process's cgroups (see
+    :func:`cgroup_limits`), or None where none is set."""
+    limits = cgroup_limits(root, proc_cgroup)
+    return None if limits is None else limits[1]
 
 
 def _available_bytes() -> int:
@@ -96,7 +117,11 @@ def _available_bytes() -> int:
 
 
 def _total_bytes() -> int:
-    return int(psutil.virtual_memory().total)
+    """RAM this process may ever use: the machine's, or its cgroup limit when that is less (a
+    128 GiB job on a 2 TiB node must keep a share of its 128 GiB free, not of the node's)."""
+    total = int(psutil.virtual_memory().total)
+    limits = cgroup_limits()
+    return total if limits is None else min(total, limits[0])
 
 
 class HostMemoryBudget:
@@ -109,7 +134,8 @@ class HostMemoryBudget:
     * ``min_free_bytes``: the system must keep at least this much RAM available after
       the reservation. Checked against the live figure, so the guard adapts to other
       processes and to machines whose RAM grows as it is used. Defaults to the larger
-      of 2 GiB and 10% of total RAM.
+      of 2 GiB and 10% of the RAM the process may use (the machine's, or its cgroup
+      limit when that is less).
 
     Host RAM is a node's, not a process's: with ``ranks_per_node`` processes on a node (read
     from the launcher's ``LOCAL_WORLD_SIZE``), each takes at most its share of the RAM above

@@ -207,6 +207,29 @@ def test_cgroup_v1_memory_controller_and_no_limit(tmp_path):
     assert cgroup_available(root, proc) is None
 
 
+def test_cgroup_page_cache_counts_as_free_and_the_limit_is_reported(tmp_path):
+    from offloadkit.storage.budget import cgroup_limits
+
+    root, proc = _cgroup_tree(tmp_path, "0::/job\n", {
+        "job/memory.max": str(16 << 30), "job/memory.current": str(10 << 30),
+        "job/memory.stat": f"anon {4 << 30}\nfile {6 << 30}\ninactive_file {5 << 30}\n",
+    })
+    assert cgroup_limits(root, proc) == (16 << 30, 11 << 30)  # 5 GiB of inactive page cache is reclaimable
+
+
+def test_default_reserve_follows_the_cgroup_limit_not_the_node(monkeypatch):
+    from offloadkit.storage import budget as budget_module
+
+    # A 128 GiB job on a 2 TiB node: keeping 10% of the node free (205 GiB) would refuse everything.
+    monkeypatch.setattr(budget_module.psutil, "virtual_memory",
+                        lambda: type("vm", (), {"total": 2048 * GiB, "available": 1900 * GiB})())
+    monkeypatch.setattr(budget_module, "cgroup_limits", lambda *a, **k: (128 * GiB, 98 * GiB))
+    b = HostMemoryBudget(ranks_per_node=1)
+    assert b.min_free_bytes == int(12.8 * GiB)
+    assert b.headroom() == 98 * GiB - b.min_free_bytes
+    assert b.try_reserve(64 << 20)
+
+
 def test_budget_reads_available_ram_rarely():
     calls = []
     b = HostMemoryBudget(min_free_bytes=0, available_fn=lambda: calls.append(1) or 64 * GiB)
