@@ -17,13 +17,14 @@ changes reach it through :meth:`FlatWeights.write_back`.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from offloadkit.runtime.copies import copy_on
-from offloadkit.runtime.device import device_alias_of_host
+from offloadkit.runtime.device import device_alias_of_host, host_alias
 from offloadkit.storage.pool import HostBufferPool
 
 __all__ = ["FlatWeights", "STREAMED_STORAGE", "streamable_reason"]
@@ -58,6 +59,10 @@ class _Slot:
     param: nn.Parameter
     offset: int  # bytes into the flat storage
     nbytes: int
+
+
+class _Lease:
+    """Held by every alias of one block's host copy (see :class:`FlatWeights`)."""
 
 
 class FlatWeights:
@@ -97,13 +102,17 @@ class FlatWeights:
         self.storage = flat.untyped_storage()
         self._device_views = []
         self._host_views = []
+        # Evicted weights point at aliases of the host copy; each alias's storage holds this
+        # lease, and the host block goes back to the pool only when the lease is gone (after
+        # materialize(), once no state_dict value or detached weight uses an alias any more).
+        self._lease: _Lease | None = _Lease()
         for s in self.slots:
             data = s.param.data
             self._device_views.append(torch.empty(0, dtype=data.dtype, device=device).set_(
                 self.storage, s.offset // data.element_size(), data.shape, data.stride()))
             host_view = self.host_tensor(s)
-            alias = device_alias_of_host(host_view, device) if self.host.pinned else None
-            self._host_views.append(alias if alias is not None else host_view)
+            alias = device_alias_of_host(host_view, device, self._lease) if self.host.pinned else None
+            self._host_views.append(alias if alias is not None else host_alias(host_view, self._lease))
         del flat
         self._point_params(resident=True)
         self.resident = True
@@ -213,9 +222,10 @@ class FlatWeights:
         self._point_params(resident=True)
         for slot in self.slots:
             slot.param.__dict__.pop(STREAMED_STORAGE, None)
-        # GPU aliases of the host copy handed out while evicted (state_dict values, detached
-        # weights) may outlive this call: the host memory goes back only once they are gone.
-        aliases = [v.untyped_storage() for v in self._host_views if v.device.type != "cpu"]
+        # Aliases of the host copy handed out while evicted (state_dict values, detached
+        # weights) may outlive this call: the block goes back when the last of them is gone.
+        lease, self._lease = self._lease, None
+        weakref.finalize(lease, self._pool.release, self.host)
         self._host_views = []
-        self._pool.release_when_unreferenced(self.host, aliases)
         self.host = None
+        del lease

@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "accelerator_available",
     "device_alias_of_host",
+    "host_alias",
     "empty_host_cache",
     "current_stream",
     "host_register",
@@ -92,13 +93,25 @@ def _clear_last_cuda_error() -> None:
         lib.cudaGetLastError()
 
 
-def device_alias_of_host(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+class _Lent:
+    """Memory lent to PyTorch as a device array: a tensor made from it keeps this object, and
+    so ``owner``, alive for as long as the tensor's storage lives."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3, "stream": None}
+
+
+def device_alias_of_host(host: torch.Tensor, device: torch.device, owner: object) -> torch.Tensor | None:
     """A ``device`` tensor over page-locked ``host`` memory (zero-copy, read over the bus), or
     None where the GPU cannot address it at the same pointer.
 
     Streamed weights point at such aliases while evicted: they stay "on the GPU" for code
     that moves or inspects the model (``model.to("cuda")`` is a no-op, PEFT's merge reads and
-    writes them), at the price of slow access outside forward and backward.
+    writes them), at the price of slow access outside forward and backward. The alias's
+    storage holds ``owner`` (whatever keeps the host memory allocated) until the last tensor
+    using it is gone, so a ``state_dict()`` value kept after streaming ends stays valid.
     """
     if device.type != "cuda" or host.device.type != "cpu":
         return None
@@ -111,8 +124,25 @@ def device_alias_of_host(host: torch.Tensor, device: torch.device) -> torch.Tens
         _clear_last_cuda_error()
         return None
     nbytes = host.numel() * host.element_size()
-    storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
-    return torch.empty(0, dtype=host.dtype, device=device).set_(storage, 0, host.shape, host.stride())
+    try:
+        raw = torch.as_tensor(_Lent(host.data_ptr(), nbytes, owner))
+    except (RuntimeError, TypeError, ValueError):
+        _clear_last_cuda_error()
+        return None
+    if raw.device != device or (nbytes and raw.data_ptr() != host.data_ptr()):
+        return None
+    return raw.view(host.dtype).as_strided(host.shape, host.stride())
+
+
+def host_alias(host: torch.Tensor, owner: object) -> torch.Tensor:
+    """A CPU tensor over ``host``'s memory whose storage holds ``owner`` alive (see
+    :func:`device_alias_of_host`)."""
+    nbytes = host.numel() * host.element_size()
+    if nbytes == 0:
+        return host.detach().clone()
+    lent = (ctypes.c_uint8 * nbytes).from_address(host.data_ptr())
+    lent.owner = owner  # type: ignore[attr-defined]  # ctypes arrays take attributes; frombuffer keeps the array
+    return torch.frombuffer(lent, dtype=torch.uint8).view(host.dtype).as_strided(host.shape, host.stride())
 
 
 def empty_host_cache() -> None:

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from offloadkit.runtime.device import PAGE_SIZE, host_register, host_unregister
-from offloadkit.runtime.storages import StorageRef
 from offloadkit.storage.budget import HostMemoryBudget
 
 __all__ = ["HostBlock", "HostBufferPool", "size_class"]
@@ -130,7 +129,6 @@ class HostBufferPool:
         self._seq = itertools.count()
         self._in_use = 0
         self._held = 0
-        self._deferred: list[tuple[HostBlock, list]] = []  # blocks waiting for outside aliases to die
         self._closed = False
         self._can_register = True
         self._lock = threading.Lock()
@@ -160,8 +158,6 @@ class HostBufferPool:
     def acquire(self, nbytes: int) -> HostBlock | None:
         """A block of at least ``nbytes`` bytes, or None if the host budget refuses."""
         cap = size_class(nbytes)
-        if self._deferred:
-            self._reap()
         block = self._acquire(cap)
         if block is None:
             # Idle memory cached by other pools on the same budget (outside our lock: they
@@ -179,24 +175,6 @@ class HostBufferPool:
             self._insert(block.chunk, block.offset, block.capacity, _prune(block.uses))
             if self._closed:
                 self._trim_locked(None)
-
-    def release_when_unreferenced(self, block: HostBlock, storages: list) -> None:
-        """Return ``block`` once every storage in ``storages`` (aliases of its memory made
-        elsewhere, e.g. on the GPU) has been freed; at once if there are none."""
-        refs = [StorageRef(s) for s in storages]
-        if not refs:
-            self.release(block)
-            return
-        with self._lock:
-            self._deferred.append((block, refs))
-        self._reap()
-
-    def _reap(self) -> None:
-        with self._lock:
-            ready = [d for d in self._deferred if all(r.expired() for r in d[1])]
-            self._deferred = [d for d in self._deferred if d not in ready]
-        for block, _ in ready:
-            self.release(block)
 
     def trim(self, need: int | None = None) -> int:
         """Free chunks with nothing in use (all, or until the budget has ``need`` bytes of headroom)."""

@@ -1,6 +1,8 @@
 """Frozen-layer streaming bookkeeping, run with CPU "device" memory (the GPU suite runs the
 same paths on CUDA with streams)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -192,6 +194,26 @@ def test_evicted_weights_read_save_load_and_merge_without_crashing(tmp_path):
     model.save_pretrained(str(tmp_path / "adapter"))
     assert streamer.resident_layers == 0
     streamer.remove()
+
+
+def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy_back():
+    model = lora_llama("tiny")
+    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    run_step(model, make_batch(256, 2, 16))
+    pool = streamer.pool
+    key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    kept = model.state_dict()[key]  # an alias of the host copy, taken while evicted
+    expected = kept.clone()
+    in_use_before = pool.bytes_in_use
+    streamer.remove()
+    # The layer is resident again; the alias still reads the host copy, which is still held.
+    assert pool.bytes_in_use > 0 and torch.equal(kept, expected)
+    held = pool.bytes_in_use
+    del kept
+    gc.collect()
+    assert pool.bytes_in_use < held and pool.bytes_in_use == 0, "the last alias gone: its block goes back"
+    assert in_use_before > held
+    assert pool.budget.used_bytes == pool.bytes_held
 
 
 def test_moving_a_streamed_model_is_a_clear_error():

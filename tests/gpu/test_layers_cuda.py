@@ -180,3 +180,26 @@ def test_evicted_weights_stay_usable_on_the_gpu(tmp_path):
     model.save_pretrained(str(tmp_path / "adapter"))
     assert streamer.resident_layers == 0
     streamer.remove()
+
+
+def test_gpu_aliases_kept_after_remove_stay_readable_then_free_their_host_copy():
+    """A state_dict value taken while a layer is evicted aliases the pinned host copy on the GPU.
+    It must stay valid after remove() and after the streamer is garbage-collected (the alias
+    holds the host block), and the block must go back once the alias is dropped."""
+    model, batch = lora_llama()
+    streamer = apply_layer_streaming(model)
+    run_step(model, batch)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    kept = model.state_dict()[key]
+    assert kept.device.type == "cuda"
+    expected = kept.clone()
+    pool = streamer.pool
+    streamer.remove()
+    del streamer
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.equal(kept * 1, expected), "the GPU reads the host copy the alias keeps alive"
+    assert pool.bytes_in_use > 0
+    del kept
+    gc.collect()
+    assert pool.bytes_in_use == 0 and pool.bytes_held == 0, "closed pool: the last block back frees its chunk"
