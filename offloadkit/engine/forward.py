@@ -72,6 +72,12 @@ class ForwardPath:
                 step = state.step = Step()  # a new forward, or one whose backward already began
             storage = t.untyped_storage()
             start, end = storage_span(t)
+            whole = storage.nbytes()
+            if 2 * (end - start) >= whole:
+                # Most of the storage is needed: move all of it, so that the other parts, saved
+                # next (a chunk()'d fused projection, a tensor saved after its slice), are
+                # served by this copy instead of being copied again by a merge.
+                start, end = 0, whole
             entry = self._find(step, storage._cdata, start, end, t._version)
             copied = entry is None
             if entry is not None:
@@ -157,6 +163,7 @@ class ForwardPath:
         )
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += entry.nbytes
+        self.stats.copied_bytes += entry.nbytes
         self._entries.add(entry)
         self._by_storage.setdefault(entry.key, []).append(entry)
         self._planner.on_saved(step, entry, new=True)

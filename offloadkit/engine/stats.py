@@ -17,13 +17,15 @@ _MiB = 1 << 20
 class OffloadStats:
     """Cumulative since construction or the last ``reset_stats()``.
 
-    ``offloaded_bytes`` counts bytes actually copied off the device (after dedup);
+    ``offloaded_bytes`` counts bytes held off the device (after dedup and merges);
+    ``copied_bytes`` every byte that crossed to the host, including copies a merge gave back;
     ``deduplicated_*`` count saved tensors served by a copy that already existed.
     """
 
     saved_tensors: int = 0
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
+    copied_bytes: int = 0
     deduplicated_tensors: int = 0
     deduplicated_bytes: int = 0
     merged_entries: int = 0  # copies given back because a later save covered them and more

@@ -211,11 +211,47 @@ def test_slice_saved_before_the_whole_moves_the_storage_once():
         loss = SliceFirst()(x)
     stats = ctx.stats
     assert stats.offloaded_bytes == 64 * 64 * 4, "h's storage is held once, not the slice and the whole"
-    assert stats.merged_entries == 1
+    assert stats.copied_bytes == 64 * 64 * 4, "and copied once"
+    assert stats.merged_entries == 0
     loss.backward()
     ref = x.detach().requires_grad_()
     SliceFirst()(ref).backward()
     torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+
+
+def test_chunks_of_a_fused_projection_move_their_storage_once():
+    class FusedGateUp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up = torch.nn.Linear(32, 128, bias=False)
+
+        def forward(self, x):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)  # each half saved by its own op
+            return (F.silu(gate) * up).sum()
+
+    model = FusedGateUp()
+    x = torch.randn(64, 32, requires_grad=True)
+    ctx = cpu_ctx()
+    ctx.track(model)
+    with ctx:
+        loss = model(x)
+    fused, silu_out = 64 * 128 * 4, 64 * 64 * 4
+    assert ctx.stats.copied_bytes == ctx.stats.offloaded_bytes == fused + x.numel() * 4 + silu_out
+    assert ctx.stats.merged_entries == 0 and ctx.stats.deduplicated_tensors >= 1
+    loss.backward()
+    ref = x.detach().requires_grad_()
+    model(ref).backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+
+
+def test_a_small_slice_of_a_large_tensor_moves_only_its_bytes():
+    big = torch.randn(1024, 256, requires_grad=True)
+    ctx = cpu_ctx()
+    with ctx:
+        loss = (big[:8] * 2).sin().sum()  # sin saves its input, a fresh [8, 256] tensor...
+        tail = big[-4:].exp().sum()  # ...exp saves its output; neither copies big's 1 MiB
+    assert ctx.stats.copied_bytes < 64 * 1024
+    (loss + tail).backward()
 
 
 # -- checkpointed blocks called with keyword inputs --------------------------------------------
