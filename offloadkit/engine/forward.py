@@ -58,6 +58,7 @@ class ForwardPath:
     def _pack(self, t: torch.Tensor):
         nbytes = t.numel() * t.element_size()
         state = self._state()
+        state.saves += 1
         reason = "excluded" if (state.keep_depth or state.tail) else self.policy.keep_reason(t)
         if reason is not None:
             with self._lock:

@@ -137,6 +137,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self._entered_threads: set[int] = set()
         self._groups = itertools.count()
         self._budget_warned = False
+        self._warned_no_saves = False
         self._handles: list = []  # module hooks attached on this manager's behalf
         self.tensor_id = 0  # saves numbered so far (TRL's name); never reset
         self._saves: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> handle autograd holds
@@ -153,6 +154,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             self.policy.refresh()
             self._reset_forward()
             self._entered_threads.add(threading.get_ident())
+            state = self._state()
+            state.saves_at_enter = state.saves if torch.is_grad_enabled() else None
         super().__enter__()
         return self
 
@@ -165,6 +168,18 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             if exc_type is not None:
                 # The graph of a failed forward is about to be dropped; do not pin device memory for it.
                 self._flush_stash()
+            elif (getattr(state, "saves_at_enter", None) is not None and state.saves == state.saves_at_enter
+                  and not self._handles and not self._warned_no_saves):
+                self._warned_no_saves = True
+                warnings.warn(
+                    "offloadkit: nothing was saved for backward on this thread inside the offloading "
+                    "region. Saved-tensor hooks are per thread: a forward run on other threads "
+                    "(nn.DataParallel replicas, worker threads) is not offloaded by a bare "
+                    "OffloadActivations. Use get_act_offloading_ctx_manager(model), which follows the "
+                    "model onto the threads it runs on.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             self._drain()
         return False
 
@@ -172,7 +187,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
     def _state(self):
         local = self._local
         if not hasattr(local, "step"):
-            local.step, local.tail, local.keep_depth, local.pushed, local.group = None, False, 0, 0, None
+            local.step, local.tail, local.keep_depth, local.pushed, local.group = None, False, 0, [], None
+            local.saves = 0  # tensors packed on this thread
         return local
 
     def _reset_forward(self) -> None:
@@ -250,20 +266,27 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self._reset_forward()
 
     def forward_pre_hook(self, module, args) -> None:
-        """Root-module pre-hook: a new step; and a forward that runs on another thread than the
-        one that entered the context (``nn.DataParallel`` replicas, user threads) gets the hooks
-        pushed for its duration, since saved-tensor hooks are per thread."""
+        """Root-module pre-hook: a new step (see :meth:`thread_pre_hook` for other threads)."""
         self._reset_forward()
+        self.thread_pre_hook(module, args)
+
+    def thread_pre_hook(self, module, args) -> None:
+        """A forward that runs on another thread than the one that entered the context
+        (``nn.DataParallel`` replicas, user threads) gets the hooks pushed for its duration,
+        since saved-tensor hooks are per thread. Registered on the root and on the model inside
+        wrappers, whose replicas run it on their own threads; the outermost one pushes."""
         state = self._state()
         if (self._entered_threads and threading.get_ident() not in self._entered_threads
-                and torch.is_grad_enabled()):
+                and torch.is_grad_enabled() and not state.pushed):
+            if state.step is not None and not state.step.passes:
+                self._reset_forward()
             push_saved_tensor_hooks(self._pack, self._unpack)
-            state.pushed += 1
+            state.pushed.append(module)
 
     def forward_post_hook(self, module, args, output) -> None:
         state = self._state()
-        if state.pushed:
-            state.pushed -= 1
+        if state.pushed and state.pushed[-1] is module:
+            state.pushed.pop()
             pop_saved_tensor_hooks()
 
     def flush(self) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
 import torch
@@ -180,6 +181,53 @@ def test_forward_on_another_thread_is_offloaded():
     assert_bitwise_equal(ref[0], out["loss"].detach(), "loss")
     assert_bitwise_equal(ref[1], {n: p.grad for n, p in model.named_parameters()}, "grads")
 
+
+class _ThreadedWrapper(torch.nn.Module):
+    """Runs the wrapped model on a worker thread, as nn.DataParallel runs its replicas."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, **kwargs):
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("v", self.module(**kwargs)))
+        t.start()
+        t.join()
+        return out["v"]
+
+
+def test_a_wrapper_that_runs_the_model_on_worker_threads_is_followed():
+    model = build_llama("tiny")
+    batch = make_batch(256, 2, 32)
+    ref = run_step(model, batch)
+    wrapped = _ThreadedWrapper(model)
+    ctx = get_act_offloading_ctx_manager(wrapped, offload_cpu_tensors=True, min_offload_size=0)
+    got = run_step(wrapped, batch, ctx)
+    assert ctx.stats.offloaded_tensors > 0, "hooks on the inner model follow it onto the worker thread"
+    assert_bitwise_equal(ref[1], {k.removeprefix("module."): v for k, v in got[1].items()}, "grads")
+    ctx.remove()
+    assert not model._forward_pre_hooks and not wrapped._forward_pre_hooks
+
+
+def test_a_bare_manager_says_once_when_the_forward_ran_elsewhere():
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    ctx = cpu_ctx()
+    out = {}
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match="per thread") if not out else warnings.catch_warnings():
+            if out:
+                warnings.simplefilter("error")  # the second time: no warning
+            with ctx:
+                t = threading.Thread(target=lambda: out.__setitem__("y", net(x).sum()))
+                t.start()
+                t.join()
+        out["y"].backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ctx:  # a region that saves on its own thread never warns
+            net(x).sum().backward()
 
 def test_varying_lengths_keep_the_learned_order_and_the_pool():
     model = build_llama("tiny")
