@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from offloadkit.engine.offload import OffloadActivations
+from offloadkit.engine.validation import check_modules
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import first_grad_fn
 
@@ -85,6 +86,7 @@ def get_act_offloading_ctx_manager(
             f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model itself "
             "(not its state_dict or a pipeline)"
         )
+    exclude = check_modules(head, exclude)
     manager = OffloadActivations(
         use_pin_memory=use_pin_memory,
         use_streams=use_streams,

@@ -35,11 +35,7 @@ def offload_probes(trainer):
         runtime, manager = _manager(trainer)
         total = 0
         if manager is not None:
-            tier = manager.tier
-            for t in (tier, getattr(tier, "ram", None), getattr(tier, "disk", None)):
-                pool = getattr(t, "pool", None)
-                if pool is not None:
-                    total += pool.bytes_in_use
+            total += manager.tier.host_bytes_in_use()
         if runtime is not None and runtime.streamer is not None:
             total += runtime.streamer.pool.bytes_in_use
         return total
@@ -48,8 +44,7 @@ def offload_probes(trainer):
         _, manager = _manager(trainer)
         if manager is None:
             return 0
-        tier = manager.tier if manager.tier.name == "disk" else getattr(manager.tier, "disk", None)
-        return tier.bytes_on_disk if tier is not None else 0
+        return manager.tier.bytes_on_disk()
 
     return host, disk
 

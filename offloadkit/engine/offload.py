@@ -51,9 +51,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         max_fwd_stash_size: device sources kept alive while their copies are in flight
             during forward (>= 1). Past it the compute stream waits for the oldest copy.
         prefetch: entries brought back ahead of the one in use during backward
-            (``activation_loading_horizon``), >= 0; 0 disables prefetching. ``None``: 2 for
-            RAM; 4 for disk storage, whose reads take longer (measured on an 8B LoRA step at
-            16K tokens: 3.86 s -> 3.77 s on disk, 3.33 s -> 3.17 s tiered).
+            (``activation_loading_horizon``), >= 0; 0 disables prefetching. ``None``: the
+            tier's default, 2 for RAM and 4 for disk storage, whose reads take longer.
         prefetch_bytes: also keep at least this many bytes in flight ahead. Without
             checkpointing, entries range from KiB to hundreds of MiB and a count alone
             leaves the copy engine idle. ``None`` (default): 1/16 of the bytes the step
@@ -102,7 +101,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
     ) -> None:
         check_args(use_pin_memory=use_pin_memory, use_streams=use_streams, max_fwd_stash_size=max_fwd_stash_size,
                     prefetch=prefetch, prefetch_bytes=prefetch_bytes, host_budget_bytes=host_budget_bytes,
-                    storage=storage, disk=disk, offload_cpu_tensors=offload_cpu_tensors)
+                    storage=storage, disk=disk, offload_cpu_tensors=offload_cpu_tensors, budget=budget, tier=tier,
+                    measure_waits=measure_waits)
         device_types = ("cuda", "cpu") if offload_cpu_tensors else ("cuda",)
         self.policy = OffloadPolicy(min_offload_size, device_types)
         self.use_streams = bool(use_streams)
@@ -118,9 +118,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         if tier is None:
             tier = build_tier(storage, self.budget, pin_memory=pin, use_streams=self.use_streams, disk=disk)
         self.tier = tier
-        if prefetch is None:
-            prefetch = 2 if tier.name == "ram" else 4
-        self.prefetch = prefetch
+        self.prefetch = tier.default_prefetch if prefetch is None else prefetch
         self.stats = OffloadStats()
         self._clock = WaitClock(measure_waits and accelerator_available())
 

@@ -3,14 +3,18 @@ argument, the value and the fix, before anything is built."""
 
 from __future__ import annotations
 
+from torch import nn
+
+from offloadkit.storage.base import StorageTier
+from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.disk import DiskOptions
 from offloadkit.storage.factory import STORAGE_KINDS
 
-__all__ = ["check_args"]
+__all__ = ["check_args", "check_modules"]
 
 def check_args(**args) -> None:
     """``ValueError`` naming the argument, the value and the fix, before anything is built."""
-    for name in ("use_pin_memory", "use_streams", "offload_cpu_tensors"):
+    for name in ("use_pin_memory", "use_streams", "offload_cpu_tensors", "measure_waits"):
         if not isinstance(args[name], bool):
             raise ValueError(f"{name}={args[name]!r} is invalid; pass True or False")
     stash = args["max_fwd_stash_size"]
@@ -29,3 +33,31 @@ def check_args(**args) -> None:
     if disk is not None and not isinstance(disk, DiskOptions):
         raise ValueError(f"disk={disk!r} is invalid; pass DiskOptions(directory=...) "
                          f"(e.g. disk=DiskOptions(directory={disk!r})) or None")
+    budget = args["budget"]
+    if budget is not None and not isinstance(budget, HostMemoryBudget):
+        raise ValueError(f"budget={budget!r} is invalid; pass a HostMemoryBudget (shared by several managers) "
+                         "or None; a byte cap goes in host_budget_bytes=")
+    tier = args["tier"]
+    if tier is not None and not isinstance(tier, StorageTier):
+        raise ValueError(f"tier={tier!r} is invalid; pass a ready storage tier or None"
+                         + (f"; choose a kind with storage={tier!r}" if isinstance(tier, str) else ""))
+
+
+def check_modules(head, exclude) -> list:
+    """``head`` (a module or None) and ``exclude`` (modules) as given to
+    :func:`~offloadkit.get_act_offloading_ctx_manager`; returns ``exclude`` as a list."""
+    if head is not None and not isinstance(head, nn.Module):
+        raise ValueError(f"head={head!r} is invalid; pass the output head module itself "
+                         "(e.g. head=model.lm_head) or None to find it")
+    if isinstance(exclude, nn.Module):
+        exclude = [exclude]
+    try:
+        modules = list(exclude)
+    except TypeError:
+        raise ValueError(f"exclude={exclude!r} is invalid; pass a list of modules") from None
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            hint = " (a class: pass its instances, e.g. [m for m in model.modules() if isinstance(m, C)])" \
+                if isinstance(m, type) else ""
+            raise ValueError(f"exclude contains {m!r}, which is not a module instance{hint}")
+    return modules

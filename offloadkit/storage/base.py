@@ -8,7 +8,7 @@ the device and brings it back. The engine owns *what* to move and *when*; tiers 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -109,11 +109,13 @@ class Loaded:
     alloc_stream: Any = None
 
 
+@runtime_checkable
 class StorageTier(Protocol):
     """What the engine and the report need of a tier; nothing else is looked up by name."""
 
     name: str
     pools: tuple  # the HostBufferPools holding this tier's host memory (primary first)
+    default_prefetch: int  # entries to fetch ahead in backward when the user sets none
 
     def store(self, src: torch.Tensor) -> Stored | None:
         """Start moving ``src`` (uint8, 1-D) off the device; None if this tier has no room."""
@@ -126,6 +128,12 @@ class StorageTier(Protocol):
 
     def host_bytes(self) -> int:
         """Host RAM held (pinned buffers, staging), in use or idle."""
+
+    def host_bytes_in_use(self) -> int:
+        """Host RAM holding offloaded data (or data on its way to disk) now."""
+
+    def bytes_on_disk(self) -> int:
+        """Bytes of offloaded data on disk now (0 for tiers without files)."""
 
     def stats_dict(self) -> dict:
         """Tier counters keyed by tier name (``{"disk": {...}}``); empty when there are none."""

@@ -157,6 +157,9 @@ class DiskTier:
     """
 
     name = "disk"
+    # Reads take longer than pinned copies (measured on an 8B LoRA step at 16K tokens:
+    # 3.86 s -> 3.77 s on disk, 3.33 s -> 3.17 s tiered with 4 instead of 2).
+    default_prefetch = 4
 
     def __init__(self, budget: HostMemoryBudget, options: DiskOptions | None = None, pin_memory: bool = True,
                  use_streams: bool = True) -> None:
@@ -182,7 +185,7 @@ class DiskTier:
         self._can_punch = True
         self._inflight = 0
         self._pending_write_bytes = 0
-        self.bytes_on_disk = 0  # extents allocated and not freed
+        self.disk_in_use = 0  # bytes of extents allocated and not freed
         self._write_busy = Busy()
         self._read_busy = Busy()
         self._side_streams: dict[int, torch.cuda.Stream] = {}
@@ -304,6 +307,12 @@ class DiskTier:
     def host_bytes(self) -> int:
         return self.pool.bytes_held
 
+    def host_bytes_in_use(self) -> int:
+        return self.pool.bytes_in_use
+
+    def bytes_on_disk(self) -> int:
+        return self.disk_in_use
+
     def disk_bytes(self) -> int:
         """Bytes the file system really holds for this tier's files."""
         with self._lock:
@@ -311,7 +320,7 @@ class DiskTier:
 
     def stats_dict(self) -> dict:
         d = self.stats.as_dict()
-        d.update(bytes_on_disk=self.bytes_on_disk, disk_bytes=self.disk_bytes())
+        d.update(bytes_on_disk=self.disk_in_use, disk_bytes=self.disk_bytes())
         return {"disk": d}
 
     def close(self) -> None:
@@ -363,7 +372,7 @@ class DiskTier:
             segment.size += length
             segment.live += 1
             segment.pending += 1
-            self.bytes_on_disk += length
+            self.disk_in_use += length
             self._inflight += length
             self._pending_write_bytes += length
             return segment, offset
@@ -372,7 +381,7 @@ class DiskTier:
         with self._lock:
             segment.live -= 1
             segment.pending -= 1
-            self.bytes_on_disk -= length
+            self.disk_in_use -= length
             self._inflight -= length
             self._pending_write_bytes -= length
             if segment.live == 0:
@@ -518,7 +527,7 @@ class DiskTier:
             return
         with self._lock:
             segment.live -= 1
-            self.bytes_on_disk -= record.length
+            self.disk_in_use -= record.length
             if segment.fd >= 0 and segment.live > 0 and self._can_punch:
                 # Other entries keep this file: give this extent's blocks back now.
                 if punch_hole(segment.fd, record.offset, record.length):

@@ -43,6 +43,7 @@ class HostTier:
     """
 
     name = "ram"
+    default_prefetch = 2
 
     def __init__(self, pool: HostBufferPool, use_streams: bool = True) -> None:
         self.pool = pool
@@ -105,6 +106,12 @@ class HostTier:
 
     def host_bytes(self) -> int:
         return self.pool.bytes_held
+
+    def host_bytes_in_use(self) -> int:
+        return self.pool.bytes_in_use
+
+    def bytes_on_disk(self) -> int:
+        return 0
 
     def stats_dict(self) -> dict:
         return {}

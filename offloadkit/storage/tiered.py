@@ -53,6 +53,7 @@ class TieredTier:
     """
 
     name = "tiered"
+    default_prefetch = 4  # what comes back from disk sets the pace (see DiskTier)
 
     def __init__(self, ram: HostTier, disk: DiskTier, reserve_bytes: int = 512 << 20) -> None:
         self.ram, self.disk = ram, disk
@@ -118,6 +119,12 @@ class TieredTier:
 
     def host_bytes(self) -> int:
         return sum(pool.bytes_held for pool in self.pools)
+
+    def host_bytes_in_use(self) -> int:
+        return sum(pool.bytes_in_use for pool in self.pools)
+
+    def bytes_on_disk(self) -> int:
+        return self.disk.bytes_on_disk()
 
     def stats_dict(self) -> dict:
         return {"tiered": self.stats.as_dict(), **self.disk.stats_dict()}

@@ -347,10 +347,23 @@ def test_checkpointed_block_keyword_inputs_are_offloaded():
     (dict(use_streams="yes"), "use_streams"),
     (dict(storage="nvme"), "storage"),
     (dict(min_offload_size="1k"), "min_offload_size"),
+    (dict(budget="1GiB"), "budget"),
+    (dict(tier="disk"), "tier="),
+    (dict(measure_waits="no"), "measure_waits"),
 ])
 def test_wrong_argument_types_name_the_argument(kw, name):
     with pytest.raises(ValueError, match=name):
         OffloadActivations(offload_cpu_tensors=True, **kw)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(head="lm_head"), "head="),
+    (dict(exclude=[torch.nn.Linear]), "not a module instance"),
+    (dict(exclude=3), "exclude="),
+])
+def test_wrong_module_arguments_name_the_argument(kw, name):
+    with pytest.raises(ValueError, match=name):
+        get_act_offloading_ctx_manager(torch.nn.Linear(4, 4), offload_cpu_tensors=True, **kw)
 
 
 def test_empty_tensor_on_a_fixed_storage_is_kept():
