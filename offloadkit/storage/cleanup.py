@@ -42,25 +42,43 @@ def live_dirs() -> set[str]:
         return set(_live)
 
 
+def _through_symlink(path: str) -> bool:
+    """Whether any component of the absolute ``path`` is a symlink (dangling ones included)."""
+    current = os.sep
+    for part in path.split(os.sep):
+        if not part:
+            continue
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            return True
+    return False
+
+
 def check_parent(parent: str) -> str:
     """The real path of a user-given spill parent, refusing one an attacker could redirect.
 
-    A symlinked parent is followed only when its target is owned by this user (or by root
-    with the sticky bit, like ``/tmp``) and no one else can write to it otherwise.
+    When any component of the path is a symlink (also in the middle, also dangling), the
+    directory the spill directories would be created in, the deepest one of the real path
+    that exists, must be owned by this user (or by root with the sticky bit, like ``/tmp``)
+    and not be writable by others without the sticky bit.
 
     Raises:
-        ValueError: naming the parent, its target and the fix.
+        ValueError: naming the parent, where it leads and the fix.
     """
     real = os.path.realpath(parent)
-    if os.path.islink(parent) and os.path.exists(real):
-        st = os.stat(real)
+    if _through_symlink(os.path.abspath(parent)):
+        anchor = real
+        while not os.path.isdir(anchor) and anchor != os.path.dirname(anchor):
+            anchor = os.path.dirname(anchor)
+        st = os.stat(anchor)
         sticky = bool(st.st_mode & stat.S_ISVTX)
         others_write = bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
         owner_ok = st.st_uid == os.getuid() or (st.st_uid == 0 and sticky)
         if not owner_ok or (others_write and not sticky):
             raise ValueError(
-                f"disk directory {parent!r} is a symlink to {real!r}, which is owned by uid {st.st_uid} "
-                f"or writable by others; pass a directory you own (e.g. {real!r} after checking it)"
+                f"disk directory {parent!r} goes through a symlink to {real!r}, inside {anchor!r}, which is "
+                f"owned by uid {st.st_uid} or writable by others; pass a directory you own (e.g. {real!r} "
+                "after checking it)"
             )
     return real
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import pytest
@@ -506,9 +507,14 @@ def test_live_directory_of_a_process_in_another_namespace_is_kept(tmp_path):
 def test_stale_sweep_never_reports_a_symlink(tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir()
-    os.symlink(target, tmp_path / "offloadkit-999999999-abc")
+    (target / "data").write_bytes(b"x")
+    link = tmp_path / "offloadkit-999999999-abc"
+    os.symlink(target, link)
+    old = time.time() - 3600  # past the start-up grace period: the sweep looks at it for real
+    os.utime(link, (old, old), follow_symlinks=False)
+    os.utime(target, (old, old))
     assert remove_stale_dirs(str(tmp_path)) == []
-    assert target.is_dir()
+    assert target.is_dir() and (target / "data").exists() and link.is_symlink()
 
 
 def test_symlinked_spill_parent_owned_by_someone_else_is_refused(tmp_path):
@@ -521,10 +527,17 @@ def test_symlinked_spill_parent_owned_by_someone_else_is_refused(tmp_path):
     os.symlink(foreign, link)
     with pytest.raises(ValueError, match="symlink"):
         create_private_dir(str(link))
+    with pytest.raises(ValueError, match="symlink"):  # a symlink in the middle of the path
+        create_private_dir(str(link / "spill"))
+    os.symlink(foreign / "not-yet", tmp_path / "dangling")
+    with pytest.raises(ValueError, match="symlink"):  # a dangling one, into the same directory
+        create_private_dir(str(tmp_path / "dangling"))
+    assert not (foreign / "spill").exists() and not (foreign / "not-yet").exists()
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o700)
     os.symlink(mine, tmp_path / "ok")
     assert create_private_dir(str(tmp_path / "ok")).startswith(str(mine))
+    assert create_private_dir(str(tmp_path / "ok" / "sub")).startswith(str(mine / "sub"))
 
 
 def test_no_signal_handler_or_exit_hook_at_import():
