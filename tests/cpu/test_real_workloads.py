@@ -83,10 +83,11 @@ def test_inplace_write_through_a_view_when_the_saved_object_is_gone():
 def test_inplace_dropout_after_save_raises():
     def step(ctx):
         x = torch.randn(64, 64, requires_grad=True)
+        w = torch.randn(64, 32, requires_grad=True)
         with ctx if ctx is not None else torch.enable_grad():
-            h = x.exp()  # exp saves its output h
-            out = h.tanh()
-        F.dropout(h, 0.5, training=True, inplace=True)
+            h = x * 2.0  # saves nothing
+            out = h[:, :32] * w  # saves the slice: a temporary object, gone after this line
+        F.dropout(h, 0.5, training=True, inplace=True)  # writes the slice's memory
         (out.sum()).backward()
 
     _raises_like_pytorch(step)
