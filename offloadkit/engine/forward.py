@@ -22,7 +22,7 @@ from offloadkit.engine.prefetch import PrefetchPlanner, Step
 from offloadkit.engine.spans import DeathQueue, Entry, Kept, Packed, span_view, storage_span
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.runtime.device import current_stream
-from offloadkit.runtime.storages import StorageRef
+from offloadkit.runtime.storages import StorageRef, storage_key, version_of
 from offloadkit.storage.base import StorageTier
 from offloadkit.storage.budget import HostMemoryBudget
 
@@ -79,7 +79,8 @@ class ForwardPath:
                 # next (a chunk()'d fused projection, a tensor saved after its slice), are
                 # served by this copy instead of being copied again by a merge.
                 start, end = 0, whole
-            entry = self._find(step, storage._cdata, start, end, t._version)
+            key, version = storage_key(storage), version_of(t)
+            entry = self._find(step, key, start, end, version)
             copied = entry is None
             if entry is not None:
                 entry.group = state.group  # needed with its newest saver's group
@@ -87,11 +88,11 @@ class ForwardPath:
                 self.stats.deduplicated_bytes += nbytes
                 self._planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
             else:
-                overlapping = self._overlapping(step, storage._cdata, start, end, t._version)
+                overlapping = self._overlapping(step, key, start, end, version)
                 if overlapping:
                     start = min(start, *(e.start for e in overlapping))
                     end = max(end, *(e.end for e in overlapping))
-                entry = self._offload(step, storage, start, end, t.device, t._version)
+                entry = self._offload(step, storage, start, end, t.device, version)
                 if entry is None:
                     self.stats.note_kept("budget", nbytes)
                     return self._register(Kept(t))
@@ -154,7 +155,7 @@ class ForwardPath:
                 )
             return None
         entry = Entry(
-            key=storage._cdata,
+            key=storage_key(storage),
             weak=_weak(storage),
             start=start,
             end=end,

@@ -12,22 +12,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from offloadkit.runtime.storages import StorageRef
+from offloadkit.runtime.storages import StorageRef, base_of, local_shard, storage_key
 
 __all__ = ["OffloadPolicy", "KEEP_REASONS"]
 
 KEEP_REASONS = ("excluded", "device", "small", "parameter", "unsupported", "budget")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # DTensor (FSDP2 / tensor parallel) keeps its shard in ``_local_tensor``.
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
 def _storage(t: torch.Tensor):
     try:
-        return _local(t).untyped_storage()
+        return local_shard(t).untyped_storage()
     except Exception:  # meta / functional / exotic subclasses have no real storage
         return None
 
@@ -80,7 +74,7 @@ class OffloadPolicy:
                 # A streamed frozen weight also owns a flat device storage it may not point at now.
                 for storage in (_storage(t), t.__dict__.get("_offloadkit_streamed_storage")):
                     if storage is not None:
-                        found[storage._cdata] = StorageRef(storage)
+                        found[storage_key(storage)] = StorageRef(storage)
         self._param_storages = found
 
     def storage_pointers(self) -> set[int]:
@@ -94,12 +88,12 @@ class OffloadPolicy:
         return out
 
     def is_parameter_storage(self, t: torch.Tensor) -> bool:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        if isinstance(t, nn.Parameter) or isinstance(base_of(t), nn.Parameter):
             return True
         if not self._param_storages:
             return False
         storage = _storage(t)
-        ref = self._param_storages.get(storage._cdata) if storage is not None else None
+        ref = self._param_storages.get(storage_key(storage)) if storage is not None else None
         return ref is not None and not ref.expired()
 
     def keep_reason(self, t: torch.Tensor) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from offloadkit.runtime.autograd import version_alias
-from offloadkit.runtime.storages import StorageRef
+from offloadkit.runtime.storages import StorageRef, version_of
 
 __all__ = ["ALIGN", "DeathQueue", "Entry", "Kept", "Packed", "inplace_error", "storage_span", "span_view"]
 
@@ -153,7 +153,7 @@ class Packed:
         self.itemsize = t.element_size()
         # elements from the entry's first byte (entry.start is a multiple of every itemsize)
         self.offset = (t.storage_offset() * self.itemsize - entry.start) // self.itemsize
-        self.version = t._version
+        self.version = version_of(t)
         self.alias = version_alias(t)
         self.ref = weakref.ref(t) if self.alias is None else None  # weaker fallback
         self.seen_gen = -1
@@ -161,8 +161,8 @@ class Packed:
 
     def check_version(self) -> None:
         t = self.alias if self.alias is not None else (self.ref() if self.ref is not None else None)
-        if t is not None and t._version != self.version:
-            raise inplace_error(self.dtype, self.size, t._version, self.version)
+        if t is not None and version_of(t) != self.version:
+            raise inplace_error(self.dtype, self.size, version_of(t), self.version)
 
     def __del__(self) -> None:
         # Runs on whichever thread drops the last reference (often an autograd worker).
@@ -190,11 +190,11 @@ class Kept:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.tensor = t.detach()  # never the tensor itself: that would form a reference cycle
-        self.version = t._version
+        self.version = version_of(t)
 
     def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise inplace_error(self.tensor.dtype, self.tensor.shape, self.tensor._version, self.version)
+        if version_of(self.tensor) != self.version:
+            raise inplace_error(self.tensor.dtype, self.tensor.shape, version_of(self.tensor), self.version)
         return self.tensor
 
 

@@ -66,21 +66,17 @@ class LayerStreamer:
 
     def __init__(self, model: nn.Module, blocks, *, depth: int = 2, use_pin_memory: bool = True,
                  budget: HostMemoryBudget | None = None, head: nn.Module | None = None,
-                 simulate_on_cpu: bool = False, measure_waits: bool = True) -> None:
+                 measure_waits: bool = True) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth={depth!r} is invalid; it is the number of resident layers, an int >= 1")
-        if not torch.cuda.is_available() and not simulate_on_cpu:
-            raise RuntimeError(
-                "offloadkit: layer_offloading streams weights to a CUDA GPU and none is available; "
-                "turn layer_offloading off on this machine"
-            )
         self.model = model
         self.depth = depth
-        self.device = torch.device("cuda", torch.cuda.current_device()) if not simulate_on_cpu else torch.device("cpu")
+        self.device = self._compute_device()
+        cuda = self.device.type == "cuda"
         self.budget = budget if budget is not None else HostMemoryBudget()
-        self.pool = HostBufferPool(use_pin_memory and not simulate_on_cpu, self.budget)
+        self.pool = HostBufferPool(use_pin_memory and cuda, self.budget)
         self.stats = StreamStats()
-        self._clock = WaitClock(measure_waits and not simulate_on_cpu)
+        self._clock = WaitClock(measure_waits and cuda)
         self._clock_stats = OffloadStats()
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.RLock()
@@ -119,6 +115,15 @@ class LayerStreamer:
         head = head if head is not None else find_output_head(model)
         if head is not None:
             self._handles.append(head.register_forward_hook(self._head_post_hook))
+
+    def _compute_device(self) -> torch.device:
+        """Where the weights are streamed to: the current CUDA device."""
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "offloadkit: layer_offloading streams weights to a CUDA GPU and none is available; "
+                "turn layer_offloading off on this machine"
+            )
+        return torch.device("cuda", torch.cuda.current_device())
 
     # -- hooks ---------------------------------------------------------------------------
     def _hook_block(self, index: int, block: nn.Module) -> None:
@@ -317,8 +322,7 @@ class _AttrHandle:
 
 def apply_layer_streaming(model: nn.Module, *, block_types=None, predicate=None, depth: int = 2,
                           use_pin_memory: bool = True, host_budget_bytes: int | None = None,
-                          budget: HostMemoryBudget | None = None, head: nn.Module | None = None,
-                          simulate_on_cpu: bool = False) -> LayerStreamer:
+                          budget: HostMemoryBudget | None = None, head: nn.Module | None = None) -> LayerStreamer:
     """Stream the frozen weights of ``model``'s blocks (decoder layers) from pinned host memory.
 
     Args:
@@ -328,7 +332,6 @@ def apply_layer_streaming(model: nn.Module, *, block_types=None, predicate=None,
         use_pin_memory: page-lock the host copies (needed for asynchronous copies).
         host_budget_bytes / budget: host-memory budget for the copies.
         head: the output head (auto-detected) whose backward starts the reverse prefetch.
-        simulate_on_cpu: run the bookkeeping with CPU "device" memory (tests only).
 
     Returns:
         The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.
@@ -337,9 +340,17 @@ def apply_layer_streaming(model: nn.Module, *, block_types=None, predicate=None,
         >>> streamer = apply_layer_streaming(peft_model)
         >>> loss = peft_model(**batch).loss; loss.backward()
     """
+    return build_streamer(LayerStreamer, model, block_types=block_types, predicate=predicate, depth=depth,
+                          use_pin_memory=use_pin_memory, host_budget_bytes=host_budget_bytes, budget=budget,
+                          head=head)
+
+
+def build_streamer(cls: type[LayerStreamer], model: nn.Module, *, block_types=None, predicate=None, depth: int = 2,
+                   use_pin_memory: bool = True, host_budget_bytes: int | None = None,
+                   budget: HostMemoryBudget | None = None, head: nn.Module | None = None) -> LayerStreamer:
+    """What :func:`apply_layer_streaming` does, with the streamer class given."""
     _refuse_fsdp2(model)
     blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
     if budget is None:
         budget = HostMemoryBudget(host_budget_bytes)
-    return LayerStreamer(model, blocks, depth=depth, use_pin_memory=use_pin_memory, budget=budget,
-                         head=head, simulate_on_cpu=simulate_on_cpu)
+    return cls(model, blocks, depth=depth, use_pin_memory=use_pin_memory, budget=budget, head=head)

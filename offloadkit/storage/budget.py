@@ -146,7 +146,7 @@ class HostMemoryBudget:
     Args:
         limit_bytes: hard cap for this process, or None.
         min_free_bytes: RAM that must stay available, or None for the default.
-        available_fn: returns available system RAM in bytes (injectable for tests).
+        available_fn: where available RAM is read from (default: psutil within the cgroup limits).
         ranks_per_node: processes sharing this node's RAM (None: from the environment).
 
     Example:

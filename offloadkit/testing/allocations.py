@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from offloadkit.runtime.dispatch import TorchDispatchMode, tree_leaves
 
 __all__ = ["AllocationTracker", "SavedTensorTracker"]
 

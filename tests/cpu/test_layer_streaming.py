@@ -16,6 +16,7 @@ from offloadkit.testing import (
     randomize_lora_b,
     run_step,
 )
+from offloadkit.testing.cpu_streaming import stream_layers_on_cpu
 
 peft = pytest.importorskip("peft")
 
@@ -30,7 +31,7 @@ def test_streaming_parity_and_residency_cap():
     model = lora_llama()
     batch = make_batch(2048, 2, 32)
     ref = run_step(model, batch)
-    streamer = apply_layer_streaming(model, depth=2, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model, depth=2)
     layers = model.config.num_hidden_layers
     assert len(streamer.layers) == layers and streamer.resident_layers == 0
     for _ in range(3):
@@ -51,7 +52,7 @@ def test_depth_bounds_resident_layers(depth):
     model = lora_llama()
     batch = make_batch(2048, 2, 32)
     ref = run_step(model, batch)
-    streamer = apply_layer_streaming(model, depth=depth, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model, depth=depth)
     got = run_step(model, batch)
     assert_bitwise_equal(ref[1], got[1], "grads")
     assert streamer.stats.max_resident == depth
@@ -64,7 +65,7 @@ def test_streaming_with_checkpointing_shares_one_load_per_layer():
     batch = make_batch(2048, 2, 32)
     ref = run_step(model, batch)
     ckpt = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True)
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     got = run_step(model, batch)
     assert_bitwise_equal(ref[0], got[0], "loss")
     assert_bitwise_equal(ref[1], got[1], "grads")
@@ -81,7 +82,7 @@ def test_hf_checkpointing_with_streaming():
     ref = run_step(model, batch)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     got = run_step(model, batch)
     assert_bitwise_equal(ref[1], got[1], "grads")
     assert streamer.stats.misses == 0
@@ -91,7 +92,7 @@ def test_hf_checkpointing_with_streaming():
 def test_state_dict_and_adapter_saving(tmp_path):
     model = lora_llama("tiny")
     full_ref = {k: v.clone() for k, v in model.state_dict().items()}
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     run_step(model, make_batch(256, 2, 16))
     full = model.state_dict()
     assert full.keys() == full_ref.keys()
@@ -112,7 +113,7 @@ def test_remove_restores_weights_and_hooks():
     hooks_before = {id(m): (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks))
                     for m in model.modules()}
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     run_step(model, make_batch(256, 2, 16))
     streamer.remove()
     hooks_after = {id(m): (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks))
@@ -130,7 +131,7 @@ def test_tied_and_shared_weights_are_not_streamed():
     base = model.get_base_model()
     shared = base.model.layers[0].mlp.up_proj.base_layer.weight
     base.model.layers[1].mlp.up_proj.base_layer.weight = shared  # one Parameter in two layers
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     assert streamer.stats.skipped_params["shared"] == 2
     assert shared.untyped_storage().nbytes() > 0
     streamer.remove()
@@ -142,19 +143,19 @@ def test_errors_are_clear():
             apply_layer_streaming(lora_llama("tiny"))
     full = build_llama("tiny")  # nothing frozen
     with pytest.raises(ValueError, match="no frozen parameters"):
-        apply_layer_streaming(full, simulate_on_cpu=True)
+        stream_layers_on_cpu(full)
     with pytest.raises(ValueError, match="depth"):
-        apply_layer_streaming(lora_llama("tiny"), depth=0, simulate_on_cpu=True)
+        stream_layers_on_cpu(lora_llama("tiny"), depth=0)
     with pytest.raises(ValueError, match="no blocks found"):
-        apply_layer_streaming(torch.nn.Linear(3, 3), simulate_on_cpu=True)
+        stream_layers_on_cpu(torch.nn.Linear(3, 3))
     tiny_budget = HostMemoryBudget(limit_bytes=1024, min_free_bytes=0)
     with pytest.raises(RuntimeError, match="budget"):
-        apply_layer_streaming(lora_llama("tiny"), budget=tiny_budget, simulate_on_cpu=True)
+        stream_layers_on_cpu(lora_llama("tiny"), budget=tiny_budget)
 
 
 def test_forward_without_backward_and_eval():
     model = lora_llama("tiny")
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     batch = make_batch(256, 2, 16)
     model(**batch)  # graph dropped
     with torch.no_grad():
@@ -168,7 +169,7 @@ def test_evicted_weights_read_save_load_and_merge_without_crashing(tmp_path):
     batch = make_batch(256, 2, 16)
     base_q = model.base_model.model.model.layers[0].self_attn.q_proj
     original = base_q.base_layer.weight.detach().clone()
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     run_step(model, batch)
     assert streamer.resident_layers == 0
     # reading an evicted weight gives its value (from the host copy), never a crash
@@ -198,7 +199,7 @@ def test_evicted_weights_read_save_load_and_merge_without_crashing(tmp_path):
 
 def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy_back():
     model = lora_llama("tiny")
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     run_step(model, make_batch(256, 2, 16))
     pool = streamer.pool
     key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
@@ -218,7 +219,7 @@ def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy
 
 def test_moving_a_streamed_model_is_a_clear_error():
     model = lora_llama("tiny")
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     model.to(torch.float64)
     with pytest.raises(RuntimeError, match="remove"):
         model(**make_batch(256, 1, 8))
@@ -228,7 +229,7 @@ def test_moving_a_streamed_model_is_a_clear_error():
 def test_failed_backward_does_not_leave_layers_resident():
     model = lora_llama("small")
     batch = make_batch(2048, 2, 16)
-    streamer = apply_layer_streaming(model, depth=2, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model, depth=2)
 
     class Boom(Exception):
         pass
@@ -261,7 +262,7 @@ def test_merges_that_replace_weight_data_reach_the_host_copy(how):
 
     model, reference = build(), build()
     batch = make_batch(256, 2, 16)
-    streamer = apply_layer_streaming(model, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(model)
     run_step(model, batch)
     with torch.no_grad():
         if how == "safe_merge":
@@ -300,7 +301,7 @@ def test_detached_aliases_of_streamed_weights_are_never_offloaded():
     net(x).backward()
     ref = x.grad.clone()
     x.grad = None
-    streamer = apply_layer_streaming(net, simulate_on_cpu=True)
+    streamer = stream_layers_on_cpu(net)
     ctx = get_act_offloading_ctx_manager(net, offload_cpu_tensors=True, min_offload_size=0, warn_if_no_head=False)
     with ctx:
         loss = net(x)

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from offloadkit import get_act_offloading_ctx_manager
+from offloadkit.testing.cpu_streaming import stream_layers_on_cpu
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.testing import build_llama, make_batch
 
@@ -92,15 +93,13 @@ def fail(rank, world):
 def stream_fsdp2(rank, world):
     from torch.distributed.fsdp import fully_shard
 
-    from offloadkit.layers import apply_layer_streaming
-
     model = build_llama("tiny")
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in model.model.layers:
         fully_shard(layer)
     try:
-        apply_layer_streaming(model, simulate_on_cpu=True)
+        stream_layers_on_cpu(model)
     except ValueError as exc:
         print(f"RESULT stream_fsdp2 rank={rank} refused: {exc}", flush=True)
 
