@@ -112,6 +112,34 @@ def test_race_disk_read_never_overwrites_a_staging_buffer_in_use(tmp_path, stora
     ctx.close()
 
 
+def test_race_disk_write_failure_keeps_bytes_in_staging_safely(tmp_path, slow, monkeypatch):
+    """Writes fail (disk full): entries stay in their staging blocks, which are read back and
+    released with the device copies that use them still queued behind slow host->device
+    copies; blocks reused for the next step's staging must not be overwritten under them."""
+    import errno
+
+    model, batch = small()
+    ref = run_step(model, batch)
+
+    def failing(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    ctx = get_act_offloading_ctx_manager(model, storage="disk", prefetch=4,
+                                         budget=HostMemoryBudget(None, min_free_bytes=1 << 30),
+                                         disk=DiskOptions(directory=str(tmp_path), threads=1,
+                                                          max_inflight_bytes=2 << 20))
+    slow(SLOW, kinds=("h2d",))
+    with pytest.warns(RuntimeWarning, match="No space left"):
+        for _ in range(2):
+            got = _slow_step(model, batch, ctx, torch.cuda.Stream())
+            assert_bitwise_equal(ref[0], got[0], "loss")
+            assert_bitwise_equal(ref[1], got[1], "grads")
+    assert ctx.storage_stats()["disk"]["fallbacks"] > 0
+    assert ctx.is_idle()
+    ctx.close()
+
+
 def test_race_detector_disk_staging_without_the_wait(tmp_path, slow, monkeypatch):
     """Negative control: with the read's wait for its staging buffer removed, the race test
     above must see wrong numbers, or it proves nothing."""
