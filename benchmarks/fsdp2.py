@@ -13,6 +13,7 @@ grad norms are compared with the first mode.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -41,6 +42,11 @@ def build(shape: str, mode: str):
 
 
 def run(mode: str, args, rank: int, world: int) -> dict:
+    # The previous mode's model sits in reference cycles (hooks, FSDP2 state): collect it, or
+    # its parameters would count in this mode's peak.
+    gc.collect()
+    torch.cuda.empty_cache()
+    start_allocated = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     model, handle = build(args.shape, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -65,6 +71,7 @@ def run(mode: str, args, rank: int, world: int) -> dict:
     gathered = [torch.zeros_like(peaks) for _ in range(world)]
     dist.all_gather(gathered, peaks)
     row = dict(mode=mode, step_s=statistics.median(times), losses=losses, grad_norms=norms,
+               allocated_before_build_gib=start_allocated / 2**30,
                tokens_per_s=world * args.seq_len / statistics.median(times),
                peak_allocated_gib=[g[0].item() for g in gathered], peak_reserved_gib=[g[1].item() for g in gathered])
     if handle is not None and handle.offloader is not None:
@@ -75,6 +82,7 @@ def run(mode: str, args, rank: int, world: int) -> dict:
     if handle is not None:
         handle.remove()
     del model, opt
+    gc.collect()
     torch.cuda.empty_cache()
     return row
 
@@ -93,14 +101,17 @@ def main() -> None:
     rows = [run(mode, args, rank, world) for mode in args.modes.split(",")]
     if rank == 0:
         base = rows[0]
-        lines = ["| mode | step s | vs first | tokens/s | peak alloc GiB (per rank) | loss equal | grad-norm rel diff |",
-                 "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines = ["| mode | step s | vs first | tokens/s | peak alloc GiB (per rank) | vs first GiB | offloaded GiB/step "
+                 "| allocated before build GiB | loss equal | grad-norm rel diff |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             rel = max(abs(a - b) / abs(b) for a, b in zip(r["grad_norms"], base["grad_norms"]))
             r["loss_equal_to_first"] = r["losses"] == base["losses"]
             r["grad_norm_max_rel_diff"] = rel
             lines.append(f"| {r['mode']} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f}x | "
                          f"{r['tokens_per_s']:.0f} | {', '.join(f'{p:.2f}' for p in r['peak_allocated_gib'])} | "
+                         f"{r['peak_allocated_gib'][0] - base['peak_allocated_gib'][0]:+.2f} | "
+                         f"{r.get('offloaded_gib_per_step', 0):.2f} | {r['allocated_before_build_gib']:.2f} | "
                          f"{r['loss_equal_to_first']} | {rel:.2e} |")
         head = (f"{args.shape}, {args.seq_len} tokens per rank, {world} x {torch.cuda.get_device_name()}, "
                 f"torch {torch.__version__}")
