@@ -42,3 +42,9 @@ def test_layer_streaming_refuses_fsdp2_weights():
     proc, _ = torchrun("stream_fsdp2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("CPUOffloadPolicy") == 2
+
+
+def test_context_parallel_on_two_ranks_adds_up_to_the_single_process_step():
+    proc, _ = torchrun("cp")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("RESULT cp") == 2

@@ -104,6 +104,48 @@ def stream_fsdp2(rank, world):
         print(f"RESULT stream_fsdp2 rank={rank} refused: {exc}", flush=True)
 
 
+def cp(rank, world):
+    """Context parallelism on CPU (all-gather attention): one sequence split over the ranks, with
+    checkpointing, block inputs offloaded to disk-free host buffers, the chunked loss and the
+    tiled MLP; the ranks' losses and gradients add up to the single-process step."""
+    import copy
+
+    from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
+    from offloadkit.parallel import apply_context_parallel
+
+    reference = build_llama("tiny", attn_implementation="sdpa", num_key_value_heads=2)
+    batch = make_batch(256, 2, 64, seed=7)
+    labels = batch["labels"].clone()
+    labels[:, :5] = -100  # a prompt that is not trained on
+    loss_ref = reference(input_ids=batch["input_ids"], labels=labels).loss
+    loss_ref.backward()
+
+    for stack in (False, True):
+        model = copy.deepcopy(reference)
+        model.zero_grad(set_to_none=True)
+        handles = []
+        if stack:
+            handles = [apply_chunked_loss(model, 3), apply_tiled_mlp(model, 2),
+                       apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True)]
+        cpar = apply_context_parallel(model)
+        with cpar.step(batch["input_ids"], labels) as inputs:
+            assert inputs["input_ids"].shape == (2, 64 // world)
+            loss = model(**inputs).loss
+            loss.backward()
+        cpar.reduce_gradients()
+        total = cpar.reduce_loss(loss)
+        torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"grad {name}")
+        if stack:
+            assert handles[2].offloader.stats.offloaded_tensors > 0
+        cpar.remove()
+        assert model.config._attn_implementation == "sdpa"
+        for h in handles:
+            h.remove()
+    print(f"RESULT cp rank={rank} ok", flush=True)
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     try:
