@@ -1,0 +1,125 @@
+"""Context-parallel capacity and scaling: one sequence split over the ranks of ``torchrun``,
+with everything offloadkit does to a long-context step on each rank (checkpointing,
+block inputs offloaded to pinned RAM and disk, frozen-layer streaming, chunked loss,
+tiled MLP and projections, as the planner chooses for the tokens each GPU holds).
+
+Each rank holds ``--tokens-per-gpu`` tokens of a ``world x tokens-per-gpu`` sequence; run it
+with 1, 2, 4 ... processes at a fixed ``--tokens-per-gpu`` for the scaling, and at reduced
+depth (``--layers``) where a full-depth step outlasts a run: with block inputs offloaded and
+weights streamed, what a GPU holds does not depend on depth. One warm-up step (optional),
+then timed steps (forward, backward, gradient sum over the group, AdamW on the adapters).
+
+    torchrun --nproc_per_node 2 benchmarks/context_parallel.py --shape llama-3-8b --lora-rank 16 \\
+        --tokens-per-gpu 524288 --layers 2 --out bench-results/cp      # 1M tokens on 2 GPUs
+
+With fewer GPUs than processes (a check on one GPU), the ranks share it over gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+GiB = float(1 << 30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--tokens-per-gpu", type=int, default=524288)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--out", default="bench-results/cp")
+    args = ap.parse_args()
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from offloadkit.integrations.peft_utils import apply_lora
+    from offloadkit.integrations.runtime import prepare
+    from offloadkit.parallel import apply_context_parallel
+    from offloadkit.planning import Budgets, plan, resolve_shape
+    from offloadkit.runtime.ranks import local_world_size
+    from offloadkit.testing import build_llama
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shared = torch.cuda.device_count() < local_world_size()
+    torch.cuda.set_device(0 if shared else int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("gloo" if shared else "nccl")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("cp",))
+    seq = world * args.tokens_per_gpu
+
+    # The plan for the tokens one GPU holds, at full depth (reduced-depth runs hold the same).
+    budgets = Budgets.detect()
+    p = plan(resolve_shape(args.shape), args.tokens_per_gpu, lora_rank=args.lora_rank, budgets=budgets)
+    config = p.to_config()
+    model = build_llama(args.shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa",
+                        num_hidden_layers=args.layers or resolve_shape(args.shape).layers,
+                        max_position_embeddings=max(seq, 131072))
+    model.config.use_cache = False
+    if args.lora_rank:
+        model = apply_lora(model, rank=args.lora_rank)
+    model.train()
+    runtime = prepare(model, config)
+    cp = apply_context_parallel(model, mesh, rotation="alltoall" if shared else "allgather")
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda", generator=gen)
+
+    def step() -> float:
+        with cp.step(ids, ids) as inputs, runtime.context():
+            loss = model(**inputs).loss
+            loss.backward()
+        cp.reduce_gradients(params)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(cp.reduce_loss(loss))
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peaks = torch.tensor([torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB],
+                         dtype=torch.float64, device="cuda")
+    gathered = [torch.zeros_like(peaks) for _ in range(world)]
+    dist.all_gather(gathered, peaks)
+    report = runtime.report()
+    if rank == 0:
+        step_s = statistics.median(times)
+        row = {"shape": args.shape, "lora_rank": args.lora_rank, "world": world, "shared_gpu": shared,
+               "layers": args.layers or resolve_shape(args.shape).layers, "tokens": seq,
+               "tokens_per_gpu": args.tokens_per_gpu, "step_s": step_s, "tokens_per_s": seq / step_s,
+               "losses": losses, "peak_allocated_gib": [g[0].item() for g in gathered],
+               "peak_reserved_gib": [g[1].item() for g in gathered], "plan": p.name, "config": config,
+               "offloaded_gib": report.get("activations", {}).get("offloaded_bytes", 0) / GiB,
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        os.makedirs(args.out, exist_ok=True)
+        name = f"cp-{args.shape}-{world}x{args.tokens_per_gpu}-{row['layers']}L"
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
+            json.dump(row, f, indent=1, default=str)
+        print(f"RESULT world {world} tokens {seq} ({args.tokens_per_gpu}/GPU) layers {row['layers']}: step {step_s:.2f} s, "
+              f"{seq / step_s:.0f} tok/s, peak {', '.join(f'{g[0].item():.2f}' for g in gathered)} GiB, "
+              f"loss {losses[-1]:.4f}", flush=True)
+    cp.remove()
+    runtime.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
