@@ -77,7 +77,8 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
         f = _features(mode, w, host_budget)
         if mode in ("everything", "in_gpu"):
             full = plan(shape, seq, lora_rank=lora_rank, budgets=budgets).features
-            f = replace(f, horizon=full.horizon, tiled_projections=full.tiled_projections)
+            f = replace(f, horizon=full.horizon, tiled_projections=full.tiled_projections,
+                        ram_blocks=full.ram_blocks if mode == "everything" else f.ram_blocks)
         m = estimate_memory(w, f)
         t = estimate_time(w, f, budgets.rates, m.block_placement)
     return {"peak_gib": m.gpu_peak / GiB, "reserved_gib": m.gpu_reserved / GiB, "host_gib": m.host / GiB,

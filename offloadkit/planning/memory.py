@@ -22,7 +22,7 @@ from offloadkit.planning.shape import ModelShape
 
 __all__ = ["Features", "Workload", "MemoryEstimate", "estimate_memory", "layer_saved_bytes",
            "FRAGMENTATION", "UNCHUNKED_LOSS_BYTES_PER_LOGIT", "LOSS_CHUNK_ELEMENTS", "MLP_SHARD_ELEMENTS",
-           "HOST_BASELINE_BYTES", "auto_loss_chunks", "auto_mlp_shards", "tiles_projections"]
+           "HOST_BASELINE_BYTES", "auto_loss_chunks", "disk_staging_bytes", "auto_mlp_shards", "tiles_projections"]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
 # cannot be merged): reserved ~= allocated x this. Assumed; the capacity runs print both.
@@ -127,7 +127,7 @@ class MemoryEstimate:
         gpu_peak: predicted peak allocated bytes (``torch.cuda.max_memory_allocated``).
         gpu_reserved: the allocator's reservation at that peak (x :data:`FRAGMENTATION`);
             this is what must fit in the GPU budget.
-        host: host RAM (pinned block inputs, streamed weights, process baseline).
+        host: host RAM (pinned block inputs, streamed weights, disk staging, process baseline).
         disk: bytes of block inputs on disk.
         block_placement: per layer, where its input lives in backward: gpu, ram or disk.
         gpu_parts: named parts of the peak.
@@ -190,6 +190,18 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
         mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
     attn = t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
     return max(mlp, attn)
+
+
+def disk_staging_bytes(w: Workload, f: Features, placement: list[str]) -> int:
+    """Host buffers of the disk tier when block inputs spill: in forward one block input on
+    its way to disk, in backward the ones read ahead (the horizon) and the one in use. They
+    share the host budget with the inputs kept in RAM (measured on an H100: without them in
+    the plan, a 649K-token step put one more block input on disk than planned, and the disk
+    filled up)."""
+    if "disk" not in placement:
+        return 0
+    horizon = f.horizon if f.horizon is not None else HORIZON_DISK
+    return (horizon + 1) * w.block_input_bytes
 
 
 def _placement(w: Workload, f: Features) -> list[str]:
@@ -265,7 +277,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     parts.update(extra)
     gpu_peak = int(fixed + max(loss_bytes, layer_bytes))
 
-    host = HOST_BASELINE_BYTES + placement.count("ram") * block
+    host = HOST_BASELINE_BYTES + placement.count("ram") * block + disk_staging_bytes(w, f, placement)
     if f.layer_streaming and w.lora_rank:
         host += s.layers * s.layer_params * b  # pinned host copies of the frozen layers
     disk = placement.count("disk") * block

@@ -30,6 +30,7 @@ from offloadkit.planning.memory import (
     Workload,
     auto_loss_chunks,
     auto_mlp_shards,
+    disk_staging_bytes,
     estimate_memory,
     tiles_projections,
 )
@@ -82,6 +83,8 @@ class Plan:
         ram = self.placement.count("ram") * size_class(w.block_input_bytes)
         if f.layer_streaming and w.lora_rank:
             ram += w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
+        # The disk tier's staging buffers count against the same budget.
+        ram += disk_staging_bytes(w, f, self.placement)
         return max(ram, 1 << 20)
 
     def to_config(self) -> dict:
@@ -177,22 +180,30 @@ def _check(w: Workload, m: MemoryEstimate, b: Budgets) -> list[str]:
     return reasons
 
 
-def _ram_blocks(w: Workload, streaming: bool, b: Budgets) -> int:
+def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
+    """Block inputs the host budget holds beside the streamed weights, and beside the disk
+    tier's staging buffers when the rest spill to disk."""
     room = b.host_bytes
-    if streaming and w.lora_rank:
+    if f.layer_streaming and w.lora_rank:
         room -= w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
-    return max(0, room // size_class(w.block_input_bytes))
+    per = size_class(w.block_input_bytes)
+    if room // per >= w.shape.layers - 1:
+        return room // per  # nothing spills: no staging
+    horizon = f.horizon if f.horizon is not None else HORIZON_DISK
+    return max(0, (room - (horizon + 1) * per) // per)
 
 
 def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:
     mlp_shards = auto_mlp_shards(w.tokens, w.shape.intermediate)
     base = Features(checkpointing=True, loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab), mlp_shards=mlp_shards,
                     stream_depth=stream_depth)
+    offload = replace(base, offload_inputs=True)
     out = [("checkpointing", base),
-           ("checkpointing + block-input offload", replace(base, offload_inputs=True, ram_blocks=_ram_blocks(w, False, b)))]
+           ("checkpointing + block-input offload", replace(offload, ram_blocks=_ram_blocks(w, offload, b)))]
     if w.lora_rank:
+        streamed = replace(offload, layer_streaming=True)
         out.append(("checkpointing + block-input offload + layer streaming",
-                    replace(base, offload_inputs=True, layer_streaming=True, ram_blocks=_ram_blocks(w, True, b))))
+                    replace(streamed, ram_blocks=_ram_blocks(w, streamed, b))))
     tiled = out
     out = []
     if mlp_shards > 1:
@@ -246,6 +257,7 @@ def plan(model, seq_len: int, *, batch: int = 1, lora_rank: int = 16, budgets: B
             # Fewer block inputs in flight: first the fewest that still hide each fetch behind
             # the layers of backward ahead, then none (each fetch waited for).
             f = replace(f, horizon=shorter)
+            f = replace(f, ram_blocks=_ram_blocks(w, f, b))  # fewer staging buffers: more room in RAM
             m = estimate_memory(w, f)
             t = estimate_time(w, f, b.rates, m.block_placement)
             reasons = _check(w, m, b)

@@ -275,3 +275,22 @@ def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets(
     # One more block input held on the GPU would not fit: that is why the horizon went to 0.
     held = estimate_memory(p.workload, replace(p.features, horizon=1))
     assert held.gpu_reserved > H100.gpu_bytes
+
+
+def test_disk_staging_shares_the_host_budget_with_the_inputs_kept_in_ram():
+    from offloadkit.planning.memory import HOST_BASELINE_BYTES, disk_staging_bytes
+    from offloadkit.storage.pool import size_class
+
+    p = plan("llama-3-8b", 524288, budgets=H100)
+    w, f = p.workload, p.features
+    assert "disk" in p.placement and "ram" in p.placement
+    staging = disk_staging_bytes(w, f, p.placement)
+    horizon = f.horizon if f.horizon is not None else 4
+    assert staging == (horizon + 1) * w.block_input_bytes
+    streamed = w.shape.layers * size_class(w.shape.layer_params * 2)
+    ram = p.placement.count("ram") * size_class(w.block_input_bytes)
+    # What the engine's budget is given holds the inputs planned for RAM and the staging buffers.
+    assert p.host_budget_bytes() == ram + streamed + staging
+    assert p.host_budget_bytes() <= H100.host_bytes
+    assert p.memory.host == HOST_BASELINE_BYTES + p.placement.count("ram") * w.block_input_bytes + staging + \
+        w.shape.layers * w.shape.layer_params * 2
