@@ -22,7 +22,8 @@ from offloadkit.planning.shape import ModelShape
 
 __all__ = ["Features", "Workload", "MemoryEstimate", "estimate_memory", "layer_saved_bytes",
            "FRAGMENTATION", "UNCHUNKED_LOSS_BYTES_PER_LOGIT", "LOSS_CHUNK_ELEMENTS", "MLP_SHARD_ELEMENTS",
-           "HOST_BASELINE_BYTES", "auto_loss_chunks", "disk_staging_bytes", "auto_mlp_shards", "tiles_projections"]
+           "HOST_BASELINE_BYTES", "auto_loss_chunks", "disk_staging_bytes", "tiered_reserve_bytes",
+           "TIERED_RESERVE_BYTES", "auto_mlp_shards", "tiles_projections"]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
 # cannot be merged): reserved ~= allocated x this. Assumed; the capacity runs print both.
@@ -192,12 +193,20 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     return max(mlp, attn)
 
 
+# offloadkit.storage.tiered keeps this much of its RAM cap free (at most a quarter of the
+# cap), demoting the oldest entries to disk ahead of need.
+TIERED_RESERVE_BYTES = 512 << 20
+
+
+def tiered_reserve_bytes(base: int) -> int:
+    """The free room the tiered tier keeps under a cap of ``base`` plus this room."""
+    return min(TIERED_RESERVE_BYTES, base // 3)
+
+
 def disk_staging_bytes(w: Workload, f: Features, placement: list[str]) -> int:
-    """Host buffers of the disk tier when block inputs spill: in forward one block input on
-    its way to disk, in backward the ones read ahead (the horizon) and the one in use. They
-    share the host budget with the inputs kept in RAM (measured on an H100: without them in
-    the plan, a 649K-token step put one more block input on disk than planned, and the disk
-    filled up)."""
+    """Host buffers of the disk tier when block inputs spill: in backward the ones read ahead
+    (the horizon) and the one in use (in forward the tiered tier demotes from its own RAM
+    blocks). They are reserved outside the RAM cap, so the host holds the cap plus these."""
     if "disk" not in placement:
         return 0
     horizon = f.horizon if f.horizon is not None else HORIZON_DISK

@@ -30,8 +30,8 @@ from offloadkit.planning.memory import (
     Workload,
     auto_loss_chunks,
     auto_mlp_shards,
-    disk_staging_bytes,
     estimate_memory,
+    tiered_reserve_bytes,
     tiles_projections,
 )
 from offloadkit.planning.shape import ModelShape, resolve_shape
@@ -80,12 +80,10 @@ class Plan:
         if "disk" not in self.placement:
             return None
         w, f = self.workload, self.features
-        ram = self.placement.count("ram") * size_class(w.block_input_bytes)
-        if f.layer_streaming and w.lora_rank:
-            ram += w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
-        # The disk tier's staging buffers count against the same budget.
-        ram += disk_staging_bytes(w, f, self.placement)
-        return max(ram, 1 << 20)
+        ram = self.placement.count("ram") * size_class(w.block_input_bytes) + _streamed_host_bytes(w, f)
+        # The tiered tier keeps some of its cap free, demoting ahead of need; the disk tier's
+        # staging buffers are reserved outside the cap (the plan's host figure counts them).
+        return max(ram + tiered_reserve_bytes(ram), 1 << 20)
 
     def to_config(self) -> dict:
         """The :class:`~offloadkit.config.OffloadConfig` keys that realise this plan.
@@ -180,17 +178,23 @@ def _check(w: Workload, m: MemoryEstimate, b: Budgets) -> list[str]:
     return reasons
 
 
-def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
-    """Block inputs the host budget holds beside the streamed weights, and beside the disk
-    tier's staging buffers when the rest spill to disk."""
-    room = b.host_bytes
+def _streamed_host_bytes(w: Workload, f: Features) -> int:
     if f.layer_streaming and w.lora_rank:
-        room -= w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
+        return w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
+    return 0
+
+
+def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
+    """Block inputs the host budget holds beside the streamed weights; when the rest spill to
+    disk, also beside the disk tier's staging buffers and the room the tiered tier keeps free
+    (what the engine does with the cap :meth:`Plan.host_budget_bytes` gives it)."""
+    room = b.host_bytes - _streamed_host_bytes(w, f)
     per = size_class(w.block_input_bytes)
     if room // per >= w.shape.layers - 1:
-        return room // per  # nothing spills: no staging
+        return room // per  # nothing spills: no staging, no demotion
     horizon = f.horizon if f.horizon is not None else HORIZON_DISK
-    return max(0, (room - (horizon + 1) * per) // per)
+    room -= (horizon + 1) * per
+    return max(0, (room - tiered_reserve_bytes(room)) // per)
 
 
 def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:
@@ -343,10 +347,13 @@ def physical_limit(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budge
     """
     w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes)
     pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
+    # Streamed frozen weights live in host RAM; where RAM cannot hold them they stay on the GPU.
+    streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes if lora_rank else 0
+    streaming = bool(lora_rank) and streamed <= budgets.host_bytes
 
     def working_set(seq: int):
         w = replace(w0, seq_len=seq)
-        f = Features(checkpointing=True, offload_inputs=True, layer_streaming=bool(lora_rank), horizon=0,
+        f = Features(checkpointing=True, offload_inputs=True, layer_streaming=streaming, horizon=0,
                      loss_chunks=max(1, w.tokens), mlp_shards=max(1, w.tokens), tiled_projections=True)
         return w, estimate_memory(w, f).gpu_peak
 
@@ -355,8 +362,7 @@ def physical_limit(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budge
 
     def storage_ok(seq: int) -> bool:
         w, gpu = working_set(seq)
-        streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes if lora_rank else 0
-        return gpu + (w.shape.layers - 1) * w.block_input_bytes + streamed <= pooled
+        return gpu + (w.shape.layers - 1) * w.block_input_bytes + (streamed if streaming else 0) <= pooled
 
     by_gpu = _search(gpu_ok, 1 << 16)
     by_storage = _search(storage_ok, 1 << 16)

@@ -277,20 +277,50 @@ def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets(
     assert held.gpu_reserved > H100.gpu_bytes
 
 
-def test_disk_staging_shares_the_host_budget_with_the_inputs_kept_in_ram():
-    from offloadkit.planning.memory import HOST_BASELINE_BYTES, disk_staging_bytes
-    from offloadkit.storage.pool import size_class
+def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path):
+    """The plan's RAM share, realised through the cap it hands the engine, holds exactly the
+    block inputs it placed in RAM (the tiered tier keeps part of the cap free and demotes the
+    oldest), and the rest goes to disk: no more than planned."""
+    from dataclasses import replace
 
-    p = plan("llama-3-8b", 524288, budgets=H100)
-    w, f = p.workload, p.features
-    assert "disk" in p.placement and "ram" in p.placement
+    from offloadkit.planning import ModelShape, estimate_time
+    from offloadkit.planning.memory import disk_staging_bytes
+    from offloadkit.planning.planner import Plan, _ram_blocks
+    from offloadkit.storage import DiskOptions, HostMemoryBudget
+    from offloadkit.storage.factory import build_tier
+
+    shape = ModelShape(hidden=1024, intermediate=2048, layers=24, heads=8, kv_heads=8, head_dim=128, vocab=1000)
+    w = Workload(shape, 2048, lora_rank=0)  # 4 MiB block inputs
+    block = w.block_input_bytes
+    budgets = Budgets(80 * GiB, 20 * block, 1 * GiB)
+    f = Features(offload_inputs=True)
+    f = replace(f, ram_blocks=_ram_blocks(w, f, budgets))
+    m = estimate_memory(w, f)
+    p = Plan(w, f, budgets, "offload", m, estimate_time(w, f, budgets.rates, m.block_placement), True)
+    planned_ram, planned_disk = p.placement.count("ram"), p.placement.count("disk")
+    assert planned_ram > 0 and planned_disk > 0
     staging = disk_staging_bytes(w, f, p.placement)
-    horizon = f.horizon if f.horizon is not None else 4
-    assert staging == (horizon + 1) * w.block_input_bytes
-    streamed = w.shape.layers * size_class(w.shape.layer_params * 2)
-    ram = p.placement.count("ram") * size_class(w.block_input_bytes)
-    # What the engine's budget is given holds the inputs planned for RAM and the staging buffers.
-    assert p.host_budget_bytes() == ram + streamed + staging
-    assert p.host_budget_bytes() <= H100.host_bytes
-    assert p.memory.host == HOST_BASELINE_BYTES + p.placement.count("ram") * w.block_input_bytes + staging + \
-        w.shape.layers * w.shape.layer_params * 2
+    assert p.host_budget_bytes() + staging <= budgets.host_bytes, "cap plus staging within the host budget"
+
+    budget = HostMemoryBudget(limit_bytes=p.host_budget_bytes(), min_free_bytes=0)
+    tier = build_tier("tiered", budget, pin_memory=False, use_streams=False,
+                      disk=DiskOptions(directory=str(tmp_path)))
+    stored = [tier.store(torch.full((block,), i, dtype=torch.uint8)) for i in range(shape.layers - 1)]
+    for s in stored:  # let background demotions finish
+        demotion = s.payload.demotion
+        if demotion is not None and demotion.payload.write is not None:
+            demotion.payload.write.result()
+    in_ram = sum(s.payload.in_ram for s in stored)
+    assert in_ram == planned_ram and len(stored) - in_ram == planned_disk
+    assert [s.payload.in_ram for s in stored] == [x == "ram" for x in p.placement[:-1]], "oldest on disk"
+    for s in stored:
+        tier.free(s)
+    tier.close()
+
+
+def test_physical_limit_keeps_frozen_weights_on_the_gpu_when_ram_cannot_hold_them():
+    from offloadkit.planning import physical_limit
+
+    roomy, _ = physical_limit("llama-3-8b", budgets=Budgets(80 * GiB, 64 * GiB, 200 * GiB))
+    no_ram, _ = physical_limit("llama-3-8b", budgets=Budgets(80 * GiB, 1 * GiB, 200 * GiB))
+    assert no_ram < roomy, "13 GiB of streamed weights cannot stream from 1 GiB of RAM"
