@@ -62,7 +62,28 @@ class _Slot:
 
 
 class _Lease:
-    """Held by every alias of one block's host copy (see :class:`FlatWeights`)."""
+    """Owns one block's host copy on behalf of its :class:`FlatWeights` and of every alias of
+    it: when the last of them is gone, the block goes back to its pool."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _lease(pool: HostBufferPool, block, device: torch.device) -> _Lease:
+    lease = _Lease()
+    done = weakref.finalize(lease, _give_back, pool, block, device)
+    done.atexit = False  # at interpreter exit the process's memory goes anyway
+    return lease
+
+
+def _give_back(pool: HostBufferPool, block, device: torch.device) -> None:
+    # The last alias may die right after a kernel reading it was queued, on any stream:
+    # this runs once per layer, when streaming has ended, so wait for the device.
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # a failed context: nothing more will read the memory
+            pass
+    pool.release_later(block)
 
 
 class FlatWeights:
@@ -105,7 +126,7 @@ class FlatWeights:
         # Evicted weights point at aliases of the host copy; each alias's storage holds this
         # lease, and the host block goes back to the pool only when the lease is gone (after
         # materialize(), once no state_dict value or detached weight uses an alias any more).
-        self._lease: _Lease | None = _Lease()
+        self._lease: _Lease | None = _lease(pool, self.host, device)
         for s in self.slots:
             data = s.param.data
             self._device_views.append(torch.empty(0, dtype=data.dtype, device=device).set_(
@@ -224,8 +245,6 @@ class FlatWeights:
             slot.param.__dict__.pop(STREAMED_STORAGE, None)
         # Aliases of the host copy handed out while evicted (state_dict values, detached
         # weights) may outlive this call: the block goes back when the last of them is gone.
-        lease, self._lease = self._lease, None
-        weakref.finalize(lease, self._pool.release, self.host)
+        self._lease = None
         self._host_views = []
         self.host = None
-        del lease

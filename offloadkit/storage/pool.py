@@ -22,6 +22,7 @@ import itertools
 import threading
 import warnings
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +130,7 @@ class HostBufferPool:
         self._seq = itertools.count()
         self._in_use = 0
         self._held = 0
+        self._returns: deque[HostBlock] = deque()  # blocks finalizers gave back (see release_later)
         self._closed = False
         self._can_register = True
         self._lock = threading.Lock()
@@ -158,12 +160,14 @@ class HostBufferPool:
     def acquire(self, nbytes: int) -> HostBlock | None:
         """A block of at least ``nbytes`` bytes, or None if the host budget refuses."""
         cap = size_class(nbytes)
+        self._give_back_returns()
         block = self._acquire(cap)
         if block is None:
             # Idle memory cached by other pools on the same budget (outside our lock: they
             # take their own locks) can make room too.
             self.budget.reclaim(cap, requester=self)
             block = self._acquire(cap)
+        self._give_back_returns()
         return block
 
     def release(self, block: HostBlock, last_use: tuple | None = None) -> None:
@@ -171,10 +175,29 @@ class HostBufferPool:
         if last_use is not None and last_use[1] is not None:
             block.note_use(*last_use)
         with self._lock:
-            self._in_use -= block.capacity
-            self._insert(block.chunk, block.offset, block.capacity, _prune(block.uses))
-            if self._closed:
-                self._trim_locked(None)
+            self._release_locked(block)
+        self._give_back_returns()
+
+    def release_later(self, block: HostBlock) -> None:
+        """:meth:`release` for finalizers: they run on any thread, possibly inside this pool's
+        own critical section (a garbage collection triggered there), so the block is queued and
+        given back as soon as the lock is free (at the latest by the next call on the pool)."""
+        self._returns.append(block)
+        self._give_back_returns()
+
+    def _release_locked(self, block: HostBlock) -> None:
+        self._in_use -= block.capacity
+        self._insert(block.chunk, block.offset, block.capacity, _prune(block.uses))
+        if self._closed:
+            self._trim_locked(None)
+
+    def _give_back_returns(self) -> None:
+        while self._returns and self._lock.acquire(blocking=False):
+            try:
+                while self._returns:
+                    self._release_locked(self._returns.popleft())
+            finally:
+                self._lock.release()
 
     def trim(self, need: int | None = None) -> int:
         """Free chunks with nothing in use (all, or until the budget has ``need`` bytes of headroom)."""
@@ -186,6 +209,7 @@ class HostBufferPool:
         with self._lock:
             self._closed = True
             self._trim_locked(None)
+        self._give_back_returns()
 
     # -- carving --------------------------------------------------------------------------
     def _acquire(self, cap: int) -> HostBlock | None:

@@ -217,6 +217,22 @@ def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy
     assert pool.budget.used_bytes == pool.bytes_held
 
 
+def test_values_taken_while_evicted_outlive_the_model_and_streamer_without_remove():
+    model = lora_llama("tiny")
+    streamer = stream_layers_on_cpu(model)
+    run_step(model, make_batch(256, 2, 16))
+    pool = streamer.pool
+    key = "base_model.model.model.layers.1.mlp.up_proj.base_layer.weight"
+    kept = model.state_dict()[key]
+    expected = kept.clone()
+    del model, streamer
+    gc.collect()
+    assert torch.equal(kept, expected), "the alias keeps its host block (and the chunk under it) alive"
+    del kept
+    gc.collect()
+    assert pool.bytes_in_use == 0
+
+
 def test_moving_a_streamed_model_is_a_clear_error():
     model = lora_llama("tiny")
     streamer = stream_layers_on_cpu(model)

@@ -261,3 +261,16 @@ def test_ranks_on_one_node_share_its_ram(monkeypatch):
     assert HostMemoryBudget(min_free_bytes=0, available_fn=lambda: 40 * GiB).headroom() == 10 * GiB
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert HostMemoryBudget(min_free_bytes=0, available_fn=lambda: 40 * GiB).headroom() == 40 * GiB
+
+
+def test_a_block_given_back_inside_the_pools_own_lock_waits_for_the_next_call():
+    pool = HostBufferPool(False, HostMemoryBudget(min_free_bytes=0))
+    block = pool.acquire(1 << 20)
+    with pool._lock:  # where a garbage collection could run a finalizer
+        pool.release_later(block)
+    assert pool.bytes_in_use == 1 << 20, "queued, not taken under the held lock"
+    small = pool.acquire(4096)
+    assert pool.bytes_in_use == small.capacity, "given back by the next call"
+    pool.release(small)
+    pool.close()
+    assert pool.bytes_held == 0
