@@ -73,14 +73,8 @@ class ForwardPath:
                 step = state.step = Step()  # a new forward, or one whose backward already began
             storage = t.untyped_storage()
             start, end = storage_span(t)
-            whole = storage.nbytes()
-            if 2 * (end - start) >= whole:
-                # Most of the storage is needed: move all of it, so that the other parts, saved
-                # next (a chunk()'d fused projection, a tensor saved after its slice), are
-                # served by this copy instead of being copied again by a merge.
-                start, end = 0, whole
-            key, version = storage_key(storage), version_of(t)
-            entry = self._find(step, key, start, end, version)
+            key, version, now = storage_key(storage), version_of(t), state.saves
+            entry = self._find(step, key, start, end, version, now)
             copied = entry is None
             if entry is not None:
                 entry.group = state.group  # needed with its newest saver's group
@@ -88,15 +82,26 @@ class ForwardPath:
                 self.stats.deduplicated_bytes += nbytes
                 self._planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
             else:
-                overlapping = self._overlapping(step, key, start, end, version)
-                if overlapping:
-                    start = min(start, *(e.start for e in overlapping))
-                    end = max(end, *(e.end for e in overlapping))
-                entry = self._offload(step, storage, start, end, t.device, version)
+                overlapping = self._overlapping(step, key, start, end, version, now)
+                lo, hi = start, end
+                whole = storage.nbytes()
+                if 2 * (end - start) >= whole and not any(e.step is step for e in self._by_storage.get(key, ())):
+                    # Most of a fresh storage is needed: move all of it, so that its other parts
+                    # saved right after (the halves of a fused projection, a tensor saved after
+                    # its slice) are served by this copy instead of being copied again.
+                    lo, hi = 0, whole
+                for e in overlapping:
+                    lo, hi = min(lo, e.start), max(hi, e.end)
+                entry = self._offload(step, storage, lo, hi, t.device, version)
+                if entry is None and (lo, hi) != (start, end) and not overlapping:
+                    entry = self._offload(step, storage, start, end, t.device, version)  # the view alone may fit
                 if entry is None:
+                    self._warn_budget()
                     self.stats.note_kept("budget", nbytes)
                     return self._register(Kept(t))
-                entry.group = state.group
+                entry.group, entry.born = state.group, now
+                entry.span_start = min(start, *(e.span_start for e in overlapping)) if overlapping else start
+                entry.span_end = max(end, *(e.span_end for e in overlapping)) if overlapping else end
                 for old in overlapping:
                     self._merge(old, entry)
             entry.live += 1
@@ -108,17 +113,24 @@ class ForwardPath:
         self._saves[self.tensor_id] = handle
         return handle
 
-    def _find(self, step: Step, key: int, start: int, end: int, version: int) -> Entry | None:
+    def _find(self, step: Step, key: int, start: int, end: int, version: int, now: int) -> Entry | None:
         # Same storage and graph, range covered, and no in-place write since the copy was taken
         # (views share their base's version counter).
         for entry in self._by_storage.get(key, ()):
-            if entry.step is step and entry.start <= start and end <= entry.end and entry.version == version:
-                return entry
+            if entry.step is step and entry.version == version:
+                lo, hi = _reach(entry, now)
+                if lo <= start and end <= hi:
+                    return entry
         return None
 
-    def _overlapping(self, step: Step, key: int, start: int, end: int, version: int) -> list[Entry]:
-        return [e for e in self._by_storage.get(key, ())
-                if e.step is step and e.version == version and e.start < end and start < e.end]
+    def _overlapping(self, step: Step, key: int, start: int, end: int, version: int, now: int) -> list[Entry]:
+        out = []
+        for e in self._by_storage.get(key, ()):
+            if e.step is step and e.version == version:
+                lo, hi = _reach(e, now)
+                if lo < end and start < hi:
+                    out.append(e)
+        return out
 
     def _merge(self, old: Entry, new: Entry) -> None:
         """``new`` covers ``old``'s range: serve ``old``'s handles from it and give ``old``'s
@@ -145,14 +157,6 @@ class ForwardPath:
         src = span_view(storage, start, end, device)
         stored = self.tier.store(src)
         if stored is None:
-            if not self._budget_warned:
-                self._budget_warned = True
-                warnings.warn(
-                    f"offloadkit: host-memory budget reached ({self.budget.describe()}); further "
-                    "activations stay on the device. Raise host_budget_bytes or add a disk tier.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
             return None
         entry = Entry(
             key=storage_key(storage),
@@ -175,6 +179,16 @@ class ForwardPath:
             self._trim_stash()
         return entry
 
+    def _warn_budget(self) -> None:
+        if not self._budget_warned:
+            self._budget_warned = True
+            warnings.warn(
+                f"offloadkit: host-memory budget reached ({self.budget.describe()}); further "
+                "activations stay on the device. Raise host_budget_bytes or add a disk tier.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
     def _trim_stash(self) -> None:
         stash = self._stash
         # Copies complete in order on the side stream: drop landed sources from the front.
@@ -193,6 +207,20 @@ class ForwardPath:
     def _flush_stash(self) -> None:
         while self._stash:
             self._drop_source(self._stash.popleft(), wait=True)
+
+
+# Saves within this many of a copy that moved a whole storage may be served by its extra
+# bytes; later ones only by the bytes their own saver needed. One resident copy then never
+# spans far in backward, and bytes written without a version bump (``.data``, custom kernels)
+# are not handed to a save made long after the copy.
+NEAR_SAVES = 4
+
+
+def _reach(entry: Entry, now: int) -> tuple[int, int]:
+    """The byte range ``entry`` may serve a save made at ``now``."""
+    if now - entry.born <= NEAR_SAVES:
+        return entry.start, entry.end
+    return entry.span_start, entry.span_end
 
 
 def _weak(storage):

@@ -63,6 +63,9 @@ class Entry:
     seq: int = -1  # creation index within its forward (keys the learned backward order)
     step: Any = None  # the prefetch.Step (forward / graph) it belongs to
     group: int | None = None  # save group (one checkpointed block's inputs): fetched together
+    born: int = 0  # its saver's index among the saves of its thread
+    span_start: int = 0  # the bytes its saver (and savers merged into it) needed; the copy may
+    span_end: int = 0  # cover the whole storage (see engine.forward.NEAR_SAVES)
     live: int = 0  # handles alive (including those of entries merged into it)
     # Forward: the device source, kept alive while its copy is in flight.
     src: torch.Tensor | None = None

@@ -294,6 +294,38 @@ def test_chunks_of_a_fused_projection_move_their_storage_once():
     torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
 
 
+def test_when_the_whole_storage_does_not_fit_the_budget_the_view_alone_moves():
+    x = torch.randn(1000, 1024, requires_grad=True)
+    ctx = cpu_ctx(host_budget_bytes=3 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no budget warning: the view fits
+        with ctx:
+            z = (x * 2)[:600].sin()  # 2.4 MB of a 4 MB storage
+    assert ctx.stats.offloaded_bytes == 600 * 1024 * 4
+    z.sum().backward()
+
+
+def test_a_part_saved_far_later_gets_its_own_copy_and_no_long_residency():
+    x = torch.randn(4096, 256, requires_grad=True)
+    ctx = cpu_ctx(prefetch=0)
+    with ctx:
+        buf = x * 2
+        h = buf[:2048].sin()  # the first half: its save moves the whole storage
+        for _ in range(6):  # other saves in between
+            h = torch.tanh(h * 1.01)
+        b = buf[2048:].cos()  # far later: not served by the first copy's extra bytes
+        loss = h.sum() + b.sum()
+    assert ctx.stats.deduplicated_tensors == 0
+    loss.backward()
+    ref = x.detach().requires_grad_()
+    buf = ref * 2
+    h = buf[:2048].sin()
+    for _ in range(6):
+        h = torch.tanh(h * 1.01)
+    (h.sum() + buf[2048:].cos().sum()).backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+
+
 def test_a_small_slice_of_a_large_tensor_moves_only_its_bytes():
     big = torch.randn(1024, 256, requires_grad=True)
     ctx = cpu_ctx()
