@@ -98,10 +98,6 @@ def get_act_offloading_ctx_manager(
     base = unwrap_model(model)
     manager.add_hook_handle(model.register_forward_pre_hook(manager.forward_pre_hook))
     manager.add_hook_handle(model.register_forward_hook(manager.forward_post_hook, always_call=True))
-    if base is not model:
-        # nn.DataParallel replicates the wrapped model (hooks included) onto worker threads.
-        manager.add_hook_handle(base.register_forward_pre_hook(manager.thread_pre_hook))
-        manager.add_hook_handle(base.register_forward_hook(manager.forward_post_hook, always_call=True))
     head = head if head is not None else find_output_head(base)
     if head is None:
         if warn_if_no_head:

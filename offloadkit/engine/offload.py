@@ -19,6 +19,7 @@ from collections import deque
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from offloadkit.engine.backward import BackwardPath
 from offloadkit.engine.forward import ForwardPath
@@ -135,7 +136,9 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self._entered_threads: set[int] = set()
         self._groups = itertools.count()
         self._budget_warned = False
-        self._warned_no_saves = False
+        self._unpacks = 0  # unpack calls, on any thread
+        self._follow: tuple = ()  # process-wide module hooks of a bare manager's open region
+        self._follow_depth = 0
         self._handles: list = []  # module hooks attached on this manager's behalf
         self.tensor_id = 0  # saves numbered so far (TRL's name); never reset
         self._saves: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> handle autograd holds
@@ -152,32 +155,30 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             self.policy.refresh()
             self._reset_forward()
             self._entered_threads.add(threading.get_ident())
-            state = self._state()
-            state.saves_at_enter = state.saves if torch.is_grad_enabled() else None
+            # Saved-tensor hooks are per thread: while the region is open, module forwards on
+            # other threads (nn.DataParallel replicas, workers) get them pushed.
+            if not self._follow_depth:
+                self._follow = (register_module_forward_pre_hook(self._follow_pre),
+                                register_module_forward_hook(self._follow_post, always_call=True))
+            self._follow_depth += 1
         super().__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         super().__exit__(exc_type, exc, tb)
         with self._lock:
+            if self._follow_depth:
+                self._follow_depth -= 1
+                if not self._follow_depth:
+                    for handle in self._follow:
+                        handle.remove()
+                    self._follow = ()
             self._entered_threads.discard(threading.get_ident())
             state = self._state()
             state.tail, state.keep_depth = False, 0
             if exc_type is not None:
                 # The graph of a failed forward is about to be dropped; do not pin device memory for it.
                 self._flush_stash()
-            elif (getattr(state, "saves_at_enter", None) is not None and state.saves == state.saves_at_enter
-                  and not self._handles and not self._warned_no_saves):
-                self._warned_no_saves = True
-                warnings.warn(
-                    "offloadkit: nothing was saved for backward on this thread inside the offloading "
-                    "region. Saved-tensor hooks are per thread: a forward run on other threads "
-                    "(nn.DataParallel replicas, worker threads) is not offloaded by a bare "
-                    "OffloadActivations. Use get_act_offloading_ctx_manager(model), which follows the "
-                    "model onto the threads it runs on.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
             self._drain()
         return False
 
@@ -271,15 +272,22 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
     def thread_pre_hook(self, module, args) -> None:
         """A forward that runs on another thread than the one that entered the context
         (``nn.DataParallel`` replicas, user threads) gets the hooks pushed for its duration,
-        since saved-tensor hooks are per thread. Registered on the root and on the model inside
-        wrappers, whose replicas run it on their own threads; the outermost one pushes."""
+        since saved-tensor hooks are per thread: the outermost module forward on that thread
+        pushes, its end pops."""
         state = self._state()
         if (self._entered_threads and threading.get_ident() not in self._entered_threads
                 and torch.is_grad_enabled() and not state.pushed):
-            if state.step is not None and not state.step.passes:
-                self._reset_forward()
+            self._reset_forward()  # a pooled worker thread may keep the state of its last forward
             push_saved_tensor_hooks(self._pack, self._unpack)
             state.pushed.append(module)
+
+    def _follow_pre(self, module, args) -> None:
+        if not torch.compiler.is_compiling():  # compiled code runs on the thread that called it
+            self.thread_pre_hook(module, args)
+
+    def _follow_post(self, module, args, output) -> None:
+        if not torch.compiler.is_compiling():
+            self.forward_post_hook(module, args, output)
 
     def forward_post_hook(self, module, args, output) -> None:
         state = self._state()
