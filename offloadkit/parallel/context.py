@@ -127,6 +127,14 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     if dropout:
         raise ValueError(f"offloadkit: attention dropout {dropout} is not supported with context parallelism; "
                          "set the model's attention_dropout to 0")
+    # What Hugging Face passes for attention that is not plain causal attention over the whole
+    # sequence (sliding windows, logit soft-capping, attention sinks, packed documents).
+    for name in ("sliding_window", "softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"offloadkit: context parallelism computes full causal attention; this layer asks "
+                             f"for {name}={kwargs[name]!r}")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError("offloadkit: context parallelism computes causal attention; this layer is not causal")
     if query.is_cuda:
         out = _ring_attention(query, key, value, scaling)
     else:
@@ -166,7 +174,11 @@ class ContextParallel:
         Yields:
             The model's keyword arguments: this rank's ``input_ids``, ``position_ids``,
             ``labels``/``shift_labels`` and ``num_items_in_batch`` (tokens with a label in the
-            whole sequence), ``use_cache=False``.
+            whole sequence), ``use_cache=False``. Pass no attention mask: rows are attended
+            causally in full (pad at the end, labels -100). The labels are already shifted;
+            the loss must honour ``shift_labels`` (Hugging Face's and offloadkit's chunked
+            loss do). With ``dp_group`` and a data-parallel wrapper that averages gradients,
+            scale the loss by the data-parallel size (the loss is normalised globally).
         """
         global _active
         if _active is not None:
@@ -204,12 +216,13 @@ class ContextParallel:
             inputs.update(input_ids=buffers[0], position_ids=buffers[1])
             if labels is not None:
                 inputs.update(labels=buffers[2], shift_labels=buffers[2])
-            _active = _Step(self, buffers[1])
+            step = _Step(self, buffers[1])
             if device.type != "cuda":
-                gathered = [torch.empty_like(buffers[1]) for _ in range(self.world)]
-                dist.all_gather(gathered, buffers[1], group=self.group)
-                _active.all_positions = torch.cat(gathered, dim=1)
+                # Every rank's positions, in the order the keys are gathered: known without asking.
+                order = torch.cat([head_tail_order(seq, self.world, r, device) for r in range(self.world)])
+                step.all_positions = order.expand(batch, seq)
             try:
+                _active = step
                 yield inputs
             finally:
                 _active = None

@@ -139,6 +139,19 @@ def cp(rank, world):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"grad {name}")
         if stack:
             assert handles[2].offloader.stats.offloaded_tensors > 0
+        try:  # a step that fails leaves the next one usable
+            with cpar.step(batch["input_ids"], labels):
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+        try:
+            with cpar.step(batch["input_ids"][:, :63], labels[:, :63]):
+                pass
+            raise AssertionError("an odd length must be refused")
+        except ValueError as exc:
+            assert "multiple of" in str(exc)
+        with cpar.step(batch["input_ids"], labels) as inputs:
+            model(**inputs).loss.backward()
         cpar.remove()
         assert model.config._attn_implementation == "sdpa"
         for h in handles:
