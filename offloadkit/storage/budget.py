@@ -47,23 +47,26 @@ def _own_cgroups(proc_cgroup: str) -> tuple[str | None, str | None]:
     return v2, v1
 
 
-def _reclaimable(directory: str, stat_key: str) -> int:
-    """Page cache the kernel drops before it OOM-kills (counted in a cgroup's usage)."""
+def _reclaimable(directory: str, stat_keys: tuple[str, str, str]) -> int:
+    """Page cache the kernel can drop before it OOM-kills (counted in a cgroup's usage):
+    inactive file pages, less those still dirty or under writeback."""
+    stats = {}
     for line in (_read(os.path.join(directory, "memory.stat")) or "").splitlines():
         key, _, value = line.partition(" ")
-        if key == stat_key and value.strip().isdigit():
-            return int(value)
-    return 0
+        if value.strip().isdigit():
+            stats[key] = int(value)
+    inactive, dirty, writeback = (stats.get(k, 0) for k in stat_keys)
+    return max(0, inactive - dirty - writeback)
 
 
-def _limit_and_left(directory: str, names: tuple[str, str, str]) -> tuple[int, int] | None:
-    limit_name, usage_name, stat_key = names
+def _limit_and_left(directory: str, names: tuple) -> tuple[int, int] | None:
+    limit_name, usage_name, stat_keys = names
     limit, usage = _read(os.path.join(directory, limit_name)), _read(os.path.join(directory, usage_name))
     if limit is None or usage is None or not limit.isdigit() or not usage.isdigit():
         return None  # "max", missing, or unreadable: no limit at this level
     if int(limit) >= 1 << 60:
         return None  # v1 writes "no limit" as a huge number
-    used = max(0, int(usage) - _reclaimable(directory, stat_key))
+    used = max(0, int(usage) - _reclaimable(directory, stat_keys))
     return int(limit), int(limit) - used
 
 
@@ -74,8 +77,8 @@ def _levels(root: str, path: str):
         yield os.path.join(root, *parts[:i])
 
 
-_V2 = ("memory.max", "memory.current", "inactive_file")
-_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+_V2 = ("memory.max", "memory.current", ("inactive_file", "file_dirty", "file_writeback"))
+_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "total_dirty", "total_writeback"))
 
 
 def cgroup_limits(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup") -> tuple[int, int] | None:
@@ -84,7 +87,7 @@ def cgroup_limits(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup
 
     A container or a SLURM job sets its limit on its own cgroup, not on the root: reading the
     root's files would find no limit and the job would be OOM-killed instead of offloading
-    less. Inactive page cache counts as free: the kernel reclaims it before any OOM kill.
+    less. Inactive, clean page cache counts as free: the kernel reclaims it before any OOM kill.
     """
     v2, v1 = _own_cgroups(proc_cgroup)
     candidates = []

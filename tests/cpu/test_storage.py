@@ -212,9 +212,9 @@ def test_cgroup_page_cache_counts_as_free_and_the_limit_is_reported(tmp_path):
 
     root, proc = _cgroup_tree(tmp_path, "0::/job\n", {
         "job/memory.max": str(16 << 30), "job/memory.current": str(10 << 30),
-        "job/memory.stat": f"anon {4 << 30}\nfile {6 << 30}\ninactive_file {5 << 30}\n",
+        "job/memory.stat": f"anon {4 << 30}\nfile {6 << 30}\ninactive_file {5 << 30}\nfile_dirty {1 << 30}\n",
     })
-    assert cgroup_limits(root, proc) == (16 << 30, 11 << 30)  # 5 GiB of inactive page cache is reclaimable
+    assert cgroup_limits(root, proc) == (16 << 30, 10 << 30)  # 5 GiB inactive, 1 GiB of it dirty: 4 reclaimable
 
 
 def test_default_reserve_follows_the_cgroup_limit_not_the_node(monkeypatch):
