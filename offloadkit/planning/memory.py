@@ -193,6 +193,8 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     return max(mlp, attn)
 
 
+# offloadkit.storage.disk.DiskOptions.max_inflight_bytes: writes staged in host RAM at once.
+DISK_INFLIGHT_BYTES = 1 << 30
 # offloadkit.storage.tiered keeps this much of its RAM cap free (at most a quarter of the
 # cap), demoting the oldest entries to disk ahead of need.
 TIERED_RESERVE_BYTES = 512 << 20
@@ -206,11 +208,16 @@ def tiered_reserve_bytes(base: int) -> int:
 def disk_staging_bytes(w: Workload, f: Features, placement: list[str]) -> int:
     """Host buffers of the disk tier when block inputs spill: in backward the ones read ahead
     (the horizon) and the one in use (in forward the tiered tier demotes from its own RAM
-    blocks). They are reserved outside the RAM cap, so the host holds the cap plus these."""
+    blocks; with every input on disk, every write is staged). They are reserved outside the
+    RAM cap, so the host holds the cap plus these."""
     if "disk" not in placement:
         return 0
     horizon = f.horizon if f.horizon is not None else HORIZON_DISK
-    return (horizon + 1) * w.block_input_bytes
+    reads = (horizon + 1) * w.block_input_bytes
+    if "ram" in placement:
+        return reads
+    # Everything on disk: forward stages every write, up to the tier's in-flight limit.
+    return max(reads, DISK_INFLIGHT_BYTES, w.block_input_bytes)
 
 
 def _placement(w: Workload, f: Features) -> list[str]:
