@@ -67,6 +67,10 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
 
     shape = resolve_shape(shape_name)
     budgets = Budgets.detect(disk_dir=disk_dir)
+    if seq <= 0:  # the planner's longest full-depth sequence under the budgets read here
+        from offloadkit.planning import longest_sequence
+
+        seq = longest_sequence(shape, lora_rank=lora_rank, budgets=budgets).longest
     p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets)
     config = dict(p.to_config(), chunked_cross_entropy=False, chunked_cross_entropy_num_chunks=None, tiled_mlp=False,
                   tiled_mlp_num_shards=None, tiled_projections=False)
@@ -128,13 +132,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--seq-len", type=int, required=True, help="0: the planner's longest under this machine's budgets")
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--out", default="footprint-results")
     args = ap.parse_args(argv)
     result = run(args.shape, args.seq_len, args.lora_rank, args.disk_dir)
     os.makedirs(args.out, exist_ok=True)
-    name = f"footprint-{args.shape}-{args.seq_len}"
+    name = f"footprint-{args.shape}-{result['seq_len']}"
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(json.dumps(result, indent=2, default=str))
