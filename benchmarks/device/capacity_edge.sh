@@ -17,6 +17,7 @@ echo "== GPU probe at $seq tokens, 2 layers, $(( $(date +%s) - start )) s in"
 python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 --budget-s 260 --out "$OUT" \
   --name capacity-edge --probes "everything:$seq:2:0:1" 2>&1 | grep -v -i warn | grep "^everything\|^skip\|^longest"
 echo "== full-depth footprint at the planner's longest (budgets read again), $(( $(date +%s) - start )) s in"
-timeout 300 python3 benchmarks/footprint.py --shape llama-3-8b --lora-rank 16 --seq-len 0 --out "$OUT" 2>&1 \
-  | grep -v -i warn | grep '"\(seq_len\|fits\|placement\|step_s\|forward_s\|peak_rss_gib\|on_disk_after_forward_gib\|host_held_after_forward_gib\|restored_inputs_exact\|disk_fallbacks\|predicted\|host_gib\|disk_gib\|streamed_weights_gib\|disk_write_gb_s\|disk_read_gb_s\)"'
+timeout 300 python3 benchmarks/footprint.py --shape llama-3-8b --lora-rank 16 --seq-len 0 --out "$OUT" \
+  > "$OUT/footprint.log" 2>&1; echo "footprint exit $?"; grep "Error" "$OUT/footprint.log" | tail -2
+grep -v -i warn "$OUT/footprint.log" | grep '"\(seq_len\|fits\|placement\|step_s\|forward_s\|peak_rss_gib\|on_disk_after_forward_gib\|host_held_after_forward_gib\|restored_inputs_exact\|disk_fallbacks\|predicted\|host_gib\|disk_gib\|streamed_weights_gib\|disk_write_gb_s\|disk_read_gb_s\)"'
 echo "== done in $(( $(date +%s) - start )) s"
