@@ -197,14 +197,20 @@ def test_evicted_weights_read_save_load_and_merge_without_crashing(tmp_path):
     streamer.remove()
 
 
-def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy_back():
+def _streamed_with_a_kept_value(key):
+    """A streamed tiny LoRA Llama after one step, and a state_dict value taken while evicted
+    (an alias of the host copy) with a clone of it."""
     model = lora_llama("tiny")
     streamer = stream_layers_on_cpu(model)
     run_step(model, make_batch(256, 2, 16))
+    kept = model.state_dict()[key]
+    return model, streamer, kept, kept.clone()
+
+
+def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy_back():
+    model, streamer, kept, expected = _streamed_with_a_kept_value(
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
     pool = streamer.pool
-    key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
-    kept = model.state_dict()[key]  # an alias of the host copy, taken while evicted
-    expected = kept.clone()
     in_use_before = pool.bytes_in_use
     streamer.remove()
     # The layer is resident again; the alias still reads the host copy, which is still held.
@@ -218,13 +224,9 @@ def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy
 
 
 def test_values_taken_while_evicted_outlive_the_model_and_streamer_without_remove():
-    model = lora_llama("tiny")
-    streamer = stream_layers_on_cpu(model)
-    run_step(model, make_batch(256, 2, 16))
+    model, streamer, kept, expected = _streamed_with_a_kept_value(
+        "base_model.model.model.layers.1.mlp.up_proj.base_layer.weight")
     pool = streamer.pool
-    key = "base_model.model.model.layers.1.mlp.up_proj.base_layer.weight"
-    kept = model.state_dict()[key]
-    expected = kept.clone()
     del model, streamer
     gc.collect()
     assert torch.equal(kept, expected), "the alias keeps its host block (and the chunk under it) alive"
