@@ -38,13 +38,11 @@ class BackwardPath:
     stats: OffloadStats
     prefetch: int
     prefetch_bytes: int | None
-    _unpacks: int
 
     def _drain(self) -> None:  # the engine processes handles autograd released
         raise NotImplementedError
 
     def _unpack(self, packed):
-        self._unpacks += 1
         if isinstance(packed, Kept):
             return packed.unpack()
         if not isinstance(packed, Packed):

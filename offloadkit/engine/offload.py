@@ -136,7 +136,6 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self._entered_threads: set[int] = set()
         self._groups = itertools.count()
         self._budget_warned = False
-        self._unpacks = 0  # unpack calls, on any thread
         self._follow: tuple = ()  # process-wide module hooks of a bare manager's open region
         self._follow_depth = 0
         self._handles: list = []  # module hooks attached on this manager's behalf
