@@ -29,6 +29,7 @@ from offloadkit.engine.spans import DeathQueue, Entry, Kept
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.engine.validation import check_args
 from offloadkit.runtime.autograd import (
+    in_backward,
     pop_saved_tensor_hooks,
     push_saved_tensor_hooks,
 )
@@ -272,10 +273,14 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         """A forward that runs on another thread than the one that entered the context
         (``nn.DataParallel`` replicas, user threads) gets the hooks pushed for its duration,
         since saved-tensor hooks are per thread: the outermost module forward on that thread
-        pushes, its end pops."""
+        pushes, its end pops.
+
+        Module forwards inside a backward are left alone: they are checkpointing's
+        recomputation (on CUDA, on the engine's device thread), whose saves its own hooks
+        must see."""
         state = self._state()
         if (self._entered_threads and threading.get_ident() not in self._entered_threads
-                and torch.is_grad_enabled() and not state.pushed):
+                and torch.is_grad_enabled() and not state.pushed and not in_backward()):
             self._reset_forward()  # a pooled worker thread may keep the state of its last forward
             push_saved_tensor_hooks(self._pack, self._unpack)
             state.pushed.append(module)

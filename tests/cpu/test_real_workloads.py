@@ -236,6 +236,36 @@ def test_a_bare_manager_follows_forwards_onto_other_threads_while_its_region_is_
     assert ctx.stats.saved_tensors == saved
 
 
+def test_recomputation_in_a_backward_on_another_thread_is_left_to_checkpointing():
+    """On CUDA, backward runs on the autograd engine's device thread, so checkpointing
+    recomputes its blocks on a thread that never entered the region. Those module forwards
+    belong to the recomputation: pushing the offload hooks over checkpointing's own would hide
+    the recomputed saves from it. Reproduced on CPU by calling backward from a worker thread."""
+    model = build_llama("tiny")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = make_batch(256, 2, 32)
+    ref = run_step(model, batch)
+    model.zero_grad(set_to_none=True)
+    ctx = get_act_offloading_ctx_manager(model, offload_cpu_tensors=True, min_offload_size=0)
+    error = {}
+
+    def backward(loss):
+        try:
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001 - reported on the test's thread
+            error["exc"] = exc
+
+    with ctx:  # forward and backward both inside the region, as Trainer's training_step does
+        loss = model(**batch).loss
+        t = threading.Thread(target=backward, args=(loss,))
+        t.start()
+        t.join()
+    assert "exc" not in error, error.get("exc")
+    assert ctx.stats.offloaded_tensors > 0
+    assert_bitwise_equal(ref[0], loss.detach(), "loss")
+    assert_bitwise_equal(ref[1], {n: p.grad for n, p in model.named_parameters()}, "grads")
+
+
 # -- one copy per storage ----------------------------------------------------------------------
 def test_slice_saved_before_the_whole_moves_the_storage_once():
     class SliceFirst(torch.nn.Module):
