@@ -107,6 +107,14 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
         loss.backward()
         torch.cuda.synchronize()
         out["step_s"] = time.perf_counter() - t0
+    except Exception as exc:
+        # Where the bytes were when it failed: the split between RAM and disk, and who held the budget.
+        out["error"] = repr(exc)
+        out["storage_at_failure"] = runtime.manager.storage_stats()
+        out["host_budget_at_failure"] = runtime.manager.budget.describe()
+        out["streamed_weights_host_gib"] = runtime.streamer.pool.bytes_held / GiB if runtime.streamer else None
+        print(json.dumps(out, indent=2, default=str))
+        raise
     finally:
         stop.set()
         sampler.join()
@@ -123,6 +131,8 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
     out["offloaded_gib"] = report["activations"]["offloaded_bytes"] / GiB
     out["streamed_weights_gib"] = (report.get("layer_streaming") or {}).get("streamed_bytes", 0) / GiB
     out["peak_gpu_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+    out["streamed_weights_host_gib"] = runtime.streamer.pool.bytes_held / GiB if runtime.streamer else None
+    out["host_budget_peak_gib"] = runtime.manager.budget.peak_bytes / GiB
     out["tiered"] = storage.get("tiered")
     runtime.close()
     return out

@@ -19,5 +19,5 @@ python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 --budget-s 260 
 echo "== full-depth footprint at the planner's longest (budgets read again), $(( $(date +%s) - start )) s in"
 timeout 300 python3 benchmarks/footprint.py --shape llama-3-8b --lora-rank 16 --seq-len 0 --out "$OUT" \
   > "$OUT/footprint.log" 2>&1; echo "footprint exit $?"; grep "Error" "$OUT/footprint.log" | tail -2
-grep -v -i warn "$OUT/footprint.log" | grep '"\(seq_len\|fits\|placement\|step_s\|forward_s\|peak_rss_gib\|on_disk_after_forward_gib\|host_held_after_forward_gib\|restored_inputs_exact\|disk_fallbacks\|predicted\|host_gib\|disk_gib\|streamed_weights_gib\|disk_write_gb_s\|disk_read_gb_s\)"'
+grep -v -i warn "$OUT/footprint.log" | grep '"\(seq_len\|fits\|placement\|step_s\|forward_s\|peak_rss_gib\|on_disk_after_forward_gib\|host_held_after_forward_gib\|restored_inputs_exact\|disk_fallbacks\|streamed_weights_host_gib\|host_budget_peak_gib\|host_budget_at_failure\|predicted\|host_gib\|disk_gib\|streamed_weights_gib\|disk_write_gb_s\|disk_read_gb_s\)"'
 echo "== done in $(( $(date +%s) - start )) s"

@@ -44,6 +44,7 @@ class CheckpointedBlocks:
         self._owns_offloader = owns_offloader
         self._context_fn = context_fn
         self._keep_last_input = keep_last_input
+        self._outer: OffloadActivations | None = None  # a whole-model manager around the blocks
         self._restore_use_cache = None
         self._attached = False
 
@@ -80,7 +81,22 @@ class CheckpointedBlocks:
             self._restore_use_cache.use_cache = True
         if self.offloader is not None and self._owns_offloader:
             self.offloader.close()
+        self._outer = None
         self._attached = False
+
+    def keep_last_input_from(self, manager: OffloadActivations | None) -> None:
+        """Keep the last block's inputs on the device when ``manager`` (a whole-model
+        :class:`~offloadkit.OffloadActivations` around these blocks, not their own
+        ``offload_inputs``) would otherwise offload them: backward needs them first, so moving
+        them out only costs a round trip and a block input's worth of host or disk space at
+        the end of forward. Does nothing with ``keep_last_input=False``; None unlinks.
+
+        Example:
+            >>> handle = apply_activation_checkpointing(model)
+            >>> manager = get_act_offloading_ctx_manager(model)
+            >>> handle.keep_last_input_from(manager)
+        """
+        self._outer = manager
 
     # -- per block -----------------------------------------------------------------------
     def _run(self, index: int, block: nn.Module, original: Callable, *args, **kwargs):
@@ -105,8 +121,17 @@ class CheckpointedBlocks:
             # keyword arguments as plain Python objects: move keyword tensors to positions so
             # they are offloaded like the rest (``hidden_states=`` callers).
             fn, flat, kwargs = _keywords_as_positions(original, args, kwargs)
-        with capture:
-            out = checkpoint(fn, *flat, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+        # Only the checkpoint's own input saves happen in this call (the block's inner saves
+        # are discarded and recomputed), so the outer manager's keep region covers exactly them.
+        outer = self._outer if last and self._keep_last_input and self.offloader is None else None
+        if outer is not None:
+            outer.keep_enter()
+        try:
+            with capture:
+                out = checkpoint(fn, *flat, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+        finally:
+            if outer is not None:
+                outer.keep_exit()
         if self.offloader is not None:
             grad_fn = first_grad_fn(out)
             step = self.offloader.current_step()

@@ -230,6 +230,9 @@ def prepare(model: nn.Module, config: OffloadConfig | dict | None = None, *, seq
                     offload_cpu_tensors=not cuda,
                 )
 
+    if runtime.checkpointing is not None and runtime.manager is not None:
+        runtime.checkpointing.keep_last_input_from(runtime.manager)  # needed first in backward
+
     if config.layer_offloading:
         if not cuda:
             runtime._note("layer_offloading has no effect without a CUDA GPU")

@@ -188,13 +188,19 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     """Block inputs the host budget holds beside the streamed weights; when the rest spill to
     disk, also beside the disk tier's staging buffers and the room the tiered tier keeps free
     (what the engine does with the cap :meth:`Plan.host_budget_bytes` gives it)."""
-    room = b.host_bytes - _streamed_host_bytes(w, f)
+    streamed = _streamed_host_bytes(w, f)
+    room = b.host_bytes - streamed
     per = size_class(w.block_input_bytes)
     if room // per >= w.shape.layers - 1:
-        return room // per  # nothing spills: no staging, no demotion
+        return max(0, room // per)  # nothing spills: no staging, no demotion
     horizon = f.horizon if f.horizon is not None else HORIZON_DISK
-    room -= (horizon + 1) * per
-    return max(0, (room - tiered_reserve_bytes(room)) // per)
+    staging = (horizon + 1) * per
+    n = max(0, (room - staging) // per)
+    # The cap (:meth:`Plan.host_budget_bytes`) covers the streamed weights too, and so does
+    # the room the tiered tier keeps free under it.
+    while n and n * per + streamed + tiered_reserve_bytes(n * per + streamed) + staging > b.host_bytes:
+        n -= 1
+    return n
 
 
 def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:

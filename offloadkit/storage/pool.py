@@ -262,8 +262,13 @@ class HostBufferPool:
     # -- chunks -----------------------------------------------------------------------------
     def _new_chunk(self, cap: int) -> _Chunk | None:
         # Grow by about an eighth of what is held (at least 8 MiB): few registrations, and at
-        # most ~1/8 more held than the largest step needs.
+        # most ~1/8 more held than the largest step needs. For blocks above an eighth of the
+        # chunk, a whole number of them: a tail shorter than the block that asked sits idle
+        # while the next such block opens another chunk (32 streamed 416 MiB layers in 512 MiB
+        # chunks held 2 GiB nothing could use). Smaller tails serve smaller saves.
         want = max(cap, min(_MAX_CHUNK, max(_MIN_CHUNK, -(-self._held // 8 // PAGE_SIZE) * PAGE_SIZE)))
+        if cap * 8 > want:
+            want -= want % cap
         for size in dict.fromkeys((want, cap)):
             if self.budget.try_reserve(size, self.respect_cap):
                 break

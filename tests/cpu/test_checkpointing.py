@@ -251,3 +251,40 @@ def test_eval_mode_is_not_checkpointed():
         model(**make_batch(256, 1, 8))
     assert handle.offloader.stats.saved_tensors == 0
     handle.remove()
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_last_block_input_stays_on_the_device_under_a_whole_model_manager(tmp_path, linked):
+    """The config route (offloadkit checkpointing, a whole-model manager around it) keeps the
+    last block's input where it is, as its plan says: backward needs it first, and sending it
+    to RAM or disk costs one block input of host or disk space at the end of forward."""
+    from offloadkit.integrations.runtime import prepare
+
+    model = build_llama("tiny")
+    batch = make_batch(256, 2, 32)
+    ref = run_step(model, batch)
+    runtime = prepare(model, {"gradient_checkpointing": True, "activation_offloading": "disk",
+                              "disk_dir": str(tmp_path), "min_offload_size": 0})
+    if not linked:
+        runtime.checkpointing.keep_last_input_from(None)
+    blocks = [block for _, block in runtime.checkpointing.blocks]
+    inputs = {}
+
+    def seen(i):
+        def hook(module, args, kwargs):
+            inputs.setdefault(i, args[0] if args else kwargs["hidden_states"])
+        return hook
+
+    handles = [b.register_forward_pre_hook(seen(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    model.zero_grad(set_to_none=True)
+    with runtime.context():
+        loss = model(**batch).loss
+        kept = {t.data_ptr() for t, offloaded, *_ in runtime.manager.tracker.values() if t is not None}
+    assert (inputs[len(blocks) - 1].data_ptr() in kept) == linked
+    assert inputs[0].data_ptr() not in kept, "the other block inputs are offloaded"
+    loss.backward()
+    for h in handles:
+        h.remove()
+    runtime.close()
+    assert_bitwise_equal(ref[0], loss.detach(), "loss")
+    assert_bitwise_equal(ref[1], {n: p.grad for n, p in model.named_parameters()}, "grads")

@@ -277,23 +277,32 @@ def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets(
     assert held.gpu_reserved > H100.gpu_bytes
 
 
-def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 16])
+def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, monkeypatch, lora_rank):
     """The plan's RAM share, realised through the cap it hands the engine, holds exactly the
     block inputs it placed in RAM (the tiered tier keeps part of the cap free and demotes the
-    oldest), and the rest goes to disk: no more than planned."""
+    oldest), and the rest goes to disk: no more than planned. With LoRA the streamed frozen
+    weights share the budget, one pooled block per layer, as layer streaming holds them."""
     from dataclasses import replace
 
+    import offloadkit.storage.pool as pool_module
     from offloadkit.planning import ModelShape, estimate_time
     from offloadkit.planning.memory import disk_staging_bytes
     from offloadkit.planning.planner import Plan, _ram_blocks
-    from offloadkit.storage import DiskOptions, HostMemoryBudget
+    from offloadkit.storage import DiskOptions, HostBufferPool, HostMemoryBudget
     from offloadkit.storage.factory import build_tier
 
-    shape = ModelShape(hidden=1024, intermediate=2048, layers=24, heads=8, kv_heads=8, head_dim=128, vocab=1000)
-    w = Workload(shape, 2048, lora_rank=0)  # 4 MiB block inputs
+    hidden, seq = (1024, 2048) if not lora_rank else (512, 8192)  # 4 MiB / 8 MiB block inputs
+    shape = ModelShape(hidden=hidden, intermediate=2 * hidden, layers=24, heads=8, kv_heads=8,
+                       head_dim=hidden // 8, vocab=1000)
+    w = Workload(shape, seq, lora_rank=lora_rank)
     block = w.block_input_bytes
-    budgets = Budgets(80 * GiB, 20 * block, 1 * GiB)
-    f = Features(offload_inputs=True)
+    layer_bytes = shape.layer_params * w.dtype_bytes  # 5 MiB of frozen weights per layer with LoRA
+    # The growth chunk of the 8B shape at scale: its 416 MiB layers in 512 MiB chunks.
+    monkeypatch.setattr(pool_module, "_MAX_CHUNK", layer_bytes * 512 // 416 // 4096 * 4096)
+    streamed = shape.layers * layer_bytes if lora_rank else 0
+    budgets = Budgets(80 * GiB, streamed + 20 * block, 1 * GiB)
+    f = Features(offload_inputs=True, layer_streaming=bool(lora_rank))
     f = replace(f, ram_blocks=_ram_blocks(w, f, budgets))
     m = estimate_memory(w, f)
     p = Plan(w, f, budgets, "offload", m, estimate_time(w, f, budgets.rates, m.block_placement), True)
@@ -303,6 +312,9 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path):
     assert p.host_budget_bytes() + staging <= budgets.host_bytes, "cap plus staging within the host budget"
 
     budget = HostMemoryBudget(limit_bytes=p.host_budget_bytes(), min_free_bytes=0)
+    weights_pool = HostBufferPool(pin_memory=False, budget=budget)
+    weights = [weights_pool.acquire(layer_bytes) for _ in range(shape.layers if lora_rank else 0)]
+    assert all(weights), "the cap holds the streamed weights"
     tier = build_tier("tiered", budget, pin_memory=False, use_streams=False,
                       disk=DiskOptions(directory=str(tmp_path)))
     stored = [tier.store(torch.full((block,), i, dtype=torch.uint8)) for i in range(shape.layers - 1)]
@@ -316,6 +328,8 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path):
     for s in stored:
         tier.free(s)
     tier.close()
+    for blk in weights:
+        weights_pool.release(blk)
 
 
 def test_physical_limit_keeps_frozen_weights_on_the_gpu_when_ram_cannot_hold_them():

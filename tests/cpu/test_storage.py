@@ -34,6 +34,25 @@ def test_pool_reuses_memory_and_accounts_bytes():
     assert b.used_bytes == 0 and pool.bytes_held == 0
 
 
+def test_pool_holds_no_idle_tails_for_uniform_large_blocks(monkeypatch):
+    """Streamed weights: one block per layer, each above an eighth of a growth chunk. Every
+    byte held must be a layer's: a chunk's tail shorter than a layer can serve nothing."""
+    import offloadkit.storage.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_MIN_CHUNK", 64 << 10)
+    monkeypatch.setattr(pool_module, "_MAX_CHUNK", 512 << 10)
+    for layer in (416 << 10, 100 << 10):
+        b = budget()
+        pool = HostBufferPool(pin_memory=False, budget=b)
+        blocks = [pool.acquire(layer) for _ in range(32)]
+        assert pool.bytes_held == b.used_bytes and pool.bytes_held % layer == 0, "idle bytes are whole blocks"
+        assert pool.bytes_idle <= pool.bytes_held // 8, "growth slack stays within an eighth"
+        if layer == 416 << 10:
+            assert pool.bytes_held == 32 * layer
+        for blk in blocks:
+            pool.release(blk)
+
+
 def test_pool_blocks_coalesce_when_released():
     pool = HostBufferPool(pin_memory=False, budget=budget())
     a, m, c = (pool.acquire(1 << 20) for _ in range(3))
