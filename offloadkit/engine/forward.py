@@ -21,6 +21,7 @@ from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.engine.prefetch import PrefetchPlanner, Step
 from offloadkit.engine.spans import DeathQueue, Entry, Kept, Packed, span_view, storage_span
 from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.runtime.autograd import in_backward
 from offloadkit.runtime.device import current_stream
 from offloadkit.runtime.storages import StorageRef, storage_key, version_of
 from offloadkit.storage.base import StorageTier
@@ -59,7 +60,16 @@ class ForwardPath:
         nbytes = t.numel() * t.element_size()
         state = self._state()
         state.saves += 1
-        reason = "excluded" if (state.keep_depth or state.tail) else self.policy.keep_reason(t)
+        if in_backward():
+            # Saved while a backward runs (reentrant checkpointing's recompute, a double-backward
+            # graph): needed within this backward or kept for a later one; a round trip buys
+            # nothing. On CUDA this runs on the engine's device thread, which inherits the hooks
+            # but none of this thread's forward state (its tail mark).
+            reason = "backward"
+        elif state.keep_depth or state.tail:
+            reason = "excluded"
+        else:
+            reason = self.policy.keep_reason(t)
         if reason is not None:
             with self._lock:
                 self.stats.saved_tensors += 1

@@ -74,7 +74,8 @@ class LayerStreamer:
         self.device = self._compute_device()
         cuda = self.device.type == "cuda"
         self.budget = budget if budget is not None else HostMemoryBudget()
-        self.pool = HostBufferPool(use_pin_memory and cuda, self.budget)
+        # Sized once, one block per layer: exact chunks, no growth slack.
+        self.pool = HostBufferPool(use_pin_memory and cuda, self.budget, grow_in_chunks=False)
         self.stats = StreamStats()
         self._clock = WaitClock(measure_waits and cuda)
         self._clock_stats = OffloadStats()

@@ -109,6 +109,10 @@ class HostBufferPool:
         budget: shared host-memory budget; ``acquire`` returns None when it refuses.
         respect_cap: False for transient I/O buffers (disk staging): the budget's byte cap
             does not apply to them, its free-RAM guard does.
+        grow_in_chunks: True (activations) grows by chunks with room to spare, which later
+            blocks of other sizes reuse. False for blocks sized once at setup (streamed
+            weights): each chunk is exactly its block, since a tail shorter than the next
+            block would sit idle (32 layers of 416 MiB in 512 MiB chunks held 2 GiB for nothing).
 
     Example:
         >>> pool = HostBufferPool(pin_memory=False, budget=HostMemoryBudget())
@@ -118,10 +122,12 @@ class HostBufferPool:
         True
     """
 
-    def __init__(self, pin_memory: bool, budget: HostMemoryBudget, respect_cap: bool = True) -> None:
+    def __init__(self, pin_memory: bool, budget: HostMemoryBudget, respect_cap: bool = True,
+                 grow_in_chunks: bool = True) -> None:
         self.pin_memory = bool(pin_memory)
         self.budget = budget
         self.respect_cap = respect_cap
+        self.grow_in_chunks = grow_in_chunks
         self._chunks: list[_Chunk] = []
         self._by_size: list[tuple] = []  # sorted (size, seq) keys of free ranges
         self._ranges: dict[tuple, _Range] = {}  # key -> range
@@ -262,13 +268,10 @@ class HostBufferPool:
     # -- chunks -----------------------------------------------------------------------------
     def _new_chunk(self, cap: int) -> _Chunk | None:
         # Grow by about an eighth of what is held (at least 8 MiB): few registrations, and at
-        # most ~1/8 more held than the largest step needs. For blocks above an eighth of the
-        # chunk, a whole number of them: a tail shorter than the block that asked sits idle
-        # while the next such block opens another chunk (32 streamed 416 MiB layers in 512 MiB
-        # chunks held 2 GiB nothing could use). Smaller tails serve smaller saves.
-        want = max(cap, min(_MAX_CHUNK, max(_MIN_CHUNK, -(-self._held // 8 // PAGE_SIZE) * PAGE_SIZE)))
-        if cap * 8 > want:
-            want -= want % cap
+        # most ~1/8 more held than the largest step needs.
+        want = cap
+        if self.grow_in_chunks:
+            want = max(cap, min(_MAX_CHUNK, max(_MIN_CHUNK, -(-self._held // 8 // PAGE_SIZE) * PAGE_SIZE)))
         for size in dict.fromkeys((want, cap)):
             if self.budget.try_reserve(size, self.respect_cap):
                 break

@@ -47,6 +47,18 @@ def test_streaming_parity_and_residency_cap():
     streamer.remove()
 
 
+def test_host_copies_hold_exactly_the_streamed_bytes():
+    """The plan counts the streamed weights at their own size in the host budget: no growth
+    slack, no chunk tails (at 8B they were 2 GiB, one block input less in RAM)."""
+    from offloadkit.storage import size_class
+
+    model = lora_llama()
+    streamer = stream_layers_on_cpu(model, depth=2)
+    assert streamer.pool.bytes_held == sum(size_class(layer.nbytes) for layer in streamer.layers)
+    assert streamer.budget.used_bytes == streamer.pool.bytes_held
+    streamer.remove()
+
+
 @pytest.mark.parametrize("depth", [1, 3])
 def test_depth_bounds_resident_layers(depth):
     model = lora_llama()

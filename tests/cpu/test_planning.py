@@ -312,7 +312,7 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
     assert p.host_budget_bytes() + staging <= budgets.host_bytes, "cap plus staging within the host budget"
 
     budget = HostMemoryBudget(limit_bytes=p.host_budget_bytes(), min_free_bytes=0)
-    weights_pool = HostBufferPool(pin_memory=False, budget=budget)
+    weights_pool = HostBufferPool(pin_memory=False, budget=budget, grow_in_chunks=False)  # as streaming does
     weights = [weights_pool.acquire(layer_bytes) for _ in range(shape.layers if lora_rank else 0)]
     assert all(weights), "the cap holds the streamed weights"
     tier = build_tier("tiered", budget, pin_memory=False, use_streams=False,

@@ -266,6 +266,32 @@ def test_recomputation_in_a_backward_on_another_thread_is_left_to_checkpointing(
     assert_bitwise_equal(ref[1], {n: p.grad for n, p in model.named_parameters()}, "grads")
 
 
+def test_saves_during_a_backward_are_kept_where_they_are():
+    """Reentrant checkpointing recomputes each block inside backward, through whatever hooks
+    are active: with backward inside the region (the Trainer's training step) those saves
+    would be copied out and straight back. They are kept; the forward's saves still move."""
+    model = build_llama("tiny")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    batch = make_batch(256, 2, 32)
+    ref = run_step(model, batch)
+    outside = get_act_offloading_ctx_manager(model, offload_cpu_tensors=True, min_offload_size=0)
+    model.zero_grad(set_to_none=True)
+    with outside:
+        loss = model(**batch).loss
+    loss.backward()
+    inside = get_act_offloading_ctx_manager(model, offload_cpu_tensors=True, min_offload_size=0)
+    model.zero_grad(set_to_none=True)
+    with inside:
+        loss = model(**batch).loss
+        loss.backward()
+    assert inside.stats.kept_by_reason["backward"] > 0, "the recomputed blocks saved through our hooks"
+    assert inside.stats.offloaded_tensors == outside.stats.offloaded_tensors > 0
+    assert_bitwise_equal(ref[0], loss.detach(), "loss")
+    assert_bitwise_equal(ref[1], {n: p.grad for n, p in model.named_parameters()}, "grads")
+    outside.remove()
+    inside.remove()
+
+
 # -- one copy per storage ----------------------------------------------------------------------
 def test_slice_saved_before_the_whole_moves_the_storage_once():
     class SliceFirst(torch.nn.Module):

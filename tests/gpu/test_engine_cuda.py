@@ -71,6 +71,31 @@ def test_lora_bf16_parity():
     assert ctx.is_idle()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_with_backward_inside_the_region(reentrant):
+    """The Trainer's step runs backward inside the region, and on CUDA backward runs on the
+    autograd engine's device thread. Non-reentrant recomputation there must see its own saves
+    (a CheckpointError otherwise); reentrant recomputation saves through our inherited hooks
+    and is kept, not copied out and straight back."""
+    model = small_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    batch = llama_batch(model)
+    ref = reference(model, batch)
+    ctx = get_act_offloading_ctx_manager(model)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            loss = model(**batch).loss
+            offloaded = ctx.stats.offloaded_tensors
+            loss.backward()
+        assert ctx.stats.offloaded_tensors == offloaded > 0, "nothing saved in backward is offloaded"
+        assert_bitwise_equal(ref[0], loss.detach(), "loss")
+        assert_bitwise_equal(ref[1], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, "grads")
+    if reentrant:
+        assert ctx.stats.kept_by_reason["backward"] > 0
+    assert ctx.is_idle()
+
+
 def test_checkpointing_plus_offload_parity():
     model = small_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
