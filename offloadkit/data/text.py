@@ -21,7 +21,12 @@ def _record_text(record, text_field: str, where: str) -> str:
         return record
     if not isinstance(record, dict) or text_field not in record:
         raise ValueError(f"{where}: no {text_field!r} field; set text_field to the key that holds the text")
-    return str(record[text_field])
+    text = record[text_field]
+    if not isinstance(text, str):
+        # str() of null, a number or a list would train on "None", "5" or "['a', 'b']".
+        raise ValueError(f"{where}: {text_field!r} is {type(text).__name__} {json.dumps(text)[:60]}, not a string; "
+                         f"give each record's {text_field!r} as text, or drop the record")
+    return text
 
 
 def _json_lines(path: str, text_field: str) -> list[str]:

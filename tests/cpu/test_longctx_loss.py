@@ -254,3 +254,67 @@ def test_chunk_rule_and_argument_errors():
     tokens = torch.randint(0, 5, (1, 20000))
     small = chunked_cross_entropy(torch.randn(1, 20000, 4), torch.randn(5, 4), tokens, chunk_tokens=4096)
     assert torch.isfinite(small)
+
+
+def _fp16_scaled_errors(chunked: bool, hidden_dtype, scale=65536.0, softcap=None, bias=False):
+    """Relative errors of the hidden and head gradients, under autocast fp16 with a loss
+    scale as GradScaler applies it, against an fp64 reference."""
+    g = torch.Generator().manual_seed(3)
+    n, hidden, vocab = 4096, 64, 4096
+    h64 = torch.randn(n, hidden, generator=g, dtype=torch.float64) * 2
+    w64 = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * 0.05
+    b64 = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.1 if bias else None
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    ref_h, ref_w = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+    reference(ref_h, ref_w, labels, b64, softcap=softcap).backward()
+    h = h64.to(hidden_dtype).requires_grad_()
+    w = w64.float().requires_grad_()
+    b = None if b64 is None else b64.float()
+    with torch.autocast("cpu", dtype=torch.float16):
+        if chunked:
+            loss = chunked_cross_entropy(h, w, labels, b, num_chunks=4, final_logit_softcapping=softcap)
+        else:
+            logits = F.linear(h, w, b).float()
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            loss = F.cross_entropy(logits[:-1], labels[1:])
+    (loss * scale).backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    err = [float((got.double() / scale - ref.grad).norm() / ref.grad.norm()) for got, ref in ((h.grad, ref_h),
+                                                                                            (w.grad, ref_w))]
+    return err
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_fp16_with_loss_scale_as_accurate_as_unchunked(hidden_dtype, softcap):
+    # fp32 hidden states: the Trainer's fp16=True over fp32 weights; fp16 hidden states: an
+    # fp16-loaded base (QLoRA's fp16 compute). Folding 1/N into an fp16 gradient in forward
+    # gave 1e-2 errors, and fp16 gradients times the scale 65536 gave inf.
+    plain = _fp16_scaled_errors(False, hidden_dtype, softcap=softcap)
+    chunked = _fp16_scaled_errors(True, hidden_dtype, softcap=softcap)
+    for got, want in zip(chunked, plain):
+        assert got <= 1.5 * want + 1e-5, (chunked, plain)
+
+
+def test_fp16_deferred_gradients_keep_bias_and_upstream_scale():
+    h, w, b, labels = problem(torch.float16, bias=True)
+    h32, w32, b32 = (t.detach().float().requires_grad_() for t in (h, w, b))
+    h16, w16, b16 = leaves(h, w, b)
+    (chunked_cross_entropy(h16, w16, labels, b16, num_chunks=3) * 1024).backward()
+    (reference(h32, w32, labels, b32) * 1024).backward()
+    for got, ref, what in ((h16.grad, h32.grad, "hidden"), (w16.grad, w32.grad, "weight"), (b16.grad, b32.grad, "bias")):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all(), what
+        close(got.float(), ref, 2e-2, what)
+
+
+def test_negative_label_other_than_ignore_index_raises_like_torch():
+    h, w, b, labels = problem(torch.float32)
+    labels[1, 5] = -1
+    with pytest.raises(IndexError, match="Target -1 is out of bounds"):
+        F.cross_entropy(F.linear(h, w, b).reshape(-1, w.shape[0]), labels.reshape(-1))
+    with pytest.raises(IndexError, match="Target -1 is out of bounds"):
+        chunked_cross_entropy(h, w, labels, b)
+    labels[1, 5] = w.shape[0]
+    with pytest.raises(IndexError, match=f"Target {w.shape[0]} is out of bounds"):
+        chunked_cross_entropy(h, w, labels, b)
