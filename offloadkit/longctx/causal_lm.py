@@ -8,17 +8,17 @@ transform them (Gemma 2's soft-capping, Cohere's ``logit_scale``, Granite's
 an empty ``[..., 0]`` placeholder instead of logits (keeping its input) and the instance's
 loss function computes the chunked loss from the head's input and weight. Everything else
 in the model's own forward runs unchanged (MoE auxiliary losses are still added). Without
-``labels`` the model runs exactly as before.
+``labels``, or in eval mode (``model.eval()``: evaluation and prediction inside the Trainer's
+``train()``), the model runs exactly as before and returns real logits.
 
-With ``labels``, ``outputs.logits`` is that empty ``[batch, seq, 0]`` tensor: evaluation
-that needs logits (metrics on predictions) should call the model without labels, or
-``remove()`` the handle first.
+In training mode with ``labels``, ``outputs.logits`` is that empty ``[batch, seq, 0]`` tensor.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import re
 
 import torch
 from torch import nn
@@ -57,20 +57,43 @@ def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _logit_transform(base: nn.Module) -> tuple[float, float | None] | None:
-    """(scale, softcap) the model's config says it applies to the logits after the head,
-    or None when it names no such setting."""
+def _scaling_direction(base: nn.Module) -> str | None:
+    """How the model's forward applies ``logits_scaling``: "divide" (Granite), "multiply"
+    (HyperCLOVA X), or None when its source does not say one way only."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return None
+    name = r"self\.(?:config\.)?(?:text_config\.)?logits_scaling"
+    divides = re.search(r"/\s*" + name, source) is not None
+    multiplies = re.search(r"\*\s*" + name, source) is not None
+    if divides != multiplies:
+        return "divide" if divides else "multiply"
+    return None
+
+
+def _logit_transform(base: nn.Module) -> tuple[tuple[float, float | None] | None, str | None]:
+    """``((scale, softcap), None)`` the model's config says it applies to the logits after
+    the head, ``(None, None)`` when it names no such setting, or ``(None, why)`` when it names
+    one whose effect offloadkit cannot tell."""
     config = getattr(base, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     scale = _number(getattr(base, "logit_scale", None))
     if scale is None:
         scale = _number(getattr(text, "logit_scale", None))
-    divisor = _number(getattr(text, "logits_scaling", None))
+    scaling = _number(getattr(text, "logits_scaling", None))
     softcap = _number(getattr(text, "final_logit_softcapping", None))
-    if scale is None and divisor is None and softcap is None:
-        return None
-    scale = (1.0 if scale is None else scale) / (1.0 if divisor is None else divisor)
-    return scale, softcap
+    if scale is None and scaling is None and softcap is None:
+        return None, None
+    scale = 1.0 if scale is None else scale
+    if scaling is not None:
+        direction = _scaling_direction(base)
+        if direction is None:
+            return None, (f"{type(base).__name__} sets logits_scaling={scaling} but offloadkit cannot tell from its "
+                          "forward whether it multiplies or divides the logits by it")
+        # Granite divides its logits by logits_scaling; HyperCLOVA X multiplies them (muP).
+        scale = scale / scaling if direction == "divide" else scale * scaling
+    return (scale, softcap), None
 
 
 class _Call:
@@ -100,10 +123,10 @@ class _Call:
         scale, softcap = None, None
         if logits is not self.placeholder:
             if handle.transform is None:
-                raise RuntimeError(
+                why = handle.transform_problem or (
                     f"{handle.model_name} changes its logits after the output head in a way offloadkit does not "
-                    "recognise (known: final_logit_softcapping, logit_scale, logits_scaling); remove "
-                    "apply_chunked_loss (chunked_cross_entropy: false) for this model")
+                    "recognise (known: final_logit_softcapping, logit_scale, logits_scaling)")
+                raise RuntimeError(f"{why}; remove apply_chunked_loss (chunked_cross_entropy: false) for this model")
             scale, softcap = handle.transform
         hidden, linear = self.hidden, self.linear
         self.hidden = self.linear = None
@@ -127,7 +150,8 @@ class ChunkedLossHandle:
         num_chunks / chunk_tokens: the chunking (None: automatic).
         transform: ``(logit scale, final_logit_softcapping)`` read from the config, applied
             when the model changes its logits after the head; None when the config names
-            neither.
+            neither, or names a ``logits_scaling`` whose direction the model's forward does
+            not show (``transform_problem`` says which; such a model's loss is refused).
     """
 
     def __init__(self, model: nn.Module, head: nn.Module, num_chunks, chunk_tokens) -> None:
@@ -135,7 +159,7 @@ class ChunkedLossHandle:
         self.head = head
         self.num_chunks = num_chunks
         self.chunk_tokens = chunk_tokens
-        self.transform = _logit_transform(model)
+        self.transform, self.transform_problem = _logit_transform(model)
         self.model_name = type(model).__name__
         self.calls = 0
         self._active = False
@@ -161,7 +185,9 @@ class ChunkedLossHandle:
             labels = kwargs.get("labels")
             if labels is None and args:
                 labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
-            if labels is None or not self._active:
+            # Evaluation and prediction need real logits (compute_metrics, generate); the
+            # chunked loss is for training steps.
+            if labels is None or not self._active or not model.training:
                 return original(*args, **kwargs)
             return self._run(original, args, kwargs)
 
@@ -213,9 +239,9 @@ def apply_chunked_loss(model: nn.Module, num_chunks: int | None = None, *,
 
     Works on ``LlamaForCausalLM`` and the other ``*ForCausalLM`` models with a linear
     ``lm_head`` (tied or not, frozen or trainable), also inside PEFT, DDP or compile
-    wrappers. Only the model instance is changed. With ``labels`` the returned
-    ``outputs.logits`` is an empty ``[batch, seq, 0]`` tensor; without ``labels`` nothing
-    changes.
+    wrappers. Only the model instance is changed. In training mode with ``labels`` the
+    returned ``outputs.logits`` is an empty ``[batch, seq, 0]`` tensor; without ``labels`` or
+    in eval mode nothing changes.
 
     Args:
         model: the causal LM (or its PEFT model).

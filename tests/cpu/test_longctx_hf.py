@@ -124,16 +124,24 @@ def test_num_items_in_batch_and_gradient_accumulation():
     handle.remove()
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite", "hyperclovax"])
 def test_models_that_transform_logits(kind):
-    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common = _COMMON
+    if kind == "hyperclovax" and not hasattr(transformers, "HyperCLOVAXForCausalLM"):
+        pytest.skip("this transformers has no HyperCLOVA X")
     cls, config = {
-        "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(head_dim=16, final_logit_softcapping=5.0,
-                                                                             **common)),
-        "cohere": (transformers.CohereForCausalLM, transformers.CohereConfig(logit_scale=0.25, **common)),
-        "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig(logits_scaling=4.0, **common)),
-    }[kind]
+        "gemma2": lambda: (transformers.Gemma2ForCausalLM,
+                           transformers.Gemma2Config(head_dim=16, final_logit_softcapping=5.0, **common)),
+        "cohere": lambda: (transformers.CohereForCausalLM, transformers.CohereConfig(logit_scale=0.25, **common)),
+        # Granite divides its logits by logits_scaling, HyperCLOVA X multiplies them by it.
+        "granite": lambda: (transformers.GraniteForCausalLM, transformers.GraniteConfig(logits_scaling=4.0, **common)),
+        "hyperclovax": lambda: (transformers.HyperCLOVAXForCausalLM,
+                                transformers.HyperCLOVAXConfig(logits_scaling=4.0, **common)),
+    }[kind]()
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(config)
@@ -142,6 +150,37 @@ def test_models_that_transform_logits(kind):
     handle = apply_chunked_loss(model, num_chunks=3)
     assert handle.transform is not None
     close_all(run_step(model, data), ref)
+    handle.remove()
+
+
+def test_logits_scaling_of_unknown_direction_is_refused():
+    class Scaled(transformers.GraniteForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):  # its source does not show how it scales
+            return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+    config = transformers.GraniteConfig(logits_scaling=4.0, **_COMMON)
+    config._attn_implementation = "eager"
+    model = Scaled(config)
+    handle = apply_chunked_loss(model, num_chunks=2)
+    assert handle.transform is None and "multiplies or divides" in handle.transform_problem
+    with pytest.raises(RuntimeError, match="multiplies or divides the logits"):
+        model(**batch(vocab=128, seq=19))
+    handle.remove()
+
+
+def test_eval_mode_gets_real_logits_and_the_same_loss():
+    model = build_llama("tiny", attn_implementation="sdpa")
+    data = batch()
+    model.eval()
+    with torch.no_grad():
+        ref = model(**data)
+    handle = apply_chunked_loss(model, num_chunks=2)
+    with torch.no_grad():
+        got = model(**data)
+    assert got.logits.shape == ref.logits.shape and got.logits.shape[-1] == model.config.vocab_size
+    assert torch.equal(got.loss, ref.loss) and handle.calls == 0
+    model.train()
+    assert model(**data).logits.shape[-1] == 0 and handle.calls == 1
     handle.remove()
 
 
@@ -319,6 +358,38 @@ def test_trainer_with_gradient_accumulation(tmp_path):
     assert calls == [2, 4, 6], "every micro-batch's loss went through the chunked path"
     assert len(got) == len(ref) == 3
     assert got == pytest.approx(ref, rel=1e-4)
+
+
+def test_trainer_evaluation_inside_train_sees_real_logits(tmp_path):
+    """compute_metrics inside train() gets full-vocabulary predictions, with the chunked loss on."""
+    from offloadkit.integrations.trainer import OffloadCallback
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (6, 24))
+    rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
+    seen = []
+
+    def metrics(pred):
+        seen.append(pred.predictions.shape)
+        return {"top1": float((pred.predictions.argmax(-1) == pred.label_ids).mean())}
+
+    def run(callbacks):
+        seen.clear()
+        model = build_llama("tiny", attn_implementation="sdpa")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=2,
+            eval_strategy="steps", eval_steps=1, learning_rate=1e-2, save_strategy="no", report_to=[],
+            disable_tqdm=True, use_cpu=True, seed=0, remove_unused_columns=False)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:4],
+                                       compute_metrics=metrics, callbacks=callbacks)
+        trainer.train()
+        return [h for h in trainer.state.log_history if "eval_loss" in h], list(seen)
+
+    ref_logs, ref_shapes = run([])
+    logs, shapes = run([OffloadCallback({"chunked_cross_entropy": True})])
+    assert shapes == ref_shapes and shapes[0][-1] == 256, shapes
+    assert [h["eval_top1"] for h in logs] == [h["eval_top1"] for h in ref_logs]
+    assert [h["eval_loss"] for h in logs] == pytest.approx([h["eval_loss"] for h in ref_logs], rel=1e-5)
 
 
 @pytest.mark.parametrize("checkpointing", [None, "non-reentrant"])
