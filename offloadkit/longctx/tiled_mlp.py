@@ -28,6 +28,7 @@ itself (SDPA or flash) sees the whole sequence.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -69,67 +70,113 @@ def _check(y, xs: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _sharded(fn: Callable, x: torch.Tensor, bounds) -> torch.Tensor:
-    dim = x.dim() - 2
+def _tokens_view(t: torch.Tensor) -> torch.Tensor:
+    """``[B, S, H]`` as ``[1, B*S, H]`` (a view when contiguous): shards of the token
+    dimension are then contiguous, so modules that ``.view()`` their input (MoE blocks,
+    GPT-2's Conv1D) take them with any batch size. 2-D inputs are already ``[tokens, H]``."""
+    return t if t.dim() <= 2 else t.reshape(1, -1, t.shape[-1])
+
+
+def _shard(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return t.narrow(t.dim() - 2, start, n)
+
+
+class _Recorded:
+    """What forward knew and backward must restore: the RNG state and the autocast state."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+        self.autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                         for kind in dict.fromkeys((device.type, "cpu"))]
+
+    def replay(self):
+        """Context for backward's recompute: forward's RNG draws and autocast dtype."""
+        stack = contextlib.ExitStack()
+        devices = [self.device] if self.cuda_rng is not None else []
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+        for kind, enabled, dtype in self.autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        return stack
+
+
+def _sharded(fn: Callable, inputs: tuple[torch.Tensor, ...], bounds) -> tuple[torch.Tensor, bool]:
+    """``fn(*inputs)`` over token shards into one output, and whether ``fn`` writes its
+    inputs in place (seen on the first shard, run on a copy: such a module then gets a copy
+    of every shard, so the saved input stays as it came)."""
+    flat = [_tokens_view(t) for t in inputs]
     out = None
-    for start, n in bounds:
-        xs = x.narrow(dim, start, n)
-        y = _check(fn(xs), xs)
+    mutates = False
+    for i, (start, n) in enumerate(bounds):
+        shards = [_shard(t, start, n) for t in flat]
+        if i == 0:
+            copies = [s.clone() for s in shards]
+            versions = [c._version for c in copies]
+            y = fn(*copies)
+            mutates = any(c._version != v for c, v in zip(copies, versions))
+            del copies
+        else:
+            y = fn(*[s.clone() for s in shards] if mutates else shards)
+        y = _check(y, shards[0])
         if out is None:
-            out = y.new_empty(x.shape[:-1] + y.shape[-1:])
-        out.narrow(dim, start, n).copy_(y)
+            out = y.new_empty(flat[0].shape[:-1] + y.shape[-1:])
+        _shard(out, start, n).copy_(y)
         del y
-    return out
-
-
-def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    return out.view(inputs[0].shape[:-1] + out.shape[-1:]), mutates
 
 
 class TiledMLP(torch.autograd.Function):
-    """``TiledMLP.apply(fn, num_shards, x, *params)``: ``fn(x)`` computed over sequence
-    shards, with gradients for ``x`` and for ``params`` (the trainable parameters ``fn``
-    uses). Prefer :func:`tiled_forward`."""
+    """``TiledMLP.apply(fn, num_shards, n_inputs, *inputs, *params)``: ``fn(*inputs)``
+    computed over token shards (every input sharded along its token dimension), with
+    gradients for the floating-point inputs and for ``params`` (the trainable parameters
+    ``fn`` uses). Prefer :func:`tiled_forward`."""
 
     @staticmethod
-    def forward(ctx, fn, num_shards, x, *params):
-        bounds = _bounds(x.shape[-2], num_shards)
-        ctx.fn, ctx.bounds, ctx.params = fn, bounds, params
-        ctx.rng = _rng_state(x.device)
-        ctx.save_for_backward(x)
-        return _sharded(fn, x, bounds)
+    def forward(ctx, fn, num_shards, n_inputs, *tensors):
+        inputs, params = tensors[:n_inputs], tensors[n_inputs:]
+        bounds = _bounds(_tokens_view(inputs[0]).shape[-2], num_shards)
+        ctx.fn, ctx.bounds, ctx.params, ctx.n_inputs = fn, bounds, params, n_inputs
+        ctx.recorded = _Recorded(inputs[0].device)
+        ctx.save_for_backward(*inputs)
+        out, ctx.mutates = _sharded(fn, inputs, bounds)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-        params, dim = ctx.params, x.dim() - 2
-        need_x = ctx.needs_input_grad[2]
-        need_p = ctx.needs_input_grad[3:]
+        inputs = ctx.saved_tensors
+        params, n_inputs = ctx.params, ctx.n_inputs
+        need_in = ctx.needs_input_grad[3:3 + n_inputs]
+        need_p = ctx.needs_input_grad[3 + n_inputs:]
         wanted = [p for p, need in zip(params, need_p) if need]
-        grad_x = torch.empty_like(x) if need_x else None
+        flat = [_tokens_view(t) for t in inputs]
+        grad_flat = _tokens_view(grad_out)
+        grad_in = [torch.empty_like(t) if need else None for t, need in zip(flat, need_in)]
         acc: list[torch.Tensor | None] = [None] * len(wanted)
-        cpu_rng, cuda_rng = ctx.rng
-        devices = [x.device] if cuda_rng is not None else []
         # Saved-tensor hooks of an enclosing offloading context must not move the shard's
         # tensors: they are used right here.
-        with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(
-                lambda t: t, lambda t: t), torch.enable_grad():
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, x.device)
+        with ctx.recorded.replay(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                torch.enable_grad():
             for start, n in ctx.bounds:
-                xs = x.narrow(dim, start, n).detach().requires_grad_(need_x)
-                ys = ctx.fn(xs)
-                inputs = ([xs] if need_x else []) + wanted
-                grads = [None] * len(inputs)
+                leaves = [_shard(t, start, n).detach().requires_grad_(need) for t, need in zip(flat, need_in)]
+                # A module that writes its input in place gets a copy: in-place writes to a
+                # leaf that requires grad are refused, and the saved input must stay as it came.
+                ys = ctx.fn(*[leaf.clone() for leaf in leaves] if ctx.mutates else leaves)
+                grad_leaves = [leaf for leaf, need in zip(leaves, need_in) if need]
+                targets = grad_leaves + wanted
+                grads = [None] * len(targets)
                 if ys.requires_grad:
-                    grads = list(torch.autograd.grad(ys, inputs, grad_out.narrow(dim, start, n), allow_unused=True))
+                    grads = list(torch.autograd.grad(ys, targets, _shard(grad_flat, start, n), allow_unused=True))
                 del ys
-                if need_x:
+                for buf, need in zip(grad_in, need_in):
+                    if not need:
+                        continue
                     gx = grads.pop(0)
-                    target = grad_x.narrow(dim, start, n)
+                    target = _shard(buf, start, n)
                     if gx is None:
                         target.zero_()
                     else:
@@ -142,29 +189,34 @@ class TiledMLP(torch.autograd.Function):
                         acc[i] = g.float() if low else g
                     else:
                         acc[i].add_(g)
+        out_in = [None if g is None else g.view(t.shape) for g, t in zip(grad_in, inputs)]
         out_p = iter(None if a is None else a.to(p.dtype) for a, p in zip(acc, wanted))
         grads_p = [next(out_p) if need else None for need in need_p]
-        return (None, None, grad_x, *grads_p)
+        return (None, None, None, *out_in, *grads_p)
 
 
-def tiled_forward(fn: Callable, x: torch.Tensor, num_shards: int, params=None) -> torch.Tensor:
-    """``fn(x)`` over ``num_shards`` shards of the sequence dimension (``x.shape[-2]``),
-    holding one shard's intermediates at a time in forward and in backward.
+def tiled_forward(fn: Callable, x, num_shards: int, params=None) -> torch.Tensor:
+    """``fn(x)`` over ``num_shards`` shards of the tokens (``x.shape[:-1]``, the sequence
+    of every batch row in turn), holding one shard's intermediates at a time in forward
+    and in backward.
 
     Args:
         fn: a token-wise function, e.g. ``mlp.forward``.
-        x: ``[..., S, H]``.
-        num_shards: shards of S (at most S).
+        x: ``[..., S, H]``; or a tuple of tensors sharded together, each ``[tokens, ...]``
+            (an MoE experts module's hidden states, expert indices and routing weights).
+        num_shards: shards of the tokens (at most their number).
         params: the trainable tensors ``fn`` uses (default: none); they get gradients.
 
     Example:
         >>> y = tiled_forward(model.model.layers[0].mlp.forward, x, 8,
         ...                   [p for p in model.model.layers[0].mlp.parameters() if p.requires_grad])
     """
+    inputs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
     params = tuple(params or ())
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-        return TiledMLP.apply(fn, num_shards, x, *params)
-    return _sharded(fn, x, _bounds(x.shape[-2], num_shards))
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or any(p.requires_grad for p in params)):
+        return TiledMLP.apply(fn, num_shards, len(inputs), *inputs, *params)
+    bounds = _bounds(_tokens_view(inputs[0]).shape[-2], num_shards)
+    return _sharded(fn, inputs, bounds)[0]
 
 
 def _width(module: nn.Module) -> int | None:
@@ -175,6 +227,39 @@ def _width(module: nn.Module) -> int | None:
     return max(widths) if widths else None
 
 
+def _experts_width(block: nn.Module, experts: nn.Module) -> int | None:
+    """What one token costs an experts module, in elements: each of its ``top_k`` experts
+    holds an intermediate as wide as the widest expert weight."""
+    widths = [max(p.shape[-2:]) for p in experts.parameters() if p.dim() >= 2]
+    top_k = None
+    for owner in (block, getattr(block, "gate", None), getattr(block, "router", None)):
+        top_k = top_k or getattr(owner, "top_k", None)
+    if not isinstance(top_k, int):
+        config = getattr(block, "config", None)
+        top_k = getattr(config, "num_experts_per_tok", 1)
+    width = max(widths) if widths else _width(experts)
+    return None if width is None else width * max(1, int(top_k or 1))
+
+
+def _is_moe(module: nn.Module) -> bool:
+    """An MoE block: a router and an ``experts`` module (Mixtral, Qwen2/3-MoE, gpt-oss, ...)."""
+    return isinstance(getattr(module, "experts", None), nn.Module)
+
+
+def _moe_parts(name: str, block: nn.Module) -> list[tuple[str, nn.Module, int | None]]:
+    """What of an MoE block runs tiled: its experts (hidden states, expert indices and
+    routing weights sharded together) and any shared expert. The router stays outside, so
+    its logits and the auxiliary loss built from them keep their graph."""
+    experts = block.experts
+    assert isinstance(experts, nn.Module)
+    parts: list[tuple[str, nn.Module, int | None]] = [(f"{name}.experts", experts, _experts_width(block, experts))]
+    for attr in ("shared_expert", "shared_experts", "shared_mlp"):
+        child = getattr(block, attr, None)
+        if isinstance(child, nn.Module):
+            parts.append((f"{name}.{attr}", child, _width(child)))
+    return parts
+
+
 class TiledMLPHandle:
     """What :func:`apply_tiled_mlp` attached; ``remove()`` restores every module's forward.
 
@@ -183,9 +268,10 @@ class TiledMLPHandle:
         num_shards: the fixed shard count, or None for automatic.
     """
 
-    def __init__(self, modules, num_shards):
+    def __init__(self, modules, num_shards, widths=None):
         self.modules = modules
         self.num_shards = num_shards
+        self._widths = widths or {}
         self._saved: list[tuple[nn.Module, object]] = []
 
     def _attach(self) -> None:
@@ -194,7 +280,8 @@ class TiledMLPHandle:
                 raise ValueError(f"{name} is already tiled by offloadkit; remove() the first handle")
         for name, module in self.modules:
             previous = module.__dict__.get("forward")
-            wrapper = functools.partial(self._call, module, module.forward, _width(module), self.num_shards)
+            width = self._widths.get(name, _width(module))
+            wrapper = functools.partial(self._call, module, module.forward, width, self.num_shards)
             module.forward = wrapper
             module.__dict__[_MARK] = wrapper
             self._saved.append((module, previous))
@@ -211,20 +298,29 @@ class TiledMLPHandle:
         self._saved.clear()
 
     def shards_for(self, x: torch.Tensor, width: int | None, fixed: int | None = None) -> int:
-        if fixed is not None:
-            return min(fixed, x.shape[-2])
         tokens = x.numel() // x.shape[-1]
-        return min(auto_num_shards(tokens, width or x.shape[-1]), x.shape[-2])
+        if fixed is not None:
+            return min(fixed, tokens)
+        return min(auto_num_shards(tokens, width or x.shape[-1]), tokens)
+
+    @staticmethod
+    def _tileable(args, kwargs) -> bool:
+        """One ``[..., S, H]`` tensor, or several 2-D tensors over the same tokens (an
+        experts module's hidden states, indices and weights)."""
+        if kwargs or not args or not all(torch.is_tensor(a) for a in args):
+            return False
+        if len(args) == 1:
+            return args[0].dim() >= 2
+        return all(a.dim() == 2 and a.shape[0] == args[0].shape[0] for a in args)
 
     def _call(self, module: nn.Module, original: Callable, width: int | None, fixed: int | None, *args, **kwargs):
-        if len(args) != 1 or kwargs or not torch.is_tensor(args[0]) or args[0].dim() < 2:
+        if not self._tileable(args, kwargs):
             return original(*args, **kwargs)
-        x = args[0]
-        shards = self.shards_for(x, width, fixed)
+        shards = self.shards_for(args[0], width, fixed)
         if shards <= 1 and fixed is None:
-            return original(x)
+            return original(*args)
         params = [p for p in module.parameters() if p.requires_grad]
-        return tiled_forward(original, x, shards, params)
+        return tiled_forward(original, args, shards, params)
 
 
 def _parse_shards(num_shards) -> int | None:
@@ -262,7 +358,10 @@ def apply_tiled_mlp(
     """Run the MLP of every decoder layer (``layer.mlp``) over sequence shards.
 
     Each module's ``forward`` is replaced on the instance (no class is patched); modules
-    called with anything but one ``[..., S, H]`` tensor run as before.
+    called with anything but one ``[..., S, H]`` tensor run as before. For an MoE block
+    (Mixtral, Qwen2/3-MoE, gpt-oss: a router and an ``experts`` module) the experts and any
+    shared expert run tiled and the router runs whole, so the router's logits, and the
+    auxiliary loss built from them, keep their gradient.
 
     Args:
         model: a Hugging Face model (PEFT and other wrappers are looked through) or any
@@ -286,12 +385,28 @@ def apply_tiled_mlp(
     """
     shards = _parse_shards(num_shards)
     base = unwrap_model(model)
+    widths: dict[str, int | None] = {}
     if predicate is not None:
         modules = [(n, m) for n, m in base.named_modules() if n and predicate(n, m)]
         how = "the predicate"
+        moe = [n for n, m in modules if _is_moe(m)]
+        if moe:
+            raise ValueError(f"{moe[0]} is an MoE block: tiled whole, its router would run inside the tiled "
+                             "function, where the auxiliary loss's gradient cannot reach it; choose its experts "
+                             f"instead ({moe[0]}.experts), as the default selection does")
     else:
-        modules = [(f"{name}.mlp", block.mlp) for name, block in find_blocks(base)
-                   if isinstance(getattr(block, "mlp", None), nn.Module)]
+        modules = []
+        for name, block in find_blocks(base):
+            mlp = getattr(block, "mlp", None) or getattr(block, "block_sparse_moe", None)
+            if not isinstance(mlp, nn.Module):
+                continue
+            mlp_name = f"{name}.mlp" if getattr(block, "mlp", None) is mlp else f"{name}.block_sparse_moe"
+            if _is_moe(mlp):
+                for part_name, part, width in _moe_parts(mlp_name, mlp):
+                    modules.append((part_name, part))
+                    widths[part_name] = width
+            else:
+                modules.append((mlp_name, mlp))
         how = "layer.mlp of the decoder layers"
     if projections:
         for name, block in find_blocks(base):
@@ -304,6 +419,6 @@ def apply_tiled_mlp(
         warnings.warn("offloadkit: attention is 'eager', which builds [batch, heads, seq, seq] scores; at the "
                       "lengths tiled_mlp is for, load the model with attn_implementation='sdpa' or "
                       "'flash_attention_2'", UserWarning, stacklevel=2)
-    handle = TiledMLPHandle(modules, shards)
+    handle = TiledMLPHandle(modules, shards, widths)
     handle._attach()
     return handle

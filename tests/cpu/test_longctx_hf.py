@@ -426,3 +426,78 @@ def test_tiled_projections_config_route():
         got = run_step(model, data)
     close_all(got, run_step(ref_model, data))
     runtime.close()
+
+
+def _moe(kind, **extra):
+    common = dict(_COMMON, output_router_logits=True, router_aux_loss_coef=0.5)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common, **extra)
+        cls = transformers.MixtralForCausalLM
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                             shared_expert_intermediate_size=64, **common, **extra)
+        cls = transformers.Qwen2MoeForCausalLM
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                             head_dim=16, **common, **extra)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                           layer_types=["full_attention"] * 2, **common, **extra)
+        cls = transformers.GptOssForCausalLM
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return cls(config)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
+def test_moe_tiled_keeps_router_aux_loss_gradient(kind):
+    """MoE blocks with the router's auxiliary loss, batch > 1: the experts run tiled, the
+    router whole, and every gradient (the router's too) matches the untiled model."""
+    model = _moe(kind)
+    data = batch(vocab=128, b=3, seq=17)
+    ref = run_step(model, data)
+    gates = [n for n in ref[1] if ".gate." in n or ".router." in n]
+    assert gates and all(ref[1][n].abs().sum() > 0 for n in gates)
+    handle = apply_tiled_mlp(model, num_shards=3)
+    names = [n for n, _ in handle.modules]
+    assert any(n.endswith(".experts") for n in names), names
+    assert (kind == "qwen2_moe") == any(n.endswith("shared_expert") for n in names)
+    close_all(run_step(model, data), ref)
+    handle.remove()
+
+
+def test_moe_block_chosen_whole_is_refused():
+    model = _moe("mixtral")
+    with pytest.raises(ValueError, match="MoE block.*router.*experts"):
+        apply_tiled_mlp(model, predicate=lambda name, module: name.endswith("mlp"))
+
+
+def test_mixtral_router_jitter_writes_its_input_in_place():
+    """Mixtral's router jitter scales the MoE block's input in place in training. With one
+    shard the noise is drawn over the same elements as untiled: equal gradients."""
+    model = _moe("mixtral", router_jitter_noise=0.1)
+    data = batch(vocab=128, b=2, seq=17)
+    torch.manual_seed(5)
+    ref = run_step(model, data)
+    handle = apply_tiled_mlp(model, num_shards=1)
+    torch.manual_seed(5)
+    close_all(run_step(model, data), ref)
+    handle.remove()
+    handle = apply_tiled_mlp(model, num_shards=4)
+    loss, grads = run_step(model, data)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    handle.remove()
+
+
+def test_gpt2_conv1d_mlp_with_batch():
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    data = batch(vocab=128, b=3, seq=17)
+    ref = run_step(model, data)
+    handle = apply_tiled_mlp(model, num_shards=4)
+    close_all(run_step(model, data), ref)
+    handle.remove()

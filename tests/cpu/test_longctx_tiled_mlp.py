@@ -138,8 +138,10 @@ def test_dropout_masks_replayed_in_backward():
     x, up = inputs(torch.float64, seq=40)
     torch.manual_seed(123)
     xs = x.clone().requires_grad_()
-    bounds = [(0, 10), (10, 10), (20, 10), (30, 10)]
-    ref_out = torch.cat([mlp(xs[:, s:s + n]) for s, n in bounds], dim=1)
+    # Shards run over the tokens of every batch row in turn (2 x 40 tokens, 4 shards).
+    flat = xs.reshape(1, -1, xs.shape[-1])
+    bounds = [(0, 20), (20, 20), (40, 20), (60, 20)]
+    ref_out = torch.cat([mlp(flat[:, s:s + n]) for s, n in bounds], dim=1).view(x.shape)
     ref_out.backward(up)
     ref = {n: p.grad.clone() for n, p in mlp.named_parameters()}
     net.zero_grad(set_to_none=True)
@@ -236,3 +238,80 @@ def test_errors_and_passthrough():
     mlp = net.layers[0].mlp
     assert mlp(x=torch.randn(1, 4, 16)).shape == (1, 4, 16)  # keyword calls run untiled
     handle.remove()
+
+
+def test_recompute_in_backward_runs_under_forward_autocast():
+    """The shard recompute in backward runs in forward's autocast dtype: bf16 matmuls, not
+    fp32 ones with twice the bytes."""
+    net = Net(layers=2)
+    mlp = net.layers[0].mlp
+    dtypes = []
+    mlp.gate_proj.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    handle = apply_tiled_mlp(net, num_shards=3)
+    x, up = inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = net(x.requires_grad_())
+    forward_dtypes = list(dtypes)
+    out.backward(up.to(out.dtype))
+    assert forward_dtypes == [torch.bfloat16] * 3
+    assert dtypes[3:] == [torch.bfloat16] * 3, dtypes
+    handle.remove()
+
+
+class InPlace(nn.Module):
+    """Scales its input in place, as Mixtral's router jitter does in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x *= 1.5
+        return self.proj(x)
+
+
+def test_module_writing_its_input_in_place():
+    torch.manual_seed(0)
+    mod = InPlace().double()
+    x, up = inputs(torch.float64)
+    ref_in = x.clone().requires_grad_()
+    ref_out = mod(ref_in * 1)  # the untiled module writes a non-leaf, as inside a model
+    ref_out.backward(up)
+    ref = {n: p.grad.clone() for n, p in mod.named_parameters()}
+    mod.zero_grad(set_to_none=True)
+    xt = x.clone().requires_grad_()
+    src = xt * 1
+    out = tiled_forward(mod.forward, src, 3, list(mod.parameters()))
+    assert torch.equal(src, x), "the saved input is left as it came"
+    out.backward(up)
+    close(out.detach(), ref_out.detach(), TOL[torch.float64], "output")
+    close(xt.grad, ref_in.grad, TOL[torch.float64], "input grad")
+    for n, p in mod.named_parameters():
+        close(p.grad, ref[n], TOL[torch.float64], n)
+
+
+def test_batch_rows_shard_into_contiguous_views():
+    """Modules that ``.view()`` their input take shards of any batch size."""
+
+    class Viewing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 8)
+
+        def forward(self, x):
+            b, s, h = x.shape
+            return self.proj(x.view(-1, h)).view(b, s, -1)
+
+    torch.manual_seed(0)
+    mod = Viewing().double()
+    x, _ = inputs(torch.float64, batch=3)
+    up = torch.randn(3, 37, 8, dtype=torch.float64)
+    ref_in = x.clone().requires_grad_()
+    mod(ref_in).backward(up)
+    ref = {n: p.grad.clone() for n, p in mod.named_parameters()}
+    mod.zero_grad(set_to_none=True)
+    xt = x.clone().requires_grad_()
+    tiled_forward(mod.forward, xt, 4, list(mod.parameters())).backward(up)
+    close(xt.grad, ref_in.grad, TOL[torch.float64], "input grad")
+    for n, p in mod.named_parameters():
+        close(p.grad, ref[n], TOL[torch.float64], n)
