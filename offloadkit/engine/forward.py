@@ -42,6 +42,7 @@ class ForwardPath:
     _clock: WaitClock
     _dead: DeathQueue
     _budget_warned: bool
+    _closed: bool
     policy: OffloadPolicy
     stats: OffloadStats
     tier: StorageTier
@@ -60,7 +61,11 @@ class ForwardPath:
         nbytes = t.numel() * t.element_size()
         state = self._state()
         state.saves += 1
-        if in_backward():
+        if self._closed:
+            # A forward that began inside the region on another thread and goes on after
+            # close(): its remaining saves stay where they are.
+            reason = "closed"
+        elif in_backward():
             # Saved while a backward runs (reentrant checkpointing's recompute, a double-backward
             # graph): needed within this backward or kept for a later one; a round trip buys
             # nothing. On CUDA this runs on the engine's device thread, which inherits the hooks

@@ -139,6 +139,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self._budget_warned = False
         self._follow: tuple = ()  # process-wide module hooks of a bare manager's open region
         self._follow_depth = 0
+        self._pushed_forwards = 0  # forwards on other threads that have the hooks pushed now
         self._handles: list = []  # module hooks attached on this manager's behalf
         self.tensor_id = 0  # saves numbered so far (TRL's name); never reset
         self._saves: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> handle autograd holds
@@ -169,10 +170,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         with self._lock:
             if self._follow_depth:
                 self._follow_depth -= 1
-                if not self._follow_depth:
-                    for handle in self._follow:
-                        handle.remove()
-                    self._follow = ()
+                self._release_follow()
             self._entered_threads.discard(threading.get_ident())
             state = self._state()
             state.tail, state.keep_depth = False, 0
@@ -181,6 +179,16 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
                 self._flush_stash()
             self._drain()
         return False
+
+    def _release_follow(self) -> None:
+        """Remove the process-wide module hooks once the region is closed and no forward on
+        another thread still has the saved-tensor hooks pushed: such a forward, begun inside
+        the region, needs the post-hook that pops them, or they would outlive the region on
+        that thread. Called with the lock held."""
+        if not self._follow_depth and not self._pushed_forwards and self._follow:
+            for handle in self._follow:
+                handle.remove()
+            self._follow = ()
 
     # -- per-thread forward state -------------------------------------------------------------
     def _state(self):
@@ -284,6 +292,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             self._reset_forward()  # a pooled worker thread may keep the state of its last forward
             push_saved_tensor_hooks(self._pack, self._unpack)
             state.pushed.append(module)
+            with self._lock:
+                self._pushed_forwards += 1
 
     def _follow_pre(self, module, args) -> None:
         if not torch.compiler.is_compiling():  # compiled code runs on the thread that called it
@@ -298,6 +308,9 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         if state.pushed and state.pushed[-1] is module:
             state.pushed.pop()
             pop_saved_tensor_hooks()
+            with self._lock:
+                self._pushed_forwards -= 1
+                self._release_follow()
 
     def flush(self) -> None:
         """Let go of every device source whose copy is in flight (GPU-side waits only).

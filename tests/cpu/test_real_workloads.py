@@ -236,6 +236,56 @@ def test_a_bare_manager_follows_forwards_onto_other_threads_while_its_region_is_
     assert ctx.stats.saved_tensors == saved
 
 
+class _Gate(torch.nn.Module):
+    """Blocks its forward until told to go on: a forward that outlives the region."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        self.inside.set()
+        assert self.go.wait(30)
+        return x
+
+
+@pytest.mark.parametrize("close_during", [False, True])
+def test_a_worker_forward_that_ends_after_the_region_leaves_no_hooks_behind(close_during):
+    """A forward begun on a worker thread inside the region and ended after it: its saves up
+    to the end are the manager's, and the hooks pushed for it are popped at its end, so later
+    forwards on that thread are plain (and the process does not abort at exit). Closing the
+    manager during that forward does not make it raise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(0)
+    gate = _Gate()
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), gate, torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    gate.go.set()
+    net(x).sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    gate.inside.clear()
+    gate.go.clear()
+    ctx = cpu_ctx()
+    with ThreadPoolExecutor(1) as pool:  # one worker thread, reused
+        with ctx:
+            future = pool.submit(lambda: net(x).sum())
+            assert gate.inside.wait(30)
+        if close_during:
+            ctx.close()
+        gate.go.set()
+        loss = future.result()
+        loss.backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(ref, net.parameters()))
+        saved = ctx.stats.saved_tensors
+        assert saved > 0
+        pool.submit(lambda: net(x).sum()).result()  # same thread, after the region
+        assert ctx.stats.saved_tensors == saved, "the worker thread still had the region's hooks"
+        assert not ctx._follow, "process-wide hooks outlived the region"
+    ctx.close()
+
+
 def test_recomputation_in_a_backward_on_another_thread_is_left_to_checkpointing():
     """On CUDA, backward runs on the autograd engine's device thread, so checkpointing
     recomputes its blocks on a thread that never entered the region. Those module forwards
