@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", type=int, help="override max_steps")
     train.add_argument("--resume-from-checkpoint", nargs="?", const=True, metavar="DIR",
                        help="resume from DIR, or from the newest checkpoint in output_dir when DIR is omitted")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace an earlier run in output_dir (its report, model and checkpoints)")
 
     bench = sub.add_parser("bench", help="run memory-saving modes side by side on a model shape",
                            description="Benchmark modes side by side (median step time, tokens/s, peak GPU memory "
@@ -131,6 +133,8 @@ def _train(args) -> None:
         cfg.max_steps = args.max_steps
     if args.resume_from_checkpoint is not None:
         cfg.resume_from_checkpoint = args.resume_from_checkpoint
+    if args.overwrite:
+        cfg.overwrite_output_dir = True
     cfg.validate("command line")
     from transformers.utils import logging as hf_logging
 
@@ -140,6 +144,7 @@ def _train(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from offloadkit.cli.errors import TrainingFailed
     from offloadkit.config import ConfigError
 
     # Deprecation chatter from the libraries we drive is not the user's to fix.
@@ -166,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ImportError, ValueError, OSError) as exc:
         print(f"offloadkit: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except TrainingFailed as exc:
+        print(f"offloadkit: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:
-        print(f"offloadkit: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"offloadkit: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130
 
 

@@ -6,20 +6,66 @@ the value and the fix, so nothing is lost at the end of a run."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 from offloadkit.config import ConfigError, check_writable_dir
 from offloadkit.data.text import FORMATS
 
-__all__ = ["preflight", "TOKENIZER_FILES"]
+__all__ = ["preflight", "optimizer_package", "previous_run", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-_NEEDS_BNB = ("bnb", "8bit", "paged_", "lion_32bit")
+# Optimizers of the Trainer that need a package of their own: (name test, package, install).
+_OPTIMIZER_PACKAGES = (
+    (lambda name: name in ("adamw_torch_4bit", "adamw_torch_8bit"), "torchao", "pip install torchao"),
+    (lambda name: name.startswith("galore_"), "galore_torch", "pip install galore-torch"),
+    (lambda name: name.startswith("apollo_"), "apollo_torch", "pip install apollo-torch"),
+    (lambda name: name.startswith("schedule_free_"), "schedulefree", "pip install schedulefree"),
+    (lambda name: name in ("lomo", "adalomo"), "lomo_optim", "pip install lomo-optim"),
+    (lambda name: name == "grokadamw", "grokadamw", "pip install grokadamw"),
+    (lambda name: name == "stable_adamw", "optimi", "pip install torch-optimi"),
+    (lambda name: name == "adamw_anyprecision", "torchdistx", "pip install torchdistx"),
+    (lambda name: any(tag in name for tag in ("bnb", "8bit", "paged_", "lion", "ademamix")), "bitsandbytes",
+     "pip install bitsandbytes"),
+)
+
+
+def optimizer_package(name: str) -> tuple[str, str] | None:
+    """The package (and its install command) the Trainer's optimizer ``name`` needs, or None."""
+    for test, package, install in _OPTIMIZER_PACKAGES:
+        if test(name):
+            return package, install
+    return None
+
+
+def previous_run(output_dir: str) -> list[str]:
+    """What an earlier ``offloadkit train`` left in ``output_dir``: its report, saved model or
+    adapter, and checkpoints (names relative to the directory, sorted)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in sorted(os.listdir(output_dir)):
+        path = os.path.join(output_dir, name)
+        if name in ("report.json", "report.md", "memory_timeline.png") and os.path.isfile(path):
+            found.append(name)
+        elif name in ("model", "adapter", "base") and os.path.isdir(path):
+            found.append(name)
+        elif name.startswith("checkpoint-") and os.path.isdir(path):
+            found.append(name)
+    return found
 
 
 def _output_dir(cfg) -> None:
     check_writable_dir(cfg.output_dir, cfg.name("output_dir"),
                        "choose a writable directory (it is created if missing), e.g. --output-dir ./out")
+    if cfg.resume_from_checkpoint or cfg.overwrite_output_dir:
+        return
+    found = previous_run(cfg.output_dir)
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ConfigError(f"{cfg.name('output_dir')}={cfg.output_dir!r} holds an earlier run ({shown}); choose "
+                          "another output_dir, continue it with --resume-from-checkpoint, or replace it with "
+                          "--overwrite (overwrite_output_dir: true)")
 
 
 def _model(cfg) -> None:
@@ -61,8 +107,9 @@ def _packages(cfg) -> None:
     if cfg.optimizer not in names:
         raise ConfigError(f"{cfg.name('optimizer')}={cfg.optimizer!r} is not an optimizer the Trainer knows; use "
                           "adamw_torch, adamw_torch_fused, sgd, adafactor or another of transformers' OptimizerNames")
-    if any(tag in cfg.optimizer for tag in _NEEDS_BNB) and importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(f"{cfg.name('optimizer')}={cfg.optimizer!r} needs bitsandbytes: pip install bitsandbytes, "
+    needs = optimizer_package(cfg.optimizer)
+    if needs is not None and importlib.util.find_spec(needs[0]) is None:
+        raise ConfigError(f"{cfg.name('optimizer')}={cfg.optimizer!r} needs {needs[0]}: {needs[1]}, "
                           "or use optimizer: adamw_torch")
     reporters = [cfg.report_to] if isinstance(cfg.report_to, str) else list(cfg.report_to)
     reporters = [r for r in reporters if r != "none"]
@@ -91,10 +138,19 @@ def _resume(cfg) -> None:
             raise ConfigError(f"{key}=true but output_dir={cfg.output_dir!r} holds no checkpoint-N directory; set "
                               "save_steps to write checkpoints, or give the checkpoint directory")
         cfg.resume_from_checkpoint = last
-        return
-    if not os.path.isfile(os.path.join(value, "trainer_state.json")):
+        value = last
+    state = os.path.join(value, "trainer_state.json")
+    if not os.path.isfile(state):
         raise ConfigError(f"{key}={value!r} is not a Trainer checkpoint (no trainer_state.json); give a "
                           "checkpoint-N directory written with save_steps, or true for the newest in output_dir")
+    try:
+        with open(state, encoding="utf-8") as f:
+            done = int(json.load(f).get("global_step", 0))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{key}={value!r}: trainer_state.json cannot be read ({exc})") from None
+    if cfg.max_steps and done >= cfg.max_steps:
+        raise ConfigError(f"{key}={value!r} is at step {done} and {cfg.name('max_steps')} is {cfg.max_steps}: there "
+                          f"is nothing left to train; raise max_steps past {done} (e.g. --max-steps {done + 100})")
 
 
 def preflight(cfg) -> None:

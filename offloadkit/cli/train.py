@@ -20,10 +20,11 @@ import time
 
 import torch
 
+from offloadkit.cli.errors import TrainingFailed
 from offloadkit.cli.train_config import TrainConfig, default_offload
 from offloadkit.config import ConfigError
 
-__all__ = ["TrainConfig", "TrainingInterrupted", "run_train", "default_offload"]
+__all__ = ["TrainConfig", "TrainingFailed", "TrainingInterrupted", "run_train", "default_offload"]
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -77,6 +78,47 @@ def _silent(*args, **kwargs) -> None:
     pass
 
 
+class _LossGuard:
+    """Stops training at the first NaN or infinite logged loss (the Trainer's own filter,
+    which would show it as a finite number, is off): such a model is not saved."""
+
+    def __init__(self) -> None:
+        self.bad: tuple[int, float] | None = None
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        owner = self
+
+        class LossGuardCallback(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                loss = (logs or {}).get("loss")
+                if isinstance(loss, (int, float)) and not math.isfinite(loss) and owner.bad is None:
+                    owner.bad = (state.global_step, float(loss))
+                    control.should_training_stop = True
+                    control.should_save = False
+
+        return LossGuardCallback()
+
+
+def _clear_previous_run(output_dir: str, log) -> None:
+    """``overwrite_output_dir``: remove what an earlier run left, so checkpoints of two runs
+    never sit side by side (``resume_from_checkpoint: true`` would pick the other run's)."""
+    import shutil
+
+    from offloadkit.cli.preflight import previous_run
+
+    found = previous_run(output_dir)
+    for name in found:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    if found:
+        log(f"offloadkit: removed the earlier run in {output_dir} ({len(found)} entries): overwrite_output_dir")
+
+
 def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
     from offloadkit.testing.models import build_llama
@@ -119,6 +161,7 @@ def _training_args(cfg: TrainConfig, cuda: bool, **overrides):
         save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,
         save_total_limit=cfg.save_total_limit, report_to=reporters or "none", disable_tqdm=True, seed=cfg.seed,
         remove_unused_columns=False, use_cpu=not cuda, dataloader_num_workers=0,
+        fp16=cfg.dtype == "float16", logging_nan_inf_filter=False,
     )
     kwargs.update(overrides)
     args = TrainingArguments(**kwargs)
@@ -157,7 +200,8 @@ def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool) -> di
     if cfg.gradient_accumulation_steps > 1:
         shape += f" x {cfg.gradient_accumulation_steps} accumulated"
     return {"model": name, "fine_tune": f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "full fine-tune",
-            "dtype": str(dtype).replace("torch.", ""), "step_shape": shape,
+            "dtype": ("float16 mixed precision (fp32 weights, fp16 autocast, loss scaling)" if cfg.dtype == "float16"
+                      else str(dtype).replace("torch.", "")), "step_shape": shape,
             "offload_summary": ", ".join(parts) or "nothing (offloading keys all off)",
             "memory_measure": "GPU memory allocated" if cuda else "process RSS"}
 
@@ -191,6 +235,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     Raises:
         ConfigError: a setting that cannot work, found before the first step.
         TrainingInterrupted: Ctrl-C during training.
+        TrainingFailed: a NaN or infinite training loss (nothing is saved).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
     from offloadkit.cli.preflight import preflight
@@ -220,8 +265,14 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     device = ranks.device(cuda)
     if cuda:
         torch.cuda.set_device(device)
+    # float16 is mixed precision, as the Trainer's and Axolotl's fp16: fp32 weights and
+    # optimizer state, fp16 autocast and a loss scaler. fp16 weights trained with AdamW
+    # directly overflow within steps.
+    fp16 = cfg.dtype == "float16"
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
+             "float16": torch.float32, "float32": torch.float32}[cfg.dtype]
+    if cfg.overwrite_output_dir and ranks.main and not cfg.resume_from_checkpoint:
+        _clear_previous_run(cfg.output_dir, lambda m: print(m, file=sys.stderr))
     torch.manual_seed(cfg.seed)
     model, tokenizer, name = _load_model(cfg, device, dtype)
     base_dir = None
@@ -260,9 +311,11 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     probe = StepProbe(with_, profile_step, extra=offload_probes(trainer))
     progress = ProgressBar(tokens_per_step, with_.step_times, show=ranks.main)
     stop = _StopAtStepEnd(lambda message: ranks.main and print(message, file=sys.stderr, flush=True))
+    guard = _LossGuard()
     trainer.add_callback(probe)
     trainer.add_callback(progress)
     trainer.add_callback(stop.callback())
+    trainer.add_callback(guard.callback())
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -274,9 +327,20 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     except KeyboardInterrupt:
         progress.close()
         probe.stop()
-        kept = f"; checkpoints so far are in {cfg.output_dir}" if cfg.save_steps else "; nothing was saved"
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(cfg.output_dir) if os.path.isdir(cfg.output_dir) else None
+        kept = f"; the last checkpoint is {last}" if last else "; nothing was saved"
         raise TrainingInterrupted(f"interrupted at step {progress.step} of {progress.total}{kept}") from None
     elapsed = time.perf_counter() - start
+    if guard.bad is not None:
+        progress.close()
+        probe.stop()
+        step, value = guard.bad
+        hint = ("lower learning_rate, or use dtype: bfloat16" if cfg.dtype == "float16"
+                else "lower learning_rate, or check the data")
+        raise TrainingFailed(f"the training loss is {value} at step {step}: training stopped and no model was saved; "
+                             f"{hint}")
 
     report = build_report(trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda))
     report["profile_step"] = profile_step
@@ -307,9 +371,13 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         without = RunMeasure("without offloadkit", status="skipped",
                              note=f"a {ranks.world}-process run; run one process to compare")
     elif cfg.compare and len(with_.step_times) > profile_step:
-        print(f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison",
-              file=sys.stderr)
-        without = measure_without_offloadkit(plain_trainer, model, profile_step, tokens_per_step)
+        print(f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison "
+              "(Ctrl-C skips it)", file=sys.stderr)
+        try:
+            without = measure_without_offloadkit(plain_trainer, model, profile_step, tokens_per_step)
+        except KeyboardInterrupt:
+            # The run itself is finished and saved: keep its report and plot.
+            without = RunMeasure("without offloadkit", status="skipped", note="interrupted (Ctrl-C)")
     else:
         without = RunMeasure("without offloadkit", status="skipped",
                              note="compare: false" if not cfg.compare else "the run was shorter than the profiled step")

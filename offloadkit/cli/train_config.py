@@ -47,6 +47,8 @@ class TrainConfig:
         logging_steps, seed: as in Hugging Face ``TrainingArguments``.
         save_steps, save_total_limit: Trainer checkpoints every N steps, keeping the last K.
         resume_from_checkpoint: a checkpoint directory, or true for the newest in output_dir.
+        overwrite_output_dir: replace an earlier run found in output_dir (its report, model
+            or adapter, and checkpoints); without it such a directory is refused.
         report_to: "none", or a logger the Trainer supports (tensorboard, wandb, ...).
         lora_rank: LoRA rank (0: full fine-tune); lora_alpha (default 2 x rank),
             lora_dropout, lora_target_modules ("all-linear" or a list of module names).
@@ -76,6 +78,7 @@ class TrainConfig:
     save_steps: int | None = None
     save_total_limit: int | None = None
     resume_from_checkpoint: str | bool | None = None
+    overwrite_output_dir: bool = False
     report_to: str | list = "none"
     lora_rank: int | None = 0
     lora_alpha: int | None = None
@@ -108,8 +111,9 @@ class TrainConfig:
         # seq_len and batch_size are keys of both: the run owns them (validated under the user's
         # names) and resolved() hands them to the planner.
         offload = {k: v for k, v in data.items() if k in OffloadConfig.keys() and k not in train}
-        if not offload:
-            offload = default_offload(_cuda() if cuda is None else cuda)
+        # The user's keys go over the built-in defaults key by key: writing disk_dir alone
+        # does not switch checkpointing and offloading off.
+        offload = {**default_offload(_cuda() if cuda is None else cuda), **offload}
         for key in _FLOATS:
             if isinstance(train.get(key), str):
                 train[key] = _float(train[key], names.get(key, key), source)
@@ -199,8 +203,9 @@ class TrainConfig:
                      "preserve_rng_state), e.g. {use_reentrant: false}")
         if not isinstance(self.resume_from_checkpoint, (str, bool, type(None))):
             fail("resume_from_checkpoint", self.resume_from_checkpoint, "must be a checkpoint directory or true")
-        if not isinstance(self.compare, bool):
-            fail("compare", self.compare, "must be true or false")
+        for key in ("compare", "overwrite_output_dir"):
+            if not isinstance(getattr(self, key), bool):
+                fail(key, getattr(self, key), "must be true or false")
         reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to
         if not isinstance(reporters, list) or not all(isinstance(r, str) for r in reporters):
             fail("report_to", self.report_to, "must be none, tensorboard, or a list of logger names")

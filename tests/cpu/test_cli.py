@@ -4,6 +4,7 @@ checked for its exit code and for the absence of a traceback."""
 
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -241,8 +242,34 @@ def test_plot_note_when_the_run_is_shorter_than_the_profiled_step(tmp_path):
     assert (tmp_path / "out" / "memory_timeline.png").exists()
 
 
+def _interrupt_when(config, marker: bytes):
+    proc = subprocess.Popen([sys.executable, "-m", "offloadkit", "train", str(config)], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=_env())
+    seen = b""
+    deadline = time.monotonic() + 180
+    os.set_blocking(proc.stderr.fileno(), False)
+    while marker not in seen:
+        assert time.monotonic() < deadline and proc.poll() is None, seen.decode()
+        seen += proc.stderr.read() or b""
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=120)
+    return proc, out.decode(), (seen + (rest or b"")).decode()
+
+
+def test_ctrl_c_while_the_comparison_measures_keeps_the_report(tmp_path):
+    config = _tiny(tmp_path, max_steps=40, profile_step=39, seq_len=128, compare="true")
+    proc, out, stderr = _interrupt_when(config, b"again without offloadkit")
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "Traceback" not in stderr and "\noffloadkit: \n" not in stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["comparison"]["status"] == "skipped" and "interrupted" in report["comparison"]["note"]
+    assert (tmp_path / "out" / "model").is_dir() and (tmp_path / "out" / "memory_timeline.png").exists()
+
+
 def test_interrupted_message_on_its_own_line(tmp_path):
-    config = _tiny(tmp_path, max_steps=100000, seq_len=64)
+    # save_steps far ahead: no checkpoint exists yet, and the message must not say there is one.
+    config = _tiny(tmp_path, max_steps=100000, seq_len=64, save_steps=50000)
     env = _env()
     proc = subprocess.Popen([sys.executable, "-m", "offloadkit", "train", str(config)], stderr=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env)
@@ -302,3 +329,58 @@ def test_torchrun_two_processes_one_report_with_every_rank(tmp_path):
     assert "rank 1: peak RSS" in proc.stdout
     assert (tmp_path / "out" / "adapter").is_dir() and (tmp_path / "out" / "base").is_dir()
     assert not [d for d in os.listdir(tmp_path) if d.startswith("offloadkit-")]  # spill directories removed
+
+
+def test_fp16_is_mixed_precision_and_a_nan_loss_stops_the_run(tmp_path):
+    proc = _cli("train", _tiny(tmp_path, dtype="float16", max_steps=3, logging_steps=1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["dtype"].startswith("float16 mixed precision")
+    assert all(math.isfinite(loss) for _, loss in report["losses"])
+    saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) == "float32"  # fp32 master weights
+    # A diverging run: the loss is reported as NaN, nothing is saved, the exit status says so.
+    out = tmp_path / "diverged"
+    proc = _cli("train", _tiny(tmp_path, name="nan.yaml", output_dir=out, max_steps=8, learning_rate="1e6",
+                               logging_steps=1, activation_offloading="false"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = [x for x in proc.stderr.splitlines() if x.startswith("offloadkit: error:")]
+    assert len(line) == 1 and re.search(r"the training loss is (nan|inf|-inf) at step \d+", line[0]), proc.stderr
+    assert not (out / "model").exists() and not (out / "report.json").exists()
+
+
+def test_earlier_run_in_output_dir_is_refused_unless_overwritten_or_resumed(tmp_path):
+    config = _tiny(tmp_path, max_steps=2, save_steps=2)
+    assert _cli("train", config).returncode == 0
+    line = _one_line_error(_cli("train", config), "holds an earlier run", "--overwrite", "--resume-from-checkpoint")
+    assert "checkpoint-2" in line and "report.json" in line
+    # Resuming at or past max_steps: nothing to train, refused before the model is touched.
+    before = (tmp_path / "out" / "model" / "model.safetensors").stat().st_mtime_ns
+    _one_line_error(_cli("train", config, "--resume-from-checkpoint"), "is at step 2 and max_steps is 2",
+                    "--max-steps 102")
+    assert (tmp_path / "out" / "model" / "model.safetensors").stat().st_mtime_ns == before
+    other = _tiny(tmp_path, name="other.yaml", max_steps=3, save_steps=3)
+    proc = _cli("train", other, "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-3"]
+
+
+def test_writing_one_offloading_key_keeps_the_other_defaults():
+    from offloadkit.cli.train_config import TrainConfig
+
+    for cuda, mode in ((False, "disk"), (True, True)):
+        for keys in ({"host_budget_bytes": "1GiB"}, {"activation_loading_horizon": 3}):
+            off = TrainConfig.from_dict(keys, cuda=cuda).offload
+            assert off.gradient_checkpointing and off.activation_offloading == mode, (keys, off)
+        off = TrainConfig.from_dict({"activation_offloading": False}, cuda=cuda).offload
+        assert off.gradient_checkpointing and not off.activation_offloading
+
+
+def test_optimizers_name_the_package_they_need():
+    from offloadkit.cli.preflight import optimizer_package
+
+    assert optimizer_package("adamw_torch_8bit")[0] == "torchao"
+    assert optimizer_package("adamw_torch_4bit")[0] == "torchao"
+    assert optimizer_package("adamw_bnb_8bit")[0] == "bitsandbytes"
+    assert optimizer_package("paged_adamw_32bit")[0] == "bitsandbytes"
+    assert optimizer_package("adamw_torch") is None and optimizer_package("adamw_torch_fused") is None
