@@ -268,7 +268,6 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     # float16 is mixed precision, as the Trainer's and Axolotl's fp16: fp32 weights and
     # optimizer state, fp16 autocast and a loss scaler. fp16 weights trained with AdamW
     # directly overflow within steps.
-    fp16 = cfg.dtype == "float16"
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float32, "float32": torch.float32}[cfg.dtype]
     if cfg.overwrite_output_dir and ranks.main and not cfg.resume_from_checkpoint:
