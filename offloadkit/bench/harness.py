@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from offloadkit.bench.modes import MODES, ModeSetup
+from offloadkit.bench.rss import PeakRss
 from offloadkit.testing.models import LLAMA_SHAPES, build_llama
 
 __all__ = ["BenchConfig", "ModeResult", "run_benchmark", "measure_copy_bandwidth", "format_table"]
@@ -127,7 +128,6 @@ def _grad_norm(model) -> float:
 
 def _run_mode(cfg: BenchConfig, model, batch, setup: ModeSetup, ref_loss) -> ModeResult:
     res = ModeResult(setup.name)
-    proc = psutil.Process()
     handle = setup.enable(model, cfg)
     try:
         for _ in range(cfg.warmup):
@@ -137,7 +137,8 @@ def _run_mode(cfg: BenchConfig, model, batch, setup: ModeSetup, ref_loss) -> Mod
             handle.stats_reset()
         if _on_cuda(cfg):
             torch.cuda.reset_peak_memory_stats()
-        rss_peak = proc.memory_info().rss
+        # The peak of the timed steps, also in their middle (not RSS read between steps).
+        rss = PeakRss().start()
         times = []
         loss = None
         for _ in range(cfg.steps):
@@ -146,7 +147,7 @@ def _run_mode(cfg: BenchConfig, model, batch, setup: ModeSetup, ref_loss) -> Mod
             loss = _step(model, batch, handle.context)
             _sync(cfg.device)
             times.append(time.perf_counter() - t0)
-            rss_peak = max(rss_peak, proc.memory_info().rss)
+        rss_peak = rss.stop()
         res.step_times_s = [round(t, 4) for t in times]
         res.step_s = statistics.median(times)
         res.tokens_per_s = cfg.batch * cfg.seq_len / res.step_s
@@ -258,6 +259,10 @@ def _row(r: ModeResult) -> str:
             f"  loss= {r.loss_bits_equal_reference}{extra}")
 
 
+def _bandwidth(measured: dict) -> str:
+    return ", ".join(f"{k.removesuffix('_gb_s')} {v:.1f} GB/s" for k, v in measured.items())
+
+
 def _gib(x) -> str:
     return "   n/a" if x is None else f"{x:6.2f}"
 
@@ -267,7 +272,8 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['config']['shape']}, seq {report['config']['seq_len']}, "
         f"{'LoRA r=' + str(report['config']['lora_rank']) if report['config']['lora_rank'] else 'full fine-tune'}; "
-        f"{report['device']}, torch {report['torch']}; copy bandwidth {report.get('copy_bandwidth')}",
+        f"{report['device']}, torch {report['torch']}" + (f"; copy bandwidth {_bandwidth(report['copy_bandwidth'])}"
+                                                           if report.get("copy_bandwidth") else ""),
         "",
         "| mode | step s | tokens/s | peak alloc GiB | peak reserved GiB | host RSS GiB | loss bits equal | offloaded GiB | waited s |",
         "|---|---|---|---|---|---|---|---|---|",

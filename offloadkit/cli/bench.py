@@ -72,7 +72,20 @@ def _cpu_check(cfg: BenchConfig) -> None:
                           f"GiB of activations and {have / 2**30:.0f} GiB of RAM is available; try '{small}'")
 
 
+def _check_numbers(args) -> None:
+    """One line for a number that cannot work, before anything is built."""
+    for flag, value, low, what in (("--seq-len", args.seq_len, 2, "tokens; omit it for the default"),
+                                   ("--steps", args.steps, 1, "timed steps"), ("--warmup", args.warmup, 0, "steps"),
+                                   ("--lora-rank", args.lora_rank, 0, "(0: full fine-tune)"),
+                                   ("--prefetch", args.prefetch, 0, "blocks ahead")):
+        if value is not None and value < low:
+            raise ConfigError(f"{flag}={value} must be an integer >= {low} {what}")
+    if args.host_budget_gib is not None and not args.host_budget_gib > 0:
+        raise ConfigError(f"--host-budget-gib={args.host_budget_gib} must be a positive number of GiB")
+
+
 def _bench_config(args) -> BenchConfig:
+    _check_numbers(args)
     cuda = torch.cuda.is_available()
     device = args.device or ("cuda" if cuda else "cpu")
     if device == "cuda" and not cuda:
@@ -89,7 +102,8 @@ def _bench_config(args) -> BenchConfig:
     if storage != "ram":
         check_writable_dir(args.disk_dir or tempfile.gettempdir(), "--disk-dir", "give a writable directory")
     cfg = BenchConfig(shape=args.shape or ("llama-3.2-1b" if device == "cuda" else "small"),
-                      seq_len=args.seq_len or (16384 if device == "cuda" else 1024), lora_rank=args.lora_rank or None,
+                      seq_len=args.seq_len if args.seq_len is not None else (16384 if device == "cuda" else 1024),
+                      lora_rank=args.lora_rank or None,
                       steps=args.steps, warmup=args.warmup, prefetch=args.prefetch,
                       host_budget_gib=args.host_budget_gib,
                       device=device, disk_dir=args.disk_dir, storage=storage)

@@ -407,9 +407,12 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             return self.stats
 
     def reset_stats(self) -> None:
+        """Start every counter again: the engine's and its storage tier's, so that both
+        count the same steps."""
         with self._lock:
             self._clock.collect(self.stats, block=True)
             self.stats = OffloadStats()
+            self.tier.reset_stats()
 
     @property
     def pool(self):

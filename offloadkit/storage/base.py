@@ -138,4 +138,7 @@ class StorageTier(Protocol):
     def stats_dict(self) -> dict:
         """Tier counters keyed by tier name (``{"disk": {...}}``); empty when there are none."""
 
+    def reset_stats(self) -> None:
+        """Start the counters of :meth:`stats_dict` again (after warm-up steps, say)."""
+
     def close(self) -> None: ...

@@ -318,6 +318,11 @@ class DiskTier:
         with self._lock:
             return sum(allocated_bytes(s.fd) for s in self._segments if s.fd >= 0)
 
+    def reset_stats(self) -> None:
+        # Counters only: segments and the I/O mode describe the files, not a period.
+        old = self.stats
+        self.stats = DiskStats(segments=old.segments, direct_io=old.direct_io)
+
     def stats_dict(self) -> dict:
         d = self.stats.as_dict()
         d.update(bytes_on_disk=self.disk_in_use, disk_bytes=self.disk_bytes())

@@ -116,5 +116,8 @@ class HostTier:
     def stats_dict(self) -> dict:
         return {}
 
+    def reset_stats(self) -> None:
+        pass
+
     def close(self) -> None:
         self.pool.close()

@@ -129,6 +129,11 @@ class TieredTier:
     def stats_dict(self) -> dict:
         return {"tiered": self.stats.as_dict(), **self.disk.stats_dict()}
 
+    def reset_stats(self) -> None:
+        self.stats = TieredStats()
+        self.ram.reset_stats()
+        self.disk.reset_stats()
+
     def close(self) -> None:
         self.disk.close()
         self.ram.close()

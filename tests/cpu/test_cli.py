@@ -302,11 +302,19 @@ def test_bench_without_gpu_runs_on_cpu_with_the_disk_tier(tmp_path):
     assert list(rows) == ["none", "ckpt", "ckpt+offload", "offload"]
     assert all(r["status"] == "ok" and r["loss_bits_equal_reference"] for r in rows.values())
     for mode in ("ckpt+offload", "offload"):
-        assert rows[mode]["offload"]["storage"]["disk"]["bytes_written"] > 0
+        written = rows[mode]["offload"]["storage"]["disk"]["bytes_written"]
+        # Both counters cover the same timed steps (the warm-up's writes are not counted).
+        assert 0.9 * rows[mode]["offload"]["offloaded_bytes"] <= written <= 1.2 * rows[mode]["offload"]["offloaded_bytes"]
+    assert "copy bandwidth" not in proc.stdout  # nothing was measured on a CPU
     # The README's command, on a machine without a GPU: one line, no traceback.
     _one_line_error(_cli("bench", "--shape", "llama-3.2-1b", "--seq-len", 16384), "run it on a CUDA GPU",
                     "--shape small --seq-len 1024")
     _one_line_error(_cli("bench", "--device", "cuda"), "no CUDA GPU is available")
+    for args, fragment in ((("--seq-len", -5), "--seq-len=-5 must be an integer >= 2"),
+                           (("--seq-len", 0), "--seq-len=0 must be an integer >= 2"),
+                           (("--steps", 0), "--steps=0 must be an integer >= 1"),
+                           (("--lora-rank", -1), "--lora-rank=-1 must be an integer >= 0 (0: full fine-tune)")):
+        _one_line_error(_cli("bench", "--shape", "tiny", *args), fragment)
     _one_line_error(_cli("bench", "--storage", "ram", "--disk-dir", disk), "--disk-dir", "only applies with")
 
 
