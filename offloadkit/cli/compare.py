@@ -3,21 +3,29 @@ answer to "what does offloadkit save me, and what does it cost?".
 
 The plain run is the same Trainer on the same model, with the same data order and
 batches, without checkpointing or offloading, for ``profile_step + 1`` steps. It runs after
-the real run, whose model is already saved: weight values change neither memory nor time,
-and on a CPU the process RSS of the real run is then measured before the plain run has
-grown the heap.
+the real run, whose model is already saved: weight values change neither memory nor time.
+On a GPU it runs in the same process (the allocator's per-step peak falls between runs).
+On a CPU the measure is the process RSS, which never falls: a second run in the same
+process would reuse the first one's heap and look free. So there it runs in a process of
+its own (``python -m offloadkit.cli.compare``), started fresh like the real run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
 import psutil
 import torch
 
 from offloadkit.cli.measure import RunMeasure, StepProbe
 
-__all__ = ["estimated_activation_bytes", "measure_without_offloadkit", "saving"]
+__all__ = ["estimated_activation_bytes", "measure_without_offloadkit", "measure_in_own_process", "saving"]
 
 
 def estimated_activation_bytes(model, tokens: int) -> int | None:
@@ -89,13 +97,87 @@ def measure_without_offloadkit(make_trainer, model, profile_step: int, tokens: i
     return measure
 
 
+def measure_in_own_process(cfg, profile_step: int, tokens: int) -> RunMeasure:
+    """:func:`measure_without_offloadkit` in a fresh Python process (CPU runs: see the module
+    docstring). ``cfg`` is the resolved TrainConfig of the run.
+
+    Returns:
+        The child's :class:`RunMeasure`; "skipped" with the child's last error line when it
+        failed.
+    """
+    from offloadkit.cli.train_config import TrainConfig
+
+    keys = {k: getattr(cfg, k) for k in TrainConfig.train_keys()}
+    keys.update(resume_from_checkpoint=None, report_to="none", save_steps=None)
+    with tempfile.TemporaryDirectory(prefix="offloadkit-compare-") as work:
+        keys["output_dir"] = work
+        request = os.path.join(work, "request.json")
+        answer = os.path.join(work, "measure.json")
+        with open(request, "w", encoding="utf-8") as f:
+            json.dump({"train": keys, "profile_step": profile_step, "tokens": tokens}, f)
+        proc = subprocess.run([sys.executable, "-m", "offloadkit.cli.compare", request, answer],
+                              capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.isfile(answer):
+            if proc.returncode in (-2, 130):
+                raise KeyboardInterrupt
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            return RunMeasure("without offloadkit", status="skipped", note=f"the plain run failed: {last[:200]}")
+        with open(answer, encoding="utf-8") as f:
+            fields = json.load(f)
+    return RunMeasure(**fields)
+
+
+def _child(request_path: str, answer_path: str) -> None:
+    """The plain run of :func:`measure_in_own_process`, in this (fresh) process."""
+    from transformers import Trainer
+
+    from offloadkit.cli.train import _load_model, _quiet, _training_args
+    from offloadkit.cli.train_config import TrainConfig
+    from offloadkit.data import TokenBlocks, load_texts
+
+    with open(request_path, encoding="utf-8") as f:
+        request = json.load(f)
+    cfg = TrainConfig(**request["train"])
+    dtype = {"auto": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float32,
+             "float32": torch.float32}[cfg.dtype]
+    torch.manual_seed(cfg.seed)
+    model, tokenizer, _ = _load_model(cfg, "cpu", dtype)
+    if cfg.lora_rank:
+        from offloadkit.integrations.peft_utils import apply_lora
+
+        model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
+                           dropout=cfg.lora_dropout)
+    dataset = TokenBlocks(tokenizer, load_texts(cfg.dataset, cfg.text_field), cfg.seq_len)
+
+    def plain_trainer(max_steps, callbacks):
+        args = _training_args(cfg, False, max_steps=max_steps, save_strategy="no", report_to="none",
+                              logging_strategy="no")
+        return _quiet(Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks))
+
+    measure = measure_without_offloadkit(plain_trainer, model, request["profile_step"], request["tokens"])
+    with open(answer_path, "w", encoding="utf-8") as f:
+        json.dump(dataclasses.asdict(measure), f)
+
+
+def _spread(measure: RunMeasure) -> list[float] | None:
+    times = measure.step_times[1:] or measure.step_times
+    return [min(times), max(times)] if times else None
+
+
 def saving(without: RunMeasure, with_: RunMeasure) -> dict:
-    """Peak memory and step time, without -> with, and the relative change."""
+    """Peak memory and step time, without -> with, the relative change, and the spread
+    (fastest and slowest step) of each side's step times."""
     out = {"peak_bytes": [without.peak_bytes, with_.peak_bytes],
            "median_step_s": [without.median_step_s, with_.median_step_s],
+           "step_s_spread": [_spread(without), _spread(with_)],
            "status": without.status, "note": without.note}
     a, b = out["peak_bytes"]
     out["peak_change"] = (b - a) / a if a and b is not None else None
     ta, tb = out["median_step_s"]
     out["time_change"] = (tb - ta) / ta if ta and tb is not None else None
     return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _child(sys.argv[1], sys.argv[2])

@@ -190,9 +190,18 @@ def _comparison_lines(report: dict) -> list[str]:
             return [f"  without -> with offloadkit ({step}): no memory sample was taken in that step"]
         return [f"  without -> with offloadkit ({step}): without offloadkit {c['status']} ({c['note']}); "
                 f"with offloadkit: {memory} {_gib(pb)}, step time {tb:.3f} s"]
+    spread = c.get("step_s_spread") or [None, None]
+    times = f"step time {ta:.3f} -> {tb:.3f} s{_pct(c['time_change'])}"
+    if None not in spread:
+        (a_lo, a_hi), (b_lo, b_hi) = spread
+        times = (f"step time {ta:.3f} ({a_lo:.3f}-{a_hi:.3f}) -> {tb:.3f} ({b_lo:.3f}-{b_hi:.3f}) s"
+                 f"{_pct(c['time_change'])}")
+        if a_lo <= b_hi and b_lo <= a_hi:
+            times += ", within the step-to-step spread"
     lines = [f"  without -> with offloadkit ({step}):",
-             f"    {memory} {pa / GiB:.3f} -> {pb / GiB:.3f} GiB{_pct(c['peak_change'])}, "
-             f"step time {ta:.3f} -> {tb:.3f} s{_pct(c['time_change'])}"]
+             f"    {memory} {pa / GiB:.3f} -> {pb / GiB:.3f} GiB{_pct(c['peak_change'])}, {times}"]
+    if report["device"] == "cpu":
+        lines.append("    (each side measured in a process of its own; median step, fastest-slowest in brackets)")
     return lines
 
 

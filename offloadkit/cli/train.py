@@ -206,6 +206,23 @@ def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool) -> di
             "memory_measure": "GPU memory allocated" if cuda else "process RSS"}
 
 
+def _effective_summary(cfg: TrainConfig, report: dict) -> str:
+    """What acted on the run (not what was asked for: activation offloading to RAM and
+    layer streaming do nothing without a GPU, and the notes say why)."""
+    off, acted = cfg.offload, report.get("offload") or {}
+    parts = []
+    if report.get("checkpointing_active"):
+        parts.append("gradient checkpointing" + (" (selective)" if off.selective_checkpointing else ""))
+    if "activations" in acted:
+        tier = (acted.get("storage") or {}).get("tier", "ram")
+        where = {"disk": "to disk", "tiered": "to RAM, then disk past the budget"}.get(tier) or (
+            "to RAM (synchronous)" if off.activation_offloading == "legacy" else "to pinned RAM (overlapped)")
+        parts.append(f"activation offloading {where}")
+    if "layer_streaming" in acted:
+        parts.append("frozen-layer streaming")
+    return ", ".join(parts) or "nothing (no memory option acted on this run)"
+
+
 def _sample(model, tokenizer, prompt: str, seed: int) -> str:
     """A short continuation from the trained model, to see what it learnt."""
     model.eval()
@@ -252,7 +269,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         raise ConfigError(f"{cfg.name('dataset')}: {exc}") from None
     from transformers import Trainer
 
-    from offloadkit.cli.compare import measure_without_offloadkit, saving
+    from offloadkit.cli.compare import measure_in_own_process, measure_without_offloadkit, saving
     from offloadkit.cli.distributed import Ranks, barrier, gather, rank_figures
     from offloadkit.cli.measure import RunMeasure, StepProbe
     from offloadkit.cli.plot import plot_timelines
@@ -343,6 +360,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
 
     report = build_report(trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda))
     report["profile_step"] = profile_step
+    report["offload_summary"] = _effective_summary(cfg, report)
     report["notes"] = notes + report["notes"]
     report["world_size"] = trainer.args.world_size  # the Trainer's own view of the process group
     report["parallel"] = ("fsdp" if getattr(trainer, "is_fsdp_enabled", False) else "deepspeed"
@@ -369,11 +387,18 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         # A rank that runs out of memory alone would leave the others waiting in a collective.
         without = RunMeasure("without offloadkit", status="skipped",
                              note=f"a {ranks.world}-process run; run one process to compare")
+    elif report["offload_summary"].startswith("nothing"):
+        without = RunMeasure("without offloadkit", status="skipped",
+                             note="no memory option acted on this run, so it is the run without offloadkit")
     elif cfg.compare and len(with_.step_times) > profile_step:
         print(f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison "
               "(Ctrl-C skips it)", file=sys.stderr)
         try:
-            without = measure_without_offloadkit(plain_trainer, model, profile_step, tokens_per_step)
+            if cuda:
+                without = measure_without_offloadkit(plain_trainer, model, profile_step, tokens_per_step)
+            else:
+                # RSS never falls: the plain run gets a fresh process, as the real run had.
+                without = measure_in_own_process(cfg, profile_step, tokens_per_step)
         except KeyboardInterrupt:
             # The run itself is finished and saved: keep its report and plot.
             without = RunMeasure("without offloadkit", status="skipped", note="interrupted (Ctrl-C)")

@@ -70,7 +70,8 @@ def test_default_run_compares_learns_and_saves_a_model(tmp_path):
     assert report["final_loss"] < 0.5 * report["first_loss"]  # it learns
     assert report["fine_tune"] == "full fine-tune" and report["checkpointing_active"]
     assert re.search(r"peak memory \(process RSS\) \d+\.\d+ -> \d+\.\d+ GiB \(-\d+%\), "
-                     r"step time \d+\.\d+ -> \d+\.\d+ s", proc.stdout), proc.stdout
+                     r"step time \d+\.\d+ \(\d+\.\d+-\d+\.\d+\) -> \d+\.\d+ \(\d+\.\d+-\d+\.\d+\) s", proc.stdout), proc.stdout
+    assert "each side measured in a process of its own" in proc.stdout
     phases = {p[0] for p in report["runs"]["with"]["phases"]}
     assert {"forward", "backward", "optimizer"} <= phases
     assert {p[0] for p in report["runs"]["without"]["phases"]} == phases
@@ -392,3 +393,21 @@ def test_optimizers_name_the_package_they_need():
     assert optimizer_package("adamw_bnb_8bit")[0] == "bitsandbytes"
     assert optimizer_package("paged_adamw_32bit")[0] == "bitsandbytes"
     assert optimizer_package("adamw_torch") is None and optimizer_package("adamw_torch_fused") is None
+
+
+def test_nothing_enabled_is_not_compared_and_the_memory_line_shows_what_acted(tmp_path):
+    """With every option off there is nothing to compare (two plain runs would only show
+    noise); options that cannot act on a CPU are not listed as acting."""
+    off = _tiny(tmp_path, name="off.yaml", compare="true", activation_offloading="false", gradient_checkpointing="false")
+    proc = _cli("train", off)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["comparison"]["status"] == "skipped" and "no memory option acted" in report["comparison"]["note"]
+    assert report["offload_summary"].startswith("nothing")
+    ram = _tiny(tmp_path, name="ram.yaml", output_dir=tmp_path / "ram", activation_offloading="true",
+                layer_offloading="true", lora_rank=4)
+    proc = _cli("train", ram)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "ram" / "report.json").read_text())
+    assert report["offload_summary"] == "gradient checkpointing", report["offload_summary"]
+    assert "streaming" not in proc.stdout.split("memory", 1)[1].splitlines()[0]
