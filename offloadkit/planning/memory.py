@@ -279,6 +279,10 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         chunk = math.ceil(t / f.loss_chunks)
         loss["loss chunk"] = chunk * s.vocab * LOSS_CHUNK_BYTES_PER_LOGIT
         loss["hidden gradient"] = t * h * b  # computed in forward by the chunked loss
+        if not w.lora_rank:
+            # A trainable head's weight gradient is summed over chunks in fp32 during forward
+            # and held until backward (1.96 GiB for Llama-3's 128K x 4096 head).
+            loss["head weight gradient (fp32)"] = s.vocab * h * 4
     else:
         loss["logits"] = int(t * s.vocab * UNCHUNKED_LOSS_BYTES_PER_LOGIT)
     layer: dict[str, int] = {}

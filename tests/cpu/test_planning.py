@@ -112,6 +112,26 @@ def test_loss_chunk_bytes_match_the_chunked_loss():
     assert auto_loss_chunks(16384, 128256) == 8  # 2**28 // 128256 = 2092 tokens per chunk
 
 
+def test_full_fine_tune_counts_the_chunked_loss_fp32_head_gradient():
+    """The chunked loss sums a trainable head's gradient in fp32 in forward and holds it to
+    backward: measured against what the loss allocates, and left out for LoRA."""
+    tokens, hidden, vocab = 256, 32, 1000
+    shape = resolve_shape({"hidden_size": hidden, "intermediate_size": 64, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "vocab_size": vocab})
+    full = estimate_memory(Workload(shape, tokens, lora_rank=0, dtype_bytes=2), Features(loss_chunks=4)).gpu_parts
+    lora = estimate_memory(Workload(shape, tokens, lora_rank=8, dtype_bytes=2), Features(loss_chunks=4)).gpu_parts
+    h = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    with AllocationTracker() as t:
+        chunked_cross_entropy(h, weight, labels, num_chunks=4, shift=False)
+    held = [n * 4 for _, _, n, dt in t.records if dt == torch.float32 and n == vocab * hidden]
+    assert held and full["head weight gradient (fp32)"] == held[0] == vocab * hidden * 4
+    assert "head weight gradient (fp32)" not in lora
+    eight_b = estimate_memory(Workload(resolve_shape("llama-3-8b"), 4096, lora_rank=0), Features(loss_chunks=1))
+    assert eight_b.gpu_parts["head weight gradient (fp32)"] == 128256 * 4096 * 4  # 1.96 GiB
+
+
 def test_more_tokens_more_memory_and_time():
     previous = None
     for seq in (8192, 16384, 65536, 131072, 262144):
