@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ConfigError", "OffloadConfig", "parse_bytes", "load_mapping", "check_keys", "check_writable_dir"]
+__all__ = ["ConfigError", "ConfigProblems", "Unsupported", "OffloadConfig", "parse_bytes", "load_mapping", "check_keys", "check_writable_dir"]
 
 ALIASES = {"sm_activation_offloading": "activation_offloading"}
 _ACTIVATION_MODES = (False, True, "legacy", "disk")
@@ -30,6 +30,31 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names key, value and fix."""
+
+
+class Unsupported(ConfigError):
+    """A setting asking for a feature offloadkit does not have; the message names it."""
+
+
+class ConfigProblems(ConfigError):
+    """Several problems of one config, reported together.
+
+    Attributes:
+        problems: ``(message, unsupported)`` pairs, in the order found.
+    """
+
+    def __init__(self, source: str, problems: list[tuple[str, bool]]) -> None:
+        self.problems = problems
+        if len(problems) == 1:
+            text = f"{source}: {problems[0][0]}"
+        else:
+            text = f"{source}: {len(problems)} problems: " + "; ".join(f"({i}) {m}" for i, (m, _) in
+                                                                        enumerate(problems, 1))
+        super().__init__(text)
+
+    @property
+    def unsupported_only(self) -> bool:
+        return all(unsupported for _, unsupported in self.problems)
 
 
 def parse_bytes(value: Any, key: str) -> int | None:
@@ -82,13 +107,17 @@ def load_mapping(path: str) -> dict:
 def check_keys(data: dict, known: list[str], source: str) -> dict:
     """Apply aliases and reject unknown keys with a suggestion."""
     out = {}
+    problems: list[tuple[str, bool]] = []
     for key, value in data.items():
         key = ALIASES.get(key, key)
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
-            raise ConfigError(f"{source}: unknown key {key!r} (value {value!r}); {hint}")
+            problems.append((f"unknown key {key!r} (value {value!r}); {hint}", False))
+            continue
         out[key] = value
+    if problems:
+        raise ConfigProblems(source, problems)  # every unknown key at once
     return out
 
 

@@ -131,9 +131,8 @@ def _child(request_path: str, answer_path: str) -> None:
     """The plain run of :func:`measure_in_own_process`, in this (fresh) process."""
     from transformers import Trainer
 
-    from offloadkit.cli.train import _load_model, _quiet, _training_args
+    from offloadkit.cli.train import _load_model, _quiet, _training_args, _training_data
     from offloadkit.cli.train_config import TrainConfig
-    from offloadkit.data import TokenBlocks, load_texts
 
     with open(request_path, encoding="utf-8") as f:
         request = json.load(f)
@@ -146,13 +145,15 @@ def _child(request_path: str, answer_path: str) -> None:
         from offloadkit.integrations.peft_utils import apply_lora
 
         model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
-                           dropout=cfg.lora_dropout)
-    dataset = TokenBlocks(tokenizer, load_texts(cfg.dataset, cfg.text_field), cfg.seq_len)
+                           dropout=cfg.lora_dropout, modules_to_save=cfg.lora_modules_to_save,
+                           use_dora=cfg.lora_use_dora)
+    dataset, collator, _ = _training_data(cfg, tokenizer)
 
     def plain_trainer(max_steps, callbacks):
         args = _training_args(cfg, False, max_steps=max_steps, save_strategy="no", report_to="none",
                               logging_strategy="no")
-        return _quiet(Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks))
+        return _quiet(Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                              callbacks=callbacks))
 
     measure = measure_without_offloadkit(plain_trainer, model, request["profile_step"], request["tokens"])
     with open(answer_path, "w", encoding="utf-8") as f:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 
-from offloadkit.config import ConfigError, check_writable_dir
+from offloadkit.config import ConfigError, ConfigProblems, check_writable_dir
 from offloadkit.data.text import FORMATS
 
 __all__ = ["preflight", "optimizer_package", "previous_run", "TOKENIZER_FILES"]
@@ -85,6 +86,56 @@ def _model(cfg) -> None:
                           f"one there with tokenizer.save_pretrained(...), or set tokenizer: DIR")
 
 
+def _datasets(cfg) -> None:
+    from offloadkit.data.sft import check_path
+
+    problems = []
+    for i, spec in enumerate(cfg.dataset_specs() if cfg.datasets else []):
+        why = check_path(spec)
+        if why is not None:
+            problems.append((f"{cfg.name('datasets')}[{i}].path={spec.path!r} {why}", False))
+        elif spec.type == "chat_template" and not _has_template(cfg):
+            problems.append((f"{cfg.name('datasets')}[{i}] is type chat_template but the tokenizer has no chat "
+                             "template; set chat_template: chatml (or a Jinja template), or give a tokenizer with "
+                             "one", False))
+    if problems:
+        raise ConfigProblems("datasets", problems)
+
+
+def _has_template(cfg) -> bool:
+    if cfg.chat_template == "chatml" or (cfg.chat_template and "{" in cfg.chat_template) or cfg.model is None:
+        return True  # the built-in byte tokenizer has ChatML
+    folder = cfg.tokenizer or cfg.model
+    if any(os.path.isfile(os.path.join(folder, f)) for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def _attention(cfg) -> None:
+    """An attention kernel that is not installed here falls back to sdpa, with a warning."""
+    name = cfg.attn_implementation
+    if name in (None, "sdpa", "eager", "flex_attention"):
+        return
+    needs = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(name)
+    if needs is not None and importlib.util.find_spec(needs) is not None and _cuda():
+        return
+    why = (f"{needs} is not installed" if needs and importlib.util.find_spec(needs) is None else
+           "it needs a CUDA GPU" if needs else "it is not a kernel transformers has built in (no downloads)")
+    warnings.warn(f"offloadkit: {cfg.name('attn_implementation')}={name!r} has no effect here: {why}; the model "
+                  "uses attn_implementation='sdpa'", UserWarning, stacklevel=3)
+    cfg.attn_implementation = "sdpa"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _dataset(cfg) -> None:
     if cfg.dataset is None:
         return
@@ -101,6 +152,8 @@ def _dataset(cfg) -> None:
 def _packages(cfg) -> None:
     if cfg.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError(f"{cfg.name('lora_rank')}={cfg.lora_rank} needs PEFT: pip install 'offloadkit[hf]'")
+    if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"{cfg.name('load_in_4bit')}=true (QLoRA) needs bitsandbytes: pip install bitsandbytes")
     from transformers.training_args import OptimizerNames
 
     names = [o.value for o in OptimizerNames]
@@ -161,11 +214,18 @@ def preflight(cfg) -> None:
         cfg: a validated :class:`~offloadkit.cli.train_config.TrainConfig`.
 
     Raises:
-        ConfigError: the first problem found.
+        ConfigError: the problem found, or ConfigProblems with every one found.
     """
-    _output_dir(cfg)
-    _model(cfg)
-    _dataset(cfg)
-    _packages(cfg)
-    _resume(cfg)
-    cfg.offload.check_paths()
+    problems: list[tuple[str, bool]] = []
+    for check in (_output_dir, _model, _dataset, _datasets, _packages, _resume, lambda c: c.offload.check_paths(),
+                  _attention):
+        try:
+            check(cfg)
+        except ConfigProblems as exc:
+            problems += exc.problems
+        except ConfigError as exc:
+            problems.append((str(exc), False))
+    if len(problems) == 1:
+        raise ConfigError(problems[0][0])
+    if problems:
+        raise ConfigProblems("preflight", problems)  # every problem found, at once

@@ -123,12 +123,28 @@ def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
     from offloadkit.testing.models import build_llama
 
+    if cfg.load_in_4bit:
+        return _load_4bit(cfg, device, dtype)
+    attention = cfg.attn_implementation or "sdpa"
     if cfg.model is None:
         # The vocabulary is the byte tokenizer's: ids past it would never be trained.
-        model = build_llama(cfg.model_shape, dtype=dtype, device=device, seed=cfg.seed, attn_implementation="sdpa",
+        model = build_llama(cfg.model_shape, dtype=dtype, device=device, seed=cfg.seed, attn_implementation=attention,
                             vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=max(cfg.seq_len, 2048))
-        return model, byte_tokenizer(), f"built-in '{cfg.model_shape}' Llama (random init)"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return model, _with_template(cfg, byte_tokenizer()), f"built-in '{cfg.model_shape}' Llama (random init)"
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = _load_tokenizer(cfg)
+    try:
+        kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
+                          f"({' '.join(str(exc).split())})") from None
+    return model.to(device), _with_template(cfg, tokenizer), cfg.model
+
+
+def _load_tokenizer(cfg: TrainConfig):
+    from transformers import AutoTokenizer
 
     tokenizer_dir = cfg.tokenizer or cfg.model
     try:
@@ -136,14 +152,73 @@ def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{cfg.name('tokenizer') if cfg.tokenizer else cfg.name('model')}={tokenizer_dir!r}: "
                           f"the tokenizer could not be loaded ({' '.join(str(exc).split())})") from None
-    try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
-                          f"({' '.join(str(exc).split())})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer, cfg.model
+    return tokenizer
+
+
+def _load_4bit(cfg: TrainConfig, device: str, dtype: torch.dtype):
+    """QLoRA's base: NF4 weights with double quantisation, computing in ``dtype`` (the
+    built-in model is saved once to ``output_dir/base`` and loaded from there)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    plain = dataclasses.replace(cfg, load_in_4bit=False)
+    if cfg.model is None:
+        model, tokenizer, name = _load_model(plain, "cpu", dtype)
+        source = os.path.join(cfg.output_dir, "base")
+        model.save_pretrained(source)
+        tokenizer.save_pretrained(source)
+        del model
+    else:
+        source, name = cfg.model, cfg.model
+        tokenizer = _load_tokenizer(plain)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=dtype)
+    kwargs = {"attn_implementation": cfg.attn_implementation or "sdpa"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, quantization_config=quantization,
+                                                     device_map={"": device}, local_files_only=True, **kwargs)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(f"{cfg.name('load_in_4bit')}=true: {source!r} could not be loaded in 4 bits "
+                          f"({' '.join(str(exc).split())})") from None
+    return model, _with_template(cfg, tokenizer), f"{name} (4-bit NF4 base)"
+
+
+def _with_template(cfg: TrainConfig, tokenizer):
+    """The tokenizer with the chat template ``chat_template`` names (its own by default)."""
+    from offloadkit.data.sft import CHATML_TEMPLATE
+
+    if cfg.chat_template == "chatml":
+        tokenizer.chat_template = CHATML_TEMPLATE
+    elif cfg.chat_template and "{" in cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    return tokenizer
+
+
+def _training_data(cfg: TrainConfig, tokenizer):
+    """The training dataset, its collator (None: fixed-length blocks) and notes."""
+    from offloadkit.data import TokenBlocks, load_texts
+    from offloadkit.data.sft import SFTExamples, build_examples, pad_collate
+
+    if not cfg.datasets:
+        try:
+            return TokenBlocks(tokenizer, load_texts(cfg.dataset, cfg.text_field), cfg.seq_len), None, []
+        except ValueError as exc:
+            hint = f"; use a smaller {cfg.name('seq_len')} or more text" if "fewer than one block" in str(exc) else ""
+            raise ConfigError(f"{cfg.name('dataset')}: {exc}{hint}") from None
+    examples, notes = [], []
+    for spec in cfg.dataset_specs():
+        try:
+            got, dropped = build_examples(spec, tokenizer, cfg.seq_len, cfg.train_on_inputs)
+        except ValueError as exc:
+            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
+        examples += got
+        if dropped:
+            notes.append(f"{spec.path}: {dropped} examples longer than {cfg.name('seq_len')}={cfg.seq_len} dropped")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return SFTExamples(examples), pad_collate(pad), notes
 
 
 def _training_args(cfg: TrainConfig, cuda: bool, **overrides):
@@ -161,7 +236,8 @@ def _training_args(cfg: TrainConfig, cuda: bool, **overrides):
         save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,
         save_total_limit=cfg.save_total_limit, report_to=reporters or "none", disable_tqdm=True, seed=cfg.seed,
         remove_unused_columns=False, use_cpu=not cuda, dataloader_num_workers=0,
-        fp16=cfg.dtype == "float16", logging_nan_inf_filter=False,
+        fp16=cfg.dtype == "float16", logging_nan_inf_filter=False, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
     )
     kwargs.update(overrides)
     args = TrainingArguments(**kwargs)
@@ -261,12 +337,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     cuda = torch.cuda.is_available()
     cfg = cfg.resolved(cuda)
     preflight(cfg)
-    from offloadkit.data import TokenBlocks, load_texts
 
-    try:
-        texts = load_texts(cfg.dataset, cfg.text_field)
-    except ValueError as exc:
-        raise ConfigError(f"{cfg.name('dataset')}: {exc}") from None
     from transformers import Trainer
 
     from offloadkit.cli.compare import measure_in_own_process, measure_without_offloadkit, saving
@@ -298,16 +369,15 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         if cfg.model is None:
             # The built-in base exists only in this process: save it so the adapter can be used later.
             base_dir = os.path.join(cfg.output_dir, "base")
-            if ranks.main:
+            if ranks.main and not cfg.load_in_4bit:  # a 4-bit base was saved there before quantising
                 model.save_pretrained(base_dir)
                 tokenizer.save_pretrained(base_dir)
         model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
-                           dropout=cfg.lora_dropout)
-    try:
-        dataset = TokenBlocks(tokenizer, texts, cfg.seq_len)
-    except ValueError as exc:
-        raise ConfigError(f"{cfg.name('dataset')}: {exc}; use a smaller {cfg.name('seq_len')} or more text") from None
+                           dropout=cfg.lora_dropout, modules_to_save=cfg.lora_modules_to_save,
+                           use_dora=cfg.lora_use_dora)
+    dataset, collator, data_notes = _training_data(cfg, tokenizer)
     notes = [f"Axolotl keys without effect here: {', '.join(cfg._ignored)}"] if cfg._ignored else []
+    notes += data_notes
     planned = _steps_planned(cfg, len(dataset))
     if cfg.resume_from_checkpoint:
         with open(os.path.join(cfg.resume_from_checkpoint, "trainer_state.json")) as f:
@@ -322,7 +392,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         pass
 
     trainer = _quiet(OffloadTrainer(model=model, args=_training_args(cfg, cuda), train_dataset=dataset,
-                                    offload_config=cfg.offload))
+                                    data_collator=collator, offload_config=cfg.offload))
     with_ = RunMeasure("with offloadkit")
     probe = StepProbe(with_, profile_step, extra=offload_probes(trainer))
     progress = ProgressBar(tokens_per_step, with_.step_times, show=ranks.main)
@@ -371,8 +441,13 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     report["ranks"] = gather(rank_figures(report, ranks))
     if ranks.main:
         report["saved_to"], report["load_hint"] = _save(cfg, trainer.model, tokenizer, base_dir)
-        if cfg.model is None and cfg.dataset is None:
-            report["sample"] = _sample(trainer.model, tokenizer, texts[0][:15], cfg.seed)
+        if cfg.model is None and cfg.dataset is None and not cfg.datasets:
+            from offloadkit.data import load_texts
+
+            try:
+                report["sample"] = _sample(trainer.model, tokenizer, load_texts()[0][:15], cfg.seed)
+            except (RuntimeError, AssertionError) as exc:  # bitsandbytes' CPU inference needs larger layers
+                report["notes"].append(f"no sample from the trained model: {' '.join(str(exc).split())[:120]}")
     # The plain run builds its own optimizer: this one's state must not count against it.
     trainer.accelerator.free_memory()
     trainer.optimizer = trainer.lr_scheduler = None
@@ -381,7 +456,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     def plain_trainer(max_steps, callbacks):
         args = _training_args(cfg, cuda, max_steps=max_steps, save_strategy="no", report_to="none",
                               logging_strategy="no")
-        return _quiet(Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks))
+        return _quiet(Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                              callbacks=callbacks))
 
     if ranks.distributed:
         # A rank that runs out of memory alone would leave the others waiting in a collective.

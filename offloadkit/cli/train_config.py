@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from offloadkit.config import ConfigError, OffloadConfig, check_keys, load_mapping
+from offloadkit.config import ConfigError, ConfigProblems, OffloadConfig, check_keys, load_mapping
 
 __all__ = ["TrainConfig", "default_offload", "DEFAULT_STEPS"]
 
 DEFAULT_STEPS = 100
-_FLOATS = ("learning_rate", "lora_dropout", "num_epochs")
+_FLOATS = ("learning_rate", "lora_dropout", "num_epochs", "weight_decay", "max_grad_norm")
 _SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
 
@@ -38,21 +38,36 @@ class TrainConfig:
         model_shape: built-in Llama shape: tiny, small, llama-3.2-1b, llama-3-8b.
         dataset: local .txt, .jsonl or .json file; None uses the shipped public-domain corpus.
         text_field: the JSON field holding the text.
+        datasets: instead of ``dataset``, a list of local datasets with their types
+            (:class:`~offloadkit.data.sft.DatasetSpec`'s keys: completion, alpaca with the
+            loss on the response, chat_template with the loss on the assistant's turns).
+        train_on_inputs: alpaca and chat_template: train on the prompt too.
+        chat_template: chat_template datasets: "tokenizer_default" (the tokenizer's own),
+            "chatml", or a Jinja template.
+        attn_implementation: the model's attention kernel ("sdpa", "flash_attention_2",
+            "eager", ...); one that is not installed falls back to sdpa with a warning.
         output_dir: where the model/adapter, checkpoints, report and plot go.
         seq_len, batch_size: tokens per sequence and sequences per step (None: 256 x 4 on
             a CPU, 1024 x 16 on a GPU).
         max_steps: optimizer steps (None: ``num_epochs`` when given, else 100).
         num_epochs: passes over the dataset when ``max_steps`` is not given.
         learning_rate, lr_scheduler, warmup_steps, optimizer, gradient_accumulation_steps,
-        logging_steps, seed: as in Hugging Face ``TrainingArguments``.
+        logging_steps, seed, weight_decay, max_grad_norm: as in Hugging Face
+        ``TrainingArguments``.
         save_steps, save_total_limit: Trainer checkpoints every N steps, keeping the last K.
         resume_from_checkpoint: a checkpoint directory, or true for the newest in output_dir.
         overwrite_output_dir: replace an earlier run found in output_dir (its report, model
             or adapter, and checkpoints); without it such a directory is refused.
         report_to: "none", or a logger the Trainer supports (tensorboard, wandb, ...).
         lora_rank: LoRA rank (0: full fine-tune); lora_alpha (default 2 x rank),
-            lora_dropout, lora_target_modules ("all-linear" or a list of module names).
-        dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 or float32.
+            lora_dropout, lora_target_modules ("all-linear", a list of module names, or a
+            regular expression matched against whole module names, as PEFT takes it);
+            lora_modules_to_save (modules trained whole, e.g. [lm_head, embed_tokens]) and
+            lora_use_dora (DoRA adapters) as PEFT takes them.
+        dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16 (mixed precision: fp32
+            weights, fp16 autocast, loss scaling) or float32.
+        load_in_4bit: QLoRA: load the base in 4 bits (NF4 with double quantisation,
+            bitsandbytes), computing in ``dtype``; needs LoRA (``lora_rank`` > 0).
         gradient_checkpointing_kwargs: passed to the Trainer's checkpointing (use_reentrant).
         profile_step: the step whose memory is measured and plotted.
         compare: also run the first steps without offloadkit and show both.
@@ -64,6 +79,10 @@ class TrainConfig:
     model_shape: str = "small"
     dataset: str | None = None
     text_field: str = "text"
+    datasets: list | None = None
+    train_on_inputs: bool = False
+    chat_template: str | None = None
+    attn_implementation: str | None = None
     output_dir: str = "offloadkit-output"
     seq_len: int | None = None
     batch_size: int | None = None
@@ -74,6 +93,8 @@ class TrainConfig:
     lr_scheduler: str = "cosine"
     warmup_steps: int = 5
     optimizer: str = "adamw_torch"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
     logging_steps: int = 1
     save_steps: int | None = None
     save_total_limit: int | None = None
@@ -84,7 +105,10 @@ class TrainConfig:
     lora_alpha: int | None = None
     lora_dropout: float = 0.0
     lora_target_modules: str | list = "all-linear"
+    lora_modules_to_save: list | None = None
+    lora_use_dora: bool = False
     dtype: str = "auto"
+    load_in_4bit: bool = False
     seed: int = 0
     gradient_checkpointing_kwargs: dict | None = None
     profile_step: int = 2
@@ -146,15 +170,40 @@ class TrainConfig:
         lora_keys = [k for k in ("lora_alpha",) if getattr(self, k) is not None]
         lora_keys += [k for k in ("lora_dropout",) if getattr(self, k)]
         lora_keys += [k for k in ("lora_target_modules",) if getattr(self, k) != "all-linear"]
+        lora_keys += [k for k in ("lora_modules_to_save", "lora_use_dora") if getattr(self, k)]
         if lora_keys and not self.lora_rank:
             self.offload._warn(f"{', '.join(self.name(k) for k in lora_keys)} only apply with LoRA "
                                f"({self.name('lora_rank')} > 0); they have no effect")
 
+    def dataset_specs(self) -> list:
+        """The datasets as :class:`~offloadkit.data.sft.DatasetSpec` (``dataset`` is one
+        completion dataset; None: the shipped corpus)."""
+        from offloadkit.data.sft import DatasetSpec
+
+        if self.datasets:
+            return [DatasetSpec(**entry) for entry in self.datasets]
+        if self.dataset is None:
+            return []
+        return [DatasetSpec(path=self.dataset, type="completion", field=self.text_field)]
+
     def validate(self, source: str = "config") -> None:
-        from offloadkit.testing.models import LLAMA_SHAPES
+        """Check every setting; all problems are reported together.
+
+        Raises:
+            ConfigProblems: one or more settings that cannot work.
+        """
+        problems: list[tuple[str, bool]] = []
 
         def fail(key, value, fix):
-            raise ConfigError(f"{source}: {self.name(key)}={value!r} {fix}")
+            problems.append((f"{self.name(key)}={value!r} {fix}", False))
+
+        self._check(fail)
+        if problems:
+            raise ConfigProblems(source, problems)
+
+    def _check(self, fail) -> None:
+        from offloadkit.data.sft import SFT_TYPES, DatasetSpec
+        from offloadkit.testing.models import LLAMA_SHAPES
 
         ints = {"gradient_accumulation_steps": 1, "warmup_steps": 0, "logging_steps": 1, "seed": 0,
                 "profile_step": 0, "seq_len": 2, "batch_size": 1, "max_steps": 1, "save_steps": 1,
@@ -166,7 +215,7 @@ class TrainConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 fail(key, value, f"must be an integer >= {low}")
-        for key, low, example in (("learning_rate", 0.0, "2e-4"), ("num_epochs", 0.0, "3")):
+        for key, low, example in (("learning_rate", 0.0, "2e-4"), ("num_epochs", 0.0, "3"), ("max_grad_norm", 0.0, "1.0")):
             value = getattr(self, key)
             if value is None and key == "num_epochs":
                 continue
@@ -175,6 +224,31 @@ class TrainConfig:
         if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
                 or not 0 <= self.lora_dropout < 1:
             fail("lora_dropout", self.lora_dropout, "must be a number in [0, 1)")
+        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
+                or self.weight_decay < 0:
+            fail("weight_decay", self.weight_decay, "must be a number >= 0, e.g. 0.01")
+        if self.datasets is not None:
+            if self.dataset is not None:
+                fail("datasets", self.datasets, f"and {self.name('dataset')} both name data; keep one")
+            elif not isinstance(self.datasets, list) or not self.datasets:
+                fail("datasets", self.datasets, "must be a list of entries like [{path: data/train.jsonl, type: alpaca}]")
+            else:
+                for i, entry in enumerate(self.datasets):
+                    try:
+                        spec = DatasetSpec(**entry) if isinstance(entry, dict) else None
+                    except TypeError as exc:
+                        spec = None
+                        why = str(exc).split("got ")[-1]
+                        fail("datasets", entry, f"(entry {i}) has a key DatasetSpec does not take ({why})")
+                        continue
+                    if spec is None or spec.type not in SFT_TYPES or not isinstance(spec.path, str):
+                        fail("datasets", entry, f"(entry {i}) must have a path and a type of {', '.join(SFT_TYPES)}")
+        if not isinstance(self.train_on_inputs, bool):
+            fail("train_on_inputs", self.train_on_inputs, "must be true or false")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            fail("chat_template", self.chat_template, "must be tokenizer_default, chatml or a Jinja template")
+        if self.attn_implementation is not None and not isinstance(self.attn_implementation, str):
+            fail("attn_implementation", self.attn_implementation, "must be a name like sdpa or flash_attention_2")
         for key in ("model", "tokenizer", "dataset", "output_dir"):
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
@@ -191,11 +265,11 @@ class TrainConfig:
             fail("optimizer", self.optimizer, "must be an optimizer name, e.g. adamw_torch")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             fail("dtype", self.dtype, "must be auto, bfloat16, float16 or float32")
-        if not (self.lora_target_modules == "all-linear" or (
+        if not ((isinstance(self.lora_target_modules, str) and self.lora_target_modules) or (
                 isinstance(self.lora_target_modules, list) and self.lora_target_modules
                 and all(isinstance(m, str) for m in self.lora_target_modules))):
             fail("lora_target_modules", self.lora_target_modules,
-                 'must be "all-linear" or a list like [q_proj, v_proj]')
+                 'must be "all-linear", a list like [q_proj, v_proj], or a regular expression of module names')
         if self.gradient_checkpointing_kwargs is not None:
             kwargs = self.gradient_checkpointing_kwargs
             if not isinstance(kwargs, dict) or not set(kwargs) <= {"use_reentrant", "preserve_rng_state"}:
@@ -203,7 +277,13 @@ class TrainConfig:
                      "preserve_rng_state), e.g. {use_reentrant: false}")
         if not isinstance(self.resume_from_checkpoint, (str, bool, type(None))):
             fail("resume_from_checkpoint", self.resume_from_checkpoint, "must be a checkpoint directory or true")
-        for key in ("compare", "overwrite_output_dir"):
+        if self.load_in_4bit and not self.lora_rank:
+            fail("load_in_4bit", self.load_in_4bit, f"needs LoRA adapters ({self.name('lora_rank')} > 0): a 4-bit "
+                 "base cannot be fully fine-tuned")
+        if self.lora_modules_to_save is not None and not (
+                isinstance(self.lora_modules_to_save, list) and all(isinstance(m, str) for m in self.lora_modules_to_save)):
+            fail("lora_modules_to_save", self.lora_modules_to_save, "must be a list of module names, e.g. [lm_head]")
+        for key in ("compare", "overwrite_output_dir", "load_in_4bit", "lora_use_dora"):
             if not isinstance(getattr(self, key), bool):
                 fail(key, getattr(self, key), "must be true or false")
         reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to

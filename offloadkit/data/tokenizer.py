@@ -40,4 +40,8 @@ def byte_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<pad>", "<bos>", "<eos>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    from offloadkit.data.sft import CHATML_TEMPLATE
+
+    # ChatML as plain bytes, so chat datasets (type chat_template) work with the built-in model.
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   chat_template=CHATML_TEMPLATE)

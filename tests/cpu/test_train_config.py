@@ -53,9 +53,10 @@ def test_axolotl_keys_without_effect_get_one_warning_listing_them():
                 flash_attention=True)
     cfg, messages = _cfg(data)
     assert len(messages) == 1, messages
-    assert "sample_packing, wandb_project, val_set_size, flash_attention" in messages[0]
+    assert "sample_packing, wandb_project, val_set_size" in messages[0]
     assert "load_in_8bit" not in messages[0]  # false asks for nothing
-    assert cfg._ignored == ["sample_packing", "wandb_project", "val_set_size", "flash_attention"]
+    assert cfg._ignored == ["sample_packing", "wandb_project", "val_set_size"]
+    assert cfg.attn_implementation == "flash_attention_2"  # flash_attention: true is honoured
 
 
 def test_axolotl_offload_spelling_of_gradient_checkpointing():
@@ -73,9 +74,8 @@ def test_axolotl_without_adapter_is_a_full_fine_tune():
 
 @pytest.mark.parametrize("change, message", [
     ({"sequence_length": 512}, "unknown key 'sequence_length'.*did you mean 'sequence_len'"),
-    ({"adapter": "qlora"}, "adapter='qlora' needs a 4-bit quantised base.*use adapter: lora"),
-    ({"datasets": [{"path": "a.jsonl", "type": "alpaca"}]}, r"datasets\[0\].type='alpaca' is not supported"),
-    ({"datasets": [{"path": "a.jsonl"}, {"path": "b.jsonl"}]}, "datasets has 2 entries.*join them into one"),
+    ({"adapter": "qlora"}, "adapter=qlora: 4-bit quantised bases .QLoRA.; use adapter: lora"),
+    ({"datasets": [{"path": "a.jsonl", "type": "jeopardy"}]}, r"datasets\[0\].type='jeopardy': offloadkit train reads"),
     ({"datasets": [{"path": "a.jsonl", "typ": "completion"}]}, r"datasets\[0\] has unknown keys \['typ'\]"),
     ({"seq_len": 128}, "seq_len and sequence_len are the same setting .seq_len.; keep one"),
     ({"learning_rate": "fast"}, "learning_rate='fast' is not a number"),
