@@ -88,25 +88,27 @@ def test_moe_tiled_bf16_keeps_router_gradient():
     model = transformers.MixtralForCausalLM(config).to(DEV)
     ids = torch.randint(0, 1024, (2, 512), device=DEV)
 
-    def grads():
+    def grads(autocast: bool):
         model.zero_grad(set_to_none=True)
-        with torch.autocast(DEV, dtype=torch.bfloat16):
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=autocast):
             out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         return out.loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()
                                            if p.grad is not None}
 
-    ref_loss, ref = grads()
+    _, exact = grads(False)  # fp32: the reference both bf16 runs are measured against
+    _, plain = grads(True)
     handle = apply_tiled_mlp(model, num_shards=4)
-    loss, got = grads()
+    _, tiled = grads(True)
     handle.remove()
-    assert got.keys() == ref.keys()
-    gates = [n for n in ref if ".gate." in n]
-    assert gates
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
-    for name in gates + [n for n in ref if "experts" in n]:
-        err = float((got[name] - ref[name]).norm() / ref[name].norm())
-        assert err < 3e-2, (name, err)
+    assert tiled.keys() == plain.keys() == exact.keys()
+    gates = [n for n in exact if ".gate." in n]
+    assert gates and all(tiled[n].abs().sum() > 0 for n in gates)  # the aux loss reaches the router
+    for name in gates + [n for n in exact if "experts" in n]:
+        scale = exact[name].norm()
+        err_tiled = float((tiled[name] - exact[name]).norm() / scale)
+        err_plain = float((plain[name] - exact[name]).norm() / scale)
+        assert err_tiled <= 1.5 * err_plain + 1e-3, (name, err_tiled, err_plain)
 
 
 def test_cli_fp16_trains_mixed_precision(tmp_path):
