@@ -18,6 +18,7 @@ from offloadkit.engine.offload import OffloadActivations
 from offloadkit.engine.validation import check_modules
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import first_grad_fn
+from offloadkit.runtime.compiled import WHOLE_MODEL_COMPILE_NOTE, compiled_as_a_whole
 
 __all__ = ["get_act_offloading_ctx_manager", "get_lora_act_offloading_ctx_manager", "attach_head", "attach_to_forward"]
 
@@ -87,6 +88,8 @@ def get_act_offloading_ctx_manager(
             "(not its state_dict or a pipeline)"
         )
     exclude = check_modules(head, exclude)
+    if compiled_as_a_whole(model):
+        warnings.warn(f"offloadkit: {WHOLE_MODEL_COMPILE_NOTE}", UserWarning, stacklevel=2)
     manager = OffloadActivations(
         use_pin_memory=use_pin_memory,
         use_streams=use_streams,

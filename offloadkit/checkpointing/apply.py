@@ -23,6 +23,7 @@ from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
 from offloadkit.runtime.autograd import first_grad_fn
+from offloadkit.runtime.compiled import compiled_as_a_whole
 
 __all__ = ["apply_activation_checkpointing", "CheckpointedBlocks"]
 
@@ -47,6 +48,7 @@ class CheckpointedBlocks:
         self._outer: OffloadActivations | None = None  # a whole-model manager around the blocks
         self._restore_use_cache = None
         self._attached = False
+        self._compiled: dict[int, Callable] = {}  # block index -> its forward compiled, for compiled blocks
 
     # -- wiring ------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -99,7 +101,21 @@ class CheckpointedBlocks:
         self._outer = manager
 
     # -- per block -----------------------------------------------------------------------
+    def _inner(self, index: int, block: nn.Module, original: Callable) -> Callable:
+        """What the checkpoint runs: the block's forward, compiled when the block was compiled
+        (``layer.compile()``), so regional compile keeps its kernels while the checkpoint and
+        the offloading around them run eagerly."""
+        if not compiled_as_a_whole(block):
+            return original
+        if index not in self._compiled:
+            self._compiled[index] = torch.compile(original)
+        return self._compiled[index]
+
+    @torch.compiler.disable
     def _run(self, index: int, block: nn.Module, original: Callable, *args, **kwargs):
+        # Runs eagerly even inside a compiled model: the checkpoint's bookkeeping and the
+        # offloader's hooks are Python side effects that a graph cannot hold.
+        original = self._inner(index, block, original)
         if not (torch.is_grad_enabled() and block.training):
             return original(*args, **kwargs)
         if not getattr(block, "_can_checkpoint_with_cache", False):
@@ -128,7 +144,10 @@ class CheckpointedBlocks:
             outer.keep_enter()
         try:
             with capture:
-                out = checkpoint(fn, *flat, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+                # The default context is left implicit: torch.compile traces checkpoint() only
+                # with a context function it knows (per-layer compile of checkpointed layers).
+                selective = {} if self._context_fn is noop_context_fn else {"context_fn": self._context_fn}
+                out = checkpoint(fn, *flat, use_reentrant=False, **selective, **kwargs)
         finally:
             if outer is not None:
                 outer.keep_exit()
