@@ -23,6 +23,13 @@ from offloadkit.runtime.compiled import WHOLE_MODEL_COMPILE_NOTE, compiled_as_a_
 __all__ = ["get_act_offloading_ctx_manager", "get_lora_act_offloading_ctx_manager", "attach_head", "attach_to_forward"]
 
 
+def _eager(hook):
+    """A module hook that runs eagerly inside a compiled model: its bookkeeping (the step,
+    the tail mark, backward prehooks) is Python state that guards would otherwise watch,
+    recompiling the model at every step."""
+    return torch.compiler.disable(hook)
+
+
 def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
     """Wire the output head: in-flight copies are settled before it runs, everything saved
     after it (the loss over its logits) stays on the device, and backward starts
@@ -42,8 +49,8 @@ def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
         if grad_fn is not None and step is not None:
             grad_fn.register_prehook(lambda grad_outputs: manager.begin_backward(step))
 
-    manager.add_hook_handle(head.register_forward_pre_hook(pre_hook))
-    manager.add_hook_handle(head.register_forward_hook(post_hook))
+    manager.add_hook_handle(head.register_forward_pre_hook(_eager(pre_hook)))
+    manager.add_hook_handle(head.register_forward_hook(_eager(post_hook)))
 
 
 def get_act_offloading_ctx_manager(
@@ -99,8 +106,8 @@ def get_act_offloading_ctx_manager(
     )
     manager.track(model)
     base = unwrap_model(model)
-    manager.add_hook_handle(model.register_forward_pre_hook(manager.forward_pre_hook))
-    manager.add_hook_handle(model.register_forward_hook(manager.forward_post_hook, always_call=True))
+    manager.add_hook_handle(model.register_forward_pre_hook(_eager(manager.forward_pre_hook)))
+    manager.add_hook_handle(model.register_forward_hook(_eager(manager.forward_post_hook), always_call=True))
     head = head if head is not None else find_output_head(base)
     if head is None:
         if warn_if_no_head:
@@ -185,6 +192,6 @@ def attach_to_forward(manager: OffloadActivations, model: nn.Module) -> _Forward
             manager.__exit__(None, None, None)
 
     return _ForwardAttachment([
-        model.register_forward_pre_hook(pre),
-        model.register_forward_hook(post, always_call=True),
+        model.register_forward_pre_hook(_eager(pre)),
+        model.register_forward_hook(_eager(post), always_call=True),
     ])

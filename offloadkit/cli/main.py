@@ -142,7 +142,16 @@ def _train(args) -> None:
     run_train(cfg)
 
 
+# Optional packages that log at import what a CPU machine lacks (CUDA-only extensions, hub
+# kernels): not the user's to act on, and they would bury offloadkit's one-line messages.
+_QUIET_LOGGERS = ("torchao", "bitsandbytes", "torch.utils._pytree")
+
+
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
     from offloadkit.cli.errors import TrainingFailed
     from offloadkit.config import ConfigError
