@@ -74,7 +74,7 @@ def test_axolotl_without_adapter_is_a_full_fine_tune():
 
 @pytest.mark.parametrize("change, message", [
     ({"sequence_length": 512}, "unknown key 'sequence_length'.*did you mean 'sequence_len'"),
-    ({"adapter": "qlora"}, "adapter=qlora: 4-bit quantised bases .QLoRA.; use adapter: lora"),
+    ({"load_in_8bit": True}, "load_in_8bit=true: 8-bit quantised bases; use load_in_4bit: true with adapter: qlora"),
     ({"datasets": [{"path": "a.jsonl", "type": "jeopardy"}]}, r"datasets\[0\].type='jeopardy': offloadkit train reads"),
     ({"datasets": [{"path": "a.jsonl", "typ": "completion"}]}, r"datasets\[0\] has unknown keys \['typ'\]"),
     ({"seq_len": 128}, "seq_len and sequence_len are the same setting .seq_len.; keep one"),
