@@ -131,14 +131,13 @@ def _child(request_path: str, answer_path: str) -> None:
     """The plain run of :func:`measure_in_own_process`, in this (fresh) process."""
     from transformers import Trainer
 
-    from offloadkit.cli.train import _load_model, _quiet, _training_args, _training_data
+    from offloadkit.cli.train import _load_model, _quiet, _training_args, _training_data, load_dtype
     from offloadkit.cli.train_config import TrainConfig
 
     with open(request_path, encoding="utf-8") as f:
         request = json.load(f)
     cfg = TrainConfig(**request["train"])
-    dtype = {"auto": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float32,
-             "float32": torch.float32}[cfg.dtype]
+    dtype = load_dtype(cfg, False)
     torch.manual_seed(cfg.seed)
     model, tokenizer, _ = _load_model(cfg, "cpu", dtype)
     if cfg.lora_rank:

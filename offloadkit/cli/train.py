@@ -119,6 +119,18 @@ def _clear_previous_run(output_dir: str, log) -> None:
         log(f"offloadkit: removed the earlier run in {output_dir} ({len(found)} entries): overwrite_output_dir")
 
 
+def load_dtype(cfg: TrainConfig, cuda: bool) -> torch.dtype:
+    """The dtype the weights are loaded in. float16 is mixed precision, as the Trainer's and
+    Axolotl's fp16: what trains is fp32 (full fine-tune: every weight; LoRA: the adapters,
+    which PEFT keeps in fp32 over an fp16 frozen base), under fp16 autocast with a loss
+    scaler. fp16 weights trained with AdamW directly overflow within steps."""
+    if cfg.dtype == "float16":
+        frozen_base = cfg.lora_rank and not cfg.lora_modules_to_save
+        return torch.float16 if frozen_base else torch.float32
+    return {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
+            "float32": torch.float32}[cfg.dtype]
+
+
 def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
     from offloadkit.testing.models import build_llama
@@ -276,7 +288,7 @@ def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool) -> di
     if cfg.gradient_accumulation_steps > 1:
         shape += f" x {cfg.gradient_accumulation_steps} accumulated"
     return {"model": name, "fine_tune": f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "full fine-tune",
-            "dtype": ("float16 mixed precision (fp32 weights, fp16 autocast, loss scaling)" if cfg.dtype == "float16"
+            "dtype": ("float16 mixed precision (fp32 trainable weights, fp16 autocast, loss scaling)" if cfg.dtype == "float16"
                       else str(dtype).replace("torch.", "")), "step_shape": shape,
             "offload_summary": ", ".join(parts) or "nothing (offloading keys all off)",
             "memory_measure": "GPU memory allocated" if cuda else "process RSS"}
@@ -353,11 +365,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     device = ranks.device(cuda)
     if cuda:
         torch.cuda.set_device(device)
-    # float16 is mixed precision, as the Trainer's and Axolotl's fp16: fp32 weights and
-    # optimizer state, fp16 autocast and a loss scaler. fp16 weights trained with AdamW
-    # directly overflow within steps.
-    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float32, "float32": torch.float32}[cfg.dtype]
+    dtype = load_dtype(cfg, cuda)
     if cfg.overwrite_output_dir and ranks.main and not cfg.resume_from_checkpoint:
         _clear_previous_run(cfg.output_dir, lambda m: print(m, file=sys.stderr))
     torch.manual_seed(cfg.seed)

@@ -30,7 +30,7 @@ RENAMED = {
 # Handled by the mapping below rather than renamed.
 SPECIAL = ("datasets", "adapter", "lora_target_linear", "bf16", "fp16", "bfloat16", "float16", "flash_attention",
            "sdp_attention", "load_in_4bit", "load_in_8bit", "model_type", "cut_cross_entropy",
-           "liger_fused_linear_cross_entropy", "chat_template_jinja", "peft_use_dora", "lora_modules_to_save")
+           "liger_fused_linear_cross_entropy", "chat_template_jinja", "peft_use_dora")
 # Accepted, but nothing here acts on them (logging, hub, evaluation, kernels, multi-GPU
 # settings of a one-process run, data preparation caches, ...).
 WITHOUT_EFFECT = (
@@ -271,8 +271,6 @@ def _map_adapter(data: dict, m: _Mapper) -> None:
         m.names.setdefault("load_in_4bit", "adapter")
     if data.get("peft_use_dora") is True:
         m.put("lora_use_dora", True, "peft_use_dora")
-    if not _unset(data.get("lora_modules_to_save")):
-        m.put("lora_modules_to_save", data["lora_modules_to_save"], "lora_modules_to_save")
 
 
 def _map_precision(data: dict, m: _Mapper) -> None:

@@ -411,3 +411,18 @@ def test_nothing_enabled_is_not_compared_and_the_memory_line_shows_what_acted(tm
     report = json.loads((tmp_path / "ram" / "report.json").read_text())
     assert report["offload_summary"] == "gradient checkpointing", report["offload_summary"]
     assert "streaming" not in proc.stdout.split("memory", 1)[1].splitlines()[0]
+
+
+def test_fp16_loads_what_trains_in_fp32():
+    """A full fine-tune trains every weight: fp32 master weights. LoRA trains fp32 adapters
+    over a frozen base, which stays in fp16 (half the memory), unless whole modules train."""
+    import torch
+
+    from offloadkit.cli.train import load_dtype
+    from offloadkit.cli.train_config import TrainConfig
+
+    assert load_dtype(TrainConfig.from_dict({"dtype": "float16"}, cuda=True), True) == torch.float32
+    assert load_dtype(TrainConfig.from_dict({"dtype": "float16", "lora_rank": 8}, cuda=True), True) == torch.float16
+    assert load_dtype(TrainConfig.from_dict({"dtype": "float16", "lora_rank": 8, "lora_modules_to_save": ["lm_head"]},
+                                            cuda=True), True) == torch.float32
+    assert load_dtype(TrainConfig.from_dict({}, cuda=True), True) == torch.bfloat16
