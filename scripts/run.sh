@@ -5,4 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+if [ "$#" -eq 0 ]; then
+  # The built-in run into the default output_dir: running it again replaces the last one.
+  exec python -m offloadkit train --overwrite
+fi
 exec python -m offloadkit train "$@"
