@@ -136,8 +136,13 @@ class TrainConfig:
         # names) and resolved() hands them to the planner.
         offload = {k: v for k, v in data.items() if k in OffloadConfig.keys() and k not in train}
         # The user's keys go over the built-in defaults key by key: writing disk_dir alone
-        # does not switch checkpointing and offloading off.
-        offload = {**default_offload(_cuda() if cuda is None else cuda), **offload}
+        # does not switch checkpointing and offloading off. The default offloading is
+        # checkpoint-input offload; with checkpointing turned off it would offload every
+        # activation (several times slower), so it is then only on when asked for.
+        defaults = default_offload(_cuda() if cuda is None else cuda)
+        if offload.get("gradient_checkpointing") is False:
+            defaults.pop("activation_offloading", None)
+        offload = {**defaults, **offload}
         for key in _FLOATS:
             if isinstance(train.get(key), str):
                 train[key] = _float(train[key], names.get(key, key), source)

@@ -383,6 +383,12 @@ def test_writing_one_offloading_key_keeps_the_other_defaults():
             assert off.gradient_checkpointing and off.activation_offloading == mode, (keys, off)
         off = TrainConfig.from_dict({"activation_offloading": False}, cuda=cuda).offload
         assert off.gradient_checkpointing and not off.activation_offloading
+        # Checkpointing off: the default offloading (of checkpoint inputs) does not become
+        # offloading of every activation unless asked for.
+        off = TrainConfig.from_dict({"gradient_checkpointing": False}, cuda=cuda).offload
+        assert not off.gradient_checkpointing and not off.activation_offloading
+        off = TrainConfig.from_dict({"gradient_checkpointing": False, "activation_offloading": mode}, cuda=cuda).offload
+        assert off.activation_offloading == mode
 
 
 def test_optimizers_name_the_package_they_need():
