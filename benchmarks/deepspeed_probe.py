@@ -1,0 +1,79 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 through the Hugging Face Trainer on one GPU, with and
+without offloadkit's mixin (checkpointing with checkpoint-input offload): losses over the
+same steps, peak GPU memory, and any error, for the compatibility matrix.
+
+    python benchmarks/deepspeed_probe.py --out DIR
+
+Writes ``deepspeed.json`` under ``--out``; each run is one record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(stage: int, offload: bool, out: str) -> dict:
+    import transformers
+
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+    from offloadkit.testing.families import build_family
+
+    torch.manual_seed(0)
+    model = build_family("llama", size="bench", dtype=torch.float32)
+    ids = torch.randint(3, 31000, (8, 4096), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
+    ds_config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "train_batch_size": "auto", "gradient_clipping": "auto"}
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(out, f"ds{stage}-{offload}"), per_device_train_batch_size=1, max_steps=4,
+        learning_rate=1e-4, bf16=True, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+        seed=0, remove_unused_columns=False, lr_scheduler_type="constant", deepspeed=ds_config,
+        gradient_checkpointing=not offload)
+
+    class Mixed(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    cls = Mixed if offload else transformers.Trainer
+    kwargs = {"offload_config": {"gradient_checkpointing": True, "activation_offloading": True}} if offload else {}
+    trainer = cls(model=model, args=args, train_dataset=rows, **kwargs)
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    report = getattr(trainer, "offload_report", None) or {}
+    return {"zero_stage": stage, "offloadkit": offload, "losses": losses,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "offloaded_bytes": (report.get("activations") or {}).get("offloaded_bytes"),
+            "notes": report.get("notes", [])}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    records = []
+    for stage in (2, 3):
+        for offload in (False, True):
+            try:
+                record = _run(stage, offload, args.out)
+            except Exception as exc:  # noqa: BLE001 - the error is the result
+                last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                record = {"zero_stage": stage, "offloadkit": offload, "error": " ".join(last.split())[:400]}
+            print(json.dumps(record), flush=True)
+            records.append(record)
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "deepspeed.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
