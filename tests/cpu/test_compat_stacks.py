@@ -84,3 +84,27 @@ def test_trl_dpo_trainer_with_the_mixin(tmp_path):
     assert len(losses) == 3 and all(loss == loss for loss in losses)
     assert trainer.offload_report["activations"]["offloaded_bytes"] > 0
     assert any("TRL's activation_offloading is switched off" in n for n in trainer.offload_report["notes"])
+
+
+def test_deepspeed_zero3_with_activation_offloading_is_refused(tmp_path):
+    """Measured on an H100 (benchmarks/results/deepspeed/): ZeRO-2 with the mixin gave the
+    plain run's losses, ZeRO-3 a different first-step loss. ZeRO-3 is refused before
+    training, ZeRO-2 gets a note with what was measured, layer streaming is refused."""
+    import json
+    from types import SimpleNamespace
+
+    from offloadkit.config import ConfigError, OffloadConfig
+    from offloadkit.integrations.trainer import check_deepspeed, deepspeed_zero_stage
+
+    offload = OffloadConfig.from_dict({"gradient_checkpointing": True, "activation_offloading": True})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    assert deepspeed_zero_stage(SimpleNamespace(deepspeed=str(path))) == 3
+    with pytest.raises(ConfigError, match="activation_offloading with DeepSpeed ZeRO-3 is refused.*ZeRO-2"):
+        check_deepspeed(offload, SimpleNamespace(deepspeed=str(path)))
+    note = check_deepspeed(offload, SimpleNamespace(deepspeed={"zero_optimization": {"stage": 2}}))
+    assert note.startswith("DeepSpeed ZeRO-2: losses measured equal")
+    assert check_deepspeed(offload, SimpleNamespace(deepspeed=None)) is None
+    streaming = OffloadConfig.from_dict({"layer_offloading": True})
+    with pytest.raises(ConfigError, match="layer_offloading cannot stream weights that DeepSpeed manages"):
+        check_deepspeed(streaming, SimpleNamespace(deepspeed={"zero_optimization": {"stage": 2}}))
