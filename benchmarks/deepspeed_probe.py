@@ -4,7 +4,9 @@ same steps, peak GPU memory, and any error, for the compatibility matrix.
 
     python benchmarks/deepspeed_probe.py --out DIR
 
-Writes ``deepspeed.json`` under ``--out``; each run is one record.
+Writes ``deepspeed.json`` under ``--out``; each run is one record. Each run is a process of
+its own: transformers remembers a ZeRO-3 config process-wide and then builds every later
+model partitioned (``deepspeed.zero.Init``), with other initial weights.
 """
 
 from __future__ import annotations
@@ -56,21 +58,32 @@ def _run(stage: int, offload: bool, out: str) -> dict:
 
 
 def main():
+    import subprocess
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--one", nargs=2, type=int, metavar=("STAGE", "OFFLOAD"), help="run one case here")
     args = parser.parse_args()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    if args.one:
+        stage, offload = args.one
+        try:
+            record = _run(stage, bool(offload), args.out)
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            record = {"zero_stage": stage, "offloadkit": bool(offload), "error": " ".join(last.split())[:400]}
+        print("RECORD " + json.dumps(record), flush=True)
+        return
     records = []
     for stage in (2, 3):
-        for offload in (False, True):
-            try:
-                record = _run(stage, offload, args.out)
-            except Exception as exc:  # noqa: BLE001 - the error is the result
-                last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-                record = {"zero_stage": stage, "offloadkit": offload, "error": " ".join(last.split())[:400]}
+        for offload in (0, 1):
+            proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", str(stage), str(offload)],
+                                  capture_output=True, text=True)
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
+            record = json.loads(lines[-1][7:]) if lines else {
+                "zero_stage": stage, "offloadkit": bool(offload), "error": (proc.stderr.strip().splitlines() or [""])[-1]}
             print(json.dumps(record), flush=True)
             records.append(record)
-            torch.cuda.empty_cache()
     with open(os.path.join(args.out, "deepspeed.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": records}, f, indent=1)
 
