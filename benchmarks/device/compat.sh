@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On one GPU: the compatibility matrix (benchmarks/compat.py), with carried wheels
+# On one GPU: the compatibility matrix (benchmarks/compat.py), with wheels from .whl/
 # (bitsandbytes for the QLoRA row) installed first when .whl/ is present. Results under $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
