@@ -121,8 +121,8 @@ class CheckpointedBlocks:
         if not getattr(block, "_can_checkpoint_with_cache", False):
             # A cache written in forward would be read (or written again) by the recompute,
             # which then saves different tensors: blocks run without one when checkpointed.
-            for key in ("past_key_values", "past_key_value", "layer_past"):
-                if kwargs.get(key) is not None:
+            for key, value in kwargs.items():
+                if value is not None and (key in _CACHE_KEYS or _is_cache(value)):
                     kwargs[key] = None
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
@@ -160,6 +160,16 @@ class CheckpointedBlocks:
             if last:
                 self.offloader.flush()  # nothing of ours stays in flight into the loss
         return out
+
+
+# Names a decoder layer's cache argument has had across transformers releases.
+_CACHE_KEYS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
+
+
+def _is_cache(value) -> bool:
+    """A transformers cache object, whatever the argument is called (read by type, so a
+    renamed keyword in a later release is still caught)."""
+    return any(cls.__module__.startswith("transformers.cache_utils") for cls in type(value).__mro__)
 
 
 def _tensor_leaves(value, out: list) -> object:
