@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On one GPU: the whole GPU suite, with wheels from .whl/ (bitsandbytes for the QLoRA tests)
+# On one GPU: the whole GPU suite, with wheels from .whl/ (bitsandbytes for the QLoRA tests;
+# trl, datasets, dill, multiprocess for the TRL trainer tests)
 # installed first when .whl/ is present. Results under $OUT (gpu_tests.txt, env.txt).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

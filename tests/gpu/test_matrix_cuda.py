@@ -98,3 +98,31 @@ def test_qlora_base(tmp_path):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     _both_modes(model, family_batch("llama", model, 256, batch=2, device=DEV))
+
+
+def test_layers_compiled_one_by_one_offload_everything_bitwise():
+    """Regional compile (``layer.compile()``) with offloading every saved tensor. Inductor's
+    deterministic mode fixes its reduction configs, so the compiled plain step repeats bit for
+    bit; against that, offloading is held to bitwise equality too."""
+    import torch._inductor.config as inductor_config
+
+    from offloadkit.testing.families import build_family, family_batch
+
+    torch._dynamo.reset()
+    model = build_family("llama", device=DEV, dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        layer.compile()
+    batch = family_batch("llama", model, 256, batch=2, device=DEV)
+    try:
+        with inductor_config.patch(deterministic=True), sdpa_kernel(SDPBackend.MATH):
+            ref = run_step(model, batch)
+            again = run_step(model, batch)
+            assert_bitwise_equal(ref[1], again[1], "the compiled plain step repeats itself")
+            ctx = get_act_offloading_ctx_manager(model, warn_if_no_head=False, min_offload_size=0)
+            got = run_step(model, batch, ctx)
+            assert ctx.stats.offloaded_tensors > 0
+            ctx.close()
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "grads")
+    finally:
+        torch._dynamo.reset()
