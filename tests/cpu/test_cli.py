@@ -243,9 +243,15 @@ def test_plot_note_when_the_run_is_shorter_than_the_profiled_step(tmp_path):
     assert (tmp_path / "out" / "memory_timeline.png").exists()
 
 
+def _ctrl_c_reaches_it() -> None:
+    # A suite started in the background of a non-interactive shell inherits SIGINT ignored,
+    # and so would the command: give it the disposition a terminal's Ctrl-C meets.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_when(config, marker: bytes):
     proc = subprocess.Popen([sys.executable, "-m", "offloadkit", "train", str(config)], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=_env())
+                            stdout=subprocess.PIPE, env=_env(), preexec_fn=_ctrl_c_reaches_it)
     seen = b""
     deadline = time.monotonic() + 180
     os.set_blocking(proc.stderr.fileno(), False)
@@ -273,7 +279,7 @@ def test_interrupted_message_on_its_own_line(tmp_path):
     config = _tiny(tmp_path, max_steps=100000, seq_len=64, save_steps=50000)
     env = _env()
     proc = subprocess.Popen([sys.executable, "-m", "offloadkit", "train", str(config)], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
+                            stdout=subprocess.PIPE, env=env, preexec_fn=_ctrl_c_reaches_it)
     seen = b""
     deadline = time.monotonic() + 120
     os.set_blocking(proc.stderr.fileno(), False)
