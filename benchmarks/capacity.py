@@ -104,7 +104,7 @@ def run_probe(spec: dict) -> dict:
 
     from offloadkit.integrations.peft_utils import apply_lora
     from offloadkit.integrations.runtime import prepare
-    from offloadkit.testing import build_llama
+    from offloadkit.models.zoo import build_llama
 
     mode, seq, layers = spec["mode"], spec["seq_len"], spec["layers"]
     out: dict = {"status": "ok"}

@@ -205,7 +205,7 @@ def cells_qlora(args):
     import transformers
 
     from offloadkit.layers import apply_layer_streaming
-    from offloadkit.testing import build_llama
+    from offloadkit.models.zoo import build_llama
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:

@@ -44,10 +44,10 @@ def main() -> None:
 
     from offloadkit.integrations.peft_utils import apply_lora
     from offloadkit.integrations.runtime import prepare
+    from offloadkit.models.zoo import build_llama
     from offloadkit.parallel import apply_context_parallel
     from offloadkit.planning import Budgets, plan, resolve_shape
     from offloadkit.runtime.ranks import local_world_size
-    from offloadkit.testing import build_llama
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shared = torch.cuda.device_count() < local_world_size()

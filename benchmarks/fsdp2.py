@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from offloadkit.checkpointing import apply_activation_checkpointing
-from offloadkit.testing import build_llama, make_batch
+from offloadkit.models.zoo import build_llama, make_batch
 
 
 def build(shape: str, mode: str):

@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from offloadkit import get_act_offloading_ctx_manager
-from offloadkit.testing import build_llama, make_batch
+from offloadkit.models.zoo import build_llama, make_batch
 
 
 def step(model, batch, ctx=None):

@@ -37,7 +37,7 @@ GiB = float(1 << 30)
 def build(args, mode: str):
     from offloadkit.integrations.peft_utils import apply_lora
     from offloadkit.integrations.runtime import prepare
-    from offloadkit.testing import build_llama
+    from offloadkit.models.zoo import build_llama
 
     model = build_llama(args.shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa",
                         num_hidden_layers=args.layers, max_position_embeddings=max(args.seq_len, 8192))
@@ -66,7 +66,7 @@ def run(mode: str, args) -> dict:
     setup_s = time.perf_counter() - t0
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
-    from offloadkit.testing import make_batch
+    from offloadkit.models.zoo import make_batch
 
     batch = make_batch(model.config.vocab_size, 1, args.seq_len, device="cuda")
     proc = psutil.Process()

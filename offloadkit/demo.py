@@ -13,7 +13,7 @@ import psutil
 import torch
 
 from offloadkit.api import get_act_offloading_ctx_manager
-from offloadkit.testing.models import build_llama, make_batch
+from offloadkit.models.zoo import build_llama, make_batch
 
 __all__ = ["run_demo"]
 
@@ -79,6 +79,6 @@ def run_demo(steps: int = 6, shape: str = "small", seq_len: int = 512, batch: in
 
 
 def build_vocab(shape: str) -> int:
-    from offloadkit.testing.models import LLAMA_SHAPES
+    from offloadkit.models.zoo import LLAMA_SHAPES
 
     return LLAMA_SHAPES[shape]["vocab_size"]

@@ -35,7 +35,7 @@ from offloadkit.config import ConfigError, ConfigProblems  # noqa: E402
 def stand_in_model(folder: str) -> str:
     """The tiny Llama and the byte tokenizer, saved where a ``base_model`` path would point."""
     from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
-    from offloadkit.testing.models import build_llama
+    from offloadkit.models.zoo import build_llama
 
     path = os.path.join(folder, "model")
     if not os.path.isdir(path):

@@ -22,7 +22,7 @@ import torch
 
 from offloadkit.bench.modes import MODES, ModeSetup
 from offloadkit.bench.rss import PeakRss
-from offloadkit.testing.models import LLAMA_SHAPES, build_llama
+from offloadkit.models.zoo import LLAMA_SHAPES, build_llama
 
 __all__ = ["BenchConfig", "ModeResult", "run_benchmark", "measure_copy_bandwidth", "format_table"]
 

@@ -12,8 +12,8 @@ import torch
 from offloadkit.api import get_act_offloading_ctx_manager
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.layers import apply_layer_streaming
+from offloadkit.models.zoo import LLAMA_SHAPES
 from offloadkit.runtime.device import empty_host_cache
-from offloadkit.testing.models import LLAMA_SHAPES
 
 __all__ = ["MODES", "CPU_MODES", "ModeSetup", "ModeHandle", "estimated_activation_bytes"]
 

@@ -14,7 +14,7 @@ import torch
 from offloadkit.bench import BenchConfig, format_table, run_benchmark, save_report
 from offloadkit.bench.modes import CPU_MODES, MODES, estimated_activation_bytes
 from offloadkit.config import ConfigError, check_writable_dir
-from offloadkit.testing.models import LLAMA_SHAPES
+from offloadkit.models.zoo import LLAMA_SHAPES
 
 __all__ = ["run_bench", "plot_bench"]
 

@@ -133,7 +133,7 @@ def load_dtype(cfg: TrainConfig, cuda: bool) -> torch.dtype:
 
 def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
-    from offloadkit.testing.models import build_llama
+    from offloadkit.models.zoo import build_llama
 
     if cfg.load_in_4bit:
         return _load_4bit(cfg, device, dtype)

@@ -208,7 +208,7 @@ class TrainConfig:
 
     def _check(self, fail) -> None:
         from offloadkit.data.sft import SFT_TYPES, DatasetSpec
-        from offloadkit.testing.models import LLAMA_SHAPES
+        from offloadkit.models.zoo import LLAMA_SHAPES
 
         ints = {"gradient_accumulation_steps": 1, "warmup_steps": 0, "logging_steps": 1, "seed": 0,
                 "profile_step": 0, "seq_len": 2, "batch_size": 1, "max_steps": 1, "save_steps": 1,

@@ -1,5 +1,5 @@
 """The dimensions of a decoder-only transformer that the planner needs, from a Hugging
-Face config (dict, object or model directory) or a name in :data:`offloadkit.testing.LLAMA_SHAPES`.
+Face config (dict, object or model directory) or a name in :data:`offloadkit.models.zoo.LLAMA_SHAPES`.
 
 Only torch-free arithmetic lives here: reading a shape never imports transformers.
 """
@@ -13,8 +13,6 @@ from typing import Any
 
 __all__ = ["ModelShape", "resolve_shape"]
 
-# The shapes offloadkit's tests and benchmarks build (kept in sync with
-# offloadkit.testing.models.LLAMA_SHAPES, which needs transformers to build a model).
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
 
 
@@ -125,7 +123,7 @@ def resolve_shape(model: Any, layers: int | None = None) -> ModelShape:
             data = data.get("text_config", data)  # multimodal wrappers keep the decoder's config inside
             shape = ModelShape.from_config(data, name=os.path.basename(os.path.normpath(model)))
         else:
-            from offloadkit.testing.models import LLAMA_SHAPES  # plain data; no transformers import
+            from offloadkit.models.zoo import LLAMA_SHAPES  # plain data; no transformers import
 
             if model not in LLAMA_SHAPES:
                 raise ValueError(f"model={model!r} is neither a directory nor a known shape; "

@@ -1,10 +1,11 @@
-"""Helpers shared by the test suites, the demo and the benchmarks: tiny models built from
-configs (no downloads), bitwise comparison of losses and gradients, and trackers of what a
-region allocates and saves."""
+"""Helpers for tests of offloadkit and of code built on it: bitwise comparison of losses and
+gradients, trackers of what a region allocates and saves, delayed copies for race tests, and
+the model zoo (:mod:`offloadkit.models.zoo`) re-exported. Nothing in the library imports
+this package."""
 
+from offloadkit.models.zoo import LLAMA_SHAPES, build_llama, make_batch
 from offloadkit.testing.allocations import AllocationTracker, SavedTensorTracker
 from offloadkit.testing.delays import slow_copies
-from offloadkit.testing.models import LLAMA_SHAPES, build_llama, make_batch
 from offloadkit.testing.parity import assert_bitwise_equal, grads_of, run_step
 from offloadkit.testing.steps import (
     memory_after_each_step,

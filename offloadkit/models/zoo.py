@@ -1,4 +1,6 @@
-"""Llama-style models from configs, randomly initialised: no network, no checkpoints."""
+"""The model zoo: Llama-style models from named shapes, randomly initialised (no network, no
+checkpoints). The shapes are plain data the planner and the CLI read; building a model needs
+transformers."""
 
 from __future__ import annotations
 
