@@ -14,8 +14,11 @@ def main() -> None:
     p.add_argument("--shape", default="llama-3.2-1b")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--lora-rank", type=int, default=None)
-    p.add_argument("--modes", default=None,
-                   help="semicolon-separated; a mode may carry overrides: 'ckpt+offload@prefetch=4;offload@prefetch_bytes=1g'")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="semicolon-separated; a mode may carry overrides: 'ckpt+offload@prefetch=4;offload@prefetch_bytes=1g'",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prefetch", type=int, default=None)
@@ -26,9 +29,18 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--name", default=None)
     a = p.parse_args()
-    cfg = BenchConfig(shape=a.shape, seq_len=a.seq_len, lora_rank=a.lora_rank, steps=a.steps, warmup=a.warmup,
-                      prefetch=a.prefetch, host_budget_gib=a.host_budget_gib, attn_implementation=a.attn, device=a.device,
-                      disk_dir=a.disk_dir)
+    cfg = BenchConfig(
+        shape=a.shape,
+        seq_len=a.seq_len,
+        lora_rank=a.lora_rank,
+        steps=a.steps,
+        warmup=a.warmup,
+        prefetch=a.prefetch,
+        host_budget_gib=a.host_budget_gib,
+        attn_implementation=a.attn,
+        device=a.device,
+        disk_dir=a.disk_dir,
+    )
     if a.modes:
         cfg.modes = tuple(m for m in a.modes.split(";") if m)
     report = run_benchmark(cfg)

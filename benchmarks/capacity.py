@@ -51,13 +51,21 @@ def _features(mode: str, workload, host_budget: int):
     if mode == "hf_ckpt":
         return Features(checkpointing=True)
     if mode == "in_gpu":
-        return Features(checkpointing=True, loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
-                        mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate))
+        return Features(
+            checkpointing=True,
+            loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
+            mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate),
+        )
     streamed = w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes) if w.lora_rank else 0
     ram_blocks = max(0, (host_budget - streamed) // size_class(w.block_input_bytes))
-    return Features(checkpointing=True, offload_inputs=True, ram_blocks=ram_blocks, layer_streaming=bool(w.lora_rank),
-                    loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
-                    mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate))
+    return Features(
+        checkpointing=True,
+        offload_inputs=True,
+        ram_blocks=ram_blocks,
+        layer_streaming=bool(w.lora_rank),
+        loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
+        mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate),
+    )
 
 
 def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_budget: int, budgets=None) -> dict:
@@ -77,15 +85,29 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
         f = _features(mode, w, host_budget)
         if mode in ("everything", "in_gpu"):
             full = plan(shape, seq, lora_rank=lora_rank, budgets=budgets).features
-            f = replace(f, horizon=full.horizon, tiled_projections=full.tiled_projections,
-                        ram_blocks=full.ram_blocks if mode == "everything" else f.ram_blocks)
+            f = replace(
+                f,
+                horizon=full.horizon,
+                tiled_projections=full.tiled_projections,
+                ram_blocks=full.ram_blocks if mode == "everything" else f.ram_blocks,
+            )
         m = estimate_memory(w, f)
         t = estimate_time(w, f, budgets.rates, m.block_placement)
-    return {"peak_gib": m.gpu_peak / GiB, "reserved_gib": m.gpu_reserved / GiB, "host_gib": m.host / GiB,
-            "disk_gib": m.disk / GiB, "step_s": t.seconds, "bound": t.bound, "flops": t.flops,
-            "placement": "".join(p[0] for p in m.block_placement), "loss_chunks": f.loss_chunks,
-            "mlp_shards": f.mlp_shards, "tiled_projections": f.tiled_projections, "horizon": f.horizon,
-            "fits_gpu": m.gpu_reserved <= budgets.gpu_bytes}
+    return {
+        "peak_gib": m.gpu_peak / GiB,
+        "reserved_gib": m.gpu_reserved / GiB,
+        "host_gib": m.host / GiB,
+        "disk_gib": m.disk / GiB,
+        "step_s": t.seconds,
+        "bound": t.bound,
+        "flops": t.flops,
+        "placement": "".join(p[0] for p in m.block_placement),
+        "loss_chunks": f.loss_chunks,
+        "mlp_shards": f.mlp_shards,
+        "tiled_projections": f.tiled_projections,
+        "horizon": f.horizon,
+        "fits_gpu": m.gpu_reserved <= budgets.gpu_bytes,
+    }
 
 
 # --------------------------------------------------------------------------- child side
@@ -102,15 +124,21 @@ def run_probe(spec: dict) -> dict:
     """One probe in this process: build, attach the mode, warm up, time the steps."""
     import torch
 
+    from offloadkit.compose import prepare
     from offloadkit.integrations.peft_utils import apply_lora
-    from offloadkit.integrations.runtime import prepare
     from offloadkit.models.zoo import build_llama
 
     mode, seq, layers = spec["mode"], spec["seq_len"], spec["layers"]
     out: dict = {"status": "ok"}
     t_setup = time.perf_counter()
-    model = build_llama(spec["shape"], dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa",
-                        num_hidden_layers=layers, max_position_embeddings=max(seq, 131072))
+    model = build_llama(
+        spec["shape"],
+        dtype=torch.bfloat16,
+        device="cuda",
+        attn_implementation="sdpa",
+        num_hidden_layers=layers,
+        max_position_embeddings=max(seq, 131072),
+    )
     model.config.use_cache = False
     if spec["lora_rank"]:
         model = apply_lora(model, rank=spec["lora_rank"])
@@ -121,21 +149,34 @@ def run_probe(spec: dict) -> dict:
     else:
         if mode == "everything":
             p = spec["predicted"]
-            config = {"gradient_checkpointing": True, "activation_offloading": "disk", "disk_tiering": True,
-                      "host_budget_bytes": spec["host_budget"], "layer_offloading": True,
-                      "activation_loading_horizon": (p["horizon"] if p.get("horizon") is not None
-                                                     else 4 if "d" in p["placement"] else 2),
-                      "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
-                      "chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": p["loss_chunks"],
-                      "tiled_mlp": p["mlp_shards"] > 1, "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None}
+            config = {
+                "gradient_checkpointing": True,
+                "activation_offloading": "disk",
+                "disk_tiering": True,
+                "host_budget_bytes": spec["host_budget"],
+                "layer_offloading": True,
+                "activation_loading_horizon": (
+                    p["horizon"] if p.get("horizon") is not None else 4 if "d" in p["placement"] else 2
+                ),
+                "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
+                "chunked_cross_entropy": True,
+                "chunked_cross_entropy_num_chunks": p["loss_chunks"],
+                "tiled_mlp": p["mlp_shards"] > 1,
+                "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None,
+            }
             if spec.get("disk_dir"):
                 config["disk_dir"] = spec["disk_dir"]
         elif mode == "in_gpu":
             p = spec["predicted"]
-            config = {"gradient_checkpointing": True, "activation_offloading": False,
-                      "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
-                      "chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": p["loss_chunks"],
-                      "tiled_mlp": p["mlp_shards"] > 1, "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None}
+            config = {
+                "gradient_checkpointing": True,
+                "activation_offloading": False,
+                "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
+                "chunked_cross_entropy": True,
+                "chunked_cross_entropy_num_chunks": p["loss_chunks"],
+                "tiled_mlp": p["mlp_shards"] > 1,
+                "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None,
+            }
         else:
             config = {"offload_plan": "auto", "seq_len": seq, "host_budget_bytes": spec["host_budget"]}
         runtime = prepare(model, config)
@@ -200,11 +241,19 @@ def _parse(probes: str, default_warmup: int, default_steps: int) -> list[list[di
         for alt in group.split("|"):
             parts = alt.split(":")
             if len(parts) < 3 or parts[0] not in MODES:
-                raise SystemExit(f"capacity: probe {alt!r} is not mode:seq_len:layers[:warmup[:steps]] with mode in {MODES}")
+                raise SystemExit(
+                    f"capacity: probe {alt!r} is not mode:seq_len:layers[:warmup[:steps]] with mode in {MODES}"
+                )
             nums = [int(x) for x in parts[1:]]
-            alts.append({"mode": parts[0], "seq_len": nums[0], "layers": nums[1],
-                         "warmup": nums[2] if len(nums) > 2 else default_warmup,
-                         "steps": nums[3] if len(nums) > 3 else default_steps})
+            alts.append(
+                {
+                    "mode": parts[0],
+                    "seq_len": nums[0],
+                    "layers": nums[1],
+                    "warmup": nums[2] if len(nums) > 2 else default_warmup,
+                    "steps": nums[3] if len(nums) > 3 else default_steps,
+                }
+            )
         groups.append(alts)
     return groups
 
@@ -216,14 +265,20 @@ def _setup_s(layers: int, full: int) -> float:
 def _detect_budgets(args) -> dict:
     from offloadkit.planning import Budgets
 
-    budgets = Budgets.detect(host_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib else None,
-                             disk_dir=args.disk_dir)
+    budgets = Budgets.detect(
+        host_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib else None, disk_dir=args.disk_dir
+    )
     try:
         budgets = budgets.measure(disk_dir=args.disk_dir)
     except Exception as exc:  # keep the defaults where timing is impossible
         print(f"capacity: rates not measured ({exc}); using defaults", file=sys.stderr, flush=True)
-    return {"gpu": budgets.gpu_bytes, "host": budgets.host_bytes, "disk": budgets.disk_bytes,
-            "rates": budgets.rates.__dict__, "source": budgets.source}
+    return {
+        "gpu": budgets.gpu_bytes,
+        "host": budgets.host_bytes,
+        "disk": budgets.disk_bytes,
+        "rates": budgets.rates.__dict__,
+        "source": budgets.source,
+    }
 
 
 def main(argv=None) -> int:
@@ -234,8 +289,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget for all probes")
-    ap.add_argument("--host-budget-gib", type=float, default=None,
-                    help="pinned RAM for block inputs and streamed weights (default: available RAM less 16 GiB)")
+    ap.add_argument(
+        "--host-budget-gib",
+        type=float,
+        default=None,
+        help="pinned RAM for block inputs and streamed weights (default: available RAM less 16 GiB)",
+    )
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--out", default="capacity-results")
     ap.add_argument("--name", default="capacity")
@@ -260,23 +319,40 @@ def main(argv=None) -> int:
 
     start = time.monotonic()
     full_layers = resolve_shape(args.shape).layers
-    host_budget = (int(args.host_budget_gib * GiB) if args.host_budget_gib is not None
-                   else max(1 << 30, int(psutil.virtual_memory().available - 16 * GiB)))
+    host_budget = (
+        int(args.host_budget_gib * GiB)
+        if args.host_budget_gib is not None
+        else max(1 << 30, int(psutil.virtual_memory().available - 16 * GiB))
+    )
     # Read and time the machine in a child: a CUDA context in this process would take GPU
     # memory from every probe.
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--budgets-only", "--host-budget-gib",
-                           str(host_budget / GiB)] + (["--disk-dir", args.disk_dir] if args.disk_dir else []),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--budgets-only", "--host-budget-gib", str(host_budget / GiB)]
+        + (["--disk-dir", args.disk_dir] if args.disk_dir else []),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     found = [ln for ln in proc.stdout.splitlines() if ln.startswith("BUDGETS ")]
     if not found:
         raise SystemExit(f"capacity: reading the budgets failed: {proc.stderr.strip()[-300:]}")
     data = json.loads(found[-1][8:])
     budgets = Budgets(data["gpu"], data["host"], data["disk"], Rates(**data["rates"]), data["source"])
     cap = longest_sequence(args.shape, lora_rank=args.lora_rank, budgets=budgets)
-    report = {"shape": args.shape, "lora_rank": args.lora_rank, "budgets": {
-        "gpu_gib": budgets.gpu_bytes / GiB, "host_gib": budgets.host_bytes / GiB, "disk_gib": budgets.disk_bytes / GiB,
-        "source": budgets.source, "rates": budgets.rates.__dict__}, "capacity": cap.summary(),
-        "full_depth_plan": cap.plan.table() if cap.plan else None, "probes": []}
+    report = {
+        "shape": args.shape,
+        "lora_rank": args.lora_rank,
+        "budgets": {
+            "gpu_gib": budgets.gpu_bytes / GiB,
+            "host_gib": budgets.host_bytes / GiB,
+            "disk_gib": budgets.disk_bytes / GiB,
+            "source": budgets.source,
+            "rates": budgets.rates.__dict__,
+        },
+        "capacity": cap.summary(),
+        "full_depth_plan": cap.plan.table() if cap.plan else None,
+        "probes": [],
+    }
     import torch
 
     report["device"] = budgets.source.get("gpu", "")  # names the GPU without a CUDA context here
@@ -292,8 +368,15 @@ def main(argv=None) -> int:
             if est <= left:
                 chosen = dict(alt, predicted=pred, estimate_s=est)
                 break
-            skipped.append(dict(alt, predicted=pred, estimate_s=est, status="skipped",
-                                note=f"predicted {est:.0f} s > {left:.0f} s left"))
+            skipped.append(
+                dict(
+                    alt,
+                    predicted=pred,
+                    estimate_s=est,
+                    status="skipped",
+                    note=f"predicted {est:.0f} s > {left:.0f} s left",
+                )
+            )
         for s in skipped:
             report["probes"].append(s)
             print(f"skip {s['mode']} {s['seq_len']} x {s['layers']} layers: {s['note']}", flush=True)
@@ -304,8 +387,12 @@ def main(argv=None) -> int:
         left = args.budget_s - (time.monotonic() - start)
         t0 = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                                  capture_output=True, text=True, timeout=max(30.0, min(left, 2 * chosen["estimate_s"] + 60)))
+            proc = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                timeout=max(30.0, min(left, 2 * chosen["estimate_s"] + 60)),
+            )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if lines:
                 result = json.loads(lines[-1][7:])
@@ -331,9 +418,11 @@ def main(argv=None) -> int:
 def _line(r: dict) -> str:
     head = f"{r['mode']:<10} {r['seq_len']:>7} x {r['layers']:>2}L {r['status']:<7}"
     if r.get("step_s"):
-        return (head + f" step {r['step_s']:.2f} s (pred {r['predicted']['step_s']:.2f}) {r['tokens_per_s']:.0f} tok/s "
-                f"{r['tflops']:.0f} TFLOP/s peak {r['peak_allocated_gib']:.2f} GiB (pred {r['predicted']['peak_gib']:.2f}, "
-                f"x{r['measured_over_predicted']:.2f}) wall {r['wall_s']:.0f} s")
+        return (
+            head + f" step {r['step_s']:.2f} s (pred {r['predicted']['step_s']:.2f}) {r['tokens_per_s']:.0f} tok/s "
+            f"{r['tflops']:.0f} TFLOP/s peak {r['peak_allocated_gib']:.2f} GiB (pred {r['predicted']['peak_gib']:.2f}, "
+            f"x{r['measured_over_predicted']:.2f}) wall {r['wall_s']:.0f} s"
+        )
     return head + f" {r.get('note', '')} wall {r.get('wall_s', 0):.0f} s"
 
 
@@ -344,21 +433,27 @@ def _fmt(x, spec=".2f") -> str:
 def _write(report: dict, out: str, name: str) -> None:
     with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
-    lines = [f"{report['shape']}, LoRA r={report['lora_rank']}; {report.get('device')}, torch {report.get('torch')}",
-             f"budgets: GPU {report['budgets']['gpu_gib']:.1f} GiB, host {report['budgets']['host_gib']:.1f} GiB, "
-             f"disk {report['budgets']['disk_gib']:.1f} GiB; rates {report['budgets']['rates']}",
-             f"planner, full depth: {report['capacity']}", "",
-             "| mode | seq | layers | status | step s | pred step s | bound | tokens/s | TFLOP/s | peak alloc GiB | "
-             "pred peak GiB | meas/pred | reserved GiB | host RSS GiB | disk GiB | full-depth host+disk GiB (pred) | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{report['shape']}, LoRA r={report['lora_rank']}; {report.get('device')}, torch {report.get('torch')}",
+        f"budgets: GPU {report['budgets']['gpu_gib']:.1f} GiB, host {report['budgets']['host_gib']:.1f} GiB, "
+        f"disk {report['budgets']['disk_gib']:.1f} GiB; rates {report['budgets']['rates']}",
+        f"planner, full depth: {report['capacity']}",
+        "",
+        "| mode | seq | layers | status | step s | pred step s | bound | tokens/s | TFLOP/s | peak alloc GiB | "
+        "pred peak GiB | meas/pred | reserved GiB | host RSS GiB | disk GiB | full-depth host+disk GiB (pred) | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["probes"]:
         p, full = r["predicted"], r.get("full_depth_predicted") or {}
         footprint = f"{full['host_gib']:.1f}+{full['disk_gib']:.1f}" if full else ""
-        lines.append(f"| {r['mode']} | {r['seq_len']} | {r['layers']} | {r['status']} | {_fmt(r.get('step_s'))} | "
-                     f"{p['step_s']:.2f} | {p['bound']} | {_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('tflops'), '.0f')} | "
-                     f"{_fmt(r.get('peak_allocated_gib'))} | {p['peak_gib']:.2f} | {_fmt(r.get('measured_over_predicted'))} | "
-                     f"{_fmt(r.get('peak_reserved_gib'))} | {_fmt(r.get('host_rss_gib'))} | {_fmt(r.get('disk_written_gib'))} | "
-                     f"{footprint} | {r.get('note', '')[:80]} |")
+        lines.append(
+            f"| {r['mode']} | {r['seq_len']} | {r['layers']} | {r['status']} | {_fmt(r.get('step_s'))} | "
+            f"{p['step_s']:.2f} | {p['bound']} | {_fmt(r.get('tokens_per_s'), '.0f')} | "
+            f"{_fmt(r.get('tflops'), '.0f')} | "
+            f"{_fmt(r.get('peak_allocated_gib'))} | {p['peak_gib']:.2f} | {_fmt(r.get('measured_over_predicted'))} | "
+            f"{_fmt(r.get('peak_reserved_gib'))} | {_fmt(r.get('host_rss_gib'))} | {_fmt(r.get('disk_written_gib'))} | "
+            f"{footprint} | {r.get('note', '')[:80]} |"
+        )
     with open(os.path.join(out, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -91,7 +91,7 @@ def _clean():
 
 
 def _parity(run_ref, run_got, ref, got) -> str:
-    """"bitwise", or why not. SDPA's fused backward kernels are not deterministic, so when
+    """ "bitwise", or why not. SDPA's fused backward kernels are not deterministic, so when
     the plain step does not repeat itself bit for bit, both are run once more with PyTorch's
     math attention (deterministic), which is what the parity is then judged on."""
     if _equal(ref[0], got[0]) and _equal(ref[1], got[1]):
@@ -108,8 +108,10 @@ def _parity(run_ref, run_got, ref, got) -> str:
     worst = _worst(ref[1], got[1])
     if _equal(ref[1], again[1]):
         return f"DIFFERS (math attention; largest relative grad difference {worst:.1e}; the plain run repeats itself)"
-    return (f"DIFFERS (math attention; largest relative grad difference {worst:.1e}; between two plain runs "
-            f"{_worst(ref[1], again[1]):.1e}: the plain run does not repeat itself)")
+    return (
+        f"DIFFERS (math attention; largest relative grad difference {worst:.1e}; between two plain runs "
+        f"{_worst(ref[1], again[1]):.1e}: the plain run does not repeat itself)"
+    )
 
 
 def _worst(ref: dict, got: dict) -> float:
@@ -118,8 +120,15 @@ def _worst(ref: dict, got: dict) -> float:
 
 
 def _record(cell, parity, ref, got, note=""):
-    return {"cell": cell, "status": "works", "parity": parity, "peak_without_gib": ref[2] / GIB,
-            "peak_with_gib": got[2] / GIB, "time_ratio": got[3] / ref[3], "note": note}
+    return {
+        "cell": cell,
+        "status": "works",
+        "parity": parity,
+        "peak_without_gib": ref[2] / GIB,
+        "peak_with_gib": got[2] / GIB,
+        "time_ratio": got[3] / ref[3],
+        "note": note,
+    }
 
 
 def offload_cells(name, model, batch, **kw):
@@ -134,8 +143,12 @@ def offload_cells(name, model, batch, **kw):
             ctx = get_act_offloading_ctx_manager(model, warn_if_no_head=False, **extra)
         note = "; ".join(str(w.message)[:160] for w in caught if "offloadkit" in str(w.message))
         got = measure(model, batch, lambda: ctx, **kw)
-        parity = _parity(lambda: measure(model, batch, steps=1, warmup=0, **kw),
-                         lambda: measure(model, batch, lambda: ctx, steps=1, warmup=0, **kw), ref, got)
+        parity = _parity(
+            lambda: measure(model, batch, steps=1, warmup=0, **kw),
+            lambda: measure(model, batch, lambda: ctx, steps=1, warmup=0, **kw),
+            ref,
+            got,
+        )
         ctx.close()
         out.append(_record(f"{name}: offload all", parity, ref, got, note))
     except Exception as exc:  # noqa: BLE001 - a failing cell is a result
@@ -181,9 +194,12 @@ def cells_families(args):
 
 def cells_precisions(args):
     rows = []
-    cases = [("bf16 weights", torch.bfloat16, None, False), ("fp32", torch.float32, None, False),
-             ("autocast bf16 over fp32", torch.float32, torch.bfloat16, False),
-             ("fp16 autocast + GradScaler over fp32", torch.float32, torch.float16, True)]
+    cases = [
+        ("bf16 weights", torch.bfloat16, None, False),
+        ("fp32", torch.float32, None, False),
+        ("autocast bf16 over fp32", torch.float32, torch.bfloat16, False),
+        ("fp16 autocast + GradScaler over fp32", torch.float32, torch.float16, True),
+    ]
     for label, dtype, autocast, scale in cases:
         model = build_family("llama", size=SIZE, device=DEV, dtype=dtype)
         batch = family_batch("llama", model, args.seq_len // 2, device=DEV)
@@ -210,10 +226,15 @@ def cells_qlora(args):
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         build_llama("llama-3.2-1b" if SIZE == "bench" else "small", dtype=torch.bfloat16).save_pretrained(folder)
-        quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=torch.bfloat16,
-                                                                  device_map={"": DEV}, attn_implementation="sdpa")
+        quant = transformers.BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=quant, dtype=torch.bfloat16, device_map={"": DEV}, attn_implementation="sdpa"
+        )
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules="all-linear")).train()
     for n, p in model.named_parameters():
         if "lora_B" in n:
@@ -234,9 +255,16 @@ def cells_qlora(args):
             again.remove()
 
     parity = _parity(lambda: measure(model, batch, steps=1, warmup=0), streamed, ref, got)
-    rows.append(_record("QLoRA 1B: layer streaming of the 4-bit base", parity, ref, got,
-                        note=f"{host / GIB:.2f} GiB of quantized layers in host memory (bf16 would be about "
-                             f"{16 * 60.8e6 * 2 / GIB:.2f})"))
+    rows.append(
+        _record(
+            "QLoRA 1B: layer streaming of the 4-bit base",
+            parity,
+            ref,
+            got,
+            note=f"{host / GIB:.2f} GiB of quantized layers in host memory (bf16 would be about "
+            f"{16 * 60.8e6 * 2 / GIB:.2f})",
+        )
+    )
     return rows
 
 
@@ -290,18 +318,28 @@ def _why(exc) -> str:
     return " ".join(last.split())[:300]
 
 
-CELLS = {"families": cells_families, "precisions": cells_precisions, "qlora": cells_qlora, "compile": cells_compile,
-         "packing": cells_packing}
+CELLS = {
+    "families": cells_families,
+    "precisions": cells_precisions,
+    "qlora": cells_qlora,
+    "compile": cells_compile,
+    "packing": cells_packing,
+}
 
 
 def table(rows) -> str:
-    lines = ["| cell | result | parity | peak GiB without -> with | step time ratio | note |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| cell | result | parity | peak GiB without -> with | step time ratio | note |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["status"] != "works":
             lines.append(f"| {r['cell']} | {r['status']} | | | | {r['note']} |")
             continue
-        lines.append(f"| {r['cell']} | works | {r['parity']} | {r['peak_without_gib']:.2f} -> {r['peak_with_gib']:.2f} | "
-                     f"{r['time_ratio']:.3f} | {r.get('note', '')} |")
+        lines.append(
+            f"| {r['cell']} | works | {r['parity']} | {r['peak_without_gib']:.2f} -> {r['peak_with_gib']:.2f} | "
+            f"{r['time_ratio']:.3f} | {r.get('note', '')} |"
+        )
     return "\n".join(lines)
 
 
@@ -329,8 +367,10 @@ def main():
         print(f"== {name} in {time.perf_counter() - start:.0f} s", flush=True)
         with open(os.path.join(args.out, "compat.json"), "w") as f:
             json.dump({**header, "seq_len": args.seq_len, "cells": rows}, f, indent=1)
-    text = f"{header['device']}, torch {header['torch']}, transformers {header['transformers']}, " \
-           f"{args.seq_len} tokens\n\n" + table(rows)
+    text = (
+        f"{header['device']}, torch {header['torch']}, transformers {header['transformers']}, "
+        f"{args.seq_len} tokens\n\n" + table(rows)
+    )
     with open(os.path.join(args.out, "compat.md"), "w") as f:
         f.write(text + "\n")
     print(text)

@@ -42,8 +42,8 @@ def main() -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from offloadkit.compose import prepare
     from offloadkit.integrations.peft_utils import apply_lora
-    from offloadkit.integrations.runtime import prepare
     from offloadkit.models.zoo import build_llama
     from offloadkit.parallel import apply_context_parallel
     from offloadkit.planning import Budgets, plan, resolve_shape
@@ -61,9 +61,14 @@ def main() -> None:
     budgets = Budgets.detect()
     p = plan(resolve_shape(args.shape), args.tokens_per_gpu, lora_rank=args.lora_rank, budgets=budgets)
     config = p.to_config()
-    model = build_llama(args.shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa",
-                        num_hidden_layers=args.layers or resolve_shape(args.shape).layers,
-                        max_position_embeddings=max(seq, 131072))
+    model = build_llama(
+        args.shape,
+        dtype=torch.bfloat16,
+        device="cuda",
+        attn_implementation="sdpa",
+        num_hidden_layers=args.layers or resolve_shape(args.shape).layers,
+        max_position_embeddings=max(seq, 131072),
+    )
     model.config.use_cache = False
     if args.lora_rank:
         model = apply_lora(model, rank=args.lora_rank)
@@ -95,27 +100,46 @@ def main() -> None:
         losses.append(step())
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peaks = torch.tensor([torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB],
-                         dtype=torch.float64, device="cuda")
+    peaks = torch.tensor(
+        [torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB],
+        dtype=torch.float64,
+        device="cuda",
+    )
     gathered = [torch.zeros_like(peaks) for _ in range(world)]
     dist.all_gather(gathered, peaks)
     report = runtime.report()
     if rank == 0:
         step_s = statistics.median(times)
-        row = {"shape": args.shape, "lora_rank": args.lora_rank, "world": world, "shared_gpu": shared,
-               "layers": args.layers or resolve_shape(args.shape).layers, "tokens": seq,
-               "tokens_per_gpu": args.tokens_per_gpu, "step_s": step_s, "tokens_per_s": seq / step_s,
-               "losses": losses, "peak_allocated_gib": [g[0].item() for g in gathered],
-               "peak_reserved_gib": [g[1].item() for g in gathered], "plan": p.name, "config": config,
-               "offloaded_gib": report.get("activations", {}).get("offloaded_bytes", 0) / GiB,
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        row = {
+            "shape": args.shape,
+            "lora_rank": args.lora_rank,
+            "world": world,
+            "shared_gpu": shared,
+            "layers": args.layers or resolve_shape(args.shape).layers,
+            "tokens": seq,
+            "tokens_per_gpu": args.tokens_per_gpu,
+            "step_s": step_s,
+            "tokens_per_s": seq / step_s,
+            "losses": losses,
+            "peak_allocated_gib": [g[0].item() for g in gathered],
+            "peak_reserved_gib": [g[1].item() for g in gathered],
+            "plan": p.name,
+            "config": config,
+            "offloaded_gib": report.get("activations", {}).get("offloaded_bytes", 0) / GiB,
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+        }
         os.makedirs(args.out, exist_ok=True)
         name = f"cp-{args.shape}-{world}x{args.tokens_per_gpu}-{row['layers']}L"
         with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump(row, f, indent=1, default=str)
-        print(f"RESULT world {world} tokens {seq} ({args.tokens_per_gpu}/GPU) layers {row['layers']}: step {step_s:.2f} s, "
-              f"{seq / step_s:.0f} tok/s, peak {', '.join(f'{g[0].item():.2f}' for g in gathered)} GiB, "
-              f"loss {losses[-1]:.4f}", flush=True)
+        print(
+            f"RESULT world {world} tokens {seq} ({args.tokens_per_gpu}/GPU) layers {row['layers']}: "
+            f"step {step_s:.2f} s, "
+            f"{seq / step_s:.0f} tok/s, peak {', '.join(f'{g[0].item():.2f}' for g in gathered)} GiB, "
+            f"loss {losses[-1]:.4f}",
+            flush=True,
+        )
     cp.remove()
     runtime.close()
     dist.destroy_process_group()

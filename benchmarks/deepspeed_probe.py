@@ -32,14 +32,30 @@ def _run(stage: int, offload: bool, out: str) -> dict:
     model = build_family("llama", size="bench", dtype=torch.float32)
     ids = torch.randint(3, 31000, (8, 4096), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
-    ds_config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
-                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                 "train_batch_size": "auto", "gradient_clipping": "auto"}
+    ds_config = {
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    }
     args = transformers.TrainingArguments(
-        output_dir=os.path.join(out, f"ds{stage}-{offload}"), per_device_train_batch_size=1, max_steps=4,
-        learning_rate=1e-4, bf16=True, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-        seed=0, remove_unused_columns=False, lr_scheduler_type="constant", deepspeed=ds_config,
-        gradient_checkpointing=not offload)
+        output_dir=os.path.join(out, f"ds{stage}-{offload}"),
+        per_device_train_batch_size=1,
+        max_steps=4,
+        learning_rate=1e-4,
+        bf16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        remove_unused_columns=False,
+        lr_scheduler_type="constant",
+        deepspeed=ds_config,
+        gradient_checkpointing=not offload,
+    )
 
     class Mixed(ActivationOffloadingMixin, transformers.Trainer):
         pass
@@ -51,10 +67,14 @@ def _run(stage: int, offload: bool, out: str) -> dict:
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     report = getattr(trainer, "offload_report", None) or {}
-    return {"zero_stage": stage, "offloadkit": offload, "losses": losses,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "offloaded_bytes": (report.get("activations") or {}).get("offloaded_bytes"),
-            "notes": report.get("notes", [])}
+    return {
+        "zero_stage": stage,
+        "offloadkit": offload,
+        "losses": losses,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "offloaded_bytes": (report.get("activations") or {}).get("offloaded_bytes"),
+        "notes": report.get("notes", []),
+    }
 
 
 def main():
@@ -77,11 +97,21 @@ def main():
     records = []
     for stage in (2, 3):
         for offload in (0, 1):
-            proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", str(stage), str(offload)],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--out", args.out, "--one", str(stage), str(offload)],
+                capture_output=True,
+                text=True,
+            )
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
-            record = json.loads(lines[-1][7:]) if lines else {
-                "zero_stage": stage, "offloadkit": bool(offload), "error": (proc.stderr.strip().splitlines() or [""])[-1]}
+            record = (
+                json.loads(lines[-1][7:])
+                if lines
+                else {
+                    "zero_stage": stage,
+                    "offloadkit": bool(offload),
+                    "error": (proc.stderr.strip().splitlines() or [""])[-1],
+                }
+            )
             print(json.dumps(record), flush=True)
             records.append(record)
     with open(os.path.join(args.out, "deepspeed.json"), "w") as f:

@@ -62,7 +62,7 @@ def _sample_rss(peak: list, stop: threading.Event) -> None:
 
 
 def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict:
-    from offloadkit.integrations.runtime import prepare
+    from offloadkit.compose import prepare
     from offloadkit.planning import Budgets, plan, resolve_shape
 
     shape = resolve_shape(shape_name)
@@ -72,16 +72,33 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
 
         seq = longest_sequence(shape, lora_rank=lora_rank, budgets=budgets).longest
     p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets)
-    config = dict(p.to_config(), chunked_cross_entropy=False, chunked_cross_entropy_num_chunks=None, tiled_mlp=False,
-                  tiled_mlp_num_shards=None, tiled_projections=False)
+    config = dict(
+        p.to_config(),
+        chunked_cross_entropy=False,
+        chunked_cross_entropy_num_chunks=None,
+        tiled_mlp=False,
+        tiled_mlp_num_shards=None,
+        tiled_projections=False,
+    )
     if disk_dir:
         config["disk_dir"] = disk_dir
-    out: dict = {"shape": shape.name, "layers": shape.layers, "seq_len": seq, "fits": p.fits, "plan": p.name,
-                 "placement": "".join(x[0] for x in p.placement), "config": config,
-                 "budgets_gib": {"gpu": budgets.gpu_bytes / GiB, "host": budgets.host_bytes / GiB,
-                                 "disk": budgets.disk_bytes / GiB},
-                 "predicted": {"host_gib": p.memory.host / GiB, "disk_gib": p.memory.disk / GiB},
-                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out: dict = {
+        "shape": shape.name,
+        "layers": shape.layers,
+        "seq_len": seq,
+        "fits": p.fits,
+        "plan": p.name,
+        "placement": "".join(x[0] for x in p.placement),
+        "config": config,
+        "budgets_gib": {
+            "gpu": budgets.gpu_bytes / GiB,
+            "host": budgets.host_bytes / GiB,
+            "disk": budgets.disk_bytes / GiB,
+        },
+        "predicted": {"host_gib": p.memory.host / GiB, "disk_gib": p.memory.disk / GiB},
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
     frozen = shape.layer_params if lora_rank else 0
     model = Stack(shape.layers, shape.hidden, frozen)
     t0 = time.perf_counter()
@@ -103,7 +120,9 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
         torch.cuda.synchronize()
         out["forward_s"] = time.perf_counter() - t0
         out["host_held_after_forward_gib"] = runtime.manager.host_bytes() / GiB
-        out["on_disk_after_forward_gib"] = (runtime.manager.storage_stats().get("disk") or {}).get("bytes_on_disk", 0) / GiB
+        out["on_disk_after_forward_gib"] = (runtime.manager.storage_stats().get("disk") or {}).get(
+            "bytes_on_disk", 0
+        ) / GiB
         loss.backward()
         torch.cuda.synchronize()
         out["step_s"] = time.perf_counter() - t0

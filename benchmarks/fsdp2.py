@@ -66,19 +66,29 @@ def run(mode: str, args, rank: int, world: int) -> dict:
             times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         norms.append(norm.item())
-    peaks = torch.tensor([torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30],
-                         device="cuda")
+    peaks = torch.tensor(
+        [torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30], device="cuda"
+    )
     gathered = [torch.zeros_like(peaks) for _ in range(world)]
     dist.all_gather(gathered, peaks)
-    row = dict(mode=mode, step_s=statistics.median(times), losses=losses, grad_norms=norms,
-               allocated_before_build_gib=start_allocated / 2**30,
-               tokens_per_s=world * args.seq_len / statistics.median(times),
-               peak_allocated_gib=[g[0].item() for g in gathered], peak_reserved_gib=[g[1].item() for g in gathered])
+    row = dict(
+        mode=mode,
+        step_s=statistics.median(times),
+        losses=losses,
+        grad_norms=norms,
+        allocated_before_build_gib=start_allocated / 2**30,
+        tokens_per_s=world * args.seq_len / statistics.median(times),
+        peak_allocated_gib=[g[0].item() for g in gathered],
+        peak_reserved_gib=[g[1].item() for g in gathered],
+    )
     if handle is not None and handle.offloader is not None:
         stats = handle.offloader.collect_stats()
-        row.update(offloaded_gib_per_step=stats.offloaded_bytes / 2**30 / (2 + args.steps),
-                   prefetch_misses=stats.prefetch_misses, wait_s=stats.wait_seconds,
-                   host_gib=handle.offloader.host_bytes() / 2**30)
+        row.update(
+            offloaded_gib_per_step=stats.offloaded_bytes / 2**30 / (2 + args.steps),
+            prefetch_misses=stats.prefetch_misses,
+            wait_s=stats.wait_seconds,
+            host_gib=handle.offloader.host_bytes() / 2**30,
+        )
     if handle is not None:
         handle.remove()
     del model, opt
@@ -101,20 +111,26 @@ def main() -> None:
     rows = [run(mode, args, rank, world) for mode in args.modes.split(",")]
     if rank == 0:
         base = rows[0]
-        lines = ["| mode | step s | vs first | tokens/s | peak alloc GiB (per rank) | vs first GiB | offloaded GiB/step "
-                 "| allocated before build GiB | loss equal | grad-norm rel diff |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines = [
+            "| mode | step s | vs first | tokens/s | peak alloc GiB (per rank) | vs first GiB | offloaded GiB/step "
+            "| allocated before build GiB | loss equal | grad-norm rel diff |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in rows:
             rel = max(abs(a - b) / abs(b) for a, b in zip(r["grad_norms"], base["grad_norms"]))
             r["loss_equal_to_first"] = r["losses"] == base["losses"]
             r["grad_norm_max_rel_diff"] = rel
-            lines.append(f"| {r['mode']} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f}x | "
-                         f"{r['tokens_per_s']:.0f} | {', '.join(f'{p:.2f}' for p in r['peak_allocated_gib'])} | "
-                         f"{r['peak_allocated_gib'][0] - base['peak_allocated_gib'][0]:+.2f} | "
-                         f"{r.get('offloaded_gib_per_step', 0):.2f} | {r['allocated_before_build_gib']:.2f} | "
-                         f"{r['loss_equal_to_first']} | {rel:.2e} |")
-        head = (f"{args.shape}, {args.seq_len} tokens per rank, {world} x {torch.cuda.get_device_name()}, "
-                f"torch {torch.__version__}")
+            lines.append(
+                f"| {r['mode']} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f}x | "
+                f"{r['tokens_per_s']:.0f} | {', '.join(f'{p:.2f}' for p in r['peak_allocated_gib'])} | "
+                f"{r['peak_allocated_gib'][0] - base['peak_allocated_gib'][0]:+.2f} | "
+                f"{r.get('offloaded_gib_per_step', 0):.2f} | {r['allocated_before_build_gib']:.2f} | "
+                f"{r['loss_equal_to_first']} | {rel:.2e} |"
+            )
+        head = (
+            f"{args.shape}, {args.seq_len} tokens per rank, {world} x {torch.cuda.get_device_name()}, "
+            f"torch {torch.__version__}"
+        )
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fsdp2.json"), "w") as f:
             json.dump(dict(setup=head, rows=rows), f, indent=1)

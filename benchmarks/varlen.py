@@ -46,14 +46,22 @@ def run(model, lengths, ctx=None, vocab=128256):
         batch = make_batch(vocab, 1, n, device="cuda", seed=i)
         torch.cuda.reset_peak_memory_stats()
         seconds, loss = step(model, batch, ctx)
-        row = dict(step=i, tokens=n, seconds=seconds, loss=loss,
-                   peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-                   peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
-                   rss_gib=psutil.Process().memory_info().rss / 2**30)
+        row = dict(
+            step=i,
+            tokens=n,
+            seconds=seconds,
+            loss=loss,
+            peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+            peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+            rss_gib=psutil.Process().memory_info().rss / 2**30,
+        )
         if ctx is not None:
-            row.update(host_held_gib=ctx.host_bytes() / 2**30, chunks=ctx.pool.chunks,
-                       chunk_allocations=ctx.pool.allocations,
-                       step_offloaded_gib=ctx.stats.offloaded_bytes / 2**30)
+            row.update(
+                host_held_gib=ctx.host_bytes() / 2**30,
+                chunks=ctx.pool.chunks,
+                chunk_allocations=ctx.pool.allocations,
+                step_offloaded_gib=ctx.stats.offloaded_bytes / 2**30,
+            )
             ctx.reset_stats()
         rows.append(row)
     return rows
@@ -83,14 +91,19 @@ def main() -> None:
     longest = lengths.index(max(lengths))
     need = max(r["step_offloaded_gib"] for r in offload)
     summary = dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps,
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        steps=args.steps,
         lengths=f"{args.min_len}-{args.max_len}",
-        host_held_final_gib=offload[-1]["host_held_gib"], largest_step_offloaded_gib=need,
+        host_held_final_gib=offload[-1]["host_held_gib"],
+        largest_step_offloaded_gib=need,
         host_over_need=offload[-1]["host_held_gib"] / need,
         chunk_allocations_after_longest_step=offload[-1]["chunk_allocations"] - offload[longest]["chunk_allocations"],
         host_held_growth_after_longest_gib=offload[-1]["host_held_gib"] - offload[longest]["host_held_gib"],
         varlen_tokens_per_s_plain=sum(lengths) / sum(r["seconds"] for r in plain[2:]) * (len(plain) / (len(plain) - 2)),
-        varlen_tokens_per_s_offload=sum(lengths) / sum(r["seconds"] for r in offload[2:]) * (len(offload) / (len(offload) - 2)),
+        varlen_tokens_per_s_offload=sum(lengths)
+        / sum(r["seconds"] for r in offload[2:])
+        * (len(offload) / (len(offload) - 2)),
         varlen_time_ratio=sum(r["seconds"] for r in offload[2:]) / sum(r["seconds"] for r in plain[2:]),
         fixed_median_s_plain=statistics.median(r["seconds"] for r in fixed_plain[2:]),
         fixed_median_s_offload=statistics.median(r["seconds"] for r in fixed_offload[2:]),
@@ -100,13 +113,20 @@ def main() -> None:
     )
     summary["fixed_time_ratio"] = summary["fixed_median_s_offload"] / summary["fixed_median_s_plain"]
     with open(os.path.join(args.out, "varlen.json"), "w") as f:
-        json.dump(dict(summary=summary, plain=plain, offload=offload, fixed_plain=fixed_plain,
-                       fixed_offload=fixed_offload), f, indent=1)
-    lines = ["| step | tokens | plain s | offload s | host held GiB | chunks | step offloaded GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+        json.dump(
+            dict(summary=summary, plain=plain, offload=offload, fixed_plain=fixed_plain, fixed_offload=fixed_offload),
+            f,
+            indent=1,
+        )
+    lines = [
+        "| step | tokens | plain s | offload s | host held GiB | chunks | step offloaded GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for p, o in zip(plain, offload):
-        lines.append(f"| {o['step']} | {o['tokens']} | {p['seconds']:.3f} | {o['seconds']:.3f} | "
-                     f"{o['host_held_gib']:.2f} | {o['chunks']} | {o['step_offloaded_gib']:.2f} |")
+        lines.append(
+            f"| {o['step']} | {o['tokens']} | {p['seconds']:.3f} | {o['seconds']:.3f} | "
+            f"{o['host_held_gib']:.2f} | {o['chunks']} | {o['step_offloaded_gib']:.2f} |"
+        )
     text = "\n".join(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items())
     with open(os.path.join(args.out, "varlen.md"), "w") as f:
         f.write("# Variable-length batches\n\n" + text + "\n\n" + "\n".join(lines) + "\n")

@@ -35,18 +35,27 @@ GiB = float(1 << 30)
 
 
 def build(args, mode: str):
+    from offloadkit.compose import prepare
     from offloadkit.integrations.peft_utils import apply_lora
-    from offloadkit.integrations.runtime import prepare
     from offloadkit.models.zoo import build_llama
 
-    model = build_llama(args.shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa",
-                        num_hidden_layers=args.layers, max_position_embeddings=max(args.seq_len, 8192))
+    model = build_llama(
+        args.shape,
+        dtype=torch.bfloat16,
+        device="cuda",
+        attn_implementation="sdpa",
+        num_hidden_layers=args.layers,
+        max_position_embeddings=max(args.seq_len, 8192),
+    )
     model.config.use_cache = False
     # bf16 adapters too: FSDP2 gathers a layer's parameters as one buffer of one dtype.
     model = apply_lora(model, rank=args.lora_rank).to(torch.bfloat16)
     model.train()
-    config = {"gradient_checkpointing": True, "activation_offloading": True,
-              "layer_offloading": mode == "layer_streaming"}
+    config = {
+        "gradient_checkpointing": True,
+        "activation_offloading": True,
+        "layer_offloading": mode == "layer_streaming",
+    }
     runtime = prepare(model, config)
     if mode == "fsdp2_cpu_offload":
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -86,16 +95,24 @@ def run(mode: str, args) -> dict:
         losses.append(loss.item())
         rss = max(rss, proc.memory_info().rss)
     step_s = statistics.median(times)
-    row = dict(mode=mode, step_s=step_s, tokens_per_s=args.seq_len / step_s, losses=losses, setup_s=setup_s,
-               peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
-               peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB, host_rss_gib=rss / GiB)
+    row = dict(
+        mode=mode,
+        step_s=step_s,
+        tokens_per_s=args.seq_len / step_s,
+        losses=losses,
+        setup_s=setup_s,
+        peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
+        peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
+        host_rss_gib=rss / GiB,
+    )
     steps = args.warmup + args.steps
     if runtime.streamer is not None:
         row["streamed_weights_gib"] = runtime.streamer.streamed_bytes / GiB  # held in RAM, off the GPU
         row["weights_copied_in_gib_per_step"] = runtime.streamer.collect_stats().loaded_bytes / GiB / steps
     report = runtime.report()
-    row["offloaded_activations_gib_per_step"] = (report["activations"]["offloaded_bytes"] / GiB / steps
-                                                 if report.get("activations") else 0.0)
+    row["offloaded_activations_gib_per_step"] = (
+        report["activations"]["offloaded_bytes"] / GiB / steps if report.get("activations") else 0.0
+    )
     runtime.close()
     del model, opt, runtime
     gc.collect()
@@ -123,27 +140,36 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - one mode failing must not hide the others
             rows.append(dict(mode=mode, error=repr(exc)[:500]))
         print(json.dumps(rows[-1]), flush=True)
-    head = (f"{args.shape} ({args.layers} layers), LoRA r={args.lora_rank}, {args.seq_len} tokens, "
-            f"1 x {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    head = (
+        f"{args.shape} ({args.layers} layers), LoRA r={args.lora_rank}, {args.seq_len} tokens, "
+        f"1 x {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
     base = rows[0] if "error" not in rows[0] else None
-    lines = ["| mode | step s | vs resident | tokens/s | peak alloc GiB | peak reserved GiB | host RSS GiB "
-             "| streamed weights GiB | copied in GiB/step | first loss |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| mode | step s | vs resident | tokens/s | peak alloc GiB | peak reserved GiB | host RSS GiB "
+        "| streamed weights GiB | copied in GiB/step | first loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['mode']} | failed: {r['error'][:120]} | | | | | | | | |")
             continue
         ratio = f"{r['step_s'] / base['step_s']:.3f}x" if base else ""
-        lines.append(f"| {r['mode']} | {r['step_s']:.3f} | {ratio} | {r['tokens_per_s']:.0f} | "
-                     f"{r['peak_allocated_gib']:.2f} | {r['peak_reserved_gib']:.2f} | {r['host_rss_gib']:.1f} | "
-                     f"{r.get('streamed_weights_gib', 0):.2f} | {r.get('weights_copied_in_gib_per_step', 0):.2f} | "
-                     f"{r['losses'][0]:.6f} |")
+        lines.append(
+            f"| {r['mode']} | {r['step_s']:.3f} | {ratio} | {r['tokens_per_s']:.0f} | "
+            f"{r['peak_allocated_gib']:.2f} | {r['peak_reserved_gib']:.2f} | {r['host_rss_gib']:.1f} | "
+            f"{r.get('streamed_weights_gib', 0):.2f} | {r.get('weights_copied_in_gib_per_step', 0):.2f} | "
+            f"{r['losses'][0]:.6f} |"
+        )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "weights-offload.json"), "w") as f:
         json.dump(dict(setup=head, rows=rows), f, indent=1)
     with open(os.path.join(args.out, "weights-offload.md"), "w") as f:
-        f.write(f"# Frozen weights off the GPU: layer streaming vs FSDP2 CPUOffloadPolicy\n\n{head}\n\n"
-                + "\n".join(lines) + "\n")
+        f.write(
+            f"# Frozen weights off the GPU: layer streaming vs FSDP2 CPUOffloadPolicy\n\n{head}\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
     print(head)
     print("\n".join(lines))
     dist.destroy_process_group()

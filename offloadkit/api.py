@@ -191,7 +191,9 @@ def attach_to_forward(manager: OffloadActivations, model: nn.Module) -> _Forward
         if entered and entered.pop():
             manager.__exit__(None, None, None)
 
-    return _ForwardAttachment([
-        model.register_forward_pre_hook(_eager(pre)),
-        model.register_forward_hook(_eager(post), always_call=True),
-    ])
+    return _ForwardAttachment(
+        [
+            model.register_forward_pre_hook(_eager(pre)),
+            model.register_forward_hook(_eager(post), always_call=True),
+        ]
+    )

@@ -20,23 +20,46 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ConfigError", "ConfigProblems", "Unsupported", "OffloadConfig", "parse_bytes", "load_mapping", "check_keys", "check_writable_dir"]
+__all__ = [
+    "ConfigError",
+    "ConfigProblemsError",
+    "UnsupportedError",
+    "OffloadConfig",
+    "parse_bytes",
+    "load_mapping",
+    "check_keys",
+    "check_writable_dir",
+]
 
 ALIASES = {"sm_activation_offloading": "activation_offloading"}
 _ACTIVATION_MODES = (False, True, "legacy", "disk")
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names key, value and fix."""
 
 
-class Unsupported(ConfigError):
+class UnsupportedError(ConfigError):
     """A setting asking for a feature offloadkit does not have; the message names it."""
 
 
-class ConfigProblems(ConfigError):
+class ConfigProblemsError(ConfigError):
     """Several problems of one config, reported together.
 
     Attributes:
@@ -48,8 +71,9 @@ class ConfigProblems(ConfigError):
         if len(problems) == 1:
             text = f"{source}: {problems[0][0]}"
         else:
-            text = f"{source}: {len(problems)} problems: " + "; ".join(f"({i}) {m}" for i, (m, _) in
-                                                                        enumerate(problems, 1))
+            text = f"{source}: {len(problems)} problems: " + "; ".join(
+                f"({i}) {m}" for i, (m, _) in enumerate(problems, 1)
+            )
         super().__init__(text)
 
     @property
@@ -117,7 +141,7 @@ def check_keys(data: dict, known: list[str], source: str) -> dict:
             continue
         out[key] = value
     if problems:
-        raise ConfigProblems(source, problems)  # every unknown key at once
+        raise ConfigProblemsError(source, problems)  # every unknown key at once
     return out
 
 
@@ -238,7 +262,10 @@ class OffloadConfig:
                 data[key] = parse_bytes(data[key], key)
         if data.get("prefetch_bytes") is not None:
             data["prefetch_bytes"] = parse_bytes(data["prefetch_bytes"], "prefetch_bytes")
-        if isinstance(data.get("activation_offloading"), str) and data["activation_offloading"].lower() in ("true", "false"):
+        if isinstance(data.get("activation_offloading"), str) and data["activation_offloading"].lower() in (
+            "true",
+            "false",
+        ):
             data["activation_offloading"] = data["activation_offloading"].lower() == "true"
         if data.get("tiled_mlp_num_shards") == "auto":
             data["tiled_mlp_num_shards"] = None
@@ -260,21 +287,30 @@ class OffloadConfig:
         _expect("use_pin_memory", self.use_pin_memory, (bool,), "true or false")
         _expect("disk_tiering", self.disk_tiering, (bool,), "true or false")
         if self.activation_offloading not in _ACTIVATION_MODES:
-            raise ConfigError(f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "
-                              "true (pinned RAM with streams), legacy (synchronous) or disk")
+            raise ConfigError(
+                f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "
+                "true (pinned RAM with streams), legacy (synchronous) or disk"
+            )
         if self.activation_loading_horizon is not None:
             _expect("activation_loading_horizon", self.activation_loading_horizon, (int,), "an integer >= 0")
             if self.activation_loading_horizon < 0:
-                raise ConfigError(f"activation_loading_horizon={self.activation_loading_horizon!r} is too small; "
-                                  "it must be >= 0")
-        for key, low in (("min_offload_size", 0), ("max_fwd_stash_size", 1),
-                         ("disk_threads", 1), ("layer_offloading_depth", 1)):
+                raise ConfigError(
+                    f"activation_loading_horizon={self.activation_loading_horizon!r} is too small; it must be >= 0"
+                )
+        for key, low in (
+            ("min_offload_size", 0),
+            ("max_fwd_stash_size", 1),
+            ("disk_threads", 1),
+            ("layer_offloading_depth", 1),
+        ):
             value = getattr(self, key)
             _expect(key, value, (int,), f"an integer >= {low}")
             if value < low:
                 raise ConfigError(f"{key}={value!r} is too small; it must be >= {low}")
-        for key, on in (("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
-                        ("tiled_mlp_num_shards", "tiled_mlp")):
+        for key, on in (
+            ("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
+            ("tiled_mlp_num_shards", "tiled_mlp"),
+        ):
             _expect(on, getattr(self, on), (bool,), "true or false")
             value = getattr(self, key)
             if value is not None:
@@ -283,11 +319,15 @@ class OffloadConfig:
                     raise ConfigError(f"{key}={value!r} is too small; it must be >= 1 (or omit it for automatic)")
         _expect("tiled_projections", self.tiled_projections, (bool,), "true or false")
         if self.tiled_projections and not self.tiled_mlp:
-            raise ConfigError("tiled_projections=True needs tiled_mlp: true (it extends the MLP's tiling to the "
-                              "norms and attention projections)")
+            raise ConfigError(
+                "tiled_projections=True needs tiled_mlp: true (it extends the MLP's tiling to the "
+                "norms and attention projections)"
+            )
         if self.offload_plan not in ("none", "auto"):
-            raise ConfigError(f"offload_plan={self.offload_plan!r} is invalid; use auto (plan from the model, seq_len "
-                              "and this machine's budgets) or none")
+            raise ConfigError(
+                f"offload_plan={self.offload_plan!r} is invalid; use auto (plan from the model, seq_len "
+                "and this machine's budgets) or none"
+            )
         if self.seq_len is not None:
             _expect("seq_len", self.seq_len, (int,), "an integer >= 1 (tokens per row)")
             if self.seq_len < 1:
@@ -300,7 +340,12 @@ class OffloadConfig:
         if self.disk_dir is not None:
             _expect("disk_dir", self.disk_dir, (str,), "a directory path")
         if self.selective_checkpointing is not None:
-            _expect("selective_checkpointing", self.selective_checkpointing, (list, tuple), 'a list like ["mm", "attention"]')
+            _expect(
+                "selective_checkpointing",
+                self.selective_checkpointing,
+                (list, tuple),
+                'a list like ["mm", "attention"]',
+            )
             from offloadkit.checkpointing.selective import OP_GROUPS
 
             bad = [op for op in self.selective_checkpointing if op not in OP_GROUPS]
@@ -309,25 +354,34 @@ class OffloadConfig:
             if not self.gradient_checkpointing:
                 raise ConfigError("selective_checkpointing needs gradient_checkpointing: true")
         if self.disk_tiering and self.host_budget_bytes is None:
-            raise ConfigError("disk_tiering: true needs host_budget_bytes (the RAM share before spilling to disk), "
-                              "e.g. host_budget_bytes: 16GiB")
+            raise ConfigError(
+                "disk_tiering: true needs host_budget_bytes (the RAM share before spilling to disk), "
+                "e.g. host_budget_bytes: 16GiB"
+            )
         if self.disk_tiering and self.activation_offloading != "disk":
-            raise ConfigError(f"disk_tiering: true needs activation_offloading: disk (got {self.activation_offloading!r})")
+            raise ConfigError(
+                f"disk_tiering: true needs activation_offloading: disk (got {self.activation_offloading!r})"
+            )
         self._warnings = []
         disk_keys = [k for k in ("disk_dir",) if getattr(self, k) is not None]
         if self.disk_threads != 4:
             disk_keys.append("disk_threads")
         if self.direct_io != "auto":
             disk_keys.append("direct_io")
-        for key, on in (("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
-                        ("tiled_mlp_num_shards", "tiled_mlp")):
+        for key, on in (
+            ("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
+            ("tiled_mlp_num_shards", "tiled_mlp"),
+        ):
             if getattr(self, key) is not None and not getattr(self, on):
                 self._warn(f"{key} only applies with {on}: true; it has no effect")
         if disk_keys and self.activation_offloading != "disk":
             self._warn(f"{', '.join(disk_keys)} only apply with activation_offloading: disk; they have no effect")
         if self.activation_offloading is False:
-            changed = [k for k in ("activation_loading_horizon", "min_offload_size", "max_fwd_stash_size")
-                       if getattr(self, k) != getattr(OffloadConfig, k)]
+            changed = [
+                k
+                for k in ("activation_loading_horizon", "min_offload_size", "max_fwd_stash_size")
+                if getattr(self, k) != getattr(OffloadConfig, k)
+            ]
             if changed:
                 self._warn(f"{', '.join(changed)} only apply with activation_offloading on; they have no effect")
         return self
@@ -338,8 +392,9 @@ class OffloadConfig:
         if self.activation_offloading == "disk":
             where = self.disk_dir if self.disk_dir is not None else tempfile.gettempdir()
             key = "disk_dir" if self.disk_dir is not None else "disk_dir (default: the temp directory)"
-            check_writable_dir(where, key, "give a writable directory for offloaded activations (it is created "
-                               "if missing)")
+            check_writable_dir(
+                where, key, "give a writable directory for offloaded activations (it is created if missing)"
+            )
 
     def _warn(self, message: str) -> None:
         self._warnings.append(message)

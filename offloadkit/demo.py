@@ -46,12 +46,16 @@ def _train(model, batches, ctx, device):
     return torch.stack(losses), peak, statistics.median(times[1:] or times)
 
 
-def run_demo(steps: int = 6, shape: str = "small", seq_len: int = 512, batch: int = 2, device: str | None = None) -> bool:
+def run_demo(
+    steps: int = 6, shape: str = "small", seq_len: int = 512, batch: int = 2, device: str | None = None
+) -> bool:
     """Train twice from the same initial weights; returns True when losses match bitwise."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    print(f"offloadkit demo: Llama '{shape}' ({device}, {str(dtype).replace('torch.', '')}), "
-          f"{steps} steps of {batch}x{seq_len} tokens")
+    print(
+        f"offloadkit demo: Llama '{shape}' ({device}, {str(dtype).replace('torch.', '')}), "
+        f"{steps} steps of {batch}x{seq_len} tokens"
+    )
     batches = [make_batch(build_vocab(shape), batch, seq_len, device=device, seed=s) for s in range(steps)]
 
     plain = build_llama(shape, dtype=dtype, device=device, attn_implementation="eager")
@@ -72,8 +76,10 @@ def run_demo(steps: int = 6, shape: str = "small", seq_len: int = 512, batch: in
     print(f"losses bitwise equal: {equal}")
     print(f"{unit}: {ref_peak / 2**20:.1f} MiB without, {peak / 2**20:.1f} MiB with offloading")
     print(f"median step time: {ref_time * 1e3:.1f} ms without, {step_time * 1e3:.1f} ms with")
-    print(f"offloaded: {stats.offloaded_bytes / 2**20:.1f} MiB in {stats.offloaded_tensors} tensors over {steps} steps "
-          f"({stats.deduplicated_tensors} deduplicated); compute waited {stats.wait_seconds:.4f} s")
+    print(
+        f"offloaded: {stats.offloaded_bytes / 2**20:.1f} MiB in {stats.offloaded_tensors} tensors over {steps} steps "
+        f"({stats.deduplicated_tensors} deduplicated); compute waited {stats.wait_seconds:.4f} s"
+    )
     ctx.close()
     return equal
 

@@ -29,7 +29,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from offloadkit.config import ConfigError, ConfigProblems  # noqa: E402
+from offloadkit.config import ConfigError, ConfigProblemsError  # noqa: E402
 
 
 def stand_in_model(folder: str) -> str:
@@ -47,8 +47,10 @@ def stand_in_model(folder: str) -> str:
 def _records(entry: dict) -> list:
     kind = str(entry.get("type", "completion"))
     if kind.startswith("alpaca"):
-        return [{"instruction": f"Add {i} and {i + 1}.", "input": "" if i % 2 else "numbers",
-                 "output": f"{2 * i + 1}"} for i in range(64)]
+        return [
+            {"instruction": f"Add {i} and {i + 1}.", "input": "" if i % 2 else "numbers", "output": f"{2 * i + 1}"}
+            for i in range(64)
+        ]
     if kind.startswith("chat_template"):
         mappings = entry.get("message_property_mappings") or {}
         role_key = mappings.get("role", entry.get("message_field_role", "role"))
@@ -60,8 +62,15 @@ def _records(entry: dict) -> list:
             return (aliases if isinstance(aliases, str) else aliases[0]) if aliases else role
 
         field = entry.get("field_messages", "messages")
-        return [{field: [{role_key: name("user"), content_key: f"What is {i} plus {i}?"},
-                         {role_key: name("assistant"), content_key: f"{2 * i}."}]} for i in range(64)]
+        return [
+            {
+                field: [
+                    {role_key: name("user"), content_key: f"What is {i} plus {i}?"},
+                    {role_key: name("assistant"), content_key: f"{2 * i}."},
+                ]
+            }
+            for i in range(64)
+        ]
     field = entry.get("field", "text")
     return [{field: "First Citizen: Before we proceed any further, hear me speak. " * 4} for _ in range(64)]
 
@@ -101,7 +110,7 @@ def check(config: dict, source: str) -> tuple[str, str]:
             warnings.simplefilter("ignore")
             cfg = TrainConfig.from_dict(config, source=source, cuda=False).resolved(False)
             preflight(cfg)
-    except ConfigProblems as exc:
+    except ConfigProblemsError as exc:
         return ("refused" if exc.unsupported_only else "failing"), str(exc)
     except ConfigError as exc:
         return "failing", str(exc)
@@ -132,15 +141,23 @@ def survey(checkout: str, folder: str) -> list[tuple[str, str, str, dict]]:
 
 def train_one(config: dict, folder: str, name: str) -> tuple[bool, str]:
     """One training step of a localised config with ``offloadkit train`` (a fresh process)."""
-    config = dict(config, max_steps=1, sequence_len=min(int(config.get("sequence_len") or 256), 256),
-                  micro_batch_size=1, gradient_accumulation_steps=1, compare=False, save_steps=None)
+    config = dict(
+        config,
+        max_steps=1,
+        sequence_len=min(int(config.get("sequence_len") or 256), 256),
+        micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        compare=False,
+        save_steps=None,
+    )
     config.pop("batch_size", None)  # Axolotl's whole-step batch: one micro-batch here
     path = os.path.join(folder, f"{name}.yaml")
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(config, f)
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-m", "offloadkit", "train", path], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadkit", "train", path], capture_output=True, text=True, env=env, timeout=600
+    )
     last = (proc.stderr.strip().splitlines() or [""])[-1]
     return proc.returncode == 0, last
 
@@ -163,8 +180,10 @@ def main(argv=None) -> int:
                 for part in message.split("; ("):
                     if ": " in part and "is not something" in part or "offloadkit train" in part:
                         reasons[part.split("=")[0].split(") ")[-1].split(": ")[-1][:40]] += 1
-        print(f"\n{len(rows)} example configs with a base_model: {tally['accepted']} accepted, {tally['refused']} "
-              f"refused with one line naming a feature offloadkit does not have, {tally['failing']} failing")
+        print(
+            f"\n{len(rows)} example configs with a base_model: {tally['accepted']} accepted, {tally['refused']} "
+            f"refused with one line naming a feature offloadkit does not have, {tally['failing']} failing"
+        )
         print(f"accepted or refused with a reason: {tally['accepted'] + tally['refused']} of {len(rows)}")
         if reasons:
             print("refused for: " + ", ".join(f"{k} {v}" for k, v in reasons.most_common(12)))

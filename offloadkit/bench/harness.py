@@ -100,8 +100,9 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
 
 def _build(cfg: BenchConfig):
     dtype = getattr(torch, cfg.dtype)
-    model = build_llama(cfg.shape, dtype=dtype, device=cfg.device, seed=cfg.seed,
-                        attn_implementation=cfg.attn_implementation)
+    model = build_llama(
+        cfg.shape, dtype=dtype, device=cfg.device, seed=cfg.seed, attn_implementation=cfg.attn_implementation
+    )
     model.config.use_cache = False
     if cfg.lora_rank:
         from offloadkit.integrations.peft_utils import apply_lora
@@ -184,7 +185,9 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     shape = LLAMA_SHAPES[cfg.shape]
     report = {
         "config": asdict(cfg),
-        "device": torch.cuda.get_device_name() if _on_cuda(cfg) else f"CPU {platform.processor() or platform.machine()}",
+        "device": torch.cuda.get_device_name()
+        if _on_cuda(cfg)
+        else f"CPU {platform.processor() or platform.machine()}",
         "torch": torch.__version__,
         "host_ram_gib": psutil.virtual_memory().total / GiB,
         "copy_bandwidth": measure_copy_bandwidth(),
@@ -244,19 +247,27 @@ def _row(r: ModeResult) -> str:
         return f"{r.mode:<22} {r.status}: {r.note}"
     extra = ""
     if r.offload:
-        extra = (f"  offl {r.offload['offloaded_bytes'] / GiB:6.2f} GiB  wait {r.offload['wait_seconds']:.3f}s"
-                 f"  hit/miss {r.offload['prefetch_hits']}/{r.offload['prefetch_misses']}")
+        extra = (
+            f"  offl {r.offload['offloaded_bytes'] / GiB:6.2f} GiB  wait {r.offload['wait_seconds']:.3f}s"
+            f"  hit/miss {r.offload['prefetch_hits']}/{r.offload['prefetch_misses']}"
+        )
         disk = (r.offload.get("storage") or {}).get("disk")
         if disk:
-            extra += (f"  disk w {disk['bytes_written'] / GiB:.2f} GiB @ {disk['write_gb_s']:.2f} GB/s"
-                      f" r {disk['bytes_read'] / GiB:.2f} GiB @ {disk['read_gb_s']:.2f} GB/s")
+            extra += (
+                f"  disk w {disk['bytes_written'] / GiB:.2f} GiB @ {disk['write_gb_s']:.2f} GB/s"
+                f" r {disk['bytes_read'] / GiB:.2f} GiB @ {disk['read_gb_s']:.2f} GB/s"
+            )
         if "layer_stream" in r.offload:
             ls = r.offload["layer_stream"]
-            extra += (f"  streamed {ls['streamed_bytes'] / GiB:.2f} GiB pool {ls['pool_bytes'] / GiB:.2f} GiB"
-                      f" misses {ls['misses']} resident<={ls['max_resident']}")
-    return (f"{r.mode:<18} {r.step_s:7.3f} s  {r.tokens_per_s:9.0f} tok/s  alloc {_gib(r.peak_allocated_gib)}"
-            f"  resv {_gib(r.peak_reserved_gib)}  rss {_gib(r.peak_host_rss_gib)}"
-            f"  loss= {r.loss_bits_equal_reference}{extra}")
+            extra += (
+                f"  streamed {ls['streamed_bytes'] / GiB:.2f} GiB pool {ls['pool_bytes'] / GiB:.2f} GiB"
+                f" misses {ls['misses']} resident<={ls['max_resident']}"
+            )
+    return (
+        f"{r.mode:<18} {r.step_s:7.3f} s  {r.tokens_per_s:9.0f} tok/s  alloc {_gib(r.peak_allocated_gib)}"
+        f"  resv {_gib(r.peak_reserved_gib)}  rss {_gib(r.peak_host_rss_gib)}"
+        f"  loss= {r.loss_bits_equal_reference}{extra}"
+    )
 
 
 def _bandwidth(measured: dict) -> str:
@@ -272,10 +283,11 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['config']['shape']}, seq {report['config']['seq_len']}, "
         f"{'LoRA r=' + str(report['config']['lora_rank']) if report['config']['lora_rank'] else 'full fine-tune'}; "
-        f"{report['device']}, torch {report['torch']}" + (f"; copy bandwidth {_bandwidth(report['copy_bandwidth'])}"
-                                                           if report.get("copy_bandwidth") else ""),
+        f"{report['device']}, torch {report['torch']}"
+        + (f"; copy bandwidth {_bandwidth(report['copy_bandwidth'])}" if report.get("copy_bandwidth") else ""),
         "",
-        "| mode | step s | tokens/s | peak alloc GiB | peak reserved GiB | host RSS GiB | loss bits equal | offloaded GiB | waited s |",
+        "| mode | step s | tokens/s | peak alloc GiB | peak reserved GiB | host RSS GiB | loss bits equal | "
+        "offloaded GiB | waited s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
@@ -285,7 +297,8 @@ def format_table(report: dict) -> str:
         off = r.get("offload") or {}
         lines.append(
             f"| {r['mode']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {_gib(r['peak_allocated_gib']).strip()} | "
-            f"{_gib(r['peak_reserved_gib']).strip()} | {r['peak_host_rss_gib']:.2f} | {r['loss_bits_equal_reference']} | "
+            f"{_gib(r['peak_reserved_gib']).strip()} | {r['peak_host_rss_gib']:.2f} | "
+            f"{r['loss_bits_equal_reference']} | "
             f"{off.get('offloaded_bytes', 0) / GiB:.2f} | {off.get('wait_seconds', 0):.3f} |"
         )
     return "\n".join(lines)

@@ -65,8 +65,11 @@ def _offloadkit(ckpt: bool):
     def enable(model, cfg):
         _checkpointing(model, ckpt)
         manager = get_act_offloading_ctx_manager(
-            model, prefetch=cfg.prefetch, prefetch_bytes=cfg.prefetch_bytes,
-            max_fwd_stash_size=cfg.max_fwd_stash_size, **_storage_kwargs(cfg),
+            model,
+            prefetch=cfg.prefetch,
+            prefetch_bytes=cfg.prefetch_bytes,
+            max_fwd_stash_size=cfg.max_fwd_stash_size,
+            **_storage_kwargs(cfg),
         )
 
         def disable():
@@ -103,8 +106,9 @@ def _blocks(input_offload: bool, layer_stream: bool, hf_ckpt: bool = False):
             _checkpointing(model, True)
         else:
             storage_kw = _storage_kwargs(cfg) if input_offload else {}
-            ckpt = apply_activation_checkpointing(model, offload_inputs=input_offload, prefetch=cfg.prefetch,
-                                                  **storage_kw)
+            ckpt = apply_activation_checkpointing(
+                model, offload_inputs=input_offload, prefetch=cfg.prefetch, **storage_kw
+            )
         streamer = apply_layer_streaming(model, depth=cfg.stream_depth) if layer_stream else None
 
         def disable():
@@ -124,7 +128,9 @@ def _blocks(input_offload: bool, layer_stream: bool, hf_ckpt: bool = False):
                 out["layer_stream"] = {
                     "streamed_bytes": streamer.streamed_bytes,
                     "pool_bytes": cfg.stream_depth * max(layer.nbytes for layer in streamer.layers),
-                    "loads": st.loads, "misses": st.misses, "max_resident": st.max_resident,
+                    "loads": st.loads,
+                    "misses": st.misses,
+                    "max_resident": st.max_resident,
                     "wait_seconds": st.wait_seconds,
                 }
             out.setdefault("offloaded_bytes", 0)
@@ -154,8 +160,10 @@ def _needs_host_ram(cfg) -> str | None:
     need = estimated_activation_bytes(cfg)
     have = psutil.virtual_memory().total
     if need > 0.6 * have:
-        return (f"offloading every activation needs ~{need / 2**30:.0f} GiB of host RAM; "
-                f"this machine has {have / 2**30:.0f} GiB")
+        return (
+            f"offloading every activation needs ~{need / 2**30:.0f} GiB of host RAM; "
+            f"this machine has {have / 2**30:.0f} GiB"
+        )
     return None
 
 
@@ -177,14 +185,21 @@ MODES: dict[str, ModeSetup] = {
     "ckpt": ModeSetup("ckpt", _plain(True)),
     "ckpt+offload": ModeSetup("ckpt+offload", _offloadkit(True)),
     "offload": ModeSetup("offload", _offloadkit(False), _offload_fits),
-    "ckpt+save_on_cpu": ModeSetup("ckpt+save_on_cpu", _save_on_cpu(True), _needs_gpu("save_on_cpu (GPU to CPU copies)")),
-    "save_on_cpu": ModeSetup("save_on_cpu", _save_on_cpu(False),
-                             lambda cfg: _needs_gpu("save_on_cpu (GPU to CPU copies)")(cfg) or _needs_host_ram(cfg)),
+    "ckpt+save_on_cpu": ModeSetup(
+        "ckpt+save_on_cpu", _save_on_cpu(True), _needs_gpu("save_on_cpu (GPU to CPU copies)")
+    ),
+    "save_on_cpu": ModeSetup(
+        "save_on_cpu",
+        _save_on_cpu(False),
+        lambda cfg: _needs_gpu("save_on_cpu (GPU to CPU copies)")(cfg) or _needs_host_ram(cfg),
+    ),
     "ok_ckpt": ModeSetup("ok_ckpt", _blocks(False, False)),
     "ckpt+input_offload": ModeSetup("ckpt+input_offload", _blocks(True, False)),
-    "ckpt+layer_stream": ModeSetup("ckpt+layer_stream", _blocks(False, True, hf_ckpt=True),
-                                   _needs_gpu("layer streaming")),
-    "ckpt+input_offload+layer_stream": ModeSetup("ckpt+input_offload+layer_stream", _blocks(True, True),
-                                                 _needs_gpu("layer streaming")),
+    "ckpt+layer_stream": ModeSetup(
+        "ckpt+layer_stream", _blocks(False, True, hf_ckpt=True), _needs_gpu("layer streaming")
+    ),
+    "ckpt+input_offload+layer_stream": ModeSetup(
+        "ckpt+input_offload+layer_stream", _blocks(True, True), _needs_gpu("layer streaming")
+    ),
 }
 CPU_MODES = ("none", "ckpt", "ckpt+offload", "offload")

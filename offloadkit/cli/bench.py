@@ -63,21 +63,28 @@ def _cpu_check(cfg: BenchConfig) -> None:
     steps = len(cfg.modes) * (cfg.warmup + cfg.steps)
     small = "offloadkit bench --shape small --seq-len 1024"
     if flops * steps > _CPU_FLOPS_LIMIT:
-        raise ConfigError(f"--shape {cfg.shape} --seq-len {cfg.seq_len} on the CPU: {steps} steps of about "
-                          f"{flops / 1e12:.1f} TFLOP each would take hours; run it on a CUDA GPU, or try '{small}'")
+        raise ConfigError(
+            f"--shape {cfg.shape} --seq-len {cfg.seq_len} on the CPU: {steps} steps of about "
+            f"{flops / 1e12:.1f} TFLOP each would take hours; run it on a CUDA GPU, or try '{small}'"
+        )
     need = estimated_activation_bytes(cfg) * (2 if cfg.dtype == "float32" else 1)
     have = psutil.virtual_memory().available
     if need > 0.6 * have:
-        raise ConfigError(f"--shape {cfg.shape} --seq-len {cfg.seq_len} on the CPU needs about {need / 2**30:.0f} "
-                          f"GiB of activations and {have / 2**30:.0f} GiB of RAM is available; try '{small}'")
+        raise ConfigError(
+            f"--shape {cfg.shape} --seq-len {cfg.seq_len} on the CPU needs about {need / 2**30:.0f} "
+            f"GiB of activations and {have / 2**30:.0f} GiB of RAM is available; try '{small}'"
+        )
 
 
 def _check_numbers(args) -> None:
     """One line for a number that cannot work, before anything is built."""
-    for flag, value, low, what in (("--seq-len", args.seq_len, 2, "tokens; omit it for the default"),
-                                   ("--steps", args.steps, 1, "timed steps"), ("--warmup", args.warmup, 0, "steps"),
-                                   ("--lora-rank", args.lora_rank, 0, "(0: full fine-tune)"),
-                                   ("--prefetch", args.prefetch, 0, "blocks ahead")):
+    for flag, value, low, what in (
+        ("--seq-len", args.seq_len, 2, "tokens; omit it for the default"),
+        ("--steps", args.steps, 1, "timed steps"),
+        ("--warmup", args.warmup, 0, "steps"),
+        ("--lora-rank", args.lora_rank, 0, "(0: full fine-tune)"),
+        ("--prefetch", args.prefetch, 0, "blocks ahead"),
+    ):
         if value is not None and value < low:
             raise ConfigError(f"{flag}={value} must be an integer >= {low} {what}")
     if args.host_budget_gib is not None and not args.host_budget_gib > 0:
@@ -89,24 +96,33 @@ def _bench_config(args) -> BenchConfig:
     cuda = torch.cuda.is_available()
     device = args.device or ("cuda" if cuda else "cpu")
     if device == "cuda" and not cuda:
-        raise ConfigError("--device cuda: no CUDA GPU is available here; omit --device to run on the CPU "
-                          "(activations offloaded to disk)")
+        raise ConfigError(
+            "--device cuda: no CUDA GPU is available here; omit --device to run on the CPU "
+            "(activations offloaded to disk)"
+        )
     storage = args.storage or ("disk" if device == "cpu" or args.disk_dir else "ram")
     if args.disk_dir and storage == "ram":
         raise ConfigError(f"--disk-dir {args.disk_dir!r} only applies with --storage disk or tiered; drop one")
     if storage == "ram" and device == "cpu":
-        raise ConfigError("--storage ram on a CPU moves activations from RAM to RAM and saves nothing; "
-                          "use --storage disk")
+        raise ConfigError(
+            "--storage ram on a CPU moves activations from RAM to RAM and saves nothing; use --storage disk"
+        )
     if storage == "tiered" and args.host_budget_gib is None:
         raise ConfigError("--storage tiered needs --host-budget-gib (the RAM share before spilling to disk)")
     if storage != "ram":
         check_writable_dir(args.disk_dir or tempfile.gettempdir(), "--disk-dir", "give a writable directory")
-    cfg = BenchConfig(shape=args.shape or ("llama-3.2-1b" if device == "cuda" else "small"),
-                      seq_len=args.seq_len if args.seq_len is not None else (16384 if device == "cuda" else 1024),
-                      lora_rank=args.lora_rank or None,
-                      steps=args.steps, warmup=args.warmup, prefetch=args.prefetch,
-                      host_budget_gib=args.host_budget_gib,
-                      device=device, disk_dir=args.disk_dir, storage=storage)
+    cfg = BenchConfig(
+        shape=args.shape or ("llama-3.2-1b" if device == "cuda" else "small"),
+        seq_len=args.seq_len if args.seq_len is not None else (16384 if device == "cuda" else 1024),
+        lora_rank=args.lora_rank or None,
+        steps=args.steps,
+        warmup=args.warmup,
+        prefetch=args.prefetch,
+        host_budget_gib=args.host_budget_gib,
+        device=device,
+        disk_dir=args.disk_dir,
+        storage=storage,
+    )
     if device == "cpu":
         cfg.dtype = "float32"  # bf16 matmuls are slow on most CPUs
         cfg.modes = CPU_MODES
@@ -130,8 +146,10 @@ def run_bench(args, log=print) -> dict:
     """
     cfg = _bench_config(args)
     if cfg.device == "cpu":
-        log(f"offloadkit bench on the CPU: {cfg.shape}, {cfg.seq_len} tokens, offloadkit modes to {cfg.storage} "
-            f"({cfg.disk_dir or tempfile.gettempdir()})")
+        log(
+            f"offloadkit bench on the CPU: {cfg.shape}, {cfg.seq_len} tokens, offloadkit modes to {cfg.storage} "
+            f"({cfg.disk_dir or tempfile.gettempdir()})"
+        )
     report = run_benchmark(cfg, log=log)
     os.makedirs(args.out, exist_ok=True)
     name = args.name or f"{cfg.shape}-{cfg.seq_len}"

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import psutil
 import torch
@@ -50,8 +51,10 @@ def _skip_reason(model, tokens: int, cuda: bool) -> str | None:
         return "skipped: the model config does not say how large its activations are"
     free = psutil.virtual_memory().available
     if need > 0.5 * free:
-        return (f"skipped: it would need about {need / 2**30:.1f} GiB of activations and "
-                f"{free / 2**30:.1f} GiB of RAM is available")
+        return (
+            f"skipped: it would need about {need / 2**30:.1f} GiB of activations and "
+            f"{free / 2**30:.1f} GiB of RAM is available"
+        )
     return None
 
 
@@ -115,8 +118,9 @@ def measure_in_own_process(cfg, profile_step: int, tokens: int) -> RunMeasure:
         answer = os.path.join(work, "measure.json")
         with open(request, "w", encoding="utf-8") as f:
             json.dump({"train": keys, "profile_step": profile_step, "tokens": tokens}, f)
-        proc = subprocess.run([sys.executable, "-m", "offloadkit.cli.compare", request, answer],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "offloadkit.cli.compare", request, answer], capture_output=True, text=True
+        )
         if proc.returncode != 0 or not os.path.isfile(answer):
             if proc.returncode in (-2, 130):
                 raise KeyboardInterrupt
@@ -143,16 +147,24 @@ def _child(request_path: str, answer_path: str) -> None:
     if cfg.lora_rank:
         from offloadkit.integrations.peft_utils import apply_lora
 
-        model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
-                           dropout=cfg.lora_dropout, modules_to_save=cfg.lora_modules_to_save,
-                           use_dora=cfg.lora_use_dora)
+        model = apply_lora(
+            model,
+            rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            target_modules=cfg.lora_target_modules,
+            dropout=cfg.lora_dropout,
+            modules_to_save=cfg.lora_modules_to_save,
+            use_dora=cfg.lora_use_dora,
+        )
     dataset, collator, _ = _training_data(cfg, tokenizer)
 
     def plain_trainer(max_steps, callbacks):
-        args = _training_args(cfg, False, max_steps=max_steps, save_strategy="no", report_to="none",
-                              logging_strategy="no")
-        return _quiet(Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                              callbacks=callbacks))
+        args = _training_args(
+            cfg, False, max_steps=max_steps, save_strategy="no", report_to="none", logging_strategy="no"
+        )
+        return _quiet(
+            Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
+        )
 
     measure = measure_without_offloadkit(plain_trainer, model, request["profile_step"], request["tokens"])
     with open(answer_path, "w", encoding="utf-8") as f:
@@ -167,10 +179,13 @@ def _spread(measure: RunMeasure) -> list[float] | None:
 def saving(without: RunMeasure, with_: RunMeasure) -> dict:
     """Peak memory and step time, without -> with, the relative change, and the spread
     (fastest and slowest step) of each side's step times."""
-    out = {"peak_bytes": [without.peak_bytes, with_.peak_bytes],
-           "median_step_s": [without.median_step_s, with_.median_step_s],
-           "step_s_spread": [_spread(without), _spread(with_)],
-           "status": without.status, "note": without.note}
+    out: dict[str, Any] = {
+        "peak_bytes": [without.peak_bytes, with_.peak_bytes],
+        "median_step_s": [without.median_step_s, with_.median_step_s],
+        "step_s_spread": [_spread(without), _spread(with_)],
+        "status": without.status,
+        "note": without.note,
+    }
     a, b = out["peak_bytes"]
     out["peak_change"] = (b - a) / a if a and b is not None else None
     ta, tb = out["median_step_s"]

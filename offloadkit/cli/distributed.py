@@ -72,19 +72,31 @@ def barrier() -> None:
 def rank_figures(report: dict, ranks: Ranks) -> dict:
     """What each rank reports about itself: its device, peaks and offloaded bytes."""
     keys = ("peak_gpu_bytes", "peak_gpu_reserved_bytes", "peak_rss_bytes")
-    return {"rank": ranks.rank, "local_rank": ranks.local, "device": report.get("device"),
-            **{k: report.get(k) for k in keys},
-            "activations_to_ram_bytes_per_step": report["offloaded"]["activations_to_ram_bytes_per_step"],
-            "activations_to_disk_bytes_per_step": report["offloaded"]["activations_to_disk_bytes_per_step"]}
+    return {
+        "rank": ranks.rank,
+        "local_rank": ranks.local,
+        "device": report.get("device"),
+        **{k: report.get(k) for k in keys},
+        "activations_to_ram_bytes_per_step": report["offloaded"]["activations_to_ram_bytes_per_step"],
+        "activations_to_disk_bytes_per_step": report["offloaded"]["activations_to_disk_bytes_per_step"],
+    }
 
 
 def rank_lines(per_rank: list[dict]) -> list[str]:
     """One report line per rank."""
     lines = []
     for r in per_rank:
-        gpu = "" if r.get("peak_gpu_bytes") is None else (
-            f"peak GPU {r['peak_gpu_bytes'] / GiB:.3f} GiB (reserved {(r['peak_gpu_reserved_bytes'] or 0) / GiB:.3f}), ")
-        lines.append(f"    rank {r['rank']}: {gpu}peak RSS {r['peak_rss_bytes'] / GiB:.3f} GiB, offloaded per step "
-                     f"{r['activations_to_ram_bytes_per_step'] / GiB:.3f} GiB to RAM, "
-                     f"{r['activations_to_disk_bytes_per_step'] / GiB:.3f} GiB to disk")
+        gpu = (
+            ""
+            if r.get("peak_gpu_bytes") is None
+            else (
+                f"peak GPU {r['peak_gpu_bytes'] / GiB:.3f} GiB "
+                f"(reserved {(r['peak_gpu_reserved_bytes'] or 0) / GiB:.3f}), "
+            )
+        )
+        lines.append(
+            f"    rank {r['rank']}: {gpu}peak RSS {r['peak_rss_bytes'] / GiB:.3f} GiB, offloaded per step "
+            f"{r['activations_to_ram_bytes_per_step'] / GiB:.3f} GiB to RAM, "
+            f"{r['activations_to_disk_bytes_per_step'] / GiB:.3f} GiB to disk"
+        )
     return lines

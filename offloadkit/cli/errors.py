@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["TrainingFailed"]
+__all__ = ["TrainingFailedError"]
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailedError(RuntimeError):
     """Training ran but its result is not usable (a NaN or infinite loss); nothing was saved.
     The command prints the message as one line and exits with status 1."""

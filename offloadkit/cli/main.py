@@ -51,46 +51,78 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offloadkit", description="Train and fine-tune models that do not fit in "
-                                     "GPU memory: activation offloading, checkpoint-input offloading, layer streaming.")
+    parser = argparse.ArgumentParser(
+        prog="offloadkit",
+        description="Train and fine-tune models that do not fit in "
+        "GPU memory: activation offloading, checkpoint-input offloading, layer streaming.",
+    )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,bench,plan,demo}")
 
-    train = sub.add_parser("train", help="fine-tune a causal LM with the memory options of a config file",
-                           description="Fine-tune a causal language model through the Hugging Face Trainer with "
-                           "offloadkit's memory options, and compare its first steps with the same steps without "
-                           "offloadkit; writes the model/adapter, report.json, report.md and memory_timeline.png "
-                           "to output_dir.", epilog=_train_epilog(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    train = sub.add_parser(
+        "train",
+        help="fine-tune a causal LM with the memory options of a config file",
+        description="Fine-tune a causal language model through the Hugging Face Trainer with "
+        "offloadkit's memory options, and compare its first steps with the same steps without "
+        "offloadkit; writes the model/adapter, report.json, report.md and memory_timeline.png "
+        "to output_dir.",
+        epilog=_train_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("config", nargs="?", help="YAML or JSON config file (default: built-in defaults)")
-    train.add_argument("--config", dest="config_option", metavar="FILE",
-                       help="the config file (same as the positional)")
+    train.add_argument(
+        "--config", dest="config_option", metavar="FILE", help="the config file (same as the positional)"
+    )
     train.add_argument("--output-dir", help="override output_dir")
     train.add_argument("--max-steps", type=int, help="override max_steps")
-    train.add_argument("--resume-from-checkpoint", nargs="?", const=True, metavar="DIR",
-                       help="resume from DIR, or from the newest checkpoint in output_dir when DIR is omitted")
-    train.add_argument("--overwrite", action="store_true",
-                       help="replace an earlier run in output_dir (its report, model and checkpoints)")
+    train.add_argument(
+        "--resume-from-checkpoint",
+        nargs="?",
+        const=True,
+        metavar="DIR",
+        help="resume from DIR, or from the newest checkpoint in output_dir when DIR is omitted",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run in output_dir (its report, model and checkpoints)",
+    )
 
-    bench = sub.add_parser("bench", help="run memory-saving modes side by side on a model shape",
-                           description="Benchmark modes side by side (median step time, tokens/s, peak GPU memory "
-                           "allocated and reserved, host RSS); prints a table, writes JSON, Markdown and a plot. "
-                           "Without a GPU it runs on the CPU with the disk tier.")
-    bench.add_argument("--shape", default=None,
-                       help="tiny, small, llama-3.2-1b or llama-3-8b (default: llama-3.2-1b on a GPU, small on a CPU)")
-    bench.add_argument("--seq-len", type=int, default=None, help="tokens in the sequence (default: 16384 on a GPU, "
-                       "1024 on a CPU)")
+    bench = sub.add_parser(
+        "bench",
+        help="run memory-saving modes side by side on a model shape",
+        description="Benchmark modes side by side (median step time, tokens/s, peak GPU memory "
+        "allocated and reserved, host RSS); prints a table, writes JSON, Markdown and a plot. "
+        "Without a GPU it runs on the CPU with the disk tier.",
+    )
+    bench.add_argument(
+        "--shape",
+        default=None,
+        help="tiny, small, llama-3.2-1b or llama-3-8b (default: llama-3.2-1b on a GPU, small on a CPU)",
+    )
+    bench.add_argument(
+        "--seq-len", type=int, default=None, help="tokens in the sequence (default: 16384 on a GPU, 1024 on a CPU)"
+    )
     bench.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tune)")
-    bench.add_argument("--modes", default=None, help="semicolon-separated modes, each optionally with overrides, e.g. "
-                       "'ckpt;ckpt+offload@prefetch=4;ckpt+input_offload+layer_stream'")
+    bench.add_argument(
+        "--modes",
+        default=None,
+        help="semicolon-separated modes, each optionally with overrides, e.g. "
+        "'ckpt;ckpt+offload@prefetch=4;ckpt+input_offload+layer_stream'",
+    )
     bench.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     bench.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
-    bench.add_argument("--prefetch", type=int, default=None,
-                       help="activation_loading_horizon (default: 2 from RAM, 4 from disk)")
+    bench.add_argument(
+        "--prefetch", type=int, default=None, help="activation_loading_horizon (default: 2 from RAM, 4 from disk)"
+    )
     bench.add_argument("--host-budget-gib", type=float, default=None, help="host RAM cap for offloaded bytes")
-    bench.add_argument("--storage", choices=["ram", "disk", "tiered"], default=None,
-                       help="where offloadkit modes put activations (default: ram on a GPU, disk on a CPU or when "
-                       "--disk-dir is given)")
+    bench.add_argument(
+        "--storage",
+        choices=["ram", "disk", "tiered"],
+        default=None,
+        help="where offloadkit modes put activations (default: ram on a GPU, disk on a CPU or when "
+        "--disk-dir is given)",
+    )
     bench.add_argument("--disk-dir", default=None, help="parent directory for disk-tier files")
     bench.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     bench.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
@@ -113,7 +145,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     """Our own warnings as one line each; other libraries' as Python shows them."""
     text = str(message)
     if text.startswith("offloadkit: "):
-        print(f"offloadkit: warning: {text[len('offloadkit: '):]}", file=sys.stderr)
+        print(f"offloadkit: warning: {text[len('offloadkit: ') :]}", file=sys.stderr)
     else:
         print(warnings.formatwarning(message, category, filename, lineno, line).rstrip(), file=sys.stderr)
 
@@ -153,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
-    from offloadkit.cli.errors import TrainingFailed
+    from offloadkit.cli.errors import TrainingFailedError
     from offloadkit.config import ConfigError
 
     # Deprecation chatter from the libraries we drive is not the user's to fix.
@@ -180,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ImportError, ValueError, OSError) as exc:
         print(f"offloadkit: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    except TrainingFailed as exc:
+    except TrainingFailedError as exc:
         print(f"offloadkit: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:

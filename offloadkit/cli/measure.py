@@ -14,17 +14,19 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 import torch
 
+TrainerCallback: Any
 try:
     from transformers import TrainerCallback
 except ImportError:  # pragma: no cover - the train command needs transformers anyway
     TrainerCallback = object
 
 __all__ = ["StepProbe", "RunMeasure", "device_bytes"]
+
 
 def device_bytes() -> int:
     """GPU memory allocated by PyTorch, or the process RSS without a GPU."""
@@ -74,10 +76,19 @@ class RunMeasure:
         return statistics.median(times) if times else None
 
     def as_dict(self) -> dict:
-        return {"label": self.label, "status": self.status, "note": self.note, "step_times_s": self.step_times,
-                "median_step_s": self.median_step_s, "step_peaks": self.step_peaks,
-                "peak_reserved_bytes": self.peak_reserved_bytes, "profile_step": self.profile_step,
-                "start_bytes": self.start_bytes, "peak_bytes": self.peak_bytes, "phases": self.phases}
+        return {
+            "label": self.label,
+            "status": self.status,
+            "note": self.note,
+            "step_times_s": self.step_times,
+            "median_step_s": self.median_step_s,
+            "step_peaks": self.step_peaks,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "profile_step": self.profile_step,
+            "start_bytes": self.start_bytes,
+            "peak_bytes": self.peak_bytes,
+            "phases": self.phases,
+        }
 
 
 class StepProbe(TrainerCallback):
@@ -90,9 +101,13 @@ class StepProbe(TrainerCallback):
         interval: seconds between samples.
     """
 
-    def __init__(self, measure: RunMeasure, profile_step: int,
-                 extra: tuple[Callable[[], int], Callable[[], int]] = (lambda: 0, lambda: 0),
-                 interval: float = 0.0005) -> None:
+    def __init__(
+        self,
+        measure: RunMeasure,
+        profile_step: int,
+        extra: tuple[Callable[[], int], Callable[[], int]] = (lambda: 0, lambda: 0),
+        interval: float = 0.0005,
+    ) -> None:
         self.measure = measure
         self.profile_step = profile_step
         self.extra = extra
@@ -172,8 +187,9 @@ class StepProbe(TrainerCallback):
         self.measure.step_times.append(time.perf_counter() - self._t0)
         if torch.cuda.is_available():
             self.measure.step_peaks.append(torch.cuda.max_memory_allocated())
-            self.measure.peak_reserved_bytes = max(self.measure.peak_reserved_bytes or 0,
-                                                   torch.cuda.max_memory_reserved())
+            self.measure.peak_reserved_bytes = max(
+                self.measure.peak_reserved_bytes or 0, torch.cuda.max_memory_reserved()
+            )
         if self._handles:
             self.stop()
             samples = [s[1] for s in self.measure.samples]

@@ -12,21 +12,26 @@ _GiB = 1 << 30
 
 def add_plan_parser(sub) -> argparse.ArgumentParser:
     """Register ``plan`` on the ``offloadkit`` subcommand parser."""
-    p = sub.add_parser("plan", help="plan a long-context step: placement, tiling, predicted memory and time",
-                       description="Decide per decoder layer what to keep, offload (RAM or disk) or recompute, the "
-                       "loss chunks and MLP shards, and predict GPU peak, host RAM, disk and step time; then "
-                       "search the longest sequence that fits the budgets.")
+    p = sub.add_parser(
+        "plan",
+        help="plan a long-context step: placement, tiling, predicted memory and time",
+        description="Decide per decoder layer what to keep, offload (RAM or disk) or recompute, the "
+        "loss chunks and MLP shards, and predict GPU peak, host RAM, disk and step time; then "
+        "search the longest sequence that fits the budgets.",
+    )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--shape", help="a built-in shape: tiny, small, llama-3.2-1b, llama-3-8b")
     which.add_argument("--model", help="a Hugging Face model directory (its config.json is read)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank on every linear layer; 0: full fine-tune "
-                   "(default 16)")
+    p.add_argument(
+        "--lora-rank", type=int, default=16, help="LoRA rank on every linear layer; 0: full fine-tune (default 16)"
+    )
     p.add_argument("--layers", type=int, default=None, help="override the depth (same layer shape)")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU budget (default: this GPU's memory less 1 GiB)")
-    p.add_argument("--host-gib", type=float, default=None, help="host RAM budget (default: available RAM less "
-                   "the kept-free share)")
+    p.add_argument(
+        "--host-gib", type=float, default=None, help="host RAM budget (default: available RAM less the kept-free share)"
+    )
     p.add_argument("--disk-gib", type=float, default=None, help="disk budget (default: free space in --disk-dir)")
     p.add_argument("--disk-dir", default=None, help="spill directory whose free space is the disk budget")
     p.add_argument("--measure", action="store_true", help="time PCIe copies and disk I/O here instead of the defaults")
@@ -47,8 +52,12 @@ def run_plan(args, log=print) -> int:
 
     if args.seq_len < 1 or args.batch < 1:
         raise ValueError(f"--seq-len={args.seq_len} and --batch={args.batch} must be >= 1")
-    budgets = Budgets.detect(gpu_bytes=_gib(args.gpu_gib, "gpu-gib"), host_bytes=_gib(args.host_gib, "host-gib"),
-                             disk_bytes=_gib(args.disk_gib, "disk-gib"), disk_dir=args.disk_dir)
+    budgets = Budgets.detect(
+        gpu_bytes=_gib(args.gpu_gib, "gpu-gib"),
+        host_bytes=_gib(args.host_gib, "host-gib"),
+        disk_bytes=_gib(args.disk_gib, "disk-gib"),
+        disk_dir=args.disk_dir,
+    )
     if args.measure:
         budgets = budgets.measure(disk_dir=args.disk_dir)
     model = args.model or args.shape

@@ -10,7 +10,7 @@ import json
 import os
 import warnings
 
-from offloadkit.config import ConfigError, ConfigProblems, check_writable_dir
+from offloadkit.config import ConfigError, ConfigProblemsError, check_writable_dir
 from offloadkit.data.text import FORMATS
 
 __all__ = ["preflight", "optimizer_package", "previous_run", "TOKENIZER_FILES"]
@@ -26,8 +26,11 @@ _OPTIMIZER_PACKAGES = (
     (lambda name: name == "grokadamw", "grokadamw", "pip install grokadamw"),
     (lambda name: name == "stable_adamw", "optimi", "pip install torch-optimi"),
     (lambda name: name == "adamw_anyprecision", "torchdistx", "pip install torchdistx"),
-    (lambda name: any(tag in name for tag in ("bnb", "8bit", "paged_", "lion", "ademamix")), "bitsandbytes",
-     "pip install bitsandbytes"),
+    (
+        lambda name: any(tag in name for tag in ("bnb", "8bit", "paged_", "lion", "ademamix")),
+        "bitsandbytes",
+        "pip install bitsandbytes",
+    ),
 )
 
 
@@ -57,16 +60,21 @@ def previous_run(output_dir: str) -> list[str]:
 
 
 def _output_dir(cfg) -> None:
-    check_writable_dir(cfg.output_dir, cfg.name("output_dir"),
-                       "choose a writable directory (it is created if missing), e.g. --output-dir ./out")
+    check_writable_dir(
+        cfg.output_dir,
+        cfg.name("output_dir"),
+        "choose a writable directory (it is created if missing), e.g. --output-dir ./out",
+    )
     if cfg.resume_from_checkpoint or cfg.overwrite_output_dir:
         return
     found = previous_run(cfg.output_dir)
     if found:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        raise ConfigError(f"{cfg.name('output_dir')}={cfg.output_dir!r} holds an earlier run ({shown}); choose "
-                          "another output_dir, continue it with --resume-from-checkpoint, or replace it with "
-                          "--overwrite (overwrite_output_dir: true)")
+        raise ConfigError(
+            f"{cfg.name('output_dir')}={cfg.output_dir!r} holds an earlier run ({shown}); choose "
+            "another output_dir, continue it with --resume-from-checkpoint, or replace it with "
+            "--overwrite (overwrite_output_dir: true)"
+        )
 
 
 def _model(cfg) -> None:
@@ -74,16 +82,21 @@ def _model(cfg) -> None:
         return
     key = cfg.name("model")
     if not os.path.isdir(cfg.model):
-        raise ConfigError(f"{key}={cfg.model!r} is not a directory; give a local Hugging Face model directory "
-                          "(offloadkit train does not download) or omit it for the built-in model")
+        raise ConfigError(
+            f"{key}={cfg.model!r} is not a directory; give a local Hugging Face model directory "
+            "(offloadkit train does not download) or omit it for the built-in model"
+        )
     if not os.path.isfile(os.path.join(cfg.model, "config.json")):
-        raise ConfigError(f"{key}={cfg.model!r} has no config.json; give a directory written by "
-                          "model.save_pretrained(...)")
+        raise ConfigError(
+            f"{key}={cfg.model!r} has no config.json; give a directory written by model.save_pretrained(...)"
+        )
     tokenizer = cfg.tokenizer or cfg.model
     if not os.path.isdir(tokenizer) or not any(os.path.isfile(os.path.join(tokenizer, f)) for f in TOKENIZER_FILES):
         tkey = cfg.name("tokenizer") if cfg.tokenizer else key
-        raise ConfigError(f"{tkey}={tokenizer!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save "
-                          f"one there with tokenizer.save_pretrained(...), or set tokenizer: DIR")
+        raise ConfigError(
+            f"{tkey}={tokenizer!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save "
+            f"one there with tokenizer.save_pretrained(...), or set tokenizer: DIR"
+        )
 
 
 def _datasets(cfg) -> None:
@@ -95,11 +108,16 @@ def _datasets(cfg) -> None:
         if why is not None:
             problems.append((f"{cfg.name('datasets')}[{i}].path={spec.path!r} {why}", False))
         elif spec.type == "chat_template" and not _has_template(cfg):
-            problems.append((f"{cfg.name('datasets')}[{i}] is type chat_template but the tokenizer has no chat "
-                             "template; set chat_template: chatml (or a Jinja template), or give a tokenizer with "
-                             "one", False))
+            problems.append(
+                (
+                    f"{cfg.name('datasets')}[{i}] is type chat_template but the tokenizer has no chat "
+                    "template; set chat_template: chatml (or a Jinja template), or give a tokenizer with "
+                    "one",
+                    False,
+                )
+            )
     if problems:
-        raise ConfigProblems("datasets", problems)
+        raise ConfigProblemsError("datasets", problems)
 
 
 def _has_template(cfg) -> bool:
@@ -123,10 +141,19 @@ def _attention(cfg) -> None:
     needs = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(name)
     if needs is not None and importlib.util.find_spec(needs) is not None and _cuda():
         return
-    why = (f"{needs} is not installed" if needs and importlib.util.find_spec(needs) is None else
-           "it needs a CUDA GPU" if needs else "it is not a kernel transformers has built in (no downloads)")
-    warnings.warn(f"offloadkit: {cfg.name('attn_implementation')}={name!r} has no effect here: {why}; the model "
-                  "uses attn_implementation='sdpa'", UserWarning, stacklevel=3)
+    why = (
+        f"{needs} is not installed"
+        if needs and importlib.util.find_spec(needs) is None
+        else "it needs a CUDA GPU"
+        if needs
+        else "it is not a kernel transformers has built in (no downloads)"
+    )
+    warnings.warn(
+        f"offloadkit: {cfg.name('attn_implementation')}={name!r} has no effect here: {why}; the model "
+        "uses attn_implementation='sdpa'",
+        UserWarning,
+        stacklevel=3,
+    )
     cfg.attn_implementation = "sdpa"
 
 
@@ -141,12 +168,16 @@ def _dataset(cfg) -> None:
         return
     key = cfg.name("dataset")
     if not os.path.isfile(cfg.dataset):
-        raise ConfigError(f"{key}={cfg.dataset!r} does not exist; give a local {', '.join(FORMATS)} file "
-                          "(offloadkit train does not download) or omit it for the shipped corpus")
+        raise ConfigError(
+            f"{key}={cfg.dataset!r} does not exist; give a local {', '.join(FORMATS)} file "
+            "(offloadkit train does not download) or omit it for the shipped corpus"
+        )
     ext = os.path.splitext(cfg.dataset)[1].lower()
     if ext not in FORMATS:
-        raise ConfigError(f"{key}={cfg.dataset!r} is a {ext or 'extension-less'} file; offloadkit train reads "
-                          f"{', '.join(FORMATS)}: convert it to JSON Lines with a {cfg.text_field!r} field")
+        raise ConfigError(
+            f"{key}={cfg.dataset!r} is a {ext or 'extension-less'} file; offloadkit train reads "
+            f"{', '.join(FORMATS)}: convert it to JSON Lines with a {cfg.text_field!r} field"
+        )
 
 
 def _packages(cfg) -> None:
@@ -158,12 +189,15 @@ def _packages(cfg) -> None:
 
     names = [o.value for o in OptimizerNames]
     if cfg.optimizer not in names:
-        raise ConfigError(f"{cfg.name('optimizer')}={cfg.optimizer!r} is not an optimizer the Trainer knows; use "
-                          "adamw_torch, adamw_torch_fused, sgd, adafactor or another of transformers' OptimizerNames")
+        raise ConfigError(
+            f"{cfg.name('optimizer')}={cfg.optimizer!r} is not an optimizer the Trainer knows; use "
+            "adamw_torch, adamw_torch_fused, sgd, adafactor or another of transformers' OptimizerNames"
+        )
     needs = optimizer_package(cfg.optimizer)
     if needs is not None and importlib.util.find_spec(needs[0]) is None:
-        raise ConfigError(f"{cfg.name('optimizer')}={cfg.optimizer!r} needs {needs[0]}: {needs[1]}, "
-                          "or use optimizer: adamw_torch")
+        raise ConfigError(
+            f"{cfg.name('optimizer')}={cfg.optimizer!r} needs {needs[0]}: {needs[1]}, or use optimizer: adamw_torch"
+        )
     reporters = [cfg.report_to] if isinstance(cfg.report_to, str) else list(cfg.report_to)
     reporters = [r for r in reporters if r != "none"]
     if reporters:
@@ -173,8 +207,10 @@ def _packages(cfg) -> None:
         missing = [r for r in reporters if r not in available]
         if missing:
             hint = "pip install tensorboard" if missing == ["tensorboard"] else f"install {', '.join(missing)}"
-            raise ConfigError(f"{cfg.name('report_to')}={cfg.report_to!r}: {', '.join(missing)} is not installed; "
-                              f"{hint}, or set report_to: none")
+            raise ConfigError(
+                f"{cfg.name('report_to')}={cfg.report_to!r}: {', '.join(missing)} is not installed; "
+                f"{hint}, or set report_to: none"
+            )
 
 
 def _resume(cfg) -> None:
@@ -188,22 +224,28 @@ def _resume(cfg) -> None:
 
         last = get_last_checkpoint(cfg.output_dir) if os.path.isdir(cfg.output_dir) else None
         if last is None:
-            raise ConfigError(f"{key}=true but output_dir={cfg.output_dir!r} holds no checkpoint-N directory; set "
-                              "save_steps to write checkpoints, or give the checkpoint directory")
+            raise ConfigError(
+                f"{key}=true but output_dir={cfg.output_dir!r} holds no checkpoint-N directory; set "
+                "save_steps to write checkpoints, or give the checkpoint directory"
+            )
         cfg.resume_from_checkpoint = last
         value = last
     state = os.path.join(value, "trainer_state.json")
     if not os.path.isfile(state):
-        raise ConfigError(f"{key}={value!r} is not a Trainer checkpoint (no trainer_state.json); give a "
-                          "checkpoint-N directory written with save_steps, or true for the newest in output_dir")
+        raise ConfigError(
+            f"{key}={value!r} is not a Trainer checkpoint (no trainer_state.json); give a "
+            "checkpoint-N directory written with save_steps, or true for the newest in output_dir"
+        )
     try:
         with open(state, encoding="utf-8") as f:
             done = int(json.load(f).get("global_step", 0))
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"{key}={value!r}: trainer_state.json cannot be read ({exc})") from None
     if cfg.max_steps and done >= cfg.max_steps:
-        raise ConfigError(f"{key}={value!r} is at step {done} and {cfg.name('max_steps')} is {cfg.max_steps}: there "
-                          f"is nothing left to train; raise max_steps past {done} (e.g. --max-steps {done + 100})")
+        raise ConfigError(
+            f"{key}={value!r} is at step {done} and {cfg.name('max_steps')} is {cfg.max_steps}: there "
+            f"is nothing left to train; raise max_steps past {done} (e.g. --max-steps {done + 100})"
+        )
 
 
 def preflight(cfg) -> None:
@@ -214,18 +256,26 @@ def preflight(cfg) -> None:
         cfg: a validated :class:`~offloadkit.cli.train_config.TrainConfig`.
 
     Raises:
-        ConfigError: the problem found, or ConfigProblems with every one found.
+        ConfigError: the problem found, or ConfigProblemsError with every one found.
     """
     problems: list[tuple[str, bool]] = []
-    for check in (_output_dir, _model, _dataset, _datasets, _packages, _resume, lambda c: c.offload.check_paths(),
-                  _attention):
+    for check in (
+        _output_dir,
+        _model,
+        _dataset,
+        _datasets,
+        _packages,
+        _resume,
+        lambda c: c.offload.check_paths(),
+        _attention,
+    ):
         try:
             check(cfg)
-        except ConfigProblems as exc:
+        except ConfigProblemsError as exc:
             problems += exc.problems
         except ConfigError as exc:
             problems.append((str(exc), False))
     if len(problems) == 1:
         raise ConfigError(problems[0][0])
     if problems:
-        raise ConfigProblems("preflight", problems)  # every problem found, at once
+        raise ConfigProblemsError("preflight", problems)  # every problem found, at once

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import resource
+from typing import Any
 
 import torch
 
 from offloadkit.cli.measure import device_bytes
 
+TrainerCallback: Any
 try:
     from transformers import TrainerCallback
 except ImportError:  # pragma: no cover - the train command needs transformers anyway
@@ -61,15 +63,16 @@ class ProgressBar(TrainerCallback):
         self.losses: list[tuple[int, float]] = []
         self.step = 0
         self.total = 0
-        self._bar = None
+        self._bar: Any = None  # a tqdm bar while training runs
         self._show = show
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.total = state.max_steps
         self.step = state.global_step
         if self._show:
-            self._bar = self._tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
-                                   dynamic_ncols=True)
+            self._bar = self._tqdm(
+                total=state.max_steps, initial=state.global_step, desc="train", unit="step", dynamic_ncols=True
+            )
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step = state.global_step
@@ -96,8 +99,11 @@ class ProgressBar(TrainerCallback):
         recent = self.step_times[-5:]
         tps = self.tokens_per_step * len(recent) / sum(recent) if recent else 0.0
         mem = "gpu" if torch.cuda.is_available() else "rss"
-        self._bar.set_postfix(loss=f"{self.losses[-1][1]:.3f}" if self.losses else "-", tok_s=f"{tps:.0f}",
-                              **{mem: f"{device_bytes() / GiB:.2f}G"})
+        self._bar.set_postfix(
+            loss=f"{self.losses[-1][1]:.3f}" if self.losses else "-",
+            tok_s=f"{tps:.0f}",
+            **{mem: f"{device_bytes() / GiB:.2f}G"},
+        )
 
 
 def _tensor_bytes(tensors) -> int:
@@ -149,8 +155,8 @@ def build_report(trainer, losses: list, with_measure, elapsed: float, tokens_per
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
         "checkpointing_active": offload.get("checkpointing_active", False),
         "offloaded": {
-            "activations_to_ram_bytes_per_step":
-                max(0, acts.get("offloaded_bytes", 0) - disk.get("bytes_written", 0)) // steps,
+            "activations_to_ram_bytes_per_step": max(0, acts.get("offloaded_bytes", 0) - disk.get("bytes_written", 0))
+            // steps,
             "activations_to_disk_bytes_per_step": disk.get("bytes_written", 0) // steps,
             "frozen_weights_streamed_bytes": streaming.get("streamed_bytes", 0),
             "weights_loaded_bytes_per_step": streaming.get("loaded_bytes", 0) // steps,
@@ -188,18 +194,23 @@ def _comparison_lines(report: dict) -> list[str]:
     if c["status"] != "ok" or pa is None or pb is None:
         if c["status"] == "ok":
             return [f"  without -> with offloadkit ({step}): no memory sample was taken in that step"]
-        return [f"  without -> with offloadkit ({step}): without offloadkit {c['status']} ({c['note']}); "
-                f"with offloadkit: {memory} {_gib(pb)}, step time {tb:.3f} s"]
+        return [
+            f"  without -> with offloadkit ({step}): without offloadkit {c['status']} ({c['note']}); "
+            f"with offloadkit: {memory} {_gib(pb)}, step time {tb:.3f} s"
+        ]
     spread = c.get("step_s_spread") or [None, None]
     times = f"step time {ta:.3f} -> {tb:.3f} s{_pct(c['time_change'])}"
     if None not in spread:
         (a_lo, a_hi), (b_lo, b_hi) = spread
-        times = (f"step time {ta:.3f} ({a_lo:.3f}-{a_hi:.3f}) -> {tb:.3f} ({b_lo:.3f}-{b_hi:.3f}) s"
-                 f"{_pct(c['time_change'])}")
+        times = (
+            f"step time {ta:.3f} ({a_lo:.3f}-{a_hi:.3f}) -> {tb:.3f} ({b_lo:.3f}-{b_hi:.3f}) s{_pct(c['time_change'])}"
+        )
         if a_lo <= b_hi and b_lo <= a_hi:
             times += ", within the step-to-step spread"
-    lines = [f"  without -> with offloadkit ({step}):",
-             f"    {memory} {pa / GiB:.3f} -> {pb / GiB:.3f} GiB{_pct(c['peak_change'])}, {times}"]
+    lines = [
+        f"  without -> with offloadkit ({step}):",
+        f"    {memory} {pa / GiB:.3f} -> {pb / GiB:.3f} GiB{_pct(c['peak_change'])}, {times}",
+    ]
     if report["device"] == "cpu":
         lines.append("    (each side measured in a process of its own; median step, fastest-slowest in brackets)")
     return lines
@@ -223,8 +234,10 @@ def format_report(report: dict) -> str:
         f"{_gib(off['weights_loaded_bytes_per_step'])}",
     ]
     if report["device"] != "cpu":
-        lines.append(f"  GPU waited for copies: {wait['gpu_for_activations']:.4f} s activations, "
-                     f"{wait['gpu_for_weights']:.4f} s weights")
+        lines.append(
+            f"  GPU waited for copies: {wait['gpu_for_activations']:.4f} s activations, "
+            f"{wait['gpu_for_weights']:.4f} s weights"
+        )
     if wait["host_for_disk"]:
         lines.append(f"  waited for disk reads: {wait['host_for_disk']:.4f} s in all")
     lines += [
@@ -237,9 +250,11 @@ def format_report(report: dict) -> str:
     if len(report.get("ranks") or []) > 1:
         from offloadkit.cli.distributed import rank_lines
 
-        lines += [f"  {len(report['ranks'])} processes, {report.get('parallel', 'ddp').upper()} (figures above are "
-                  "rank 0's; tokens count all ranks):",
-                  *rank_lines(report["ranks"])]
+        lines += [
+            f"  {len(report['ranks'])} processes, {report.get('parallel', 'ddp').upper()} (figures above are "
+            "rank 0's; tokens count all ranks):",
+            *rank_lines(report["ranks"]),
+        ]
     lines += [f"  note: {note}" for note in report["notes"]]
     if report.get("sample"):
         lines.append(f"  sample from the trained model: {report['sample']!r}")

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from offloadkit.cli.errors import TrainingFailed
+from offloadkit.cli.errors import TrainingFailedError
 from offloadkit.cli.train_config import TrainConfig, default_offload
 from offloadkit.config import ConfigError
 
-__all__ = ["TrainConfig", "TrainingFailed", "TrainingInterrupted", "run_train", "default_offload"]
+__all__ = ["TrainConfig", "TrainingFailedError", "TrainingInterrupted", "run_train", "default_offload"]
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -127,8 +127,9 @@ def load_dtype(cfg: TrainConfig, cuda: bool) -> torch.dtype:
     if cfg.dtype == "float16":
         frozen_base = cfg.lora_rank and not cfg.lora_modules_to_save
         return torch.float16 if frozen_base else torch.float32
-    return {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
-            "float32": torch.float32}[cfg.dtype]
+    return {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[
+        cfg.dtype
+    ]
 
 
 def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
@@ -140,8 +141,15 @@ def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     attention = cfg.attn_implementation or "sdpa"
     if cfg.model is None:
         # The vocabulary is the byte tokenizer's: ids past it would never be trained.
-        model = build_llama(cfg.model_shape, dtype=dtype, device=device, seed=cfg.seed, attn_implementation=attention,
-                            vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=max(cfg.seq_len, 2048))
+        model = build_llama(
+            cfg.model_shape,
+            dtype=dtype,
+            device=device,
+            seed=cfg.seed,
+            attn_implementation=attention,
+            vocab_size=BYTE_VOCAB_SIZE,
+            max_position_embeddings=max(cfg.seq_len, 2048),
+        )
         return model, _with_template(cfg, byte_tokenizer()), f"built-in '{cfg.model_shape}' Llama (random init)"
     from transformers import AutoModelForCausalLM
 
@@ -150,9 +158,11 @@ def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
         kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
-                          f"({' '.join(str(exc).split())})") from None
-    return model.to(device), _with_template(cfg, tokenizer), cfg.model
+        raise ConfigError(
+            f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
+            f"({' '.join(str(exc).split())})"
+        ) from None
+    return model.to(device), _with_template(cfg, tokenizer), cfg.model  # type: ignore[arg-type]
 
 
 def _load_tokenizer(cfg: TrainConfig):
@@ -162,8 +172,10 @@ def _load_tokenizer(cfg: TrainConfig):
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{cfg.name('tokenizer') if cfg.tokenizer else cfg.name('model')}={tokenizer_dir!r}: "
-                          f"the tokenizer could not be loaded ({' '.join(str(exc).split())})") from None
+        raise ConfigError(
+            f"{cfg.name('tokenizer') if cfg.tokenizer else cfg.name('model')}={tokenizer_dir!r}: "
+            f"the tokenizer could not be loaded ({' '.join(str(exc).split())})"
+        ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -186,15 +198,23 @@ def _load_4bit(cfg: TrainConfig, device: str, dtype: torch.dtype):
     else:
         source, name = cfg.model, cfg.model
         tokenizer = _load_tokenizer(plain)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=dtype)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+    )
     kwargs = {"attn_implementation": cfg.attn_implementation or "sdpa"}
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, quantization_config=quantization,
-                                                     device_map={"": device}, local_files_only=True, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            quantization_config=quantization,
+            device_map={"": device},
+            local_files_only=True,
+            **kwargs,
+        )
     except (OSError, ValueError, ImportError) as exc:
-        raise ConfigError(f"{cfg.name('load_in_4bit')}=true: {source!r} could not be loaded in 4 bits "
-                          f"({' '.join(str(exc).split())})") from None
+        raise ConfigError(
+            f"{cfg.name('load_in_4bit')}=true: {source!r} could not be loaded in 4 bits ({' '.join(str(exc).split())})"
+        ) from None
     return model, _with_template(cfg, tokenizer), f"{name} (4-bit NF4 base)"
 
 
@@ -241,18 +261,32 @@ def _training_args(cfg: TrainConfig, cuda: bool, **overrides):
     reporters = [cfg.report_to] if isinstance(cfg.report_to, str) else list(cfg.report_to)
     reporters = [r for r in reporters if r != "none"]
     kwargs = dict(
-        output_dir=cfg.output_dir, per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, max_steps=cfg.max_steps or -1,
-        num_train_epochs=cfg.num_epochs or 1.0, learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        lr_scheduler_type=cfg.lr_scheduler, optim=cfg.optimizer, logging_steps=cfg.logging_steps,
-        save_strategy="steps" if cfg.save_steps else "no", save_steps=cfg.save_steps or 500,
-        save_total_limit=cfg.save_total_limit, report_to=reporters or "none", disable_tqdm=True, seed=cfg.seed,
-        remove_unused_columns=False, use_cpu=not cuda, dataloader_num_workers=0,
-        fp16=cfg.dtype == "float16", logging_nan_inf_filter=False, weight_decay=cfg.weight_decay,
+        output_dir=cfg.output_dir,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        max_steps=cfg.max_steps or -1,
+        num_train_epochs=cfg.num_epochs or 1.0,
+        learning_rate=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        lr_scheduler_type=cfg.lr_scheduler,
+        optim=cfg.optimizer,
+        logging_steps=cfg.logging_steps,
+        save_strategy="steps" if cfg.save_steps else "no",
+        save_steps=cfg.save_steps or 500,
+        save_total_limit=cfg.save_total_limit,
+        report_to=reporters or "none",
+        disable_tqdm=True,
+        seed=cfg.seed,
+        remove_unused_columns=False,
+        use_cpu=not cuda,
+        dataloader_num_workers=0,
+        fp16=cfg.dtype == "float16",
+        logging_nan_inf_filter=False,
+        weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
     )
     kwargs.update(overrides)
-    args = TrainingArguments(**kwargs)
+    args = TrainingArguments(**kwargs)  # type: ignore[arg-type]  # values checked by TrainConfig
     if cfg.gradient_checkpointing_kwargs:
         set_checkpointing(args, checkpointing_requested(args), cfg.gradient_checkpointing_kwargs)
     return args
@@ -280,18 +314,30 @@ def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool) -> di
         parts.append("gradient checkpointing" + (" (selective)" if off.selective_checkpointing else ""))
     mode = off.activation_offloading
     if mode:
-        parts.append({True: "activation offloading to pinned RAM (overlapped)", "legacy":
-                      "activation offloading to RAM (synchronous)", "disk": "activation offloading to disk"}[mode])
+        parts.append(
+            {
+                True: "activation offloading to pinned RAM (overlapped)",
+                "legacy": "activation offloading to RAM (synchronous)",
+                "disk": "activation offloading to disk",
+            }[mode]
+        )
     if off.layer_offloading:
         parts.append("frozen-layer streaming")
     shape = f"{cfg.batch_size} x {cfg.seq_len}"
     if cfg.gradient_accumulation_steps > 1:
         shape += f" x {cfg.gradient_accumulation_steps} accumulated"
-    return {"model": name, "fine_tune": f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "full fine-tune",
-            "dtype": ("float16 mixed precision (fp32 trainable weights, fp16 autocast, loss scaling)" if cfg.dtype == "float16"
-                      else str(dtype).replace("torch.", "")), "step_shape": shape,
-            "offload_summary": ", ".join(parts) or "nothing (offloading keys all off)",
-            "memory_measure": "GPU memory allocated" if cuda else "process RSS"}
+    return {
+        "model": name,
+        "fine_tune": f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "full fine-tune",
+        "dtype": (
+            "float16 mixed precision (fp32 trainable weights, fp16 autocast, loss scaling)"
+            if cfg.dtype == "float16"
+            else str(dtype).replace("torch.", "")
+        ),
+        "step_shape": shape,
+        "offload_summary": ", ".join(parts) or "nothing (offloading keys all off)",
+        "memory_measure": "GPU memory allocated" if cuda else "process RSS",
+    }
 
 
 def _effective_summary(cfg: TrainConfig, report: dict) -> str:
@@ -304,7 +350,8 @@ def _effective_summary(cfg: TrainConfig, report: dict) -> str:
     if "activations" in acted:
         tier = (acted.get("storage") or {}).get("tier", "ram")
         where = {"disk": "to disk", "tiered": "to RAM, then disk past the budget"}.get(tier) or (
-            "to RAM (synchronous)" if off.activation_offloading == "legacy" else "to pinned RAM (overlapped)")
+            "to RAM (synchronous)" if off.activation_offloading == "legacy" else "to pinned RAM (overlapped)"
+        )
         parts.append(f"activation offloading {where}")
     if "layer_streaming" in acted:
         parts.append("frozen-layer streaming")
@@ -317,8 +364,9 @@ def _sample(model, tokenizer, prompt: str, seed: int) -> str:
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=80, do_sample=True, top_k=10, temperature=0.7,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            ids, max_new_tokens=80, do_sample=True, top_k=10, temperature=0.7, pad_token_id=tokenizer.pad_token_id
+        )
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
@@ -340,7 +388,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     Raises:
         ConfigError: a setting that cannot work, found before the first step.
         TrainingInterrupted: Ctrl-C during training.
-        TrainingFailed: a NaN or infinite training loss (nothing is saved).
+        TrainingFailedError: a NaN or infinite training loss (nothing is saved).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
     from offloadkit.cli.preflight import preflight
@@ -380,27 +428,43 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
             if ranks.main and not cfg.load_in_4bit:  # a 4-bit base was saved there before quantising
                 model.save_pretrained(base_dir)
                 tokenizer.save_pretrained(base_dir)
-        model = apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
-                           dropout=cfg.lora_dropout, modules_to_save=cfg.lora_modules_to_save,
-                           use_dora=cfg.lora_use_dora)
+        model = apply_lora(
+            model,
+            rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            target_modules=cfg.lora_target_modules,
+            dropout=cfg.lora_dropout,
+            modules_to_save=cfg.lora_modules_to_save,
+            use_dora=cfg.lora_use_dora,
+        )
     dataset, collator, data_notes = _training_data(cfg, tokenizer)
     notes = [f"Axolotl keys without effect here: {', '.join(cfg._ignored)}"] if cfg._ignored else []
     notes += data_notes
     planned = _steps_planned(cfg, len(dataset))
     if cfg.resume_from_checkpoint:
-        with open(os.path.join(cfg.resume_from_checkpoint, "trainer_state.json")) as f:
+        # preflight has resolved `true` to the newest checkpoint's directory
+        with open(os.path.join(str(cfg.resume_from_checkpoint), "trainer_state.json")) as f:
             planned = max(1, planned - json.load(f).get("global_step", 0))
     profile_step = min(cfg.profile_step, planned - 1)
     if profile_step != cfg.profile_step:
-        notes.append(f"profile_step {cfg.profile_step} is past the run's {planned} steps; step {profile_step} "
-                     "is measured instead")
+        notes.append(
+            f"profile_step {cfg.profile_step} is past the run's {planned} steps; step {profile_step} "
+            "is measured instead"
+        )
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len * ranks.world
 
     class OffloadTrainer(ActivationOffloadingMixin, Trainer):
         pass
 
-    trainer = _quiet(OffloadTrainer(model=model, args=_training_args(cfg, cuda), train_dataset=dataset,
-                                    data_collator=collator, offload_config=cfg.offload))
+    trainer = _quiet(
+        OffloadTrainer(
+            model=model,
+            args=_training_args(cfg, cuda),
+            train_dataset=dataset,
+            data_collator=collator,
+            offload_config=cfg.offload,
+        )
+    )
     with_ = RunMeasure("with offloadkit")
     probe = StepProbe(with_, profile_step, extra=offload_probes(trainer))
     progress = ProgressBar(tokens_per_step, with_.step_times, show=ranks.main)
@@ -431,19 +495,29 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         progress.close()
         probe.stop()
         step, value = guard.bad
-        hint = ("lower learning_rate, or use dtype: bfloat16" if cfg.dtype == "float16"
-                else "lower learning_rate, or check the data")
-        raise TrainingFailed(f"the training loss is {value} at step {step}: training stopped and no model was saved; "
-                             f"{hint}")
+        hint = (
+            "lower learning_rate, or use dtype: bfloat16"
+            if cfg.dtype == "float16"
+            else "lower learning_rate, or check the data"
+        )
+        raise TrainingFailedError(
+            f"the training loss is {value} at step {step}: training stopped and no model was saved; {hint}"
+        )
 
     report = build_report(trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda))
     report["profile_step"] = profile_step
     report["offload_summary"] = _effective_summary(cfg, report)
     report["notes"] = notes + report["notes"]
     report["world_size"] = trainer.args.world_size  # the Trainer's own view of the process group
-    report["parallel"] = ("fsdp" if getattr(trainer, "is_fsdp_enabled", False) else "deepspeed"
-                          if getattr(trainer, "is_deepspeed_enabled", False) else "ddp"
-                          if trainer.args.world_size > 1 else "one process")
+    report["parallel"] = (
+        "fsdp"
+        if getattr(trainer, "is_fsdp_enabled", False)
+        else "deepspeed"
+        if getattr(trainer, "is_deepspeed_enabled", False)
+        else "ddp"
+        if trainer.args.world_size > 1
+        else "one process"
+    )
     if ranks.distributed:
         report["step_shape"] = f"{ranks.world} processes x {report['step_shape']}"
     report["ranks"] = gather(rank_figures(report, ranks))
@@ -462,21 +536,29 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     del trainer
 
     def plain_trainer(max_steps, callbacks):
-        args = _training_args(cfg, cuda, max_steps=max_steps, save_strategy="no", report_to="none",
-                              logging_strategy="no")
-        return _quiet(Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                              callbacks=callbacks))
+        args = _training_args(
+            cfg, cuda, max_steps=max_steps, save_strategy="no", report_to="none", logging_strategy="no"
+        )
+        return _quiet(
+            Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
+        )
 
     if ranks.distributed:
         # A rank that runs out of memory alone would leave the others waiting in a collective.
-        without = RunMeasure("without offloadkit", status="skipped",
-                             note=f"a {ranks.world}-process run; run one process to compare")
+        without = RunMeasure(
+            "without offloadkit", status="skipped", note=f"a {ranks.world}-process run; run one process to compare"
+        )
     elif report["offload_summary"].startswith("nothing"):
-        without = RunMeasure("without offloadkit", status="skipped",
-                             note="no memory option acted on this run, so it is the run without offloadkit")
+        without = RunMeasure(
+            "without offloadkit",
+            status="skipped",
+            note="no memory option acted on this run, so it is the run without offloadkit",
+        )
     elif cfg.compare and len(with_.step_times) > profile_step:
-        print(f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison "
-              "(Ctrl-C skips it)", file=sys.stderr)
+        print(
+            f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison (Ctrl-C skips it)",
+            file=sys.stderr,
+        )
         try:
             if cuda:
                 without = measure_without_offloadkit(plain_trainer, model, profile_step, tokens_per_step)
@@ -487,22 +569,32 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
             # The run itself is finished and saved: keep its report and plot.
             without = RunMeasure("without offloadkit", status="skipped", note="interrupted (Ctrl-C)")
     else:
-        without = RunMeasure("without offloadkit", status="skipped",
-                             note="compare: false" if not cfg.compare else "the run was shorter than the profiled step")
+        without = RunMeasure(
+            "without offloadkit",
+            status="skipped",
+            note="compare: false" if not cfg.compare else "the run was shorter than the profiled step",
+        )
     report["comparison"] = saving(without, with_)
     report["runs"] = {"without": without.as_dict(), "with": with_.as_dict()}
     c = report["comparison"]
     title = f"offloadkit train, {name}: step {profile_step}"
     if c["status"] == "ok" and None not in c["peak_bytes"]:
         change = "" if c["peak_change"] is None else f" ({c['peak_change'] * 100:+.0f}%)"
-        title += (f"\npeak {c['peak_bytes'][0] / 2**30:.3f} -> {c['peak_bytes'][1] / 2**30:.3f} GiB{change}, "
-                  f"step time {c['median_step_s'][0]:.3f} -> {c['median_step_s'][1]:.3f} s, without -> with offloadkit")
+        title += (
+            f"\npeak {c['peak_bytes'][0] / 2**30:.3f} -> {c['peak_bytes'][1] / 2**30:.3f} GiB{change}, "
+            f"step time {c['median_step_s'][0]:.3f} -> {c['median_step_s'][1]:.3f} s, without -> with offloadkit"
+        )
     if not ranks.main:
         barrier()  # rank 0 writes the output directory
         return report
     report["memory_plot"], report["plot_note"] = plot_timelines(
-        [without, with_], os.path.join(cfg.output_dir, "memory_timeline.png"), title=title,
-        memory_label=report["memory_measure"], profile_step=profile_step, steps_run=len(with_.step_times))
+        [without, with_],
+        os.path.join(cfg.output_dir, "memory_timeline.png"),
+        title=title,
+        memory_label=report["memory_measure"],
+        profile_step=profile_step,
+        steps_run=len(with_.step_times),
+    )
     report["wall_seconds"] = time.perf_counter() - wall
     write_report(report, cfg.output_dir, log)
     barrier()

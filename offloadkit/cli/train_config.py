@@ -10,14 +10,23 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from offloadkit.config import ConfigError, ConfigProblems, OffloadConfig, check_keys, load_mapping
+from offloadkit.config import ConfigError, ConfigProblemsError, OffloadConfig, check_keys, load_mapping
 
 __all__ = ["TrainConfig", "default_offload", "DEFAULT_STEPS"]
 
 DEFAULT_STEPS = 100
 _FLOATS = ("learning_rate", "lora_dropout", "num_epochs", "weight_decay", "max_grad_norm")
-_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-               "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
+_SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
 
 
 def default_offload(cuda: bool) -> dict:
@@ -163,22 +172,29 @@ class TrainConfig:
         """A copy with the device-dependent defaults filled in."""
         seq_len, batch_size = self.seq_len or (1024 if cuda else 256), self.batch_size or (16 if cuda else 4)
         return dataclasses.replace(
-            self, seq_len=seq_len, batch_size=batch_size,
+            self,
+            seq_len=seq_len,
+            batch_size=batch_size,
             max_steps=self.max_steps if self.max_steps or self.num_epochs else DEFAULT_STEPS,
-            offload=dataclasses.replace(self.offload, seq_len=seq_len, batch_size=batch_size))
+            offload=dataclasses.replace(self.offload, seq_len=seq_len, batch_size=batch_size),
+        )
 
     def warn_without_effect(self) -> None:
         """One warning per setting that cannot take effect (called once, when the config is read)."""
         if self.offload.layer_offloading and not self.lora_rank and self.model is None:
-            self.offload._warn(f"layer_offloading streams frozen weights; with a full fine-tune "
-                               f"({self.name('lora_rank')}: 0) there are none, so it has no effect")
+            self.offload._warn(
+                f"layer_offloading streams frozen weights; with a full fine-tune "
+                f"({self.name('lora_rank')}: 0) there are none, so it has no effect"
+            )
         lora_keys = [k for k in ("lora_alpha",) if getattr(self, k) is not None]
         lora_keys += [k for k in ("lora_dropout",) if getattr(self, k)]
         lora_keys += [k for k in ("lora_target_modules",) if getattr(self, k) != "all-linear"]
         lora_keys += [k for k in ("lora_modules_to_save", "lora_use_dora") if getattr(self, k)]
         if lora_keys and not self.lora_rank:
-            self.offload._warn(f"{', '.join(self.name(k) for k in lora_keys)} only apply with LoRA "
-                               f"({self.name('lora_rank')} > 0); they have no effect")
+            self.offload._warn(
+                f"{', '.join(self.name(k) for k in lora_keys)} only apply with LoRA "
+                f"({self.name('lora_rank')} > 0); they have no effect"
+            )
 
     def dataset_specs(self) -> list:
         """The datasets as :class:`~offloadkit.data.sft.DatasetSpec` (``dataset`` is one
@@ -195,7 +211,7 @@ class TrainConfig:
         """Check every setting; all problems are reported together.
 
         Raises:
-            ConfigProblems: one or more settings that cannot work.
+            ConfigProblemsError: one or more settings that cannot work.
         """
         problems: list[tuple[str, bool]] = []
 
@@ -204,39 +220,69 @@ class TrainConfig:
 
         self._check(fail)
         if problems:
-            raise ConfigProblems(source, problems)
+            raise ConfigProblemsError(source, problems)
 
     def _check(self, fail) -> None:
         from offloadkit.data.sft import SFT_TYPES, DatasetSpec
         from offloadkit.models.zoo import LLAMA_SHAPES
 
-        ints = {"gradient_accumulation_steps": 1, "warmup_steps": 0, "logging_steps": 1, "seed": 0,
-                "profile_step": 0, "seq_len": 2, "batch_size": 1, "max_steps": 1, "save_steps": 1,
-                "save_total_limit": 1, "lora_rank": 0, "lora_alpha": 1}
+        ints: dict[str, int] = {
+            "gradient_accumulation_steps": 1,
+            "warmup_steps": 0,
+            "logging_steps": 1,
+            "seed": 0,
+            "profile_step": 0,
+            "seq_len": 2,
+            "batch_size": 1,
+            "max_steps": 1,
+            "save_steps": 1,
+            "save_total_limit": 1,
+            "lora_rank": 0,
+            "lora_alpha": 1,
+        }
         for key, low in ints.items():
             value = getattr(self, key)
-            if value is None and key in ("seq_len", "batch_size", "max_steps", "save_steps", "save_total_limit",
-                                         "lora_rank", "lora_alpha"):
+            if value is None and key in (
+                "seq_len",
+                "batch_size",
+                "max_steps",
+                "save_steps",
+                "save_total_limit",
+                "lora_rank",
+                "lora_alpha",
+            ):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 fail(key, value, f"must be an integer >= {low}")
-        for key, low, example in (("learning_rate", 0.0, "2e-4"), ("num_epochs", 0.0, "3"), ("max_grad_norm", 0.0, "1.0")):
+        for key, floor, example in (
+            ("learning_rate", 0.0, "2e-4"),
+            ("num_epochs", 0.0, "3"),
+            ("max_grad_norm", 0.0, "1.0"),
+        ):
             value = getattr(self, key)
             if value is None and key == "num_epochs":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= low:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= floor:
                 fail(key, value, f"must be a positive number, e.g. {example}")
-        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
-                or not 0 <= self.lora_dropout < 1:
+        if (
+            isinstance(self.lora_dropout, bool)
+            or not isinstance(self.lora_dropout, (int, float))
+            or not 0 <= self.lora_dropout < 1
+        ):
             fail("lora_dropout", self.lora_dropout, "must be a number in [0, 1)")
-        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) \
-                or self.weight_decay < 0:
+        if (
+            isinstance(self.weight_decay, bool)
+            or not isinstance(self.weight_decay, (int, float))
+            or self.weight_decay < 0
+        ):
             fail("weight_decay", self.weight_decay, "must be a number >= 0, e.g. 0.01")
         if self.datasets is not None:
             if self.dataset is not None:
                 fail("datasets", self.datasets, f"and {self.name('dataset')} both name data; keep one")
             elif not isinstance(self.datasets, list) or not self.datasets:
-                fail("datasets", self.datasets, "must be a list of entries like [{path: data/train.jsonl, type: alpaca}]")
+                fail(
+                    "datasets", self.datasets, "must be a list of entries like [{path: data/train.jsonl, type: alpaca}]"
+                )
             else:
                 for i, entry in enumerate(self.datasets):
                     try:
@@ -257,8 +303,11 @@ class TrainConfig:
         for key in ("model", "tokenizer", "dataset", "output_dir"):
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
-                what = "one file path (.txt, .jsonl or .json); join several files into one" if key == "dataset" \
+                what = (
+                    "one file path (.txt, .jsonl or .json); join several files into one"
+                    if key == "dataset"
                     else "a path (a string)"
+                )
                 fail(key, value, f"must be {what}")
         if not self.output_dir:
             fail("output_dir", self.output_dir, "must name a directory")
@@ -270,23 +319,38 @@ class TrainConfig:
             fail("optimizer", self.optimizer, "must be an optimizer name, e.g. adamw_torch")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             fail("dtype", self.dtype, "must be auto, bfloat16, float16 or float32")
-        if not ((isinstance(self.lora_target_modules, str) and self.lora_target_modules) or (
-                isinstance(self.lora_target_modules, list) and self.lora_target_modules
-                and all(isinstance(m, str) for m in self.lora_target_modules))):
-            fail("lora_target_modules", self.lora_target_modules,
-                 'must be "all-linear", a list like [q_proj, v_proj], or a regular expression of module names')
+        if not (
+            (isinstance(self.lora_target_modules, str) and self.lora_target_modules)
+            or (
+                isinstance(self.lora_target_modules, list)
+                and self.lora_target_modules
+                and all(isinstance(m, str) for m in self.lora_target_modules)
+            )
+        ):
+            fail(
+                "lora_target_modules",
+                self.lora_target_modules,
+                'must be "all-linear", a list like [q_proj, v_proj], or a regular expression of module names',
+            )
         if self.gradient_checkpointing_kwargs is not None:
             kwargs = self.gradient_checkpointing_kwargs
             if not isinstance(kwargs, dict) or not set(kwargs) <= {"use_reentrant", "preserve_rng_state"}:
-                fail("gradient_checkpointing_kwargs", kwargs, "takes a mapping with use_reentrant (and "
-                     "preserve_rng_state), e.g. {use_reentrant: false}")
+                fail(
+                    "gradient_checkpointing_kwargs",
+                    kwargs,
+                    "takes a mapping with use_reentrant (and preserve_rng_state), e.g. {use_reentrant: false}",
+                )
         if not isinstance(self.resume_from_checkpoint, (str, bool, type(None))):
             fail("resume_from_checkpoint", self.resume_from_checkpoint, "must be a checkpoint directory or true")
         if self.load_in_4bit and not self.lora_rank:
-            fail("load_in_4bit", self.load_in_4bit, f"needs LoRA adapters ({self.name('lora_rank')} > 0): a 4-bit "
-                 "base cannot be fully fine-tuned")
+            fail(
+                "load_in_4bit",
+                self.load_in_4bit,
+                f"needs LoRA adapters ({self.name('lora_rank')} > 0): a 4-bit base cannot be fully fine-tuned",
+            )
         if self.lora_modules_to_save is not None and not (
-                isinstance(self.lora_modules_to_save, list) and all(isinstance(m, str) for m in self.lora_modules_to_save)):
+            isinstance(self.lora_modules_to_save, list) and all(isinstance(m, str) for m in self.lora_modules_to_save)
+        ):
             fail("lora_modules_to_save", self.lora_modules_to_save, "must be a list of module names, e.g. [lm_head]")
         for key in ("compare", "overwrite_output_dir", "load_in_4bit", "lora_use_dora"):
             if not isinstance(getattr(self, key), bool):

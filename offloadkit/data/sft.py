@@ -18,24 +18,45 @@ import torch
 
 from offloadkit.data.text import FORMATS, TokenBlocks, load_texts
 
-__all__ = ["DatasetSpec", "SFT_TYPES", "load_records", "build_examples", "SFTExamples", "pad_collate",
-           "CHATML_TEMPLATE"]
+__all__ = [
+    "DatasetSpec",
+    "SFT_TYPES",
+    "load_records",
+    "build_examples",
+    "SFTExamples",
+    "pad_collate",
+    "CHATML_TEMPLATE",
+]
 
 SFT_TYPES = ("completion", "alpaca", "chat_template")
 IGNORE = -100
 # Stanford Alpaca's prompt format, as Axolotl's ``alpaca`` type renders it.
-_ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
-                 "context. Write a response that appropriately completes the request.\n\n"
-                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-_ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
-           "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+_ALPACA_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+_ALPACA = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the "
+    "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
 # ChatML, for tokenizers without a template of their own (the built-in byte tokenizer).
-CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
-                   "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                   "{% endif %}")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
 # Role names of common chat datasets (ShareGPT's human/gpt) onto the template's.
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-          "system": "system", "tool": "tool", "function": "tool"}
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+}
 
 
 @dataclass
@@ -122,8 +143,10 @@ def _alpaca(record, tokenizer, train_on_inputs: bool, where: str) -> tuple[list[
 
 def _messages(record, spec: DatasetSpec, where: str) -> list[dict]:
     if not isinstance(record, dict) or not isinstance(record.get(spec.field_messages), list):
-        raise ValueError(f"{where}: no list of messages under {spec.field_messages!r}; set field_messages to the "
-                         "field that holds them")
+        raise ValueError(
+            f"{where}: no list of messages under {spec.field_messages!r}; set field_messages to the "
+            "field that holds them"
+        )
     role_key = spec.message_property_mappings.get("role", "role")
     content_key = spec.message_property_mappings.get("content", "content")
     names = dict(_ROLES)
@@ -166,8 +189,10 @@ def _chat(record, spec: DatasetSpec, tokenizer, train_on_inputs: bool, where: st
         start_text = render(i, prompt=message["role"] == "assistant") if i or message["role"] == "assistant" else ""
         end_text = render(i + 1)
         if not (full.startswith(end_text) and end_text.startswith(start_text)):
-            raise ValueError(f"{where}: the chat template does not render the conversation turn by turn (turn {i} "
-                             "changes earlier text), so the trained tokens cannot be told apart")
+            raise ValueError(
+                f"{where}: the chat template does not render the conversation turn by turn (turn {i} "
+                "changes earlier text), so the trained tokens cannot be told apart"
+            )
         start, end = len(start_text), len(end_text)
         for k, (a, b) in enumerate(offsets):
             if b > start and a < end:
@@ -188,8 +213,10 @@ def build_examples(spec: DatasetSpec, tokenizer, seq_len: int, train_on_inputs: 
         blocks = TokenBlocks(tokenizer, texts, seq_len)
         return [(row.tolist(), row.tolist()) for row in blocks.data], 0
     if spec.type == "chat_template" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{spec.path}: type chat_template needs a tokenizer with a chat template; this one has none "
-                         "(set chat_template: chatml, or give a tokenizer that has one)")
+        raise ValueError(
+            f"{spec.path}: type chat_template needs a tokenizer with a chat template; this one has none "
+            "(set chat_template: chatml, or give a tokenizer that has one)"
+        )
     examples, dropped = [], 0
     for index, record in enumerate(load_records(spec.path)):
         where = f"{spec.path}[{index}]"
@@ -203,8 +230,9 @@ def build_examples(spec: DatasetSpec, tokenizer, seq_len: int, train_on_inputs: 
         if any(label != IGNORE for label in labels[1:]):  # something to learn after the shift
             examples.append((ids, labels))
     if not examples:
-        raise ValueError(f"{spec.path}: no example fits in seq_len={seq_len} with a trained token ({dropped} longer "
-                         "ones dropped)")
+        raise ValueError(
+            f"{spec.path}: no example fits in seq_len={seq_len} with a trained token ({dropped} longer ones dropped)"
+        )
     return examples, dropped
 
 

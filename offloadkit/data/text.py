@@ -24,8 +24,10 @@ def _record_text(record, text_field: str, where: str) -> str:
     text = record[text_field]
     if not isinstance(text, str):
         # str() of null, a number or a list would train on "None", "5" or "['a', 'b']".
-        raise ValueError(f"{where}: {text_field!r} is {type(text).__name__} {json.dumps(text)[:60]}, not a string; "
-                         f"give each record's {text_field!r} as text, or drop the record")
+        raise ValueError(
+            f"{where}: {text_field!r} is {type(text).__name__} {json.dumps(text)[:60]}, not a string; "
+            f"give each record's {text_field!r} as text, or drop the record"
+        )
     return text
 
 
@@ -56,8 +58,10 @@ def _json_document(path: str, text_field: str) -> list[str]:
     elif isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
-            raise ValueError(f"{path}: a JSON object must hold one list of records; give an array of records "
-                             f"with a {text_field!r} field, or JSON Lines")
+            raise ValueError(
+                f"{path}: a JSON object must hold one list of records; give an array of records "
+                f"with a {text_field!r} field, or JSON Lines"
+            )
         data = lists[0]
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected an array of records with a {text_field!r} field")
@@ -79,8 +83,10 @@ def load_texts(path: str | None = None, text_field: str = "text") -> list[str]:
         raise FileNotFoundError(f"dataset {path!r} does not exist (give a .txt, .jsonl or .json file)")
     ext = os.path.splitext(path)[1].lower()
     if ext not in FORMATS:
-        raise ValueError(f"dataset {path!r}: {ext or 'no extension'} is not a format offloadkit reads; convert it "
-                         "to .jsonl (one {\"text\": ...} per line), .json or .txt")
+        raise ValueError(
+            f"dataset {path!r}: {ext or 'no extension'} is not a format offloadkit reads; convert it "
+            'to .jsonl (one {"text": ...} per line), .json or .txt'
+        )
     if ext == ".txt":
         with open(path, encoding="utf-8") as f:
             texts = [f.read()]

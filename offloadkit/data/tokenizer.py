@@ -26,7 +26,9 @@ def byte_tokenizer():
     byte_to_char = {}
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     # Rebuild GPT-2's byte->unicode table: printable bytes map to themselves, others shift past 255.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     shift = 0
     for b in range(256):
         if b in printable:
@@ -43,5 +45,10 @@ def byte_tokenizer():
     from offloadkit.data.sft import CHATML_TEMPLATE
 
     # ChatML as plain bytes, so chat datasets (type chat_template) work with the built-in model.
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   chat_template=CHATML_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        chat_template=CHATML_TEMPLATE,
+    )

@@ -102,8 +102,9 @@ class BackwardPath:
         # Sources still on the device are the newest entries: backward needs them first.
         for entry in [e for e in self._stash if e.step is step]:
             self._stash.remove(entry)
-            self._make_resident(entry, entry.src, ready=None, stream=entry.src_stream,
-                                guard=(entry.src_stream, entry.stored.done))
+            self._make_resident(
+                entry, entry.src, ready=None, stream=entry.src_stream, guard=(entry.src_stream, entry.stored.done)
+            )
             entry.src = None
             self.stats.stash_hits += 1
         self._prefetch(step, None)
@@ -151,8 +152,13 @@ class BackwardPath:
     def _fetch(self, entry: Entry) -> None:
         loaded = entry.stored.tier.load(entry.stored)
         self.stats.restored_bytes += entry.nbytes
-        self._make_resident(entry, loaded.data, loaded.ready, loaded.alloc_stream,
-                            guard=(loaded.alloc_stream, loaded.ready) if loaded.ready is not None else None)
+        self._make_resident(
+            entry,
+            loaded.data,
+            loaded.ready,
+            loaded.alloc_stream,
+            guard=(loaded.alloc_stream, loaded.ready) if loaded.ready is not None else None,
+        )
 
     def _make_resident(self, entry: Entry, data, ready, stream, guard) -> None:
         entry.gpu, entry.gpu_ready, entry.gpu_stream, entry.gpu_guard = data, ready, stream, guard

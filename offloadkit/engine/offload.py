@@ -101,10 +101,20 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         offload_cpu_tensors: bool = False,
         measure_waits: bool = True,
     ) -> None:
-        check_args(use_pin_memory=use_pin_memory, use_streams=use_streams, max_fwd_stash_size=max_fwd_stash_size,
-                    prefetch=prefetch, prefetch_bytes=prefetch_bytes, host_budget_bytes=host_budget_bytes,
-                    storage=storage, disk=disk, offload_cpu_tensors=offload_cpu_tensors, budget=budget, tier=tier,
-                    measure_waits=measure_waits)
+        check_args(
+            use_pin_memory=use_pin_memory,
+            use_streams=use_streams,
+            max_fwd_stash_size=max_fwd_stash_size,
+            prefetch=prefetch,
+            prefetch_bytes=prefetch_bytes,
+            host_budget_bytes=host_budget_bytes,
+            storage=storage,
+            disk=disk,
+            offload_cpu_tensors=offload_cpu_tensors,
+            budget=budget,
+            tier=tier,
+            measure_waits=measure_waits,
+        )
         device_types = ("cuda", "cpu") if offload_cpu_tensors else ("cuda",)
         self.policy = OffloadPolicy(min_offload_size, device_types)
         self.use_streams = bool(use_streams)
@@ -146,7 +156,6 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self._closed = False
         super().__init__(self._pack, self._unpack)
 
-
     # -- context manager -------------------------------------------------------------------
     def __enter__(self):
         if self._closed:
@@ -159,8 +168,10 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             # Saved-tensor hooks are per thread: while the region is open, module forwards on
             # other threads (nn.DataParallel replicas, workers) get them pushed.
             if not self._follow_depth:
-                self._follow = (register_module_forward_pre_hook(self._follow_pre),
-                                register_module_forward_hook(self._follow_post, always_call=True))
+                self._follow = (
+                    register_module_forward_pre_hook(self._follow_pre),
+                    register_module_forward_hook(self._follow_post, always_call=True),
+                )
             self._follow_depth += 1
         super().__enter__()
         return self
@@ -287,8 +298,13 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         recomputation (on CUDA, on the engine's device thread), whose saves its own hooks
         must see."""
         state = self._state()
-        if (self._entered_threads and threading.get_ident() not in self._entered_threads
-                and torch.is_grad_enabled() and not state.pushed and not in_backward()):
+        if (
+            self._entered_threads
+            and threading.get_ident() not in self._entered_threads
+            and torch.is_grad_enabled()
+            and not state.pushed
+            and not in_backward()
+        ):
             self._reset_forward()  # a pooled worker thread may keep the state of its last forward
             push_saved_tensor_hooks(self._pack, self._unpack)
             state.pushed.append(module)

@@ -44,9 +44,7 @@ class OffloadPolicy:
 
     def __init__(self, min_offload_size: int = 1024, device_types: tuple[str, ...] = ("cuda",)) -> None:
         if not isinstance(min_offload_size, int) or isinstance(min_offload_size, bool) or min_offload_size < 0:
-            raise ValueError(
-                f"min_offload_size={min_offload_size!r} is invalid; pass a byte count >= 0 (default 1024)"
-            )
+            raise ValueError(f"min_offload_size={min_offload_size!r} is invalid; pass a byte count >= 0 (default 1024)")
         self.min_offload_size = min_offload_size
         self.device_types = tuple(device_types)
         self._modules: list[nn.Module] = []

@@ -28,8 +28,20 @@ _step_ids = itertools.count()
 class Step:
     """The offloaded entries of one forward (one graph), in save order."""
 
-    __slots__ = ("id", "order", "by_seq", "next_seq", "live", "passes", "task", "cursor", "plan", "trace",
-                 "consumed", "window_bytes")
+    __slots__ = (
+        "id",
+        "order",
+        "by_seq",
+        "next_seq",
+        "live",
+        "passes",
+        "task",
+        "cursor",
+        "plan",
+        "trace",
+        "consumed",
+        "window_bytes",
+    )
 
     def __init__(self) -> None:
         self.id = next(_step_ids)

@@ -144,8 +144,21 @@ class Packed:
     and a view of it was written.
     """
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "itemsize", "version", "alias", "ref",
-                 "seen_gen", "copied", "_dead", "__weakref__")
+    __slots__ = (
+        "entry",
+        "dtype",
+        "size",
+        "stride",
+        "offset",
+        "itemsize",
+        "version",
+        "alias",
+        "ref",
+        "seen_gen",
+        "copied",
+        "_dead",
+        "__weakref__",
+    )
 
     def __init__(self, entry: Entry, t: torch.Tensor, dead: DeathQueue, copied: bool = True) -> None:
         self.entry = entry

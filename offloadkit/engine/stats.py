@@ -62,12 +62,15 @@ class OffloadStats:
             [
                 f"saved tensors     {self.saved_tensors}",
                 f"offloaded         {self.offloaded_tensors} tensors, {self.offloaded_bytes / _MiB:.1f} MiB",
-                f"deduplicated      {self.deduplicated_tensors} tensors, {self.deduplicated_bytes / _MiB:.1f} MiB not copied again",
+                f"deduplicated      {self.deduplicated_tensors} tensors, "
+                f"{self.deduplicated_bytes / _MiB:.1f} MiB not copied again",
                 f"kept on device    {self.kept_tensors} tensors, {self.kept_bytes / _MiB:.1f} MiB ({reasons})",
                 f"restored          {self.restored_bytes / _MiB:.1f} MiB",
-                f"backward          {self.prefetch_hits} prefetch hits, {self.prefetch_misses} misses, {self.stash_hits} still on device, "
+                f"backward          {self.prefetch_hits} prefetch hits, {self.prefetch_misses} misses, "
+                f"{self.stash_hits} still on device, "
                 f"{self.replayed_passes} passes in learned order",
-                f"compute waited    {self.wait_seconds_forward:.4f} s forward, {self.wait_seconds_backward:.4f} s backward"
+                f"compute waited    {self.wait_seconds_forward:.4f} s forward, "
+                f"{self.wait_seconds_backward:.4f} s backward"
                 + (f"; host blocked on I/O {self.host_wait_seconds:.4f} s" if self.host_wait_seconds else ""),
             ]
         )

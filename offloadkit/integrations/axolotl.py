@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import warnings
 
-from offloadkit.config import ConfigProblems
+from offloadkit.config import ConfigProblemsError
 
 __all__ = ["looks_like_axolotl", "to_train_dict", "RENAMED", "WITHOUT_EFFECT", "UNSUPPORTED"]
 
@@ -28,43 +28,187 @@ RENAMED = {
     "lora_r": "lora_rank",
 }
 # Handled by the mapping below rather than renamed.
-SPECIAL = ("datasets", "adapter", "lora_target_linear", "bf16", "fp16", "bfloat16", "float16", "flash_attention",
-           "sdp_attention", "load_in_4bit", "load_in_8bit", "model_type", "cut_cross_entropy",
-           "liger_fused_linear_cross_entropy", "chat_template_jinja", "peft_use_dora")
+SPECIAL = (
+    "datasets",
+    "adapter",
+    "lora_target_linear",
+    "bf16",
+    "fp16",
+    "bfloat16",
+    "float16",
+    "flash_attention",
+    "sdp_attention",
+    "load_in_4bit",
+    "load_in_8bit",
+    "model_type",
+    "cut_cross_entropy",
+    "liger_fused_linear_cross_entropy",
+    "chat_template_jinja",
+    "peft_use_dora",
+)
 # Accepted, but nothing here acts on them (logging, hub, evaluation, kernels, multi-GPU
 # settings of a one-process run, data preparation caches, ...).
 WITHOUT_EFFECT = (
-    "base_model_config", "tokenizer_type", "tokenizer_use_fast", "tokenizer_legacy", "tokenizer_use_mistral_common",
-    "trust_remote_code", "is_llama_derived_model", "is_mistral_derived_model", "is_falcon_derived_model",
-    "is_qwen_derived_model", "strict", "special_tokens", "tokens", "eot_tokens", "dataset_prepared_path",
-    "val_set_size", "test_datasets", "shuffle_merged_datasets", "dataset_exact_deduplication", "skip_prepare_dataset",
-    "sample_packing", "eval_sample_packing", "sample_packing_eff_est", "sample_packing_seq_len_multiplier",
-    "sample_packing_sequentially", "pad_to_sequence_len", "max_packed_sequence_len", "group_by_length",
-    "pretrain_multipack_attn", "streaming_multipack_buffer_size", "min_sample_len", "total_num_tokens",
-    "curriculum_sampling", "xformers_attention", "flex_attention", "s2_attention", "flash_optimum", "flash_attn_fuse_mlp",
-    "flash_attn_rms_norm", "flash_attn_cross_entropy", "flex_attn_compile_kwargs", "fused_attn_kernel",
-    "gemma4_hybrid_attn_impl", "tf32", "wandb_project", "wandb_entity", "wandb_watch", "wandb_name", "wandb_run_id",
-    "wandb_log_model", "use_wandb", "mlflow_tracking_uri", "mlflow_experiment_name", "use_tensorboard", "use_swanlab",
-    "swanlab_project", "swanlab_experiment_name", "swanlab_description", "swanlab_mode", "swanlab_log_completions",
-    "swanlab_completion_log_interval", "swanlab_completion_max_buffer", "swanlab_workspace", "swanlab_log_model",
-    "trackio_project_name", "trackio_run_name", "trackio_space_id", "use_otel_metrics", "otel_metrics_host",
-    "otel_metrics_port", "hub_model_id", "hub_strategy", "hf_use_auth_token", "push_dataset_to_hub",
-    "evals_per_epoch", "eval_steps", "eval_strategy", "evaluation_strategy", "eval_table_size", "eval_max_new_tokens",
-    "eval_causal_lm_metrics", "do_causal_lm_eval", "eval_batch_size", "saves_per_epoch", "save_strategy",
-    "save_only_model", "save_safetensors", "early_stopping_patience", "local_rank", "debug", "deepspeed", "fsdp",
-    "fsdp_config", "fsdp_version", "dp_shard_size", "dp_replicate_size", "ddp", "ddp_find_unused_parameters",
-    "accelerator_config", "device_map", "low_cpu_mem_usage", "experimental_skip_move_to_device", "torchdistx_path",
-    "warmup_ratio", "lora_fan_in_fan_out", "lora_model_dir", "peft_use_rslora", "torch_compile",
-    "torch_compile_mode", "plugins", "liger_rope", "liger_rms_norm", "liger_rms_norm_gated", "liger_glu_activation",
-    "liger_layer_norm", "use_kernels", "use_scattermoe", "use_sonicmoe", "lora_mlp_kernel", "lora_qkv_kernel",
-    "lora_o_kernel", "experts_implementation", "use_dsv4_kernels", "dsv4_fp4_grouped_mode", "use_glm_dsa_kernels",
-    "quantize_moe_experts", "llama4_linearized_experts", "resize_token_embeddings_to_32x", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "adam_eps", "cosine_min_lr_ratio", "cosine_constant_lr_ratio", "eta_min", "lr_quadratic_warmup",
-    "loss_watchdog_threshold", "loss_watchdog_patience", "neftune_noise_alpha", "auto_resume_from_checkpoints",
-    "remove_unused_columns", "revision_of_model", "base_model_ignore_patterns", "model_config", "test_value",
-    "unsloth_cross_entropy_loss", "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm",
-    "unsloth_rope", "lora_dropout_layers", "torch_dtype", "dataloader_num_workers", "dataloader_pin_memory",
-    "dataloader_prefetch_factor", "gc_steps", "include_tokens_per_second", "profiler_steps", "bnb_config_kwargs",
+    "base_model_config",
+    "tokenizer_type",
+    "tokenizer_use_fast",
+    "tokenizer_legacy",
+    "tokenizer_use_mistral_common",
+    "trust_remote_code",
+    "is_llama_derived_model",
+    "is_mistral_derived_model",
+    "is_falcon_derived_model",
+    "is_qwen_derived_model",
+    "strict",
+    "special_tokens",
+    "tokens",
+    "eot_tokens",
+    "dataset_prepared_path",
+    "val_set_size",
+    "test_datasets",
+    "shuffle_merged_datasets",
+    "dataset_exact_deduplication",
+    "skip_prepare_dataset",
+    "sample_packing",
+    "eval_sample_packing",
+    "sample_packing_eff_est",
+    "sample_packing_seq_len_multiplier",
+    "sample_packing_sequentially",
+    "pad_to_sequence_len",
+    "max_packed_sequence_len",
+    "group_by_length",
+    "pretrain_multipack_attn",
+    "streaming_multipack_buffer_size",
+    "min_sample_len",
+    "total_num_tokens",
+    "curriculum_sampling",
+    "xformers_attention",
+    "flex_attention",
+    "s2_attention",
+    "flash_optimum",
+    "flash_attn_fuse_mlp",
+    "flash_attn_rms_norm",
+    "flash_attn_cross_entropy",
+    "flex_attn_compile_kwargs",
+    "fused_attn_kernel",
+    "gemma4_hybrid_attn_impl",
+    "tf32",
+    "wandb_project",
+    "wandb_entity",
+    "wandb_watch",
+    "wandb_name",
+    "wandb_run_id",
+    "wandb_log_model",
+    "use_wandb",
+    "mlflow_tracking_uri",
+    "mlflow_experiment_name",
+    "use_tensorboard",
+    "use_swanlab",
+    "swanlab_project",
+    "swanlab_experiment_name",
+    "swanlab_description",
+    "swanlab_mode",
+    "swanlab_log_completions",
+    "swanlab_completion_log_interval",
+    "swanlab_completion_max_buffer",
+    "swanlab_workspace",
+    "swanlab_log_model",
+    "trackio_project_name",
+    "trackio_run_name",
+    "trackio_space_id",
+    "use_otel_metrics",
+    "otel_metrics_host",
+    "otel_metrics_port",
+    "hub_model_id",
+    "hub_strategy",
+    "hf_use_auth_token",
+    "push_dataset_to_hub",
+    "evals_per_epoch",
+    "eval_steps",
+    "eval_strategy",
+    "evaluation_strategy",
+    "eval_table_size",
+    "eval_max_new_tokens",
+    "eval_causal_lm_metrics",
+    "do_causal_lm_eval",
+    "eval_batch_size",
+    "saves_per_epoch",
+    "save_strategy",
+    "save_only_model",
+    "save_safetensors",
+    "early_stopping_patience",
+    "local_rank",
+    "debug",
+    "deepspeed",
+    "fsdp",
+    "fsdp_config",
+    "fsdp_version",
+    "dp_shard_size",
+    "dp_replicate_size",
+    "ddp",
+    "ddp_find_unused_parameters",
+    "accelerator_config",
+    "device_map",
+    "low_cpu_mem_usage",
+    "experimental_skip_move_to_device",
+    "torchdistx_path",
+    "warmup_ratio",
+    "lora_fan_in_fan_out",
+    "lora_model_dir",
+    "peft_use_rslora",
+    "torch_compile",
+    "torch_compile_mode",
+    "plugins",
+    "liger_rope",
+    "liger_rms_norm",
+    "liger_rms_norm_gated",
+    "liger_glu_activation",
+    "liger_layer_norm",
+    "use_kernels",
+    "use_scattermoe",
+    "use_sonicmoe",
+    "lora_mlp_kernel",
+    "lora_qkv_kernel",
+    "lora_o_kernel",
+    "experts_implementation",
+    "use_dsv4_kernels",
+    "dsv4_fp4_grouped_mode",
+    "use_glm_dsa_kernels",
+    "quantize_moe_experts",
+    "llama4_linearized_experts",
+    "resize_token_embeddings_to_32x",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "adam_eps",
+    "cosine_min_lr_ratio",
+    "cosine_constant_lr_ratio",
+    "eta_min",
+    "lr_quadratic_warmup",
+    "loss_watchdog_threshold",
+    "loss_watchdog_patience",
+    "neftune_noise_alpha",
+    "auto_resume_from_checkpoints",
+    "remove_unused_columns",
+    "revision_of_model",
+    "base_model_ignore_patterns",
+    "model_config",
+    "test_value",
+    "unsloth_cross_entropy_loss",
+    "unsloth_lora_mlp",
+    "unsloth_lora_qkv",
+    "unsloth_lora_o",
+    "unsloth_rms_norm",
+    "unsloth_rope",
+    "lora_dropout_layers",
+    "torch_dtype",
+    "dataloader_num_workers",
+    "dataloader_pin_memory",
+    "dataloader_prefetch_factor",
+    "gc_steps",
+    "include_tokens_per_second",
+    "profiler_steps",
+    "bnb_config_kwargs",
     "model_quantization_config_kwargs",
 )
 # Axolotl features offloadkit does not have: key -> what it is. Refused when set (not
@@ -72,49 +216,108 @@ WITHOUT_EFFECT = (
 UNSUPPORTED = {
     "rl": "RL and preference training (rl: dpo, orpo, kto, grpo, ...)",
     "trl": "RL trainer settings (trl:)",
-    "rl_beta": "RL and preference training", "orpo_alpha": "RL and preference training",
-    "kto_desirable_weight": "RL and preference training", "vllm": "vLLM generation for RL",
-    "reward_model": "reward-model training", "process_reward_model": "process-reward-model training",
-    "center_rewards_coefficient": "reward-model training", "num_labels": "classification heads",
-    "processor_type": "multimodal processors (images, audio)", "freeze_mm_modules": "multimodal models",
+    "rl_beta": "RL and preference training",
+    "orpo_alpha": "RL and preference training",
+    "kto_desirable_weight": "RL and preference training",
+    "vllm": "vLLM generation for RL",
+    "reward_model": "reward-model training",
+    "process_reward_model": "process-reward-model training",
+    "center_rewards_coefficient": "reward-model training",
+    "num_labels": "classification heads",
+    "processor_type": "multimodal processors (images, audio)",
+    "freeze_mm_modules": "multimodal models",
     "pretraining_dataset": "streaming pretraining datasets",
-    "gptq": "GPTQ-quantised bases", "gptq_groupsize": "GPTQ-quantised bases", "gptq_model_v1": "GPTQ-quantised bases",
-    "gptq_disable_exllama": "GPTQ-quantised bases", "model_quantization_config": "quantised bases",
-    "llmcompressor": "llm-compressor sparsity", "qat": "quantisation-aware training", "fp8": "fp8 training",
-    "fp8_enable_fsdp_float8_all_gather": "fp8 training", "nvfp4_merge_aware": "nvfp4 training",
-    "use_onebitllms": "1-bit models", "diffusion": "diffusion language models", "ebft": "EBFT training",
-    "lisa_n_layers": "LISA layer sampling", "lisa_step_interval": "LISA layer sampling",
-    "lisa_layers_attribute": "LISA layer sampling", "relora": "ReLoRA", "relora_prune_ratio": "ReLoRA",
-    "relora_cpu_offload": "ReLoRA", "jagged_restart_steps": "jagged learning-rate restarts",
+    "gptq": "GPTQ-quantised bases",
+    "gptq_groupsize": "GPTQ-quantised bases",
+    "gptq_model_v1": "GPTQ-quantised bases",
+    "gptq_disable_exllama": "GPTQ-quantised bases",
+    "model_quantization_config": "quantised bases",
+    "llmcompressor": "llm-compressor sparsity",
+    "qat": "quantisation-aware training",
+    "fp8": "fp8 training",
+    "fp8_enable_fsdp_float8_all_gather": "fp8 training",
+    "nvfp4_merge_aware": "nvfp4 training",
+    "use_onebitllms": "1-bit models",
+    "diffusion": "diffusion language models",
+    "ebft": "EBFT training",
+    "lisa_n_layers": "LISA layer sampling",
+    "lisa_step_interval": "LISA layer sampling",
+    "lisa_layers_attribute": "LISA layer sampling",
+    "relora": "ReLoRA",
+    "relora_prune_ratio": "ReLoRA",
+    "relora_cpu_offload": "ReLoRA",
+    "jagged_restart_steps": "jagged learning-rate restarts",
     "jagged_restart_warmup_steps": "jagged learning-rate restarts",
-    "jagged_restart_anneal_steps": "jagged learning-rate restarts", "use_ray": "Ray training",
-    "ray_num_workers": "Ray training", "unfrozen_parameters": "training a chosen subset of the parameters",
-    "lora_target_parameters": "LoRA on raw parameters (MoE expert tensors)", "reinit_weights": "re-initialised weights",
-    "use_eaft": "EAFT loss", "eaft_alpha": "EAFT loss", "eaft_k": "EAFT loss", "cls_model_config": "classification heads",
+    "jagged_restart_anneal_steps": "jagged learning-rate restarts",
+    "use_ray": "Ray training",
+    "ray_num_workers": "Ray training",
+    "unfrozen_parameters": "training a chosen subset of the parameters",
+    "lora_target_parameters": "LoRA on raw parameters (MoE expert tensors)",
+    "reinit_weights": "re-initialised weights",
+    "use_eaft": "EAFT loss",
+    "eaft_alpha": "EAFT loss",
+    "eaft_k": "EAFT loss",
+    "cls_model_config": "classification heads",
     "peft": "PEFT configs other than LoRA (peft:)",
     "context_parallel_size": "context parallelism across GPUs (offloadkit's own is offloadkit.parallel)",
-    "context_parapllel_size": "context parallelism across GPUs", "tensor_parallel_size": "tensor parallelism",
-    "expert_parallel_size": "expert parallelism", "expert_parallel_num_nvl_bytes": "expert parallelism",
-    "expert_parallel_token_capacity": "expert parallelism", "streaming": "streaming datasets",
+    "context_parapllel_size": "context parallelism across GPUs",
+    "tensor_parallel_size": "tensor parallelism",
+    "expert_parallel_size": "expert parallelism",
+    "expert_parallel_num_nvl_bytes": "expert parallelism",
+    "expert_parallel_token_capacity": "expert parallelism",
+    "streaming": "streaming datasets",
     "full_finetune": "EBFT full fine-tuning",
 }
 _PARALLEL = ("context_parallel_size", "context_parapllel_size", "tensor_parallel_size", "expert_parallel_size")
 # Keys only Axolotl uses: any of them marks a config as an Axolotl one.
 _AXOLOTL_ONLY = set(RENAMED) | set(SPECIAL) | set(WITHOUT_EFFECT) | set(UNSUPPORTED)
-_DATASET_KEYS = ("path", "type", "field", "ds_type", "data_files", "split", "name", "field_messages",
-                 "message_property_mappings", "message_field_role", "message_field_content", "roles", "roles_to_train",
-                 "train_on_eos", "drop_system_message", "field_thinking", "template_thinking_key", "chat_template",
-                 "trust_remote_code", "revision", "shards", "preprocess_shards")
-_RL_DATASET_KEYS = ("field_chosen", "field_rejected", "field_prompt", "step_separator", "max_completion_length",
-                    "train_on_last_step_only")
-_TYPES = {"completion": "completion", "text": "completion", "alpaca": "alpaca", "chat_template": "chat_template",
-          "chat_template.default": "chat_template"}
+_DATASET_KEYS = (
+    "path",
+    "type",
+    "field",
+    "ds_type",
+    "data_files",
+    "split",
+    "name",
+    "field_messages",
+    "message_property_mappings",
+    "message_field_role",
+    "message_field_content",
+    "roles",
+    "roles_to_train",
+    "train_on_eos",
+    "drop_system_message",
+    "field_thinking",
+    "template_thinking_key",
+    "chat_template",
+    "trust_remote_code",
+    "revision",
+    "shards",
+    "preprocess_shards",
+)
+_RL_DATASET_KEYS = (
+    "field_chosen",
+    "field_rejected",
+    "field_prompt",
+    "step_separator",
+    "max_completion_length",
+    "train_on_last_step_only",
+)
+_TYPES = {
+    "completion": "completion",
+    "text": "completion",
+    "alpaca": "alpaca",
+    "chat_template": "chat_template",
+    "chat_template.default": "chat_template",
+}
 # Axolotl's named chat templates: offloadkit renders with the tokenizer's own template.
 _TEMPLATE_NAMES = ("tokenizer_default", "tokenizer_default_fallback_chatml", "chatml", "jinja")
-_MODEL_CLASSES_UNSUPPORTED = {"AutoModelForSequenceClassification": "sequence classification heads",
-                              "AutoModelForTokenClassification": "token classification heads",
-                              "AutoModelForImageTextToText": "multimodal models",
-                              "AutoModelForVision2Seq": "multimodal models"}
+_MODEL_CLASSES_UNSUPPORTED = {
+    "AutoModelForSequenceClassification": "sequence classification heads",
+    "AutoModelForTokenClassification": "token classification heads",
+    "AutoModelForImageTextToText": "multimodal models",
+    "AutoModelForVision2Seq": "multimodal models",
+}
 
 
 def looks_like_axolotl(data: dict) -> bool:
@@ -155,31 +358,34 @@ class _Mapper:
     def refuse(self, message: str) -> None:
         self.problems.append((message, True))
 
-    def dataset(self, index: int, entry) -> None:
+    def dataset(self, index: int, entry) -> dict | None:
         where = f"datasets[{index}]"
         if not isinstance(entry, dict):
             self.fail(f"{where}={entry!r} must be a mapping like {{path: data/train.jsonl, type: alpaca}}")
-            return
+            return None
         entry = {k: v for k, v in entry.items() if not _unset(v)}
         rl_keys = [k for k in entry if k in _RL_DATASET_KEYS]
         if rl_keys:
-            self.refuse(f"{where} has {', '.join(rl_keys)}: preference data for RL training, which offloadkit train "
-                        "does not do")
-            return
+            self.refuse(
+                f"{where} has {', '.join(rl_keys)}: preference data for RL training, which offloadkit train does not do"
+            )
+            return None
         unknown = [k for k in entry if k not in _DATASET_KEYS]
         if unknown:
             self.fail(f"{where} has unknown keys {unknown}; offloadkit reads {', '.join(_DATASET_KEYS)}")
         kind = entry.get("type", "completion")
         if not isinstance(kind, str) or kind not in _TYPES:
-            self.refuse(f"{where}.type={kind!r}: offloadkit train reads the dataset types completion, alpaca and "
-                        "chat_template; other prompt formats are not supported")
-            return
+            self.refuse(
+                f"{where}.type={kind!r}: offloadkit train reads the dataset types completion, alpaca and "
+                "chat_template; other prompt formats are not supported"
+            )
+            return None
         path = entry.get("data_files") or entry.get("path")
         if isinstance(path, list) and len(path) == 1:
             path = path[0]
         if not isinstance(path, str):
             self.fail(f"{where}.path={path!r} must be one local file (.jsonl or .json; .txt for completion)")
-            return
+            return None
         spec: dict = {"path": path, "type": _TYPES[kind]}
         if "field" in entry:
             spec["field"] = entry["field"]
@@ -192,8 +398,19 @@ class _Mapper:
         for key in ("field_messages", "roles", "roles_to_train", "drop_system_message"):
             if key in entry:
                 spec[key] = entry[key]
-        for key in ("field_thinking", "template_thinking_key", "chat_template", "train_on_eos", "split", "name",
-                    "shards", "preprocess_shards", "revision", "trust_remote_code", "ds_type"):
+        for key in (
+            "field_thinking",
+            "template_thinking_key",
+            "chat_template",
+            "train_on_eos",
+            "split",
+            "name",
+            "shards",
+            "preprocess_shards",
+            "revision",
+            "trust_remote_code",
+            "ds_type",
+        ):
             if key in entry and not (key == "split" and entry[key] == "train"):
                 self.ignored.append(f"{where}.{key}")
         return spec
@@ -206,12 +423,19 @@ def _map_keys(data: dict, m: _Mapper) -> None:
             # Axolotl's batch_size is the whole step (micro-batches x accumulation); offloadkit's
             # is one micro-batch, which micro_batch_size gives.
             micro = data["micro_batch_size"]
-            if isinstance(value, int) and isinstance(micro, int) and micro > 0 and value % micro == 0 \
-                    and "gradient_accumulation_steps" not in data:
+            if (
+                isinstance(value, int)
+                and isinstance(micro, int)
+                and micro > 0
+                and value % micro == 0
+                and "gradient_accumulation_steps" not in data
+            ):
                 m.put("gradient_accumulation_steps", value // micro, "batch_size")
             elif data.get("gradient_accumulation_steps") not in (None, value // max(1, micro)):
-                m.fail(f"batch_size={value!r} is not micro_batch_size x gradient_accumulation_steps "
-                       f"({micro} x {data['gradient_accumulation_steps']}); drop batch_size")
+                m.fail(
+                    f"batch_size={value!r} is not micro_batch_size x gradient_accumulation_steps "
+                    f"({micro} x {data['gradient_accumulation_steps']}); drop batch_size"
+                )
             continue
         if key in RENAMED:
             m.put(RENAMED[key], value, key)
@@ -244,15 +468,21 @@ def _map_keys(data: dict, m: _Mapper) -> None:
 def _map_adapter(data: dict, m: _Mapper) -> None:
     adapter = data.get("adapter")
     if data.get("load_in_8bit") is True:
-        m.refuse("load_in_8bit=true: 8-bit quantised bases; use load_in_4bit: true with adapter: qlora (QLoRA), or a "
-                 "16-bit base with adapter: lora")
+        m.refuse(
+            "load_in_8bit=true: 8-bit quantised bases; use load_in_4bit: true with adapter: qlora (QLoRA), or a "
+            "16-bit base with adapter: lora"
+        )
     if data.get("load_in_4bit") is True:
         m.put("load_in_4bit", True, "load_in_4bit")
     if adapter is None:
         # Without an adapter Axolotl fine-tunes every weight; its lora_* keys do nothing then.
-        for written, target in (("lora_r", "lora_rank"), ("lora_alpha", "lora_alpha"),
-                                ("lora_dropout", "lora_dropout"), ("lora_target_modules", "lora_target_modules"),
-                                ("lora_target_linear", None)):
+        for written, target in (
+            ("lora_r", "lora_rank"),
+            ("lora_alpha", "lora_alpha"),
+            ("lora_dropout", "lora_dropout"),
+            ("lora_target_modules", "lora_target_modules"),
+            ("lora_target_linear", None),
+        ):
             if not _unset(data.get(written)) and data.get(written) is not False:
                 m.ignored.append(f"{written} (no adapter: lora)")
                 m.out.pop(target, None)
@@ -309,8 +539,10 @@ def _map_values(data: dict, m: _Mapper) -> None:
     model_class = data.get("model_type")
     if isinstance(model_class, str):
         if model_class in _MODEL_CLASSES_UNSUPPORTED:
-            m.refuse(f"model_type={model_class!r}: {_MODEL_CLASSES_UNSUPPORTED[model_class]}; offloadkit train trains "
-                     "causal language models")
+            m.refuse(
+                f"model_type={model_class!r}: {_MODEL_CLASSES_UNSUPPORTED[model_class]}; offloadkit train trains "
+                "causal language models"
+            )
         elif model_class.endswith("ForConditionalGeneration"):
             m.refuse(f"model_type={model_class!r}: multimodal models; offloadkit train trains causal language models")
         else:
@@ -350,7 +582,7 @@ def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict
         (for messages), and the keys without effect (already warned about, once).
 
     Raises:
-        ConfigProblems: every unknown key, unsupported value or feature, at once.
+        ConfigProblemsError: every unknown key, unsupported value or feature, at once.
     """
     data = {k: v for k, v in data.items() if not _unset(v)}  # an empty key is unset
     m = _Mapper(native_keys)
@@ -359,8 +591,11 @@ def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict
     _map_precision(data, m)
     _map_values(data, m)
     if m.problems:
-        raise ConfigProblems(source, m.problems)
+        raise ConfigProblemsError(source, m.problems)
     if m.ignored:
-        warnings.warn(f"offloadkit: {source}: these Axolotl keys have no effect in offloadkit train: "
-                      f"{', '.join(m.ignored)}", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"offloadkit: {source}: these Axolotl keys have no effect in offloadkit train: {', '.join(m.ignored)}",
+            UserWarning,
+            stacklevel=3,
+        )
     return m.out, m.names, m.ignored

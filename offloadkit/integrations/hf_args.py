@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["checkpointing_requested", "checkpointing_kwargs", "set_checkpointing", "user_set",
-           "model_checkpointing_on"]
+__all__ = ["checkpointing_requested", "checkpointing_kwargs", "set_checkpointing", "user_set", "model_checkpointing_on"]
 
 _FLAGS = ("activation_checkpointing", "gradient_checkpointing")
 _KWARGS = ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
@@ -54,8 +53,10 @@ def set_checkpointing(args, enabled: bool, kwargs: dict | None = None):
     """
     names = _present(args, _FLAGS) + (_present(args, _KWARGS) if kwargs is not None else [])
     if not _present(args, _FLAGS):
-        raise TypeError(f"{type(args).__name__} has neither activation_checkpointing nor gradient_checkpointing; "
-                        "pass Hugging Face TrainingArguments")
+        raise TypeError(
+            f"{type(args).__name__} has neither activation_checkpointing nor gradient_checkpointing; "
+            "pass Hugging Face TrainingArguments"
+        )
     before = {name: getattr(args, name) for name in names}
     for name in _present(args, _FLAGS):
         setattr(args, name, enabled)

@@ -15,8 +15,15 @@ def require_peft():
     return peft
 
 
-def apply_lora(model: nn.Module, rank: int = 16, alpha: int | None = None, target_modules="all-linear",
-               dropout: float = 0.0, modules_to_save: list | None = None, use_dora: bool = False) -> nn.Module:
+def apply_lora(
+    model: nn.Module,
+    rank: int = 16,
+    alpha: int | None = None,
+    target_modules="all-linear",
+    dropout: float = 0.0,
+    modules_to_save: list | None = None,
+    use_dora: bool = False,
+) -> nn.Module:
     """Wrap ``model`` with LoRA adapters on every linear layer but the output head.
 
     Args:
@@ -29,7 +36,12 @@ def apply_lora(model: nn.Module, rank: int = 16, alpha: int | None = None, targe
     if rank < 1:
         raise ValueError(f"lora rank={rank!r} is invalid; pass an int >= 1")
     peft = require_peft()
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
-                             target_modules=target_modules, lora_dropout=dropout, modules_to_save=modules_to_save,
-                             use_dora=use_dora)
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        target_modules=target_modules,
+        lora_dropout=dropout,
+        modules_to_save=modules_to_save,
+        use_dora=use_dora,
+    )
     return peft.get_peft_model(model, config)

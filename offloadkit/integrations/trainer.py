@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.compose import OffloadRuntime, prepare
 from offloadkit.config import ALIASES, ConfigError, OffloadConfig, load_mapping
 from offloadkit.integrations.hf_args import (
     checkpointing_kwargs,
@@ -38,13 +39,14 @@ from offloadkit.integrations.hf_args import (
     set_checkpointing,
     user_set,
 )
-from offloadkit.integrations.runtime import OffloadRuntime, prepare
 from offloadkit.models.heads import unwrap_model
 
 __all__ = ["ActivationOffloadingMixin", "LayerOffloadingMixin", "OffloadCallback", "resolve_config"]
 
-_TRL_NOTE = ("TRL's activation_offloading is switched off: offloadkit's mixin offloads the activations "
-             "(one engine, not two stacked)")
+_TRL_NOTE = (
+    "TRL's activation_offloading is switched off: offloadkit's mixin offloads the activations "
+    "(one engine, not two stacked)"
+)
 
 
 def resolve_config(offload_config: Any, args=None, defaults: dict | None = None) -> OffloadConfig:
@@ -85,8 +87,12 @@ def _use_hf_checkpointing(args, config: OffloadConfig):
         return config, set_checkpointing(args, False)
     kwargs = checkpointing_kwargs(args)
     if kwargs.get("use_reentrant", False):
-        warnings.warn("offloadkit: use_reentrant=True recomputes under no_grad and saves nothing to offload; "
-                      "non-reentrant checkpointing is recommended", UserWarning, stacklevel=3)
+        warnings.warn(
+            "offloadkit: use_reentrant=True recomputes under no_grad and saves nothing to offload; "
+            "non-reentrant checkpointing is recommended",
+            UserWarning,
+            stacklevel=3,
+        )
     kwargs.setdefault("use_reentrant", False)
     return config.replace(gradient_checkpointing=False), set_checkpointing(args, True, kwargs)
 
@@ -124,9 +130,11 @@ def check_deepspeed(offload_config, args) -> str | None:
     if offload_config.layer_offloading:
         # DeepSpeed places (and with ZeRO-3 partitions) the weights itself: two owners of
         # the same storage cannot coexist.
-        raise ConfigError("layer_offloading cannot stream weights that DeepSpeed manages (TrainingArguments."
-                          "deepspeed is set); use DeepSpeed's own offload_param in its config, or turn "
-                          "layer_offloading off")
+        raise ConfigError(
+            "layer_offloading cannot stream weights that DeepSpeed manages (TrainingArguments."
+            "deepspeed is set); use DeepSpeed's own offload_param in its config, or turn "
+            "layer_offloading off"
+        )
     return None
 
 
@@ -134,6 +142,9 @@ class _OffloadingTrainerMixin:
     """Shared implementation; the public mixins differ only in their defaults."""
 
     _offload_defaults: dict = {}
+    # Provided by the Trainer this is mixed into.
+    args: Any
+    model: Any
 
     def __init__(self, *args, offload_config: Any = None, **kwargs):
         train_args = _train_args(args, kwargs)
@@ -201,9 +212,12 @@ class _OffloadingTrainerMixin:
         active = model_checkpointing_on(unwrap_model(self.model)) or runtime.checkpointing is not None
         if wanted and not active:
             runtime.checkpointing = apply_activation_checkpointing(
-                self.model, selective=self.offload_config.selective_checkpointing)
-            runtime._note("gradient_checkpointing: the Trainer did not switch it on; offloadkit's own "
-                          "checkpointing is used instead")
+                self.model, selective=self.offload_config.selective_checkpointing
+            )
+            runtime._note(
+                "gradient_checkpointing: the Trainer did not switch it on; offloadkit's own "
+                "checkpointing is used instead"
+            )
             active = True
         self._checkpointing_active = active
 
@@ -237,6 +251,7 @@ class LayerOffloadingMixin(_OffloadingTrainerMixin):
     _offload_defaults = {"layer_offloading": True}
 
 
+_CallbackBase: Any
 try:  # the callback needs transformers; the mixins only need a Trainer to mix into
     from transformers import TrainerCallback as _CallbackBase
 except ImportError:  # pragma: no cover

@@ -129,8 +129,11 @@ class FlatWeights:
         self._lease: _Lease | None = _lease(pool, self.host, device)
         for s in self.slots:
             data = s.param.data
-            self._device_views.append(torch.empty(0, dtype=data.dtype, device=device).set_(
-                self.storage, s.offset // data.element_size(), data.shape, data.stride()))
+            self._device_views.append(
+                torch.empty(0, dtype=data.dtype, device=device).set_(
+                    self.storage, s.offset // data.element_size(), data.shape, data.stride()
+                )
+            )
             host_view = self.host_tensor(s)
             alias = device_alias_of_host(host_view, device, self._lease) if self.host.pinned else None
             self._host_views.append(alias if alias is not None else host_alias(host_view, self._lease))

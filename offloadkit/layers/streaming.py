@@ -52,9 +52,11 @@ class StreamStats:
     skipped_params: Counter = field(default_factory=Counter)
 
     def summary(self) -> str:
-        return (f"layer streaming: {self.loads} loads ({self.loaded_bytes / 2**30:.2f} GiB), "
-                f"{self.misses} misses, at most {self.max_resident} layers resident, "
-                f"compute waited {self.wait_seconds:.4f} s")
+        return (
+            f"layer streaming: {self.loads} loads ({self.loaded_bytes / 2**30:.2f} GiB), "
+            f"{self.misses} misses, at most {self.max_resident} layers resident, "
+            f"compute waited {self.wait_seconds:.4f} s"
+        )
 
 
 class LayerStreamer:
@@ -64,9 +66,17 @@ class LayerStreamer:
     the GPU for good and detaches all hooks.
     """
 
-    def __init__(self, model: nn.Module, blocks, *, depth: int = 2, use_pin_memory: bool = True,
-                 budget: HostMemoryBudget | None = None, head: nn.Module | None = None,
-                 measure_waits: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks,
+        *,
+        depth: int = 2,
+        use_pin_memory: bool = True,
+        budget: HostMemoryBudget | None = None,
+        head: nn.Module | None = None,
+        measure_waits: bool = True,
+    ) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth={depth!r} is invalid; it is the number of resident layers, an int >= 1")
         self.model = model
@@ -149,8 +159,9 @@ class LayerStreamer:
         self._handles.append(block.register_forward_pre_hook(pre))
         self._handles.append(block.register_forward_hook(post, always_call=True))
         # Loading into a resident block writes the device bytes: keep the host copy in step.
-        self._handles.append(block.register_load_state_dict_post_hook(
-            lambda module, keys: self.layers[index].write_back()))
+        self._handles.append(
+            block.register_load_state_dict_post_hook(lambda module, keys: self.layers[index].write_back())
+        )
         for module in block.modules():
             for method in ("merge", "unmerge"):
                 if callable(getattr(module, method, None)) and hasattr(module, "get_base_layer"):
@@ -321,9 +332,17 @@ class _AttrHandle:
             del self.module.__dict__[self.name]
 
 
-def apply_layer_streaming(model: nn.Module, *, block_types=None, predicate=None, depth: int = 2,
-                          use_pin_memory: bool = True, host_budget_bytes: int | None = None,
-                          budget: HostMemoryBudget | None = None, head: nn.Module | None = None) -> LayerStreamer:
+def apply_layer_streaming(
+    model: nn.Module,
+    *,
+    block_types=None,
+    predicate=None,
+    depth: int = 2,
+    use_pin_memory: bool = True,
+    host_budget_bytes: int | None = None,
+    budget: HostMemoryBudget | None = None,
+    head: nn.Module | None = None,
+) -> LayerStreamer:
     """Stream the frozen weights of ``model``'s blocks (decoder layers) from pinned host memory.
 
     Args:
@@ -341,14 +360,31 @@ def apply_layer_streaming(model: nn.Module, *, block_types=None, predicate=None,
         >>> streamer = apply_layer_streaming(peft_model)
         >>> loss = peft_model(**batch).loss; loss.backward()
     """
-    return build_streamer(LayerStreamer, model, block_types=block_types, predicate=predicate, depth=depth,
-                          use_pin_memory=use_pin_memory, host_budget_bytes=host_budget_bytes, budget=budget,
-                          head=head)
+    return build_streamer(
+        LayerStreamer,
+        model,
+        block_types=block_types,
+        predicate=predicate,
+        depth=depth,
+        use_pin_memory=use_pin_memory,
+        host_budget_bytes=host_budget_bytes,
+        budget=budget,
+        head=head,
+    )
 
 
-def build_streamer(cls: type[LayerStreamer], model: nn.Module, *, block_types=None, predicate=None, depth: int = 2,
-                   use_pin_memory: bool = True, host_budget_bytes: int | None = None,
-                   budget: HostMemoryBudget | None = None, head: nn.Module | None = None) -> LayerStreamer:
+def build_streamer(
+    cls: type[LayerStreamer],
+    model: nn.Module,
+    *,
+    block_types=None,
+    predicate=None,
+    depth: int = 2,
+    use_pin_memory: bool = True,
+    host_budget_bytes: int | None = None,
+    budget: HostMemoryBudget | None = None,
+    head: nn.Module | None = None,
+) -> LayerStreamer:
     """What :func:`apply_layer_streaming` does, with the streamer class given."""
     _refuse_fsdp2(model)
     blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)

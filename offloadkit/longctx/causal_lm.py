@@ -33,8 +33,11 @@ _MISSING = object()
 
 
 def _plain_linear(module) -> bool:
-    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-            and module.weight.is_floating_point())
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and module.weight.is_floating_point()
+    )
 
 
 def _head_linears(head: nn.Module) -> list[nn.Module]:
@@ -89,8 +92,10 @@ def _logit_transform(base: nn.Module) -> tuple[tuple[float, float | None] | None
     if scaling is not None:
         direction = _scaling_direction(base)
         if direction is None:
-            return None, (f"{type(base).__name__} sets logits_scaling={scaling} but offloadkit cannot tell from its "
-                          "forward whether it multiplies or divides the logits by it")
+            return None, (
+                f"{type(base).__name__} sets logits_scaling={scaling} but offloadkit cannot tell from its "
+                "forward whether it multiplies or divides the logits by it"
+            )
         # Granite divides its logits by logits_scaling; HyperCLOVA X multiplies them (muP).
         scale = scale / scaling if direction == "divide" else scale * scaling
     return (scale, softcap), None
@@ -114,27 +119,45 @@ class _Call:
         self.placeholder = anchor.expand(*hidden.shape[:-1], 0)
         return self.placeholder
 
-    def loss(self, logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-             shift_labels=None, **kwargs):
+    def loss(
+        self,
+        logits=None,
+        labels=None,
+        vocab_size=None,
+        num_items_in_batch=None,
+        ignore_index=-100,
+        shift_labels=None,
+        **kwargs,
+    ):
         handle = self.handle
         if self.hidden is None:
-            raise RuntimeError(f"{handle.model_name} computed its loss without calling its output head; "
-                               "apply_chunked_loss cannot be used with this model")
+            raise RuntimeError(
+                f"{handle.model_name} computed its loss without calling its output head; "
+                "apply_chunked_loss cannot be used with this model"
+            )
         scale, softcap = None, None
         if logits is not self.placeholder:
             if handle.transform is None:
                 why = handle.transform_problem or (
                     f"{handle.model_name} changes its logits after the output head in a way offloadkit does not "
-                    "recognise (known: final_logit_softcapping, logit_scale, logits_scaling)")
+                    "recognise (known: final_logit_softcapping, logit_scale, logits_scaling)"
+                )
                 raise RuntimeError(f"{why}; remove apply_chunked_loss (chunked_cross_entropy: false) for this model")
             scale, softcap = handle.transform
         hidden, linear = self.hidden, self.linear
         self.hidden = self.linear = None
         loss = chunked_cross_entropy(
-            hidden, linear.weight, labels, linear.bias,
-            num_chunks=handle.num_chunks, chunk_tokens=handle.chunk_tokens, ignore_index=ignore_index,
-            num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
-            logit_scale=scale, final_logit_softcapping=softcap,
+            hidden,
+            linear.weight,
+            labels,
+            linear.bias,
+            num_chunks=handle.num_chunks,
+            chunk_tokens=handle.chunk_tokens,
+            ignore_index=ignore_index,
+            num_items_in_batch=num_items_in_batch,
+            shift_labels=shift_labels,
+            logit_scale=scale,
+            final_logit_softcapping=softcap,
         )
         if torch.is_tensor(logits) and logits.requires_grad:
             loss = loss + logits.sum().to(loss.dtype)  # adds exactly 0
@@ -173,8 +196,10 @@ class ChunkedLossHandle:
             raise ValueError(f"{self.model_name} has a custom loss_function set; the chunked loss would replace it")
         loss_type = getattr(model, "loss_type", None)
         if loss_type not in (None, "ForCausalLM"):
-            raise ValueError(f"{self.model_name} uses loss_type={loss_type!r}; the chunked loss is the causal-LM "
-                             "cross-entropy (ForCausalLM)")
+            raise ValueError(
+                f"{self.model_name} uses loss_type={loss_type!r}; the chunked loss is the causal-LM "
+                "cross-entropy (ForCausalLM)"
+            )
         original = model.forward
         signature = inspect.signature(original)
         if "labels" not in signature.parameters:
@@ -233,8 +258,9 @@ class ChunkedLossHandle:
                 self.model.forward = self._previous
 
 
-def apply_chunked_loss(model: nn.Module, num_chunks: int | None = None, *,
-                       chunk_tokens: int | None = None) -> ChunkedLossHandle:
+def apply_chunked_loss(
+    model: nn.Module, num_chunks: int | None = None, *, chunk_tokens: int | None = None
+) -> ChunkedLossHandle:
     """Compute a Hugging Face causal LM's loss over token chunks, never holding full logits.
 
     Works on ``LlamaForCausalLM`` and the other ``*ForCausalLM`` models with a linear
@@ -265,12 +291,16 @@ def apply_chunked_loss(model: nn.Module, num_chunks: int | None = None, *,
     get_head = getattr(base, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Module):
-        raise ValueError(f"{type(base).__name__} has no output head (get_output_embeddings() returned "
-                         f"{type(head).__name__}); apply_chunked_loss is for Hugging Face causal LMs")
+        raise ValueError(
+            f"{type(base).__name__} has no output head (get_output_embeddings() returned "
+            f"{type(head).__name__}); apply_chunked_loss is for Hugging Face causal LMs"
+        )
     for linear in _head_linears(head):
         if hasattr(linear, "_hf_hook"):
-            raise ValueError("the output head is driven by accelerate hooks (device_map offload); the chunked "
-                             "loss needs the head's weight on the device of the hidden states")
+            raise ValueError(
+                "the output head is driven by accelerate hooks (device_map offload); the chunked "
+                "loss needs the head's weight on the device of the hidden states"
+            )
     handle = ChunkedLossHandle(base, head, num_chunks, chunk_tokens)
     handle._attach()
     return handle

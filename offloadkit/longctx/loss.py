@@ -211,8 +211,10 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden_states are {hidden.dtype} but head_weight is {weight.dtype}; "
-                         "cast one of them, or run under torch.autocast")
+        raise ValueError(
+            f"hidden_states are {hidden.dtype} but head_weight is {weight.dtype}; "
+            "cast one of them, or run under torch.autocast"
+        )
     return hidden.dtype
 
 
@@ -267,8 +269,10 @@ def chunked_cross_entropy(
         >>> loss.backward()
     """
     if head_weight.dim() != 2 or hidden_states.shape[-1] != head_weight.shape[1]:
-        raise ValueError(f"head_weight {tuple(head_weight.shape)} does not match hidden_states "
-                         f"{tuple(hidden_states.shape)}; expected [vocab, {hidden_states.shape[-1]}]")
+        raise ValueError(
+            f"head_weight {tuple(head_weight.shape)} does not match hidden_states "
+            f"{tuple(hidden_states.shape)}; expected [vocab, {hidden_states.shape[-1]}]"
+        )
     if not head_weight.is_floating_point():
         raise ValueError(f"head_weight has dtype {head_weight.dtype}; a quantized head cannot be used here")
     if shift_labels is None:
@@ -279,8 +283,10 @@ def chunked_cross_entropy(
         else:
             shift_labels = labels
     if shift_labels.numel() != hidden_states.numel() // hidden_states.shape[-1]:
-        raise ValueError(f"labels {tuple(shift_labels.shape)} do not match hidden_states "
-                         f"{tuple(hidden_states.shape)} (one label per position)")
+        raise ValueError(
+            f"labels {tuple(shift_labels.shape)} do not match hidden_states "
+            f"{tuple(hidden_states.shape)} (one label per position)"
+        )
     vocab = head_weight.shape[0]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     labels_flat = shift_labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
@@ -290,7 +296,9 @@ def chunked_cross_entropy(
         # As torch's cross-entropy: a label that is neither a class nor ignore_index is an error,
         # not a token silently counted in the mean and left out of the sum.
         bad = int(labels_flat[out_of_range][0])
-        raise IndexError(f"Target {bad} is out of bounds: labels must be in [0, {vocab}) or ignore_index={ignore_index}")
+        raise IndexError(
+            f"Target {bad} is out of bounds: labels must be in [0, {vocab}) or ignore_index={ignore_index}"
+        )
     # -1 marks ignored tokens inside the kernel loop, whatever ignore_index is.
     labels_flat = torch.where(valid, labels_flat, -1)
     compute_dtype = _compute_dtype(hidden, head_weight)
@@ -307,8 +315,11 @@ def chunked_cross_entropy(
     need_w = grad_on and head_weight.requires_grad
     need_b = grad_on and head_bias is not None and head_bias.requires_grad
     if need_h or need_w or need_b:
-        inv = 1.0 / (denom.to(acc_dtype) if torch.is_tensor(denom) else torch.tensor(float(denom), dtype=acc_dtype,
-                                                                                    device=hidden.device))
+        inv = 1.0 / (
+            denom.to(acc_dtype)
+            if torch.is_tensor(denom)
+            else torch.tensor(float(denom), dtype=acc_dtype, device=hidden.device)
+        )
         token_weight = torch.where(valid, inv, torch.zeros((), dtype=acc_dtype, device=hidden.device))
     else:
         token_weight = valid

@@ -65,8 +65,10 @@ def _bounds(length: int, num_shards: int) -> list[tuple[int, int]]:
 def _check(y, xs: torch.Tensor) -> torch.Tensor:
     if not torch.is_tensor(y) or y.shape[:-1] != xs.shape[:-1]:
         got = type(y).__name__ if not torch.is_tensor(y) else f"shape {tuple(y.shape)}"
-        raise TypeError(f"a tiled module must map [..., S, H] to [..., S, H'] token-wise; for input "
-                        f"{tuple(xs.shape)} it returned {got}")
+        raise TypeError(
+            f"a tiled module must map [..., S, H] to [..., S, H'] token-wise; for input "
+            f"{tuple(xs.shape)} it returned {got}"
+        )
     return y
 
 
@@ -88,8 +90,10 @@ class _Recorded:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.device = device
-        self.autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-                         for kind in dict.fromkeys((device.type, "cpu"))]
+        self.autocast = [
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in dict.fromkeys((device.type, "cpu"))
+        ]
 
     def replay(self):
         """Context for backward's recompute: forward's RNG draws and autocast dtype."""
@@ -150,8 +154,8 @@ class TiledMLP(torch.autograd.Function):
     def backward(ctx, grad_out):
         inputs = ctx.saved_tensors
         params, n_inputs = ctx.params, ctx.n_inputs
-        need_in = ctx.needs_input_grad[3:3 + n_inputs]
-        need_p = ctx.needs_input_grad[3 + n_inputs:]
+        need_in = ctx.needs_input_grad[3 : 3 + n_inputs]
+        need_p = ctx.needs_input_grad[3 + n_inputs :]
         wanted = [p for p, need in zip(params, need_p) if need]
         flat = [_tokens_view(t) for t in inputs]
         grad_flat = _tokens_view(grad_out)
@@ -159,8 +163,11 @@ class TiledMLP(torch.autograd.Function):
         acc: list[torch.Tensor | None] = [None] * len(wanted)
         # Saved-tensor hooks of an enclosing offloading context must not move the shard's
         # tensors: they are used right here.
-        with ctx.recorded.replay(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
-                torch.enable_grad():
+        with (
+            ctx.recorded.replay(),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+            torch.enable_grad(),
+        ):
             for start, n in ctx.bounds:
                 leaves = [_shard(t, start, n).detach().requires_grad_(need) for t, need in zip(flat, need_in)]
                 # A module that writes its input in place gets a copy: in-place writes to a
@@ -222,8 +229,12 @@ def tiled_forward(fn: Callable, x, num_shards: int, params=None) -> torch.Tensor
 def _width(module: nn.Module) -> int | None:
     """The widest feature dimension of the module's linear layers (inputs too: a LoRA
     projection's fp32 input copy is as wide as its input)."""
-    widths: list[int] = [getattr(m, attr) for m in module.modules() for attr in ("in_features", "out_features")
-                         if isinstance(getattr(m, attr, None), int)]
+    widths: list[int] = [
+        getattr(m, attr)
+        for m in module.modules()
+        for attr in ("in_features", "out_features")
+        if isinstance(getattr(m, attr, None), int)
+    ]
     return max(widths) if widths else None
 
 
@@ -391,9 +402,11 @@ def apply_tiled_mlp(
         how = "the predicate"
         moe = [n for n, m in modules if _is_moe(m)]
         if moe:
-            raise ValueError(f"{moe[0]} is an MoE block: tiled whole, its router would run inside the tiled "
-                             "function, where the auxiliary loss's gradient cannot reach it; choose its experts "
-                             f"instead ({moe[0]}.experts), as the default selection does")
+            raise ValueError(
+                f"{moe[0]} is an MoE block: tiled whole, its router would run inside the tiled "
+                "function, where the auxiliary loss's gradient cannot reach it; choose its experts "
+                f"instead ({moe[0]}.experts), as the default selection does"
+            )
     else:
         modules = []
         for name, block in find_blocks(base):
@@ -412,13 +425,18 @@ def apply_tiled_mlp(
         for name, block in find_blocks(base):
             modules += _projection_parts(name, block)
     if not modules:
-        raise ValueError(f"no modules to tile in {type(base).__name__} by {how}; "
-                         "choose them with predicate=lambda name, module: ...")
+        raise ValueError(
+            f"no modules to tile in {type(base).__name__} by {how}; choose them with predicate=lambda name, module: ..."
+        )
     attn = getattr(getattr(base, "config", None), "_attn_implementation", None)
     if attn == "eager":
-        warnings.warn("offloadkit: attention is 'eager', which builds [batch, heads, seq, seq] scores; at the "
-                      "lengths tiled_mlp is for, load the model with attn_implementation='sdpa' or "
-                      "'flash_attention_2'", UserWarning, stacklevel=2)
+        warnings.warn(
+            "offloadkit: attention is 'eager', which builds [batch, heads, seq, seq] scores; at the "
+            "lengths tiled_mlp is for, load the model with attn_implementation='sdpa' or "
+            "'flash_attention_2'",
+            UserWarning,
+            stacklevel=2,
+        )
     handle = TiledMLPHandle(modules, shards, widths)
     handle._attach()
     return handle

@@ -10,14 +10,41 @@ __all__ = ["LLAMA_SHAPES", "build_llama", "make_batch"]
 
 # name -> LlamaConfig keyword arguments
 LLAMA_SHAPES: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256),
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, vocab_size=2048),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=2048,
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
 }
 
 

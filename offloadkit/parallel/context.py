@@ -95,8 +95,9 @@ def _gathered_attention(step: _Step, q, k, v, scale):
     v_all = _GatherSeq.apply(v, cp.group, cp.rank, cp.world)
     groups = q.shape[1] // k.shape[1]
     allowed = step.all_positions[:, None, None, :] <= step.positions[:, None, :, None]
-    return F.scaled_dot_product_attention(q, _repeat_heads(k_all, groups), _repeat_heads(v_all, groups),
-                                          attn_mask=allowed, scale=scale)
+    return F.scaled_dot_product_attention(
+        q, _repeat_heads(k_all, groups), _repeat_heads(v_all, groups), attn_mask=allowed, scale=scale
+    )
 
 
 def _ring_attention(q, k, v, scale):
@@ -109,30 +110,40 @@ def _ring_attention(q, k, v, scale):
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-        return F.scaled_dot_product_attention(q, _repeat_heads(k, groups), _repeat_heads(v, groups),
-                                              is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, _repeat_heads(k, groups), _repeat_heads(v, groups), is_causal=True, scale=scale
+        )
 
 
-def context_parallel_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                               scaling: float | None = None, **kwargs):
+def context_parallel_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """The attention function a model switched by :func:`apply_context_parallel` runs:
     Hugging Face's signature, ``[B, H, S_local, D]`` in, ``[B, S_local, H, D]`` out."""
     step = _active
     if step is None:
-        raise RuntimeError("offloadkit: this model's attention is context-parallel; run its forward and backward "
-                           "inside `with cp.step(input_ids, labels) as inputs:` (or cp.remove() to undo)")
+        raise RuntimeError(
+            "offloadkit: this model's attention is context-parallel; run its forward and backward "
+            "inside `with cp.step(input_ids, labels) as inputs:` (or cp.remove() to undo)"
+        )
     if attention_mask is not None:
-        raise ValueError("offloadkit: context parallelism attends causally over the whole sequence and takes no "
-                         "attention mask; pad at the end with labels -100 instead of masking")
+        raise ValueError(
+            "offloadkit: context parallelism attends causally over the whole sequence and takes no "
+            "attention mask; pad at the end with labels -100 instead of masking"
+        )
     if dropout:
-        raise ValueError(f"offloadkit: attention dropout {dropout} is not supported with context parallelism; "
-                         "set the model's attention_dropout to 0")
+        raise ValueError(
+            f"offloadkit: attention dropout {dropout} is not supported with context parallelism; "
+            "set the model's attention_dropout to 0"
+        )
     # What Hugging Face passes for attention that is not plain causal attention over the whole
     # sequence (sliding windows, logit soft-capping, attention sinks, packed documents).
     for name in ("sliding_window", "softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"offloadkit: context parallelism computes full causal attention; this layer asks "
-                             f"for {name}={kwargs[name]!r}")
+            raise ValueError(
+                f"offloadkit: context parallelism computes full causal attention; this layer asks "
+                f"for {name}={kwargs[name]!r}"
+            )
     if getattr(module, "is_causal", True) is False:
         raise ValueError("offloadkit: context parallelism computes causal attention; this layer is not causal")
     if query.is_cuda:
@@ -160,8 +171,7 @@ class ContextParallel:
         self._removed = False
 
     @contextlib.contextmanager
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-             dp_group=None):
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, dp_group=None):
         """Split one batch over the group for a forward and backward run inside.
 
         Args:
@@ -189,7 +199,8 @@ class ContextParallel:
         if seq % (2 * self.world):
             raise ValueError(
                 f"input_ids has {seq} tokens per row; context parallelism over {self.world} ranks needs a multiple "
-                f"of {2 * self.world}: pad to {-(-seq // (2 * self.world)) * 2 * self.world} at the end (labels -100)")
+                f"of {2 * self.world}: pad to {-(-seq // (2 * self.world)) * 2 * self.world} at the end (labels -100)"
+            )
         device = input_ids.device
         positions = torch.arange(seq, device=device).expand(batch, seq).contiguous()
         buffers = [input_ids.clone(), positions]
@@ -247,18 +258,25 @@ class ContextParallel:
             self._removed = True
 
 
-_UNSUPPORTED = (("sliding_window", "sliding-window attention"), ("attention_chunk_size", "chunked attention"),
-                ("attn_logit_softcapping", "soft-capped attention logits"))
+_UNSUPPORTED = (
+    ("sliding_window", "sliding-window attention"),
+    ("attention_chunk_size", "chunked attention"),
+    ("attn_logit_softcapping", "soft-capped attention logits"),
+)
 
 
 def _check_config(config) -> None:
     for key, what in _UNSUPPORTED:
         if getattr(config, key, None) and (key != "sliding_window" or getattr(config, "use_sliding_window", True)):
-            raise ValueError(f"context parallelism computes full causal attention; this model uses {what} "
-                             f"({key}={getattr(config, key)!r})")
+            raise ValueError(
+                f"context parallelism computes full causal attention; this model uses {what} "
+                f"({key}={getattr(config, key)!r})"
+            )
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"context parallelism computes full causal attention; this model's layers are {set(layer_types)}")
+        raise ValueError(
+            f"context parallelism computes full causal attention; this model's layers are {set(layer_types)}"
+        )
 
 
 def apply_context_parallel(model: nn.Module, mesh=None, *, rotation: str = "allgather") -> ContextParallel:
@@ -288,16 +306,19 @@ def apply_context_parallel(model: nn.Module, mesh=None, *, rotation: str = "allg
     if rotation not in ROTATIONS:
         raise ValueError(f"rotation={rotation!r} is invalid; choose one of {', '.join(ROTATIONS)}")
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("context parallelism needs a process group: launch with torchrun and call "
-                         "torch.distributed.init_process_group() first")
+        raise ValueError(
+            "context parallelism needs a process group: launch with torchrun and call "
+            "torch.distributed.init_process_group() first"
+        )
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("cp",))
     if mesh.ndim != 1:
-        raise ValueError(f"mesh must be 1-D (the context-parallel dimension); got {mesh.ndim} dimensions: "
-                         "pass mesh['cp']")
+        raise ValueError(
+            f"mesh must be 1-D (the context-parallel dimension); got {mesh.ndim} dimensions: pass mesh['cp']"
+        )
     base = unwrap_model(model)
     config = getattr(base, "config", None)
     switch = getattr(base, "set_attn_implementation", None)
@@ -308,8 +329,10 @@ def apply_context_parallel(model: nn.Module, mesh=None, *, rotation: str = "allg
     previous = config._attn_implementation or "sdpa"
     switch(ATTENTION)
     if config._attn_implementation != ATTENTION:
-        raise ValueError(f"{type(base).__name__} did not take another attention implementation "
-                         f"(still {config._attn_implementation!r}); context parallelism needs one that does")
+        raise ValueError(
+            f"{type(base).__name__} did not take another attention implementation "
+            f"(still {config._attn_implementation!r}); context parallelism needs one that does"
+        )
     if torch.cuda.is_available():
         set_rotation(rotation)
     return ContextParallel(model, mesh, previous)

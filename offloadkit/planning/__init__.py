@@ -19,6 +19,20 @@ from offloadkit.planning.planner import Capacity, Plan, longest_sequence, physic
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import Rates, StepTime, estimate_time
 
-__all__ = ["Budgets", "Capacity", "Features", "MemoryEstimate", "ModelShape", "Plan", "Rates", "StepTime",
-           "Workload", "estimate_memory", "estimate_time", "longest_sequence", "physical_limit", "plan",
-           "resolve_shape"]
+__all__ = [
+    "Budgets",
+    "Capacity",
+    "Features",
+    "MemoryEstimate",
+    "ModelShape",
+    "Plan",
+    "Rates",
+    "StepTime",
+    "Workload",
+    "estimate_memory",
+    "estimate_time",
+    "longest_sequence",
+    "physical_limit",
+    "plan",
+    "resolve_shape",
+]

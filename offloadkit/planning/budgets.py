@@ -54,8 +54,14 @@ class Budgets:
     source: dict = field(default_factory=dict)
 
     @classmethod
-    def detect(cls, gpu_bytes: int | None = None, host_bytes: int | None = None, disk_bytes: int | None = None,
-               disk_dir: str | None = None, device: int | None = None) -> "Budgets":
+    def detect(
+        cls,
+        gpu_bytes: int | None = None,
+        host_bytes: int | None = None,
+        disk_bytes: int | None = None,
+        disk_dir: str | None = None,
+        device: int | None = None,
+    ) -> "Budgets":
         """Read what is not given from this machine.
 
         Args:
@@ -117,8 +123,12 @@ class Budgets:
             measured.append("pcie")
             del host, dev
         write, read = _disk_rates(nbytes, disk_dir)
-        rates = dataclasses.replace(rates, disk_write_bytes_per_s=write, disk_read_bytes_per_s=read,
-                                    source="measured: " + ", ".join(measured + ["disk"]))
+        rates = dataclasses.replace(
+            rates,
+            disk_write_bytes_per_s=write,
+            disk_read_bytes_per_s=read,
+            source="measured: " + ", ".join(measured + ["disk"]),
+        )
         return self.with_rates(rates)
 
 

@@ -20,10 +20,24 @@ from dataclasses import dataclass, field
 
 from offloadkit.planning.shape import ModelShape
 
-__all__ = ["Features", "Workload", "MemoryEstimate", "estimate_memory", "layer_saved_bytes",
-           "FRAGMENTATION", "UNCHUNKED_LOSS_BYTES_PER_LOGIT", "LOSS_CHUNK_ELEMENTS", "MLP_SHARD_ELEMENTS",
-           "HOST_BASELINE_BYTES", "auto_loss_chunks", "disk_staging_bytes", "tiered_reserve_bytes",
-           "TIERED_RESERVE_BYTES", "auto_mlp_shards", "tiles_projections"]
+__all__ = [
+    "Features",
+    "Workload",
+    "MemoryEstimate",
+    "estimate_memory",
+    "layer_saved_bytes",
+    "FRAGMENTATION",
+    "UNCHUNKED_LOSS_BYTES_PER_LOGIT",
+    "LOSS_CHUNK_ELEMENTS",
+    "MLP_SHARD_ELEMENTS",
+    "HOST_BASELINE_BYTES",
+    "auto_loss_chunks",
+    "disk_staging_bytes",
+    "tiered_reserve_bytes",
+    "TIERED_RESERVE_BYTES",
+    "auto_mlp_shards",
+    "tiles_projections",
+]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
 # cannot be merged): reserved ~= allocated x this. Assumed; the capacity runs print both.
@@ -173,7 +187,9 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool 
             per_token += b * h  # the tiled MLP keeps only its input
     else:
         per_token += 2 * 2 * b * h  # each norm's normalised bf16 value and output
-        per_token += 4 * b * i if mlp_shards <= 1 else 0  # gate, up, SiLU, product (tiled: its input is the norm output)
+        per_token += (
+            4 * b * i if mlp_shards <= 1 else 0
+        )  # gate, up, SiLU, product (tiled: its input is the norm output)
     return t * per_token
 
 
@@ -242,7 +258,8 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
 
     Example:
         >>> from offloadkit.planning.shape import resolve_shape
-        >>> m = estimate_memory(Workload(resolve_shape("llama-3-8b"), 16384), Features(offload_inputs=True, loss_chunks=8))
+        >>> work = Workload(resolve_shape("llama-3-8b"), 16384)
+        >>> m = estimate_memory(work, Features(offload_inputs=True, loss_chunks=8))
         >>> m.block_placement[-1]
         'gpu'
     """
@@ -301,5 +318,12 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     if f.layer_streaming and w.lora_rank:
         host += s.layers * s.layer_params * b  # pinned host copies of the frozen layers
     disk = placement.count("disk") * block
-    return MemoryEstimate(gpu_peak=gpu_peak, gpu_reserved=int(gpu_peak * FRAGMENTATION), host=host, disk=disk, block_placement=placement,
-                          gpu_parts=parts, phase=phase)
+    return MemoryEstimate(
+        gpu_peak=gpu_peak,
+        gpu_reserved=int(gpu_peak * FRAGMENTATION),
+        host=host,
+        disk=disk,
+        block_placement=placement,
+        gpu_parts=parts,
+        phase=phase,
+    )

@@ -95,11 +95,16 @@ class Plan:
             OffloadConfig(...)
         """
         f = self.features
-        out: dict = {"gradient_checkpointing": f.checkpointing, "layer_offloading": f.layer_streaming,
-                     "chunked_cross_entropy": f.loss_chunks > 0, "tiled_mlp": f.mlp_shards > 1,
-                     "chunked_cross_entropy_num_chunks": f.loss_chunks or None,
-                     "tiled_mlp_num_shards": f.mlp_shards if f.mlp_shards > 1 else None, "disk_tiering": False,
-                     "tiled_projections": f.tiled_projections and f.mlp_shards > 1}
+        out: dict = {
+            "gradient_checkpointing": f.checkpointing,
+            "layer_offloading": f.layer_streaming,
+            "chunked_cross_entropy": f.loss_chunks > 0,
+            "tiled_mlp": f.mlp_shards > 1,
+            "chunked_cross_entropy_num_chunks": f.loss_chunks or None,
+            "tiled_mlp_num_shards": f.mlp_shards if f.mlp_shards > 1 else None,
+            "disk_tiering": False,
+            "tiled_projections": f.tiled_projections and f.mlp_shards > 1,
+        }
         if f.offload_inputs and f.horizon is not None:
             out["activation_loading_horizon"] = f.horizon
         if not f.offload_inputs:
@@ -150,7 +155,8 @@ class Plan:
             "GPU peak parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.gpu_parts.items()) + " GiB",
             f"rates ({b.rates.source}): matmul {b.rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s, attention "
             f"{b.rates.attention_flops_per_s / 1e12:.0f} TFLOP/s, PCIe {b.rates.pcie_bytes_per_s / 1e9:.1f} GB/s, "
-            f"disk write/read {b.rates.disk_write_bytes_per_s / 1e9:.2f}/{b.rates.disk_read_bytes_per_s / 1e9:.2f} GB/s",
+            f"disk write/read {b.rates.disk_write_bytes_per_s / 1e9:.2f}/"
+            f"{b.rates.disk_read_bytes_per_s / 1e9:.2f} GB/s",
         ]
         for name, why in self.rejected:
             lines.append(f"not chosen: {name}: {why}")
@@ -205,15 +211,25 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
 
 def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:
     mlp_shards = auto_mlp_shards(w.tokens, w.shape.intermediate)
-    base = Features(checkpointing=True, loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab), mlp_shards=mlp_shards,
-                    stream_depth=stream_depth)
+    base = Features(
+        checkpointing=True,
+        loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
+        mlp_shards=mlp_shards,
+        stream_depth=stream_depth,
+    )
     offload = replace(base, offload_inputs=True)
-    out = [("checkpointing", base),
-           ("checkpointing + block-input offload", replace(offload, ram_blocks=_ram_blocks(w, offload, b)))]
+    out = [
+        ("checkpointing", base),
+        ("checkpointing + block-input offload", replace(offload, ram_blocks=_ram_blocks(w, offload, b))),
+    ]
     if w.lora_rank:
         streamed = replace(offload, layer_streaming=True)
-        out.append(("checkpointing + block-input offload + layer streaming",
-                    replace(streamed, ram_blocks=_ram_blocks(w, streamed, b))))
+        out.append(
+            (
+                "checkpointing + block-input offload + layer streaming",
+                replace(streamed, ram_blocks=_ram_blocks(w, streamed, b)),
+            )
+        )
     tiled = out
     out = []
     if mlp_shards > 1:
@@ -235,8 +251,17 @@ def _workload(model, seq_len: int, batch: int, lora_rank: int, layers: int | Non
     return Workload(shape, seq_len, batch, lora_rank, dtype_bytes)
 
 
-def plan(model, seq_len: int, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets | None = None,
-         layers: int | None = None, dtype_bytes: int = 2, stream_depth: int = 2) -> Plan:
+def plan(
+    model,
+    seq_len: int,
+    *,
+    batch: int = 1,
+    lora_rank: int = 16,
+    budgets: Budgets | None = None,
+    layers: int | None = None,
+    dtype_bytes: int = 2,
+    stream_depth: int = 2,
+) -> Plan:
     """Choose the features for one step and predict its cost.
 
     Args:
@@ -279,8 +304,11 @@ def plan(model, seq_len: int, *, batch: int = 1, lora_rank: int = 16, budgets: B
         best = min(fitting, key=lambda p: (round(p.time.seconds, 2), p.memory.gpu_peak))
     else:
         best = min(results, key=lambda p: p.memory.gpu_reserved)
-    best.rejected = [(p.name, "; ".join(p.reasons) or "slower") for p in results
-                     if p is not best and (not p.fits or p.time.seconds < best.time.seconds)]
+    best.rejected = [
+        (p.name, "; ".join(p.reasons) or "slower")
+        for p in results
+        if p is not best and (not p.fits or p.time.seconds < best.time.seconds)
+    ]
     return best
 
 
@@ -322,8 +350,10 @@ class Capacity:
         return self.longest / self.physical if self.physical else 0.0
 
     def summary(self) -> str:
-        return (f"longest sequence that fits: {self.longest} tokens; physically allowed by the budgets: "
-                f"{self.physical} tokens ({self.limit}-limited); reached {self.ratio:.0%}")
+        return (
+            f"longest sequence that fits: {self.longest} tokens; physically allowed by the budgets: "
+            f"{self.physical} tokens ({self.limit}-limited); reached {self.ratio:.0%}"
+        )
 
 
 def _search(fits, high: int) -> int:
@@ -339,8 +369,9 @@ def _search(fits, high: int) -> int:
     return lo * SEQ_STEP
 
 
-def physical_limit(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets, layers: int | None = None,
-                   dtype_bytes: int = 2) -> tuple[int, str]:
+def physical_limit(
+    model, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets, layers: int | None = None, dtype_bytes: int = 2
+) -> tuple[int, str]:
     """Longest sequence whose irreducible bytes fit the budgets (see :class:`Capacity`), and
     what limits it.
 
@@ -359,8 +390,15 @@ def physical_limit(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budge
 
     def working_set(seq: int):
         w = replace(w0, seq_len=seq)
-        f = Features(checkpointing=True, offload_inputs=True, layer_streaming=streaming, horizon=0,
-                     loss_chunks=max(1, w.tokens), mlp_shards=max(1, w.tokens), tiled_projections=True)
+        f = Features(
+            checkpointing=True,
+            offload_inputs=True,
+            layer_streaming=streaming,
+            horizon=0,
+            loss_chunks=max(1, w.tokens),
+            mlp_shards=max(1, w.tokens),
+            tiled_projections=True,
+        )
         return w, estimate_memory(w, f).gpu_peak
 
     def gpu_ok(seq: int) -> bool:
@@ -375,8 +413,16 @@ def physical_limit(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budge
     return (by_gpu, "gpu") if by_gpu <= by_storage else (by_storage, "storage")
 
 
-def longest_sequence(model, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets | None = None,
-                     layers: int | None = None, dtype_bytes: int = 2, stream_depth: int = 2) -> Capacity:
+def longest_sequence(
+    model,
+    *,
+    batch: int = 1,
+    lora_rank: int = 16,
+    budgets: Budgets | None = None,
+    layers: int | None = None,
+    dtype_bytes: int = 2,
+    stream_depth: int = 2,
+) -> Capacity:
     """Binary search for the longest sequence :func:`plan` fits under ``budgets``.
 
     Example:
@@ -387,14 +433,33 @@ def longest_sequence(model, *, batch: int = 1, lora_rank: int = 16, budgets: Bud
     b = budgets if budgets is not None else Budgets.detect()
 
     def fits(seq: int) -> bool:
-        return plan(model, seq, batch=batch, lora_rank=lora_rank, budgets=b, layers=layers,
-                    dtype_bytes=dtype_bytes, stream_depth=stream_depth).fits
+        return plan(
+            model,
+            seq,
+            batch=batch,
+            lora_rank=lora_rank,
+            budgets=b,
+            layers=layers,
+            dtype_bytes=dtype_bytes,
+            stream_depth=stream_depth,
+        ).fits
 
     longest = _search(fits, 1 << 16)
-    physical, limit = physical_limit(model, batch=batch, lora_rank=lora_rank, budgets=b, layers=layers,
-                                     dtype_bytes=dtype_bytes)
-    best = plan(model, longest, batch=batch, lora_rank=lora_rank, budgets=b, layers=layers, dtype_bytes=dtype_bytes,
-                stream_depth=stream_depth) if longest else None
+    physical, limit = physical_limit(
+        model, batch=batch, lora_rank=lora_rank, budgets=b, layers=layers, dtype_bytes=dtype_bytes
+    )
+    best = (
+        plan(
+            model,
+            longest,
+            batch=batch,
+            lora_rank=lora_rank,
+            budgets=b,
+            layers=layers,
+            dtype_bytes=dtype_bytes,
+            stream_depth=stream_depth,
+        )
+        if longest
+        else None
+    )
     return Capacity(longest, max(physical, longest), best, limit)
-
-

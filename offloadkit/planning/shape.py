@@ -48,16 +48,28 @@ class ModelShape:
     def from_config(cls, config: Any, name: str = "custom") -> "ModelShape":
         """From a Hugging Face config object or its ``to_dict()``."""
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                               "vocab_size") if get(k) is None]
+        missing = [
+            k
+            for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if get(k) is None
+        ]
         if missing:
-            raise ValueError(f"model config lacks {missing}; the planner needs a decoder-only transformer config "
-                             "(Llama, Mistral, Qwen2 and the like)")
+            raise ValueError(
+                f"model config lacks {missing}; the planner needs a decoder-only transformer config "
+                "(Llama, Mistral, Qwen2 and the like)"
+            )
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-        return cls(hidden=hidden, intermediate=int(get("intermediate_size")), layers=int(get("num_hidden_layers")),
-                   heads=heads, kv_heads=int(get("num_key_value_heads") or heads),
-                   head_dim=int(get("head_dim") or hidden // heads), vocab=int(get("vocab_size")),
-                   tied=bool(get("tie_word_embeddings", False)), name=name)
+        return cls(
+            hidden=hidden,
+            intermediate=int(get("intermediate_size")),
+            layers=int(get("num_hidden_layers")),
+            heads=heads,
+            kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(get("head_dim") or hidden // heads),
+            vocab=int(get("vocab_size")),
+            tied=bool(get("tie_word_embeddings", False)),
+            name=name,
+        )
 
     def with_layers(self, layers: int) -> "ModelShape":
         """The same layer shape at another depth."""
@@ -126,8 +138,10 @@ def resolve_shape(model: Any, layers: int | None = None) -> ModelShape:
             from offloadkit.models.zoo import LLAMA_SHAPES  # plain data; no transformers import
 
             if model not in LLAMA_SHAPES:
-                raise ValueError(f"model={model!r} is neither a directory nor a known shape; "
-                                 f"use a model directory or one of {sorted(LLAMA_SHAPES)}")
+                raise ValueError(
+                    f"model={model!r} is neither a directory nor a known shape; "
+                    f"use a model directory or one of {sorted(LLAMA_SHAPES)}"
+                )
             shape = ModelShape.from_config(LLAMA_SHAPES[model], name=model)
     elif isinstance(model, dict):
         shape = ModelShape.from_config(model)

@@ -23,9 +23,17 @@ from dataclasses import dataclass
 
 from offloadkit.planning.memory import Features, Workload
 
-__all__ = ["Rates", "StepTime", "step_flops", "estimate_time",
-           "MATMUL_FLOPS_PER_S", "ATTENTION_FLOPS_PER_S", "PCIE_BYTES_PER_S", "DISK_WRITE_BYTES_PER_S",
-           "DISK_READ_BYTES_PER_S"]
+__all__ = [
+    "Rates",
+    "StepTime",
+    "step_flops",
+    "estimate_time",
+    "MATMUL_FLOPS_PER_S",
+    "ATTENTION_FLOPS_PER_S",
+    "PCIE_BYTES_PER_S",
+    "DISK_WRITE_BYTES_PER_S",
+    "DISK_READ_BYTES_PER_S",
+]
 
 # bf16 FLOP rates of a whole Llama step, not of one large matmul. Derived: the 8B LoRA
 # r=16 16K checkpointing step on H200 (2.984 s, benchmarks/results/engine/
@@ -145,5 +153,12 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     phases = [(fwd, (fwd_compute, fwd_pcie, fwd_disk)), (bwd, (bwd_compute, bwd_pcie + exposed, bwd_disk))]
     _, parts = max(phases, key=lambda x: x[0])
     bound = ("compute", "pcie", "disk")[max(range(3), key=lambda k: parts[k])]
-    return StepTime(seconds=fwd + bwd, compute_s=totals["compute"], pcie_s=totals["pcie"], disk_s=totals["disk"],
-                    bound=bound, linear_flops=lf + lb, attention_flops=af + ab)
+    return StepTime(
+        seconds=fwd + bwd,
+        compute_s=totals["compute"],
+        pcie_s=totals["pcie"],
+        disk_s=totals["disk"],
+        bound=bound,
+        linear_flops=lf + lb,
+        attention_flops=af + ab,
+    )

@@ -12,7 +12,8 @@ WHOLE_MODEL_COMPILE_NOTE = (
     "backward, so offloading everything brings all of them back together, and the model recompiles at every "
     "step (measured 385x slower on an H100); use checkpoint-input offload instead (gradient_checkpointing with "
     "activation_offloading, or apply_activation_checkpointing(model, offload_inputs=True)), whose checkpoints run "
-    "eagerly between the compiled parts, or compile each decoder layer (layer.compile())")
+    "eagerly between the compiled parts, or compile each decoder layer (layer.compile())"
+)
 
 
 def compiled_as_a_whole(model: nn.Module) -> bool:

@@ -99,8 +99,14 @@ class _Lent:
 
     def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
         self.owner = owner
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 3, "stream": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,
+        }
 
 
 def device_alias_of_host(host: torch.Tensor, device: torch.device, owner: object) -> torch.Tensor | None:

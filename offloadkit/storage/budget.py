@@ -175,9 +175,7 @@ class HostMemoryBudget:
                     "(strings such as '16GiB' are read by OffloadConfig / parse_bytes)"
                 )
         self.limit_bytes = limit_bytes
-        self.min_free_bytes = (
-            max(2 * _GiB, _total_bytes() // 10) if min_free_bytes is None else int(min_free_bytes)
-        )
+        self.min_free_bytes = max(2 * _GiB, _total_bytes() // 10) if min_free_bytes is None else int(min_free_bytes)
         self._read_available = available_fn or _available_bytes
         self.ranks_per_node = local_world_size() if ranks_per_node is None else int(ranks_per_node)
         if self.ranks_per_node < 1:

@@ -174,8 +174,11 @@ def create_private_dir(parent: str | None = None) -> str:
             os.unlink(lock_path)
             raise
     except OSError as exc:
-        raise OSError(exc.errno or errno.EIO, f"offloadkit: cannot create a spill directory in {parent!r}: "
-                                              f"{exc.strerror}; pass a writable disk directory") from exc
+        raise OSError(
+            exc.errno or errno.EIO,
+            f"offloadkit: cannot create a spill directory in {parent!r}: "
+            f"{exc.strerror}; pass a writable disk directory",
+        ) from exc
     global _atexit_registered
     with _lock:
         if not _atexit_registered:

@@ -161,8 +161,13 @@ class DiskTier:
     # 3.86 s -> 3.77 s on disk, 3.33 s -> 3.17 s tiered with 4 instead of 2).
     default_prefetch = 4
 
-    def __init__(self, budget: HostMemoryBudget, options: DiskOptions | None = None, pin_memory: bool = True,
-                 use_streams: bool = True) -> None:
+    def __init__(
+        self,
+        budget: HostMemoryBudget,
+        options: DiskOptions | None = None,
+        pin_memory: bool = True,
+        use_streams: bool = True,
+    ) -> None:
         if options is not None and not isinstance(options, DiskOptions):
             raise ValueError(f"disk={options!r} is invalid; pass DiskOptions(directory=...) or None")
         self.options = options or DiskOptions()
@@ -174,9 +179,11 @@ class DiskTier:
         self.use_streams = use_streams
         self.stats = DiskStats()
         self._writer: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            self.options.threads, thread_name_prefix="offloadkit-disk-write")
+            self.options.threads, thread_name_prefix="offloadkit-disk-write"
+        )
         self._reader: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            self.options.threads, thread_name_prefix="offloadkit-disk-read")
+            self.options.threads, thread_name_prefix="offloadkit-disk-read"
+        )
         self._lock = threading.Condition()
         self._segment: _Segment | None = None
         self._segments: set[_Segment] = set()  # open descriptors
@@ -211,8 +218,9 @@ class DiskTier:
                 self.pool.release(block)  # keeping it in RAM would break the RAM cap
                 raise self._full_error(shutil.disk_usage(self.directory).free, length)
             self.stats.fallbacks += 1
-            self._warn_fallback(f"{shutil.disk_usage(self.directory).free} bytes free in {self.directory}, "
-                                f"{length} needed")
+            self._warn_fallback(
+                f"{shutil.disk_usage(self.directory).free} bytes free in {self.directory}, {length} needed"
+            )
         try:
             return self._stage(src, nbytes, length, block, segment, offset)
         except BaseException:
@@ -245,8 +253,9 @@ class DiskTier:
         record.write = self._submit_write(record, block, copied)
         return stored
 
-    def adopt(self, block: HostBlock, nbytes: int, device: torch.device, copied, pool: HostBufferPool,
-              on_done) -> Stored | None:
+    def adopt(
+        self, block: HostBlock, nbytes: int, device: torch.device, copied, pool: HostBufferPool, on_done
+    ) -> Stored | None:
         """Write bytes that already sit in a host block of another tier (``pool``).
 
         ``on_done(ok)`` runs when the write finished (``ok``) or failed; either way the block
@@ -367,8 +376,7 @@ class DiskTier:
             if free < length:
                 return None, 0
             segment = self._segment
-            if segment is not None and segment.size + length > max(self.options.segment_bytes, length) \
-                    and segment.size:
+            if segment is not None and segment.size + length > max(self.options.segment_bytes, length) and segment.size:
                 self._seal(segment)
                 segment = None
             if segment is None:
@@ -406,8 +414,11 @@ class DiskTier:
                 self._direct = True
             except OSError as exc:
                 if exc.errno != errno.EINVAL or self.options.direct_io is True:
-                    raise OSError(exc.errno, f"offloadkit: cannot open {path} with O_DIRECT: {exc.strerror}"
-                                  + ("; set direct_io to auto or false" if exc.errno == errno.EINVAL else "")) from exc
+                    raise OSError(
+                        exc.errno,
+                        f"offloadkit: cannot open {path} with O_DIRECT: {exc.strerror}"
+                        + ("; set direct_io to auto or false" if exc.errno == errno.EINVAL else ""),
+                    ) from exc
                 self._direct = False  # e.g. tmpfs: fall back to buffered I/O
         if fd < 0:
             fd = os.open(path, flags, 0o600)
@@ -428,8 +439,11 @@ class DiskTier:
     def _warn_fallback(self, why: str) -> None:
         if not self._fallback_warned:
             self._fallback_warned = True
-            warnings.warn(f"offloadkit: the disk tier refused data ({why}); keeping it in host RAM instead",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"offloadkit: the disk tier refused data ({why}); keeping it in host RAM instead",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     # -- jobs ------------------------------------------------------------------------------
     def _submit_write(self, record: _Record, block: HostBlock, copied, on_done=None) -> Future:
@@ -563,6 +577,8 @@ class DiskTier:
 
     def describe(self) -> str:
         s = self.stats
-        return (f"disk tier {self.directory}: {s.bytes_written / 2**30:.2f} GiB written at {s.write_gb_s:.2f} GB/s, "
-                f"{s.bytes_read / 2**30:.2f} GiB read at {s.read_gb_s:.2f} GB/s, O_DIRECT={s.direct_io}, "
-                f"{s.fallbacks} kept in RAM")
+        return (
+            f"disk tier {self.directory}: {s.bytes_written / 2**30:.2f} GiB written at {s.write_gb_s:.2f} GB/s, "
+            f"{s.bytes_read / 2**30:.2f} GiB read at {s.read_gb_s:.2f} GB/s, O_DIRECT={s.direct_io}, "
+            f"{s.fallbacks} kept in RAM"
+        )

@@ -13,8 +13,9 @@ __all__ = ["STORAGE_KINDS", "build_tier"]
 STORAGE_KINDS = ("ram", "disk", "tiered")
 
 
-def build_tier(kind: str, budget: HostMemoryBudget, *, pin_memory: bool, use_streams: bool,
-               disk: DiskOptions | None = None):
+def build_tier(
+    kind: str, budget: HostMemoryBudget, *, pin_memory: bool, use_streams: bool, disk: DiskOptions | None = None
+):
     """A tier of ``kind`` sharing ``budget``.
 
     * ``ram``: pinned host buffers; past the budget tensors stay on the device.

@@ -122,8 +122,9 @@ class HostBufferPool:
         True
     """
 
-    def __init__(self, pin_memory: bool, budget: HostMemoryBudget, respect_cap: bool = True,
-                 grow_in_chunks: bool = True) -> None:
+    def __init__(
+        self, pin_memory: bool, budget: HostMemoryBudget, respect_cap: bool = True, grow_in_chunks: bool = True
+    ) -> None:
         self.pin_memory = bool(pin_memory)
         self.budget = budget
         self.respect_cap = respect_cap
@@ -234,8 +235,14 @@ class HostBufferPool:
             if rng.size > cap:  # the rest stays free, with the same pending copies
                 self._insert(rng.chunk, rng.offset + cap, rng.size - cap, list(rng.uses))
             self._in_use += cap
-            return HostBlock(rng.chunk.base[rng.offset : rng.offset + cap], cap, rng.chunk.pinned,
-                             uses=rng.uses, chunk=rng.chunk, offset=rng.offset)
+            return HostBlock(
+                rng.chunk.base[rng.offset : rng.offset + cap],
+                cap,
+                rng.chunk.pinned,
+                uses=rng.uses,
+                chunk=rng.chunk,
+                offset=rng.offset,
+            )
 
     def _best_fit(self, cap: int) -> _Range | None:
         i = bisect.bisect_left(self._by_size, (cap, -1))

@@ -84,10 +84,22 @@ class TieredTier:
             if inner is None:
                 return None
             self.stats.disk_entries += 1
-            return Stored(tier=self, nbytes=inner.nbytes, device=inner.device, done=inner.done,
-                          done_stream=inner.done_stream, payload=_Place(inner, in_ram=False))
-        outer = Stored(tier=self, nbytes=inner.nbytes, device=inner.device, done=inner.done,
-                       done_stream=inner.done_stream, payload=_Place(inner, in_ram=True))
+            return Stored(
+                tier=self,
+                nbytes=inner.nbytes,
+                device=inner.device,
+                done=inner.done,
+                done_stream=inner.done_stream,
+                payload=_Place(inner, in_ram=False),
+            )
+        outer = Stored(
+            tier=self,
+            nbytes=inner.nbytes,
+            device=inner.device,
+            done=inner.done,
+            done_stream=inner.done_stream,
+            payload=_Place(inner, in_ram=True),
+        )
         with self._lock:
             self._in_ram[id(outer)] = outer
             self.stats.ram_entries += 1
@@ -179,8 +191,7 @@ class TieredTier:
                 if place.freed:
                     self.ram.free(ram_stored)
 
-        disk_stored = self.disk.adopt(block, ram_stored.nbytes, ram_stored.device, ram_stored.done,
-                                      self.ram.pool, done)
+        disk_stored = self.disk.adopt(block, ram_stored.nbytes, ram_stored.device, ram_stored.done, self.ram.pool, done)
         if disk_stored is None:
             self._in_ram[id(outer)] = outer  # no room on disk either: it stays in RAM
             self._in_ram.move_to_end(id(outer), last=False)

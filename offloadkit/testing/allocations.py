@@ -29,11 +29,13 @@ class AllocationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0
+        }
         for t in tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and t.element_size() > 0
-                    and t.untyped_storage().data_ptr() not in inputs):
+            if isinstance(t, torch.Tensor) and t.element_size() > 0 and t.untyped_storage().data_ptr() not in inputs:
                 elements = t.untyped_storage().nbytes() // t.element_size()
                 self.max_elements = max(self.max_elements, elements)
                 self.records.append((str(func), tuple(t.shape), elements, t.dtype))
@@ -41,8 +43,7 @@ class AllocationTracker(TorchDispatchMode):
 
     def shapes_over(self, elements: int, dtype: torch.dtype | None = None) -> list[tuple[str, tuple]]:
         """(op, shape) of every allocation of at least ``elements`` elements (of ``dtype``)."""
-        return [(op, shape) for op, shape, n, dt in self.records
-                if n >= elements and (dtype is None or dt == dtype)]
+        return [(op, shape) for op, shape, n, dt in self.records if n >= elements and (dtype is None or dt == dtype)]
 
 
 class SavedTensorTracker(torch.autograd.graph.saved_tensors_hooks):

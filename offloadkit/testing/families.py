@@ -13,16 +13,41 @@ import torch
 
 __all__ = ["FAMILIES", "build_family", "family_batch", "packed_batch"]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral", "gpt_oss",
-            "qwen2_vl")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "qwen2_vl",
+)
 # Attention that builds no [seq, seq] scores where the family allows it; eager where the
 # family needs it (soft-capping, sinks).
 _EAGER = ("gemma2", "gpt_oss")
 _SIZES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256, head_dim=16),
-    "bench": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=4, vocab_size=32000, head_dim=64),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        head_dim=16,
+    ),
+    "bench": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        head_dim=64,
+    ),
 }
 
 
@@ -45,8 +70,14 @@ def _config(family: str, size: str):
     if family == "mistral":
         return transformers.MistralConfig(**s, sliding_window=window, **ids)
     if family == "gemma2":
-        return transformers.Gemma2Config(**s, sliding_window=window, attn_logit_softcapping=50.0,
-                                         final_logit_softcapping=30.0, query_pre_attn_scalar=s["head_dim"], **ids)
+        return transformers.Gemma2Config(
+            **s,
+            sliding_window=window,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=s["head_dim"],
+            **ids,
+        )
     if family == "gemma3":
         return transformers.Gemma3TextConfig(**s, sliding_window=window, query_pre_attn_scalar=s["head_dim"], **ids)
     if family == "phi3":
@@ -60,21 +91,42 @@ def _config(family: str, size: str):
         return transformers.MixtralConfig(**s, num_local_experts=4, **moe, **ids)
     if family == "gpt_oss":
         layers = ["sliding_attention", "full_attention"] * (s["num_hidden_layers"] // 2)
-        return transformers.GptOssConfig(**s, num_local_experts=4, sliding_window=window, layer_types=layers, **moe,
-                                         **ids)
+        return transformers.GptOssConfig(
+            **s, num_local_experts=4, sliding_window=window, layer_types=layers, **moe, **ids
+        )
     if family == "qwen2_vl":
         s.pop("head_dim")
-        vision = dict(depth=2, embed_dim=32 if tiny else 256, hidden_size=s["hidden_size"], num_heads=4,
-                      mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        vision = dict(
+            depth=2,
+            embed_dim=32 if tiny else 256,
+            hidden_size=s["hidden_size"],
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        )
         text = dict(s, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3] if tiny else [8, 12, 12]}, **ids)
-        return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=s["vocab_size"] - 1,
-                                          vision_start_token_id=s["vocab_size"] - 2,
-                                          vision_end_token_id=s["vocab_size"] - 3)
+        return transformers.Qwen2VLConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=s["vocab_size"] - 1,
+            vision_start_token_id=s["vocab_size"] - 2,
+            vision_end_token_id=s["vocab_size"] - 3,
+        )
     raise ValueError(f"family {family!r} is not one of {FAMILIES}")
 
 
-def build_family(family: str, size: str = "tiny", *, device="cpu", dtype=torch.float32, seed: int = 0,
-                 attn_implementation: str | None = None):
+def build_family(
+    family: str,
+    size: str = "tiny",
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    seed: int = 0,
+    attn_implementation: str | None = None,
+):
     """A randomly initialised causal LM of ``family`` ("tiny" for tests, "bench" for the
     GPU memory rows), in training mode."""
     import transformers
@@ -107,7 +159,7 @@ def family_batch(family: str, model, seq_len: int, *, batch: int = 1, device="cp
         grid = (1, 8, 8)  # t, h, w patches: 64 patches, 16 tokens after the 2x2 merge
         tokens = grid[0] * grid[1] * grid[2] // vision.spatial_merge_size**2
         ids[:, 0] = config.vision_start_token_id
-        ids[:, 1:1 + tokens] = config.image_token_id
+        ids[:, 1 : 1 + tokens] = config.image_token_id
         ids[:, 1 + tokens] = config.vision_end_token_id
         labels[:, : 2 + tokens] = -100
         patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -115,7 +167,7 @@ def family_batch(family: str, model, seq_len: int, *, batch: int = 1, device="cp
         out["image_grid_thw"] = torch.tensor([grid] * batch)
         if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
             kinds = torch.zeros_like(ids, dtype=torch.int32)
-            kinds[:, 1:1 + tokens] = 1  # image tokens, for the multimodal rotary positions
+            kinds[:, 1 : 1 + tokens] = 1  # image tokens, for the multimodal rotary positions
             out["mm_token_type_ids"] = kinds
     dtype = next(model.parameters()).dtype
     return {k: (v.to(device, dtype) if k == "pixel_values" else v.to(device)) for k, v in out.items()}
@@ -133,5 +185,9 @@ def packed_batch(vocab: int, lengths: list[int], device="cpu", seed: int = 0) ->
     for n in lengths:
         labels[0, start] = -100
         start += n
-    return {"input_ids": ids.to(device), "labels": labels.to(device), "position_ids": positions.to(device),
-            "use_cache": False}
+    return {
+        "input_ids": ids.to(device),
+        "labels": labels.to(device),
+        "position_ids": positions.to(device),
+        "use_cache": False,
+    }

@@ -33,7 +33,9 @@ def assert_bitwise_equal(a, b, what: str = "") -> None:
             assert_bitwise_equal(a[k], b[k], f"{what}[{k}]")
         return
     assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    same = torch.equal(a, b) or bool(torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+    same = torch.equal(a, b) or bool(
+        torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    )
     if not same:
         diff = (a.float() - b.float()).abs().max().item()
         raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff:g})")

@@ -16,13 +16,22 @@ yaml = pytest.importorskip("yaml")
 
 from offloadkit.cli.preflight import preflight  # noqa: E402
 from offloadkit.cli.train_config import TrainConfig  # noqa: E402
-from offloadkit.config import ConfigError, ConfigProblems  # noqa: E402
+from offloadkit.config import ConfigError, ConfigProblemsError  # noqa: E402
 from offloadkit.data import byte_tokenizer  # noqa: E402
 from offloadkit.data.sft import IGNORE, DatasetSpec, build_examples  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = {"base_model": None, "sequence_len": 256, "micro_batch_size": 2, "learning_rate": 1e-3, "num_epochs": 1,
-        "output_dir": "./out", "optimizer": "adamw_torch", "lr_scheduler": "cosine", "bf16": "auto"}
+BASE = {
+    "base_model": None,
+    "sequence_len": 256,
+    "micro_batch_size": 2,
+    "learning_rate": 1e-3,
+    "num_epochs": 1,
+    "output_dir": "./out",
+    "optimizer": "adamw_torch",
+    "lr_scheduler": "cosine",
+    "bf16": "auto",
+}
 
 
 def _cfg(data):
@@ -38,18 +47,32 @@ def _jsonl(path, records):
 
 
 def test_empty_keys_are_unset():
-    cfg, _ = _cfg(dict(BASE, adapter=None, lora_r=None, lora_alpha=None, chat_template=None, wandb_project="",
-                       resume_from_checkpoint=None, special_tokens=None, gradient_checkpointing=True))
+    cfg, _ = _cfg(
+        dict(
+            BASE,
+            adapter=None,
+            lora_r=None,
+            lora_alpha=None,
+            chat_template=None,
+            wandb_project="",
+            resume_from_checkpoint=None,
+            special_tokens=None,
+            gradient_checkpointing=True,
+        )
+    )
     assert cfg.model is None and cfg.lora_rank == 0 and cfg.resume_from_checkpoint is None
     assert cfg.dtype == "auto" and cfg.offload.gradient_checkpointing
 
 
-@pytest.mark.parametrize("keys, checkpointing, offloading", [
-    ({"gradient_checkpointing": "offload"}, True, True),
-    ({"gradient_checkpointing": "offload_disk"}, True, "disk"),
-    ({"gradient_checkpointing": True, "activation_offloading": "hidden_states"}, True, True),
-    ({"gradient_checkpointing": True, "activation_offloading": "legacy"}, True, "legacy"),
-])
+@pytest.mark.parametrize(
+    "keys, checkpointing, offloading",
+    [
+        ({"gradient_checkpointing": "offload"}, True, True),
+        ({"gradient_checkpointing": "offload_disk"}, True, "disk"),
+        ({"gradient_checkpointing": True, "activation_offloading": "hidden_states"}, True, True),
+        ({"gradient_checkpointing": True, "activation_offloading": "legacy"}, True, "legacy"),
+    ],
+)
 def test_axolotl_offloading_values(keys, checkpointing, offloading):
     cfg, _ = _cfg(dict(BASE, **keys))
     assert cfg.offload.gradient_checkpointing is checkpointing and cfg.offload.activation_offloading == offloading
@@ -74,7 +97,7 @@ def test_axolotl_batch_size_is_the_whole_step():
 
 def test_every_problem_is_reported_at_once_on_one_line():
     data = dict(BASE, lerning_rate=1e-4, rl="dpo", adapter="dora", pretraining_dataset=[{"path": "c4"}])
-    with pytest.raises(ConfigProblems) as info:
+    with pytest.raises(ConfigProblemsError) as info:
         TrainConfig.from_dict(data, source="axolotl.yaml", cuda=False)
     message = str(info.value)
     assert "\n" not in message and "4 problems" in message
@@ -82,15 +105,20 @@ def test_every_problem_is_reported_at_once_on_one_line():
     assert "rl='dpo': RL and preference training" in message and "adapter='dora' is not supported" in message
     assert "pretraining_dataset" in message and "streaming pretraining datasets" in message
     assert not info.value.unsupported_only
-    with pytest.raises(ConfigProblems) as info:
+    with pytest.raises(ConfigProblemsError) as info:
         TrainConfig.from_dict(dict(BASE, rl="dpo", processor_type="AutoProcessor"), source="a.yaml", cuda=False)
     assert info.value.unsupported_only  # refused only for features offloadkit does not have
 
 
 def test_alpaca_records_train_only_on_the_response(tmp_path):
     tok = byte_tokenizer()
-    path = _jsonl(tmp_path / "a.jsonl", [{"instruction": "Add 1 and 2.", "input": "", "output": "3"},
-                                         {"instruction": "Sum", "input": "4 5", "output": "9"}])
+    path = _jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"instruction": "Add 1 and 2.", "input": "", "output": "3"},
+            {"instruction": "Sum", "input": "4 5", "output": "9"},
+        ],
+    )
     examples, dropped = build_examples(DatasetSpec(path=path, type="alpaca"), tok, 512)
     assert dropped == 0 and len(examples) == 2
     for (ids, labels), answer in zip(examples, ("3", "9")):
@@ -108,12 +136,20 @@ def test_alpaca_records_train_only_on_the_response(tmp_path):
 
 def test_chat_records_train_on_the_assistant_turns_with_mapped_fields(tmp_path):
     tok = byte_tokenizer()
-    conversation = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
-                    {"from": "gpt", "value": "Hello."}, {"from": "human", "value": "Bye"},
-                    {"from": "gpt", "value": "Goodbye."}]
+    conversation = [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello."},
+        {"from": "human", "value": "Bye"},
+        {"from": "gpt", "value": "Goodbye."},
+    ]
     path = _jsonl(tmp_path / "c.jsonl", [{"conversations": conversation}])
-    spec = DatasetSpec(path=path, type="chat_template", field_messages="conversations",
-                       message_property_mappings={"role": "from", "content": "value"})
+    spec = DatasetSpec(
+        path=path,
+        type="chat_template",
+        field_messages="conversations",
+        message_property_mappings={"role": "from", "content": "value"},
+    )
     [(ids, labels)], _ = build_examples(spec, tok, 1024)
     trained = tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE])
     assert trained == "Hello.<|im_end|>\nGoodbye.<|im_end|>\n"  # no role headers, no user or system text
@@ -127,16 +163,24 @@ def test_chat_records_train_on_the_assistant_turns_with_mapped_fields(tmp_path):
 
 def test_axolotl_datasets_map_to_typed_specs(tmp_path):
     alpaca = _jsonl(tmp_path / "a.jsonl", [{"instruction": "x", "output": "y"}])
-    chats = _jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "a"},
-                                                         {"role": "assistant", "content": "b"}]}])
-    cfg, _ = _cfg(dict(BASE, datasets=[{"path": alpaca, "type": "alpaca"},
-                                       {"path": chats, "type": "chat_template", "split": "train",
-                                        "roles_to_train": ["assistant"]}]))
+    chats = _jsonl(
+        tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+    )
+    cfg, _ = _cfg(
+        dict(
+            BASE,
+            datasets=[
+                {"path": alpaca, "type": "alpaca"},
+                {"path": chats, "type": "chat_template", "split": "train", "roles_to_train": ["assistant"]},
+            ],
+        )
+    )
     specs = cfg.dataset_specs()
     assert [s.type for s in specs] == ["alpaca", "chat_template"] and specs[1].roles_to_train == ["assistant"]
     with pytest.raises(ConfigError, match=r"datasets\[0\] has field_chosen, field_rejected"):
-        _cfg(dict(BASE, datasets=[{"path": chats, "type": "chat_template", "field_chosen": "c",
-                                   "field_rejected": "r"}]))
+        _cfg(
+            dict(BASE, datasets=[{"path": chats, "type": "chat_template", "field_chosen": "c", "field_rejected": "r"}])
+        )
 
 
 def test_qlora_maps_to_a_4bit_base():
@@ -148,15 +192,32 @@ def test_qlora_maps_to_a_4bit_base():
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 def test_qlora_alpaca_run_trains_and_saves_an_adapter(tmp_path):
-    data = _jsonl(tmp_path / "a.jsonl", [{"instruction": f"Add {i} and 1.", "input": "", "output": str(i + 1)}
-                                         for i in range(24)])
-    config = dict(BASE, model_shape="tiny", adapter="qlora", load_in_4bit=True, lora_r=4, lora_target_linear=True,
-                  max_steps=3, output_dir=str(tmp_path / "out"), compare=False, gradient_checkpointing=True,
-                  datasets=[{"path": data, "type": "alpaca"}], logging_steps=1)
+    data = _jsonl(
+        tmp_path / "a.jsonl", [{"instruction": f"Add {i} and 1.", "input": "", "output": str(i + 1)} for i in range(24)]
+    )
+    config = dict(
+        BASE,
+        model_shape="tiny",
+        adapter="qlora",
+        load_in_4bit=True,
+        lora_r=4,
+        lora_target_linear=True,
+        max_steps=3,
+        output_dir=str(tmp_path / "out"),
+        compare=False,
+        gradient_checkpointing=True,
+        datasets=[{"path": data, "type": "alpaca"}],
+        logging_steps=1,
+    )
     path = tmp_path / "qlora.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "offloadkit", "train", str(path)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=REPO), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadkit", "train", str(path)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "4-bit" in report["model"] and report["fine_tune"] == "LoRA r=4" and report["steps"] == 3
@@ -166,15 +227,27 @@ def test_qlora_alpaca_run_trains_and_saves_an_adapter(tmp_path):
 def test_survey_script_tallies_a_checkout(tmp_path):
     examples = tmp_path / "axolotl" / "examples" / "demo"
     examples.mkdir(parents=True)
-    good = dict(BASE, base_model="org/model", datasets=[{"path": "org/alpaca", "type": "alpaca"}], adapter="lora",
-                lora_r=8, gradient_checkpointing=True)
+    good = dict(
+        BASE,
+        base_model="org/model",
+        datasets=[{"path": "org/alpaca", "type": "alpaca"}],
+        adapter="lora",
+        lora_r=8,
+        gradient_checkpointing=True,
+    )
     (examples / "good.yml").write_text(yaml.safe_dump(good))
     (examples / "rl.yml").write_text(yaml.safe_dump(dict(good, rl="dpo")))
     (examples / "typo.yml").write_text(yaml.safe_dump(dict(good, lora_alhpa=16)))
     (examples / "no-model.yml").write_text(yaml.safe_dump({"something": 1}))
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "axolotl_examples.py"),
-                           str(tmp_path / "axolotl")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "axolotl_examples.py"), str(tmp_path / "axolotl")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]  # one config fails
-    assert ("3 example configs with a base_model: 1 accepted, 1 refused with one line naming a feature offloadkit "
-            "does not have, 1 failing") in proc.stdout, proc.stdout
+    assert (
+        "3 example configs with a base_model: 1 accepted, 1 refused with one line naming a feature offloadkit "
+        "does not have, 1 failing"
+    ) in proc.stdout, proc.stdout
     assert "typo.yml" in proc.stdout and "did you mean 'lora_alpha'?" in proc.stdout

@@ -23,24 +23,69 @@ def _small(cls, **kw):
 
 
 ARCHS = {
-    "llama": (lambda: transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
-              ["model.layers.0", "model.layers.1", "model.layers.2"]),
-    "mistral": (lambda: transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
-                ["model.layers.0", "model.layers.1"]),
-    "qwen2": (lambda: transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
-              ["model.layers.0", "model.layers.1"]),
-    "gemma": (lambda: transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64),
-              ["model.layers.0", "model.layers.1"]),
-    "gpt2": (lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=0,
-                                             eos_token_id=0),
-             ["transformer.h.0", "transformer.h.1"]),
-    "t5": (lambda: transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
-                                         d_kv=8, vocab_size=64, decoder_start_token_id=0, pad_token_id=0),
-           ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1", "decoder.block.2"]),
+    "llama": (
+        lambda: transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        ),
+        ["model.layers.0", "model.layers.1", "model.layers.2"],
+    ),
+    "mistral": (
+        lambda: transformers.MistralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        ),
+        ["model.layers.0", "model.layers.1"],
+    ),
+    "qwen2": (
+        lambda: transformers.Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        ),
+        ["model.layers.0", "model.layers.1"],
+    ),
+    "gemma": (
+        lambda: transformers.GemmaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=64,
+        ),
+        ["model.layers.0", "model.layers.1"],
+    ),
+    "gpt2": (
+        lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0),
+        ["transformer.h.0", "transformer.h.1"],
+    ),
+    "t5": (
+        lambda: transformers.T5Config(
+            d_model=32,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=3,
+            num_heads=4,
+            d_kv=8,
+            vocab_size=64,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        ),
+        ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1", "decoder.block.2"],
+    ),
 }
 
 
@@ -285,13 +330,20 @@ def test_last_block_input_stays_on_the_device_under_a_whole_model_manager(tmp_pa
     """The config route (offloadkit checkpointing, a whole-model manager around it) keeps the
     last block's input where it is, as its plan says: backward needs it first, and sending it
     to RAM or disk costs one block input of host or disk space at the end of forward."""
-    from offloadkit.integrations.runtime import prepare
+    from offloadkit.compose import prepare
 
     model = build_llama("tiny")
     batch = make_batch(256, 2, 32)
     ref = run_step(model, batch)
-    runtime = prepare(model, {"gradient_checkpointing": True, "activation_offloading": "disk",
-                              "disk_dir": str(tmp_path), "min_offload_size": 0})
+    runtime = prepare(
+        model,
+        {
+            "gradient_checkpointing": True,
+            "activation_offloading": "disk",
+            "disk_dir": str(tmp_path),
+            "min_offload_size": 0,
+        },
+    )
     if not linked:
         runtime.checkpointing.keep_last_input_from(None)
     blocks = [block for _, block in runtime.checkpointing.blocks]
@@ -300,6 +352,7 @@ def test_last_block_input_stays_on_the_device_under_a_whole_model_manager(tmp_pa
     def seen(i):
         def hook(module, args, kwargs):
             inputs.setdefault(i, args[0] if args else kwargs["hidden_states"])
+
         return hook
 
     handles = [b.register_forward_pre_hook(seen(i), with_kwargs=True) for i, b in enumerate(blocks)]

@@ -30,8 +30,14 @@ def _env():
 
 def _cli(*args, cwd=None, timeout=600):
     env = _env()
-    proc = subprocess.run([sys.executable, "-m", "offloadkit", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadkit", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc
 
@@ -47,8 +53,16 @@ def _one_line_error(proc, *fragments):
 
 
 def _tiny(tmp_path, extra="", name="run.yaml", **keys):
-    base = {"model_shape": "tiny", "seq_len": 32, "batch_size": 2, "max_steps": 2, "compare": "false",
-            "output_dir": tmp_path / "out", "activation_offloading": "disk", "disk_dir": tmp_path}
+    base = {
+        "model_shape": "tiny",
+        "seq_len": 32,
+        "batch_size": 2,
+        "max_steps": 2,
+        "compare": "false",
+        "output_dir": tmp_path / "out",
+        "activation_offloading": "disk",
+        "disk_dir": tmp_path,
+    }
     base.update(keys)
     path = tmp_path / name
     path.write_text("".join(f"{k}: {v}\n" for k, v in base.items()) + extra)
@@ -69,8 +83,11 @@ def test_default_run_compares_learns_and_saves_a_model(tmp_path):
     assert all(comparison["median_step_s"])
     assert report["final_loss"] < 0.5 * report["first_loss"]  # it learns
     assert report["fine_tune"] == "full fine-tune" and report["checkpointing_active"]
-    assert re.search(r"peak memory \(process RSS\) \d+\.\d+ -> \d+\.\d+ GiB \(-\d+%\), "
-                     r"step time \d+\.\d+ \(\d+\.\d+-\d+\.\d+\) -> \d+\.\d+ \(\d+\.\d+-\d+\.\d+\) s", proc.stdout), proc.stdout
+    assert re.search(
+        r"peak memory \(process RSS\) \d+\.\d+ -> \d+\.\d+ GiB \(-\d+%\), "
+        r"step time \d+\.\d+ \(\d+\.\d+-\d+\.\d+\) -> \d+\.\d+ \(\d+\.\d+-\d+\.\d+\) s",
+        proc.stdout,
+    ), proc.stdout
     assert "each side measured in a process of its own" in proc.stdout
     phases = {p[0] for p in report["runs"]["with"]["phases"]}
     assert {"forward", "backward", "optimizer"} <= phases
@@ -88,7 +105,7 @@ def test_axolotl_config_trains_with_lora_and_checkpoints(tmp_path):
     byte_tokenizer().save_pretrained(model_dir)
     data = tmp_path / "train.jsonl"
     text = load_texts()[0]
-    data.write_text("".join(json.dumps({"text": text[i:i + 400]}) + "\n" for i in range(0, 8000, 400)))
+    data.write_text("".join(json.dumps({"text": text[i : i + 400]}) + "\n" for i in range(0, 8000, 400)))
     config = tmp_path / "axolotl.yaml"
     config.write_text(f"""\
 base_model: {model_dir}
@@ -169,39 +186,49 @@ def test_output_dir_that_is_a_file_or_read_only_fails_before_training(tmp_path):
     _one_line_error(_cli("train", _tiny(tmp_path, output_dir=blocker)), f"output_dir={str(blocker)!r} is a file")
     _one_line_error(_cli("train", _tiny(tmp_path, output_dir=blocker / "sub")), "output_dir=", "cannot be written")
     read_only = _read_only_dir(tmp_path)
-    _one_line_error(_cli("train", _tiny(tmp_path, output_dir=f"{read_only}/out")), "cannot be written",
-                    "choose a writable directory")
+    _one_line_error(
+        _cli("train", _tiny(tmp_path, output_dir=f"{read_only}/out")),
+        "cannot be written",
+        "choose a writable directory",
+    )
 
 
 def test_disk_dir_that_is_a_file_or_read_only_fails_before_training(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    _one_line_error(_cli("train", _tiny(tmp_path, disk_dir=blocker)), f"disk_dir={str(blocker)!r} is a file",
-                    "writable directory")
+    _one_line_error(
+        _cli("train", _tiny(tmp_path, disk_dir=blocker)), f"disk_dir={str(blocker)!r} is a file", "writable directory"
+    )
     read_only = _read_only_dir(tmp_path)
     _one_line_error(_cli("train", _tiny(tmp_path, disk_dir=read_only)), "disk_dir=", "cannot be written")
 
 
 def test_other_mistakes_fail_before_training(tmp_path):
-    _one_line_error(_cli("train", _tiny(tmp_path, dataset="[a.jsonl, b.jsonl]")),
-                    "dataset=['a.jsonl', 'b.jsonl'] must be one file path")
+    _one_line_error(
+        _cli("train", _tiny(tmp_path, dataset="[a.jsonl, b.jsonl]")),
+        "dataset=['a.jsonl', 'b.jsonl'] must be one file path",
+    )
     _one_line_error(_cli("train", _tiny(tmp_path), "--max-steps", "0"), "--max-steps=0 must be an integer >= 1")
     no_tokenizer = tmp_path / "model-only"
     build_llama("tiny", vocab_size=259).save_pretrained(no_tokenizer)
-    line = _one_line_error(_cli("train", _tiny(tmp_path, model=no_tokenizer)), "holds no tokenizer",
-                           "tokenizer.save_pretrained")
+    line = _one_line_error(
+        _cli("train", _tiny(tmp_path, model=no_tokenizer)), "holds no tokenizer", "tokenizer.save_pretrained"
+    )
     assert line.rstrip().endswith("or set tokenizer: DIR")  # a whole sentence
     records = tmp_path / "train.json"
     records.write_text(json.dumps([{"body": "some text"}] * 50))
     _one_line_error(_cli("train", _tiny(tmp_path, dataset=records)), "no 'text' field", "set text_field")
-    _one_line_error(_cli("train", _tiny(tmp_path, resume_from_checkpoint="true")),
-                    "resume_from_checkpoint=true but output_dir=", "set save_steps")
+    _one_line_error(
+        _cli("train", _tiny(tmp_path, resume_from_checkpoint="true")),
+        "resume_from_checkpoint=true but output_dir=",
+        "set save_steps",
+    )
 
 
 def test_json_dataset_trains_on_its_records(tmp_path):
     records = tmp_path / "train.json"
     text = load_texts()[0]
-    records.write_text(json.dumps([{"body": text[i:i + 300]} for i in range(0, 6000, 300)]))
+    records.write_text(json.dumps([{"body": text[i : i + 300]} for i in range(0, 6000, 300)]))
     proc = _cli("train", _tiny(tmp_path, dataset=records, text_field="body"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -250,8 +277,13 @@ def _ctrl_c_reaches_it() -> None:
 
 
 def _interrupt_when(config, marker: bytes):
-    proc = subprocess.Popen([sys.executable, "-m", "offloadkit", "train", str(config)], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=_env(), preexec_fn=_ctrl_c_reaches_it)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offloadkit", "train", str(config)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=_env(),
+        preexec_fn=_ctrl_c_reaches_it,
+    )
     seen = b""
     deadline = time.monotonic() + 180
     os.set_blocking(proc.stderr.fileno(), False)
@@ -278,8 +310,13 @@ def test_interrupted_message_on_its_own_line(tmp_path):
     # save_steps far ahead: no checkpoint exists yet, and the message must not say there is one.
     config = _tiny(tmp_path, max_steps=100000, seq_len=64, save_steps=50000)
     env = _env()
-    proc = subprocess.Popen([sys.executable, "-m", "offloadkit", "train", str(config)], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env, preexec_fn=_ctrl_c_reaches_it)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offloadkit", "train", str(config)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        preexec_fn=_ctrl_c_reaches_it,
+    )
     seen = b""
     deadline = time.monotonic() + 120
     os.set_blocking(proc.stderr.fileno(), False)
@@ -300,8 +337,21 @@ def test_bench_without_gpu_runs_on_cpu_with_the_disk_tier(tmp_path):
     if importlib.util.find_spec("torch") and __import__("torch").cuda.is_available():
         pytest.skip("CPU-only behaviour")
     disk = tmp_path / "spill"
-    proc = _cli("bench", "--shape", "tiny", "--seq-len", 128, "--steps", 1, "--warmup", 1, "--disk-dir", disk,
-                "--out", tmp_path / "out")
+    proc = _cli(
+        "bench",
+        "--shape",
+        "tiny",
+        "--seq-len",
+        128,
+        "--steps",
+        1,
+        "--warmup",
+        1,
+        "--disk-dir",
+        disk,
+        "--out",
+        tmp_path / "out",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "tiny-128.json").read_text())
     assert report["config"]["storage"] == "disk" and report["config"]["disk_dir"] == str(disk)
@@ -311,16 +361,23 @@ def test_bench_without_gpu_runs_on_cpu_with_the_disk_tier(tmp_path):
     for mode in ("ckpt+offload", "offload"):
         written = rows[mode]["offload"]["storage"]["disk"]["bytes_written"]
         # Both counters cover the same timed steps (the warm-up's writes are not counted).
-        assert 0.9 * rows[mode]["offload"]["offloaded_bytes"] <= written <= 1.2 * rows[mode]["offload"]["offloaded_bytes"]
+        assert (
+            0.9 * rows[mode]["offload"]["offloaded_bytes"] <= written <= 1.2 * rows[mode]["offload"]["offloaded_bytes"]
+        )
     assert "copy bandwidth" not in proc.stdout  # nothing was measured on a CPU
     # The README's command, on a machine without a GPU: one line, no traceback.
-    _one_line_error(_cli("bench", "--shape", "llama-3.2-1b", "--seq-len", 16384), "run it on a CUDA GPU",
-                    "--shape small --seq-len 1024")
+    _one_line_error(
+        _cli("bench", "--shape", "llama-3.2-1b", "--seq-len", 16384),
+        "run it on a CUDA GPU",
+        "--shape small --seq-len 1024",
+    )
     _one_line_error(_cli("bench", "--device", "cuda"), "no CUDA GPU is available")
-    for args, fragment in ((("--seq-len", -5), "--seq-len=-5 must be an integer >= 2"),
-                           (("--seq-len", 0), "--seq-len=0 must be an integer >= 2"),
-                           (("--steps", 0), "--steps=0 must be an integer >= 1"),
-                           (("--lora-rank", -1), "--lora-rank=-1 must be an integer >= 0 (0: full fine-tune)")):
+    for args, fragment in (
+        (("--seq-len", -5), "--seq-len=-5 must be an integer >= 2"),
+        (("--seq-len", 0), "--seq-len=0 must be an integer >= 2"),
+        (("--steps", 0), "--steps=0 must be an integer >= 1"),
+        (("--lora-rank", -1), "--lora-rank=-1 must be an integer >= 0 (0: full fine-tune)"),
+    ):
         _one_line_error(_cli("bench", "--shape", "tiny", *args), fragment)
     _one_line_error(_cli("bench", "--storage", "ram", "--disk-dir", disk), "--disk-dir", "only applies with")
 
@@ -330,9 +387,25 @@ def test_torchrun_two_processes_one_report_with_every_rank(tmp_path):
     the CPU), one report and one output directory from rank 0, each rank's peaks in it, the
     spill directories removed, LoRA on the built-in model saved once with its base."""
     config = _tiny(tmp_path, max_steps=3, lora_rank=4, logging_steps=1)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "offloadkit", "train", str(config)], capture_output=True, text=True, env=_env(),
-                          cwd=tmp_path, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "offloadkit",
+            "train",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout.count("offloadkit train report") == 1, proc.stdout
@@ -356,8 +429,18 @@ def test_fp16_is_mixed_precision_and_a_nan_loss_stops_the_run(tmp_path):
     assert saved.get("dtype", saved.get("torch_dtype")) == "float32"  # fp32 master weights
     # A diverging run: the loss is reported as NaN, nothing is saved, the exit status says so.
     out = tmp_path / "diverged"
-    proc = _cli("train", _tiny(tmp_path, name="nan.yaml", output_dir=out, max_steps=8, learning_rate="1e6",
-                               logging_steps=1, activation_offloading="false"))
+    proc = _cli(
+        "train",
+        _tiny(
+            tmp_path,
+            name="nan.yaml",
+            output_dir=out,
+            max_steps=8,
+            learning_rate="1e6",
+            logging_steps=1,
+            activation_offloading="false",
+        ),
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = [x for x in proc.stderr.splitlines() if x.startswith("offloadkit: error:")]
     assert len(line) == 1 and re.search(r"the training loss is (nan|inf|-inf) at step \d+", line[0]), proc.stderr
@@ -371,8 +454,9 @@ def test_earlier_run_in_output_dir_is_refused_unless_overwritten_or_resumed(tmp_
     assert "checkpoint-2" in line and "report.json" in line
     # Resuming at or past max_steps: nothing to train, refused before the model is touched.
     before = (tmp_path / "out" / "model" / "model.safetensors").stat().st_mtime_ns
-    _one_line_error(_cli("train", config, "--resume-from-checkpoint"), "is at step 2 and max_steps is 2",
-                    "--max-steps 102")
+    _one_line_error(
+        _cli("train", config, "--resume-from-checkpoint"), "is at step 2 and max_steps is 2", "--max-steps 102"
+    )
     assert (tmp_path / "out" / "model" / "model.safetensors").stat().st_mtime_ns == before
     other = _tiny(tmp_path, name="other.yaml", max_steps=3, save_steps=3)
     proc = _cli("train", other, "--overwrite")
@@ -410,14 +494,22 @@ def test_optimizers_name_the_package_they_need():
 def test_nothing_enabled_is_not_compared_and_the_memory_line_shows_what_acted(tmp_path):
     """With every option off there is nothing to compare (two plain runs would only show
     noise); options that cannot act on a CPU are not listed as acting."""
-    off = _tiny(tmp_path, name="off.yaml", compare="true", activation_offloading="false", gradient_checkpointing="false")
+    off = _tiny(
+        tmp_path, name="off.yaml", compare="true", activation_offloading="false", gradient_checkpointing="false"
+    )
     proc = _cli("train", off)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["comparison"]["status"] == "skipped" and "no memory option acted" in report["comparison"]["note"]
     assert report["offload_summary"].startswith("nothing")
-    ram = _tiny(tmp_path, name="ram.yaml", output_dir=tmp_path / "ram", activation_offloading="true",
-                layer_offloading="true", lora_rank=4)
+    ram = _tiny(
+        tmp_path,
+        name="ram.yaml",
+        output_dir=tmp_path / "ram",
+        activation_offloading="true",
+        layer_offloading="true",
+        lora_rank=4,
+    )
     proc = _cli("train", ram)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "ram" / "report.json").read_text())
@@ -435,6 +527,11 @@ def test_fp16_loads_what_trains_in_fp32():
 
     assert load_dtype(TrainConfig.from_dict({"dtype": "float16"}, cuda=True), True) == torch.float32
     assert load_dtype(TrainConfig.from_dict({"dtype": "float16", "lora_rank": 8}, cuda=True), True) == torch.float16
-    assert load_dtype(TrainConfig.from_dict({"dtype": "float16", "lora_rank": 8, "lora_modules_to_save": ["lm_head"]},
-                                            cuda=True), True) == torch.float32
+    assert (
+        load_dtype(
+            TrainConfig.from_dict({"dtype": "float16", "lora_rank": 8, "lora_modules_to_save": ["lm_head"]}, cuda=True),
+            True,
+        )
+        == torch.float32
+    )
     assert load_dtype(TrainConfig.from_dict({}, cuda=True), True) == torch.bfloat16

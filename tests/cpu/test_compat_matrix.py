@@ -62,8 +62,10 @@ def test_precisions_offloading_is_bitwise(precision):
 
     def step(ctx=None):
         model.zero_grad(set_to_none=True)
-        with ctx if ctx is not None else torch.enable_grad(), \
-                torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with (
+            ctx if ctx is not None else torch.enable_grad(),
+            torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None),
+        ):
             loss = model(**batch).loss
         (loss * scale).backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -81,8 +83,9 @@ def _per_token_loss(model, batch):
     with torch.no_grad():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
     labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                             reduction="none", ignore_index=-100)
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none", ignore_index=-100
+    )
 
 
 def test_packed_documents_match_each_document_alone():
@@ -95,14 +98,18 @@ def test_packed_documents_match_each_document_alone():
     together = _per_token_loss(model, packed)
     start = 0
     for n in lengths:
-        alone = {"input_ids": packed["input_ids"][:, start:start + n], "labels": packed["labels"][:, start:start + n],
-                 "use_cache": False}
+        alone = {
+            "input_ids": packed["input_ids"][:, start : start + n],
+            "labels": packed["labels"][:, start : start + n],
+            "use_cache": False,
+        }
         alone["labels"] = alone["labels"].clone()
         alone["labels"][:, 0] = -100
         # The packed row's last token of a document predicts the next document's first, which
         # is ignored there as in the document alone (its end).
-        torch.testing.assert_close(together[start:start + n - 1], _per_token_loss(model, alone)[: n - 1],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            together[start : start + n - 1], _per_token_loss(model, alone)[: n - 1], rtol=1e-5, atol=1e-5
+        )
         start += n
     model.train()
     ref = run_step(model, packed)

@@ -20,8 +20,12 @@ def _manager(model):
 @pytest.mark.parametrize("variant", ["dora", "modules_to_save"])
 def test_peft_variants_offload_bitwise(variant):
     model = build_family("llama")
-    config = peft.LoraConfig(r=4, target_modules="all-linear", use_dora=variant == "dora",
-                             modules_to_save=["lm_head"] if variant == "modules_to_save" else None)
+    config = peft.LoraConfig(
+        r=4,
+        target_modules="all-linear",
+        use_dora=variant == "dora",
+        modules_to_save=["lm_head"] if variant == "modules_to_save" else None,
+    )
     model = randomize_lora_b(peft.get_peft_model(model, config))
     batch = family_batch("llama", model, 40, batch=2)
     ref = run_step(model, batch)
@@ -64,20 +68,36 @@ def test_trl_dpo_trainer_with_the_mixin(tmp_path):
     class DPO(ActivationOffloadingMixin, trl.DPOTrainer):
         pass
 
-    rows = {"prompt": [f"Question {i}: " for i in range(16)],
-            "chosen": [f"answer {i}." for i in range(16)], "rejected": [f"wrong {i}!" for i in range(16)]}
+    rows = {
+        "prompt": [f"Question {i}: " for i in range(16)],
+        "chosen": [f"answer {i}." for i in range(16)],
+        "rejected": [f"wrong {i}!" for i in range(16)],
+    }
     from offloadkit.data import BYTE_VOCAB_SIZE
     from offloadkit.testing import build_llama
 
     base = build_llama("tiny", vocab_size=BYTE_VOCAB_SIZE, attn_implementation="sdpa")
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear"))
-    args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, report_to=[],
-                         use_cpu=True, disable_tqdm=True, logging_steps=1, save_strategy="no", max_length=64,
-                         activation_offloading=True)  # TRL's own engine: the mixin switches it off
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="no",
+        max_length=64,
+        activation_offloading=True,
+    )  # TRL's own engine: the mixin switches it off
     tokenizer = byte_tokenizer()
-    trainer = DPO(model=model, args=args, train_dataset=datasets.Dataset.from_dict(rows), processing_class=tokenizer,
-                  offload_config={"gradient_checkpointing": True, "activation_offloading": "disk",
-                                  "disk_dir": str(tmp_path)})
+    trainer = DPO(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(rows),
+        processing_class=tokenizer,
+        offload_config={"gradient_checkpointing": True, "activation_offloading": "disk", "disk_dir": str(tmp_path)},
+    )
     assert args.activation_offloading is False  # one engine active
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -8,8 +8,9 @@ import pytest
 from offloadkit.data import load_texts
 
 
-@pytest.mark.parametrize("value, shown", [(None, "NoneType null"), (5, "int 5"), (["a", "b"], 'list ["a", "b"]'),
-                                          ({"x": 1}, "dict")])
+@pytest.mark.parametrize(
+    "value, shown", [(None, "NoneType null"), (5, "int 5"), (["a", "b"], 'list ["a", "b"]'), ({"x": 1}, "dict")]
+)
 def test_text_that_is_not_a_string_is_refused(tmp_path, value, shown):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")

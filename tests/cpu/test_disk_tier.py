@@ -29,8 +29,13 @@ from .test_engine_parity import Tricky
 
 def disk_ctx(model, tmp_path, storage="disk", budget=None, **kw):
     return get_act_offloading_ctx_manager(
-        model, offload_cpu_tensors=True, min_offload_size=0, storage=storage,
-        disk=DiskOptions(directory=str(tmp_path), **kw.pop("disk_kw", {})), host_budget_bytes=budget, **kw,
+        model,
+        offload_cpu_tensors=True,
+        min_offload_size=0,
+        storage=storage,
+        disk=DiskOptions(directory=str(tmp_path), **kw.pop("disk_kw", {})),
+        host_budget_bytes=budget,
+        **kw,
     )
 
 
@@ -75,8 +80,9 @@ def test_lora_and_views_parity(tmp_path):
     tricky(x, labels).backward()
     ref = {n: p.grad.clone() for n, p in tricky.named_parameters()}
     tricky.zero_grad(set_to_none=True)
-    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk",
-                             disk=DiskOptions(directory=str(tmp_path)))
+    ctx = OffloadActivations(
+        offload_cpu_tensors=True, min_offload_size=0, storage="disk", disk=DiskOptions(directory=str(tmp_path))
+    )
     with ctx:
         loss = tricky(x, labels)
     loss.backward()
@@ -87,8 +93,13 @@ def test_lora_and_views_parity(tmp_path):
 def test_tiering_keeps_the_newest_in_ram(tmp_path):
     x = torch.randn(64, 1024, requires_grad=True)  # 256 KiB per saved tensor
     budget = 6 * (256 << 10)
-    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="tiered", host_budget_bytes=budget,
-                             disk=DiskOptions(directory=str(tmp_path)))
+    ctx = OffloadActivations(
+        offload_cpu_tensors=True,
+        min_offload_size=0,
+        storage="tiered",
+        host_budget_bytes=budget,
+        disk=DiskOptions(directory=str(tmp_path)),
+    )
     with ctx:
         h = x
         for _ in range(16):
@@ -194,8 +205,9 @@ def _tiny_fs(tmp_path):
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
     if os.geteuid() == 0:
-        rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                            capture_output=True).returncode
+        rc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True
+        ).returncode
         if rc == 0:
             return mount_point, True
     return mount_point, False
@@ -221,8 +233,9 @@ def test_disk_full_falls_back_to_ram_or_raises_a_clear_error(tmp_path, monkeypat
         x.grad = None
         x.sin().cos().tanh().sum().backward()
         ref = x.grad.clone()
-        ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk",
-                                 disk=DiskOptions(directory=str(mount_point)))
+        ctx = OffloadActivations(
+            offload_cpu_tensors=True, min_offload_size=0, storage="disk", disk=DiskOptions(directory=str(mount_point))
+        )
         with pytest.warns(RuntimeWarning, match="keeping it in host RAM"):
             got = run(ctx)
         assert_bitwise_equal(ref, got, "grads after falling back to RAM")
@@ -230,8 +243,13 @@ def test_disk_full_falls_back_to_ram_or_raises_a_clear_error(tmp_path, monkeypat
         ctx.close()
 
         starved = HostMemoryBudget(limit_bytes=0, min_free_bytes=0)
-        ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk", budget=starved,
-                                 disk=DiskOptions(directory=str(mount_point)))
+        ctx = OffloadActivations(
+            offload_cpu_tensors=True,
+            min_offload_size=0,
+            storage="disk",
+            budget=starved,
+            disk=DiskOptions(directory=str(mount_point)),
+        )
         with pytest.raises(DiskFullError, match=r"bytes free and \d+ are needed") as err:
             with ctx:
                 x.sin()
@@ -250,8 +268,9 @@ def test_write_error_keeps_bytes_in_ram(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "pwrite", failing)
     x = torch.randn(256, 256, requires_grad=True)
-    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk",
-                             disk=DiskOptions(directory=str(tmp_path)))
+    ctx = OffloadActivations(
+        offload_cpu_tensors=True, min_offload_size=0, storage="disk", disk=DiskOptions(directory=str(tmp_path))
+    )
     with pytest.warns(RuntimeWarning, match="No space left"):
         with ctx:
             y = x.sin().cos()
@@ -272,8 +291,12 @@ def test_short_writes_are_retried_and_short_reads_raise(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "pwrite", half_write)
     x = torch.randn(512, 512, requires_grad=True)
-    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk",
-                             disk=DiskOptions(directory=str(tmp_path), direct_io=False))
+    ctx = OffloadActivations(
+        offload_cpu_tensors=True,
+        min_offload_size=0,
+        storage="disk",
+        disk=DiskOptions(directory=str(tmp_path), direct_io=False),
+    )
     with ctx:
         y = x.sin().cos()
     y.sum().backward()
@@ -306,8 +329,12 @@ def test_o_direct_unsupported_falls_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "open", no_direct)
     x.grad = None
-    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk",
-                             disk=DiskOptions(directory=str(tmp_path), direct_io="auto"))
+    ctx = OffloadActivations(
+        offload_cpu_tensors=True,
+        min_offload_size=0,
+        storage="disk",
+        disk=DiskOptions(directory=str(tmp_path), direct_io="auto"),
+    )
     with ctx:
         y = x.sin().cos()
     y.sum().backward()
@@ -317,8 +344,12 @@ def test_o_direct_unsupported_falls_back(tmp_path, monkeypatch):
     x.grad = None
     x.sin().cos().sum().backward()
     assert_bitwise_equal(x.grad, got, "grads with buffered I/O")
-    strict = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="disk",
-                                disk=DiskOptions(directory=str(tmp_path), direct_io=True))
+    strict = OffloadActivations(
+        offload_cpu_tensors=True,
+        min_offload_size=0,
+        storage="disk",
+        disk=DiskOptions(directory=str(tmp_path), direct_io=True),
+    )
     with pytest.raises(OSError, match="O_DIRECT"):
         with strict:
             x.sin()
@@ -346,8 +377,13 @@ def test_checkpoint_inputs_to_disk(tmp_path):
     ref = run_step(model, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        handle = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True,
-                                                storage="disk", disk=DiskOptions(directory=str(tmp_path)))
+        handle = apply_activation_checkpointing(
+            model,
+            offload_inputs=True,
+            offload_cpu_tensors=True,
+            storage="disk",
+            disk=DiskOptions(directory=str(tmp_path)),
+        )
         got = run_step(model, batch)
     assert_bitwise_equal(ref[1], got[1], "grads")
     assert handle.offloader.storage_stats()["disk"]["bytes_written"] > 0
@@ -371,9 +407,13 @@ def test_tiered_with_a_tight_budget_offloads_everything(tmp_path):
 
 def test_entries_larger_than_the_ram_budget_still_reach_disk(tmp_path):
     x = torch.randn(1024, 1024, requires_grad=True)  # 4 MiB saved tensors, budget 1 MiB
-    ctx = OffloadActivations(offload_cpu_tensors=True, min_offload_size=0, storage="tiered",
-                             budget=HostMemoryBudget(1 << 20, min_free_bytes=0),
-                             disk=DiskOptions(directory=str(tmp_path)))
+    ctx = OffloadActivations(
+        offload_cpu_tensors=True,
+        min_offload_size=0,
+        storage="tiered",
+        budget=HostMemoryBudget(1 << 20, min_free_bytes=0),
+        disk=DiskOptions(directory=str(tmp_path)),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         with ctx:

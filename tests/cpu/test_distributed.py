@@ -17,9 +17,13 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist", "worker.py")
 def torchrun(mode, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--standalone", WORKER, mode],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", WORKER, mode],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     return proc, time.monotonic() - start
 
 

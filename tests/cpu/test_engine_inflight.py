@@ -39,7 +39,7 @@ def offset_views_loss(x, w):
     a = h[16:].sin()  # offset view of h
     b = h[:, 8:40].cos()  # strided, offset
     c, d = h.chunk(2, dim=0)
-    return (a.sum() + b.sum() + (c * d.tanh()).sum())
+    return a.sum() + b.sum() + (c * d.tanh()).sum()
 
 
 @pytest.mark.parametrize("stash", [1, 3, 50])
@@ -60,7 +60,7 @@ def test_sources_still_in_flight_are_restored_at_their_offsets(stash):
     assert ctx.is_idle()
 
 
-class Explode(RuntimeError):
+class ExplodeError(RuntimeError):
     pass
 
 
@@ -73,13 +73,13 @@ def test_failed_backward_does_not_leave_a_pass_open():
         with ctx:
             h = x.sin().cos().tanh()
         if fail:
-            h.register_hook(lambda g: (_ for _ in ()).throw(Explode("in backward")))
+            h.register_hook(lambda g: (_ for _ in ()).throw(ExplodeError("in backward")))
         h.sum().backward()
 
     step(False)
     step(False)
     assert ctx.stats.replayed_passes == 1
-    with pytest.raises(Explode):
+    with pytest.raises(ExplodeError):
         step(True)
     gc.collect()
     assert ctx.is_idle()

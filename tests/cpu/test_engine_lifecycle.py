@@ -44,7 +44,7 @@ def test_retain_graph_double_backward(tiny_llama, tiny_batch):
     assert ctx.is_idle()
 
 
-class Boom(RuntimeError):
+class BoomError(RuntimeError):
     pass
 
 
@@ -54,10 +54,10 @@ def test_exception_mid_forward_then_normal_step(tiny_llama, tiny_batch):
     layer = tiny_llama.model.layers[1]
 
     def explode(*_):
-        raise Boom("mid-forward")
+        raise BoomError("mid-forward")
 
     handle = layer.register_forward_pre_hook(explode)
-    with pytest.raises(Boom):
+    with pytest.raises(BoomError):
         with ctx:
             tiny_llama(**tiny_batch)
     handle.remove()

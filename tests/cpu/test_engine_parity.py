@@ -54,7 +54,9 @@ def test_llama_parity_legacy_and_no_prefetch(tiny_llama, tiny_batch):
 def test_lora_parity():
     peft = pytest.importorskip("peft")
     model = build_llama("tiny")
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    )
     # LoRA B starts at zero, which would make most gradients trivially zero.
     randomize_lora_b(model)
     batch = make_batch(256, 2, 32)

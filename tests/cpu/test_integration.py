@@ -37,9 +37,20 @@ class LossRecorder(transformers.TrainerCallback):
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=12, learning_rate=3e-3,
-                logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=0,
-                remove_unused_columns=False, lr_scheduler_type="constant")
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=12,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+        lr_scheduler_type="constant",
+    )
     base.update(kw)
     return transformers.TrainingArguments(**base)
 
@@ -60,8 +71,13 @@ def _model(lora=False):
 def _train(trainer_cls, tmp_path, lora=False, callbacks=(), **kw):
     torch.manual_seed(0)
     recorder = LossRecorder()
-    trainer = trainer_cls(model=_model(lora), args=_args(tmp_path, **kw.pop("args", {})), train_dataset=_dataset(),
-                          callbacks=[recorder, *callbacks], **kw)
+    trainer = trainer_cls(
+        model=_model(lora),
+        args=_args(tmp_path, **kw.pop("args", {})),
+        train_dataset=_dataset(),
+        callbacks=[recorder, *callbacks],
+        **kw,
+    )
     trainer.train()
     return trainer, recorder.losses
 
@@ -83,8 +99,12 @@ def test_trainer_mixin_losses_equal_plain_trainer_and_go_down(tmp_path, lora):
 def test_gradient_accumulation_and_hf_checkpointing(tmp_path):
     args = {"gradient_accumulation_steps": 3, "gradient_checkpointing": True, "max_steps": 6}
     _, ref = _train(transformers.Trainer, tmp_path / "plain", args=args)
-    trainer, got = _train(OffloadTrainer, tmp_path / "offload", args=args,
-                          offload_config={"activation_offloading": "disk", "disk_dir": str(tmp_path)})
+    trainer, got = _train(
+        OffloadTrainer,
+        tmp_path / "offload",
+        args=args,
+        offload_config={"activation_offloading": "disk", "disk_dir": str(tmp_path)},
+    )
     assert got == ref
     assert trainer.offload_config.gradient_checkpointing  # read from the training arguments
     assert trainer.offload_report["checkpointing_active"]
@@ -101,23 +121,31 @@ def test_callback_route(tmp_path):
 
 def test_adapter_saved_and_reloaded_gives_same_outputs(tmp_path):
     peft = pytest.importorskip("peft")
-    trainer, _ = _train(OffloadTrainer, tmp_path / "run", lora=True,
-                        offload_config={"gradient_checkpointing": True, "activation_offloading": "disk",
-                                        "disk_dir": str(tmp_path)})
+    trainer, _ = _train(
+        OffloadTrainer,
+        tmp_path / "run",
+        lora=True,
+        offload_config={"gradient_checkpointing": True, "activation_offloading": "disk", "disk_dir": str(tmp_path)},
+    )
     trainer.model.save_pretrained(tmp_path / "adapter")
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
     trainer.model.eval()
     with torch.no_grad():
         expected = trainer.model(input_ids=ids).logits
-    reloaded = peft.PeftModel.from_pretrained(build_llama("tiny", vocab_size=259, attn_implementation="sdpa"),
-                                              tmp_path / "adapter").eval()
+    reloaded = peft.PeftModel.from_pretrained(
+        build_llama("tiny", vocab_size=259, attn_implementation="sdpa"), tmp_path / "adapter"
+    ).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, expected)
 
 
 def test_trainer_checkpoint_loads_into_ordinary_model(tmp_path):
-    trainer, _ = _train(OffloadTrainer, tmp_path / "run", args={"save_strategy": "steps", "save_steps": 12},
-                        offload_config={"activation_offloading": "disk", "disk_dir": str(tmp_path)})
+    trainer, _ = _train(
+        OffloadTrainer,
+        tmp_path / "run",
+        args={"save_strategy": "steps", "save_steps": 12},
+        offload_config={"activation_offloading": "disk", "disk_dir": str(tmp_path)},
+    )
     checkpoint = tmp_path / "run" / "checkpoint-12"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
     for (n, a), (_, b) in zip(trainer.model.state_dict().items(), loaded.state_dict().items()):
@@ -143,13 +171,26 @@ def test_trl_sft_trainer_with_mixin(tmp_path):
         pass
 
     text = load_texts()[0]
-    ds = datasets.Dataset.from_dict({"text": [text[i:i + 200] for i in range(0, 8000, 200)]})
-    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, report_to=[],
-                         use_cpu=True, disable_tqdm=True, max_length=64, logging_steps=1, save_strategy="no",
-                         packing=False)
-    trainer = SFT(model=_model(lora=True), args=args, train_dataset=ds, processing_class=byte_tokenizer(),
-                  offload_config={"gradient_checkpointing": True, "activation_offloading": "disk",
-                                  "disk_dir": str(tmp_path)})
+    ds = datasets.Dataset.from_dict({"text": [text[i : i + 200] for i in range(0, 8000, 200)]})
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        max_length=64,
+        logging_steps=1,
+        save_strategy="no",
+        packing=False,
+    )
+    trainer = SFT(
+        model=_model(lora=True),
+        args=args,
+        train_dataset=ds,
+        processing_class=byte_tokenizer(),
+        offload_config={"gradient_checkpointing": True, "activation_offloading": "disk", "disk_dir": str(tmp_path)},
+    )
     trainer.train()
     assert trainer.offload_report["activations"]["offloaded_bytes"] > 0
 
@@ -177,8 +218,9 @@ def test_config_errors_name_key_value_and_fix(data, message):
 
 
 def test_config_aliases_units_and_warnings(tmp_path):
-    cfg = OffloadConfig.from_dict({"sm_activation_offloading": True, "activation_loading_horizon": 3,
-                                   "host_budget_bytes": "1.5GiB"})
+    cfg = OffloadConfig.from_dict(
+        {"sm_activation_offloading": True, "activation_loading_horizon": 3, "host_budget_bytes": "1.5GiB"}
+    )
     assert cfg.activation_offloading is True and cfg.host_budget_bytes == int(1.5 * 2**30)
     with pytest.warns(UserWarning, match="disk_dir only apply with activation_offloading: disk"):
         OffloadConfig.from_dict({"activation_offloading": True, "disk_dir": "/tmp"})
@@ -195,15 +237,18 @@ def test_config_aliases_units_and_warnings(tmp_path):
 
 def _cli(*args, cwd=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "offloadkit", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "offloadkit", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600
+    )
 
 
 def test_cli_train_end_to_end_writes_report_plot_and_adapter(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text(f"model_shape: tiny\nseq_len: 64\nbatch_size: 4\nmax_steps: 8\nlogging_steps: 2\n"
-                      f"lora_rank: 4\noutput_dir: {tmp_path / 'out'}\ngradient_checkpointing: true\n"
-                      f"activation_offloading: disk\ndisk_dir: {tmp_path}\nprofile_step: 2\n")
+    config.write_text(
+        f"model_shape: tiny\nseq_len: 64\nbatch_size: 4\nmax_steps: 8\nlogging_steps: 2\n"
+        f"lora_rank: 4\noutput_dir: {tmp_path / 'out'}\ngradient_checkpointing: true\n"
+        f"activation_offloading: disk\ndisk_dir: {tmp_path}\nprofile_step: 2\n"
+    )
     proc = _cli("train", str(config))
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = tmp_path / "out"
@@ -244,8 +289,23 @@ def test_cli_missing_config_file_and_help(tmp_path):
 
 
 def test_cli_bench_on_cpu(tmp_path):
-    proc = _cli("bench", "--shape", "tiny", "--seq-len", "64", "--steps", "1", "--warmup", "1", "--device", "cpu",
-                "--modes", "none;ckpt;ok_ckpt", "--out", str(tmp_path))
+    proc = _cli(
+        "bench",
+        "--shape",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--modes",
+        "none;ckpt;ok_ckpt",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "tiny-64.json").read_text())
     assert [r["mode"] for r in report["results"]] == ["none", "ckpt", "ok_ckpt"]
@@ -254,10 +314,16 @@ def test_cli_bench_on_cpu(tmp_path):
 
 
 def test_budget_keys_reach_the_runtime(tmp_path):
-    from offloadkit.integrations.runtime import prepare
+    from offloadkit.compose import prepare
 
-    cfg = OffloadConfig.from_dict({"activation_offloading": "disk", "disk_dir": str(tmp_path),
-                                   "host_budget_bytes": "64MiB", "host_min_free_bytes": "1GiB"})
+    cfg = OffloadConfig.from_dict(
+        {
+            "activation_offloading": "disk",
+            "disk_dir": str(tmp_path),
+            "host_budget_bytes": "64MiB",
+            "host_min_free_bytes": "1GiB",
+        }
+    )
     runtime = prepare(_model(), cfg)
     assert runtime.manager.budget.limit_bytes == 64 << 20
     assert runtime.manager.budget.min_free_bytes == 1 << 30
@@ -275,11 +341,13 @@ def test_cli_train_local_model_directory_and_jsonl(tmp_path):
     byte_tokenizer().save_pretrained(model_dir)
     data = tmp_path / "train.jsonl"
     text = load_texts()[0]
-    data.write_text("\n".join(json.dumps({"body": text[i:i + 600]}) for i in range(0, 12000, 600)) + "\n")
+    data.write_text("\n".join(json.dumps({"body": text[i : i + 600]}) for i in range(0, 12000, 600)) + "\n")
     config = tmp_path / "run.yaml"
-    config.write_text(f"model: {model_dir}\ndataset: {data}\ntext_field: body\nseq_len: 32\nbatch_size: 2\n"
-                      f"max_steps: 4\nlora_rank: 0\noutput_dir: {tmp_path / 'out'}\n"
-                      f"activation_offloading: disk\ndisk_dir: {tmp_path}\n")
+    config.write_text(
+        f"model: {model_dir}\ndataset: {data}\ntext_field: body\nseq_len: 32\nbatch_size: 2\n"
+        f"max_steps: 4\nlora_rank: 0\noutput_dir: {tmp_path / 'out'}\n"
+        f"activation_offloading: disk\ndisk_dir: {tmp_path}\n"
+    )
     proc = _cli("train", str(config))
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())

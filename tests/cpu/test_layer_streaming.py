@@ -122,14 +122,16 @@ def test_state_dict_and_adapter_saving(tmp_path):
 
 def test_remove_restores_weights_and_hooks():
     model = lora_llama("tiny")
-    hooks_before = {id(m): (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks))
-                    for m in model.modules()}
+    hooks_before = {
+        id(m): (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks)) for m in model.modules()
+    }
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     streamer = stream_layers_on_cpu(model)
     run_step(model, make_batch(256, 2, 16))
     streamer.remove()
-    hooks_after = {id(m): (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks))
-                   for m in model.modules()}
+    hooks_after = {
+        id(m): (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks)) for m in model.modules()
+    }
     assert hooks_before == hooks_after
     for n, p in model.named_parameters():
         assert p.untyped_storage().nbytes() > 0
@@ -197,8 +199,9 @@ def test_evicted_weights_read_save_load_and_merge_without_crashing(tmp_path):
     # PEFT merge / unmerge run with the block resident and write back
     model.merge_adapter()
     reference.merge_adapter()
-    assert torch.equal(base_q.base_layer.weight, reference.base_model.model.model.layers[0].self_attn.q_proj
-                       .base_layer.weight)
+    assert torch.equal(
+        base_q.base_layer.weight, reference.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    )
     with torch.no_grad():  # merged adapters leave nothing trainable in the forward
         assert_bitwise_equal(reference(**batch).loss, model(**batch).loss, "loss after merge")
     model.unmerge_adapter()
@@ -221,7 +224,8 @@ def _streamed_with_a_kept_value(key):
 
 def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy_back():
     model, streamer, kept, expected = _streamed_with_a_kept_value(
-        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    )
     pool = streamer.pool
     in_use_before = pool.bytes_in_use
     streamer.remove()
@@ -237,7 +241,8 @@ def test_values_taken_while_evicted_outlive_remove_and_then_give_their_host_copy
 
 def test_values_taken_while_evicted_outlive_the_model_and_streamer_without_remove():
     model, streamer, kept, expected = _streamed_with_a_kept_value(
-        "base_model.model.model.layers.1.mlp.up_proj.base_layer.weight")
+        "base_model.model.model.layers.1.mlp.up_proj.base_layer.weight"
+    )
     pool = streamer.pool
     del model, streamer
     gc.collect()
@@ -261,16 +266,16 @@ def test_failed_backward_does_not_leave_layers_resident():
     batch = make_batch(2048, 2, 16)
     streamer = stream_layers_on_cpu(model, depth=2)
 
-    class Boom(Exception):
+    class BoomError(Exception):
         pass
 
     def fail_in_backward(module, args, output):
         t = output[0] if isinstance(output, tuple) else output
-        t.register_hook(lambda grad: (_ for _ in ()).throw(Boom()))
+        t.register_hook(lambda grad: (_ for _ in ()).throw(BoomError()))
 
     handle = model.base_model.model.model.layers[1].register_forward_hook(fail_in_backward)
     out = model(**batch)
-    with pytest.raises(Boom):
+    with pytest.raises(BoomError):
         out.loss.backward()
     handle.remove()
     del out
@@ -284,6 +289,7 @@ def test_failed_backward_does_not_leave_layers_resident():
 def test_merges_that_replace_weight_data_reach_the_host_copy(how):
     """PEFT's safe_merge, DoRA merges and unmerge assign a new ``.data`` instead of writing in
     place: the streamer adopts it into the flat storage and the host copy."""
+
     def build():
         config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, use_dora=(how == "dora"))
         model = peft.get_peft_model(build_llama("tiny"), config)

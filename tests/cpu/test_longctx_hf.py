@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from offloadkit import apply_chunked_loss, apply_tiled_mlp  # noqa: E402
+from offloadkit.compose import prepare  # noqa: E402
 from offloadkit.config import ConfigError, OffloadConfig  # noqa: E402
-from offloadkit.integrations.runtime import prepare  # noqa: E402
 from offloadkit.testing import (  # noqa: E402
     AllocationTracker,
     SavedTensorTracker,
@@ -34,7 +34,9 @@ def close_all(got, ref, tol=TOL):
     assert grads_g.keys() == grads_r.keys() and grads_r
     for name in grads_r:
         scale = grads_r[name].abs().max().item() or 1.0
-        torch.testing.assert_close(grads_g[name], grads_r[name], rtol=tol, atol=tol * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads_g[name], grads_r[name], rtol=tol, atol=tol * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def batch(vocab=256, b=2, seq=33, seed=0):
@@ -57,7 +59,9 @@ def test_llama_loss_and_grads_match_and_remove_restores(use_lora, checkpointing)
     if use_lora:
         model = lora(model)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+        )
         if use_lora and checkpointing == "reentrant":
             model.enable_input_require_grads()
     data = batch()
@@ -124,8 +128,17 @@ def test_num_items_in_batch_and_gradient_accumulation():
     handle.remove()
 
 
-_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-               num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite", "hyperclovax"])
@@ -134,13 +147,17 @@ def test_models_that_transform_logits(kind):
     if kind == "hyperclovax" and not hasattr(transformers, "HyperCLOVAXForCausalLM"):
         pytest.skip("this transformers has no HyperCLOVA X")
     cls, config = {
-        "gemma2": lambda: (transformers.Gemma2ForCausalLM,
-                           transformers.Gemma2Config(head_dim=16, final_logit_softcapping=5.0, **common)),
+        "gemma2": lambda: (
+            transformers.Gemma2ForCausalLM,
+            transformers.Gemma2Config(head_dim=16, final_logit_softcapping=5.0, **common),
+        ),
         "cohere": lambda: (transformers.CohereForCausalLM, transformers.CohereConfig(logit_scale=0.25, **common)),
         # Granite divides its logits by logits_scaling, HyperCLOVA X multiplies them by it.
         "granite": lambda: (transformers.GraniteForCausalLM, transformers.GraniteConfig(logits_scaling=4.0, **common)),
-        "hyperclovax": lambda: (transformers.HyperCLOVAXForCausalLM,
-                                transformers.HyperCLOVAXConfig(logits_scaling=4.0, **common)),
+        "hyperclovax": lambda: (
+            transformers.HyperCLOVAXForCausalLM,
+            transformers.HyperCLOVAXConfig(logits_scaling=4.0, **common),
+        ),
     }[kind]()
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -195,8 +212,9 @@ def test_unrecognised_logit_change_and_unsupported_heads_are_refused():
     lora_head = peft.get_peft_model(build_llama("tiny"), peft.LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))
     with pytest.raises(ValueError, match="plain nn.Linear head"):
         apply_chunked_loss(lora_head)
-    saved_head = peft.get_peft_model(build_llama("tiny"), peft.LoraConfig(r=4, target_modules=["q_proj"],
-                                                                         modules_to_save=["lm_head"]))
+    saved_head = peft.get_peft_model(
+        build_llama("tiny"), peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    )
     randomize_lora_b(saved_head)
     ref = run_step(saved_head, batch())
     handle = apply_chunked_loss(saved_head, num_chunks=2)
@@ -238,8 +256,9 @@ def test_tiling_the_norms_bounds_their_fp32_upcasts():
     with AllocationTracker() as control:
         run_step(model, data)
     assert fp32_full_length(control), "RMSNorm upcasts [B, S, H] to fp32"
-    handle = apply_tiled_mlp(model, num_shards=shards,
-                             predicate=lambda n, m: n.endswith(("mlp", "layernorm")) or n == "model.norm")
+    handle = apply_tiled_mlp(
+        model, num_shards=shards, predicate=lambda n, m: n.endswith(("mlp", "layernorm")) or n == "model.norm"
+    )
     assert len(handle.modules) == 7
     with AllocationTracker() as alloc:
         got = run_step(model, data)
@@ -286,8 +305,12 @@ def test_config_route_composes_with_checkpointing_and_disk_offloading(tmp_path):
     data = batch()
     model = lora(build_llama("tiny", attn_implementation="sdpa"))
     ref = run_step(model, data)
-    keys = {"chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": 3, "tiled_mlp": True,
-            "tiled_mlp_num_shards": 2}
+    keys = {
+        "chunked_cross_entropy": True,
+        "chunked_cross_entropy_num_chunks": 3,
+        "tiled_mlp": True,
+        "tiled_mlp_num_shards": 2,
+    }
     runtime = prepare(model, keys)
     assert runtime.chunked_loss is not None and len(runtime.tiled_mlp.modules) == 2
     alone = run_step(model, data, ctx=runtime.context())
@@ -295,8 +318,9 @@ def test_config_route_composes_with_checkpointing_and_disk_offloading(tmp_path):
     runtime.close()
     assert all(k not in m.__dict__ for m in model.modules() for k in ("forward", "_loss_function"))
     assert_bitwise_equal(run_step(model, data)[1], ref[1], "after close()")
-    runtime = prepare(model, {**keys, "gradient_checkpointing": True, "activation_offloading": "disk",
-                              "disk_dir": str(tmp_path)})
+    runtime = prepare(
+        model, {**keys, "gradient_checkpointing": True, "activation_offloading": "disk", "disk_dir": str(tmp_path)}
+    )
     composed = run_step(model, data, ctx=runtime.context())
     assert runtime.manager.collect_stats().offloaded_tensors > 0
     runtime.close()
@@ -307,17 +331,20 @@ def test_config_route_composes_with_checkpointing_and_disk_offloading(tmp_path):
 def test_config_keys_validated_and_warned():
     cfg = OffloadConfig.from_dict({"chunked_cross_entropy": True, "tiled_mlp": True, "tiled_mlp_num_shards": "auto"})
     assert cfg.tiled_mlp_num_shards is None and cfg.chunked_cross_entropy_num_chunks is None
-    for data, message in [({"chunked_cross_entropy": "yes"}, "chunked_cross_entropy='yes' has the wrong type"),
-                          ({"chunked_cross_entropy_num_chunks": 0}, "chunked_cross_entropy_num_chunks=0 is too small"),
-                          ({"tiled_mlp_num_shards": 2.5}, "tiled_mlp_num_shards=2.5 has the wrong type"),
-                          ({"tiled_mlp": 1}, "tiled_mlp=1 has the wrong type")]:
+    for data, message in [
+        ({"chunked_cross_entropy": "yes"}, "chunked_cross_entropy='yes' has the wrong type"),
+        ({"chunked_cross_entropy_num_chunks": 0}, "chunked_cross_entropy_num_chunks=0 is too small"),
+        ({"tiled_mlp_num_shards": 2.5}, "tiled_mlp_num_shards=2.5 has the wrong type"),
+        ({"tiled_mlp": 1}, "tiled_mlp=1 has the wrong type"),
+    ]:
         with pytest.raises(ConfigError, match=message.replace("(", "\\(")):
             OffloadConfig.from_dict(data)
     with pytest.warns(UserWarning, match="tiled_mlp_num_shards only applies with tiled_mlp: true"):
         OffloadConfig.from_dict({"tiled_mlp_num_shards": 4})
     with pytest.warns(UserWarning, match="chunked_cross_entropy has no effect"):
-        runtime = prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
-                          {"chunked_cross_entropy": True})
+        runtime = prepare(
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), {"chunked_cross_entropy": True}
+        )
     assert runtime.chunked_loss is None
     runtime.close()
 
@@ -335,9 +362,20 @@ def test_trainer_with_gradient_accumulation(tmp_path):
     def train(callbacks):
         model = build_llama("tiny", attn_implementation="sdpa")
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
-            learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
-            seed=0, remove_unused_columns=False, lr_scheduler_type="constant")
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=0,
+            remove_unused_columns=False,
+            lr_scheduler_type="constant",
+        )
         losses, chunked_calls = [], []
 
         class Record(transformers.TrainerCallback):
@@ -377,11 +415,28 @@ def test_trainer_evaluation_inside_train_sees_real_logits(tmp_path):
         seen.clear()
         model = build_llama("tiny", attn_implementation="sdpa")
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=2,
-            eval_strategy="steps", eval_steps=1, learning_rate=1e-2, save_strategy="no", report_to=[],
-            disable_tqdm=True, use_cpu=True, seed=0, remove_unused_columns=False)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:4],
-                                       compute_metrics=metrics, callbacks=callbacks)
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=2,
+            max_steps=2,
+            eval_strategy="steps",
+            eval_steps=1,
+            learning_rate=1e-2,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=0,
+            remove_unused_columns=False,
+        )
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=rows,
+            eval_dataset=rows[:4],
+            compute_metrics=metrics,
+            callbacks=callbacks,
+        )
         trainer.train()
         return [h for h in trainer.state.log_history if "eval_loss" in h], list(seen)
 
@@ -416,8 +471,9 @@ def test_tiled_projections_config_route():
     with pytest.raises(ConfigError, match="tiled_projections=True needs tiled_mlp: true"):
         OffloadConfig.from_dict({"tiled_projections": True})
     model = lora(build_llama("tiny", attn_implementation="sdpa"))
-    runtime = prepare(model, {"tiled_mlp": True, "tiled_mlp_num_shards": 2, "tiled_projections": True,
-                              "gradient_checkpointing": True})
+    runtime = prepare(
+        model, {"tiled_mlp": True, "tiled_mlp_num_shards": 2, "tiled_projections": True, "gradient_checkpointing": True}
+    )
     assert len(runtime.tiled_mlp.modules) == 7 * model.config.num_hidden_layers
     ref_model = lora(build_llama("tiny", attn_implementation="sdpa"))
     ref_model.load_state_dict(model.state_dict())
@@ -434,16 +490,29 @@ def _moe(kind, **extra):
         config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common, **extra)
         cls = transformers.MixtralForCausalLM
     elif kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                             shared_expert_intermediate_size=64, **common, **extra)
+        config = transformers.Qwen2MoeConfig(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            **common,
+            **extra,
+        )
         cls = transformers.Qwen2MoeForCausalLM
     elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                             head_dim=16, **common, **extra)
+        config = transformers.Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16, **common, **extra
+        )
         cls = transformers.Qwen3MoeForCausalLM
     else:
-        config = transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
-                                           layer_types=["full_attention"] * 2, **common, **extra)
+        config = transformers.GptOssConfig(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+            layer_types=["full_attention"] * 2,
+            **common,
+            **extra,
+        )
         cls = transformers.GptOssForCausalLM
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -491,8 +560,9 @@ def test_mixtral_router_jitter_writes_its_input_in_place():
 
 
 def test_gpt2_conv1d_mlp_with_batch():
-    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=128, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)

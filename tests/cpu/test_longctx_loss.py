@@ -31,8 +31,7 @@ def reference(h, w, labels, b=None, *, num_items=None, ignore=-100, shift=True, 
     if shift:
         labels = F.pad(labels, (0, 1), value=ignore)[..., 1:]
     reduction = "mean" if num_items is None else "sum"
-    loss = F.cross_entropy(logits.reshape(-1, w.shape[0]), labels.reshape(-1), ignore_index=ignore,
-                           reduction=reduction)
+    loss = F.cross_entropy(logits.reshape(-1, w.shape[0]), labels.reshape(-1), ignore_index=ignore, reduction=reduction)
     return loss if num_items is None else loss / num_items
 
 
@@ -90,8 +89,9 @@ def test_bf16_no_worse_than_unchunked():
     ref.backward()
     got = chunked_cross_entropy(got_in[0], got_in[1], labels, got_in[2], num_chunks=5)
     got.backward()
-    pairs = [("loss", got, ref, exact)] + list(zip(("hidden", "weight", "bias"), grads(*got_in), grads(*ref_in),
-                                                   grads(*exact_in)))
+    pairs = [("loss", got, ref, exact)] + list(
+        zip(("hidden", "weight", "bias"), grads(*got_in), grads(*ref_in), grads(*exact_in))
+    )
     for name, g, r, e in pairs:
         scale = e.abs().max().item()
         err_got = (g.double() - e).abs().max().item() / scale
@@ -182,8 +182,9 @@ def test_logit_scale_and_softcapping(scale, softcap):
     ref_in, got_in = leaves(h, w, b), leaves(h, w, b)
     ref = reference(*ref_in[:2], labels, ref_in[2], scale=scale, softcap=softcap)
     ref.backward()
-    got = chunked_cross_entropy(got_in[0], got_in[1], labels, got_in[2], num_chunks=3, logit_scale=scale,
-                                final_logit_softcapping=softcap)
+    got = chunked_cross_entropy(
+        got_in[0], got_in[1], labels, got_in[2], num_chunks=3, logit_scale=scale, final_logit_softcapping=softcap
+    )
     got.backward()
     close(got, ref, TOL[torch.float64], "loss")
     for name, a, r in zip(("hidden", "weight", "bias"), grads(*got_in), grads(*ref_in)):
@@ -280,8 +281,10 @@ def _fp16_scaled_errors(chunked: bool, hidden_dtype, scale=65536.0, softcap=None
             loss = F.cross_entropy(logits[:-1], labels[1:])
     (loss * scale).backward()
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
-    err = [float((got.double() / scale - ref.grad).norm() / ref.grad.norm()) for got, ref in ((h.grad, ref_h),
-                                                                                            (w.grad, ref_w))]
+    err = [
+        float((got.double() / scale - ref.grad).norm() / ref.grad.norm())
+        for got, ref in ((h.grad, ref_h), (w.grad, ref_w))
+    ]
     return err
 
 
@@ -303,7 +306,11 @@ def test_fp16_deferred_gradients_keep_bias_and_upstream_scale():
     h16, w16, b16 = leaves(h, w, b)
     (chunked_cross_entropy(h16, w16, labels, b16, num_chunks=3) * 1024).backward()
     (reference(h32, w32, labels, b32) * 1024).backward()
-    for got, ref, what in ((h16.grad, h32.grad, "hidden"), (w16.grad, w32.grad, "weight"), (b16.grad, b32.grad, "bias")):
+    for got, ref, what in (
+        (h16.grad, h32.grad, "hidden"),
+        (w16.grad, w32.grad, "weight"),
+        (b16.grad, b32.grad, "bias"),
+    ):
         assert got.dtype == torch.float16 and torch.isfinite(got).all(), what
         close(got.float(), ref, 2e-2, what)
 

@@ -119,7 +119,9 @@ def test_gradient_accumulation_and_one_gradient_per_parameter():
     hooks = []
     for name, p in net.named_parameters():
         p.grad = torch.ones_like(p)
-        hooks.append(p.register_post_accumulate_grad_hook(lambda p, n=name: counts.__setitem__(n, counts.get(n, 0) + 1)))
+        hooks.append(
+            p.register_post_accumulate_grad_hook(lambda p, n=name: counts.__setitem__(n, counts.get(n, 0) + 1))
+        )
     xx = x.clone().requires_grad_()
     net(xx).backward(up)
     assert counts == {n: 1 for n, _ in net.named_parameters()}, "each parameter must get one gradient per backward"
@@ -141,7 +143,7 @@ def test_dropout_masks_replayed_in_backward():
     # Shards run over the tokens of every batch row in turn (2 x 40 tokens, 4 shards).
     flat = xs.reshape(1, -1, xs.shape[-1])
     bounds = [(0, 20), (20, 20), (40, 20), (60, 20)]
-    ref_out = torch.cat([mlp(flat[:, s:s + n]) for s, n in bounds], dim=1).view(x.shape)
+    ref_out = torch.cat([mlp(flat[:, s : s + n]) for s, n in bounds], dim=1).view(x.shape)
     ref_out.backward(up)
     ref = {n: p.grad.clone() for n, p in mlp.named_parameters()}
     net.zero_grad(set_to_none=True)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.compose import prepare
 from offloadkit.config import ConfigError, OffloadConfig
-from offloadkit.integrations.runtime import prepare
 from offloadkit.longctx import chunked_cross_entropy
 from offloadkit.planning import Budgets, Features, Workload, estimate_memory, longest_sequence, plan, resolve_shape
 from offloadkit.planning.memory import LOSS_CHUNK_BYTES_PER_LOGIT, auto_loss_chunks, layer_saved_bytes
@@ -36,6 +36,7 @@ def _saved_in_layer(model, ids, index):
             def pack(t):
                 seen[_k][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
                 return t
+
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 return _o(*a, **kw)
 
@@ -44,8 +45,9 @@ def _saved_in_layer(model, ids, index):
     return sum(n for ptr, n in seen[0].items() if ptr not in params and ptr not in seen[1])
 
 
-@pytest.mark.parametrize("lora,tiled", [(0, False), (8, False), (8, True), (0, True), (8, "projections"),
-                                        (0, "projections")])
+@pytest.mark.parametrize(
+    "lora,tiled", [(0, False), (8, False), (8, True), (0, True), (8, "projections"), (0, "projections")]
+)
 def test_layer_saved_bytes_match_what_autograd_saves(lora, tiled):
     from offloadkit import apply_tiled_mlp
 
@@ -96,8 +98,20 @@ def test_block_inputs_offloaded_as_planned():
 
 def test_loss_chunk_bytes_match_the_chunked_loss():
     tokens, hidden, vocab = 512, 32, 1000
-    w = Workload(resolve_shape({"hidden_size": hidden, "intermediate_size": 64, "num_hidden_layers": 1,
-                                "num_attention_heads": 2, "vocab_size": vocab}), tokens, lora_rank=0, dtype_bytes=4)
+    w = Workload(
+        resolve_shape(
+            {
+                "hidden_size": hidden,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "vocab_size": vocab,
+            }
+        ),
+        tokens,
+        lora_rank=0,
+        dtype_bytes=4,
+    )
     chunks = 8
     part = estimate_memory(w, Features(loss_chunks=chunks)).gpu_parts
     h = torch.randn(tokens, hidden, requires_grad=True)
@@ -116,8 +130,15 @@ def test_full_fine_tune_counts_the_chunked_loss_fp32_head_gradient():
     """The chunked loss sums a trainable head's gradient in fp32 in forward and holds it to
     backward: measured against what the loss allocates, and left out for LoRA."""
     tokens, hidden, vocab = 256, 32, 1000
-    shape = resolve_shape({"hidden_size": hidden, "intermediate_size": 64, "num_hidden_layers": 1,
-                           "num_attention_heads": 2, "vocab_size": vocab})
+    shape = resolve_shape(
+        {
+            "hidden_size": hidden,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "vocab_size": vocab,
+        }
+    )
     full = estimate_memory(Workload(shape, tokens, lora_rank=0, dtype_bytes=2), Features(loss_chunks=4)).gpu_parts
     lora = estimate_memory(Workload(shape, tokens, lora_rank=8, dtype_bytes=2), Features(loss_chunks=4)).gpu_parts
     h = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -149,8 +170,10 @@ def test_depth_does_not_change_the_gpu_peak_when_offloading_and_streaming():
     peaks = {n: m.gpu_peak - m.gpu_parts["trainable state"] for n, m in est.items()}
     assert peaks[8] == peaks[32]
     plain = Features(loss_chunks=32, mlp_shards=4)
-    assert (estimate_memory(Workload(resolve_shape("llama-3-8b", layers=32), 65536), plain).gpu_peak
-            > estimate_memory(Workload(resolve_shape("llama-3-8b", layers=8), 65536), plain).gpu_peak)
+    assert (
+        estimate_memory(Workload(resolve_shape("llama-3-8b", layers=32), 65536), plain).gpu_peak
+        > estimate_memory(Workload(resolve_shape("llama-3-8b", layers=8), 65536), plain).gpu_peak
+    )
 
 
 def test_ram_exhaustion_pushes_oldest_block_inputs_to_disk():
@@ -212,8 +235,14 @@ def test_prepare_applies_the_plan():
 
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "offloadkit", "plan", *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "offloadkit", "plan", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
 def test_cli_plan_prints_the_table_and_the_longest_sequence():
@@ -225,8 +254,11 @@ def test_cli_plan_prints_the_table_and_the_longest_sequence():
 
 
 def test_cli_plan_bad_arguments_give_one_line():
-    for args in (("--shape", "nope", "--seq-len", "1024"), ("--shape", "tiny", "--seq-len", "0"),
-                 ("--shape", "tiny", "--seq-len", "1024", "--gpu-gib", "-1")):
+    for args in (
+        ("--shape", "nope", "--seq-len", "1024"),
+        ("--shape", "tiny", "--seq-len", "0"),
+        ("--shape", "tiny", "--seq-len", "1024", "--gpu-gib", "-1"),
+    ):
         r = _cli(*args, "--no-search")
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert r.stderr.startswith("offloadkit: error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -264,8 +296,14 @@ def test_physical_limit_holds_everything_alive_at_once():
 
     def alive(seq):
         w = Workload(shape, seq)
-        f = Features(offload_inputs=True, layer_streaming=True, horizon=0, loss_chunks=seq, mlp_shards=seq,
-                     tiled_projections=True)
+        f = Features(
+            offload_inputs=True,
+            layer_streaming=True,
+            horizon=0,
+            loss_chunks=seq,
+            mlp_shards=seq,
+            tiled_projections=True,
+        )
         gpu = estimate_memory(w, f).gpu_peak
         return gpu, gpu + (shape.layers - 1) * w.block_input_bytes + shape.layers * shape.layer_params * 2
 
@@ -313,8 +351,9 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
     from offloadkit.storage.factory import build_tier
 
     hidden, seq = (1024, 2048) if not lora_rank else (512, 8192)  # 4 MiB / 8 MiB block inputs
-    shape = ModelShape(hidden=hidden, intermediate=2 * hidden, layers=24, heads=8, kv_heads=8,
-                       head_dim=hidden // 8, vocab=1000)
+    shape = ModelShape(
+        hidden=hidden, intermediate=2 * hidden, layers=24, heads=8, kv_heads=8, head_dim=hidden // 8, vocab=1000
+    )
     w = Workload(shape, seq, lora_rank=lora_rank)
     block = w.block_input_bytes
     layer_bytes = shape.layer_params * w.dtype_bytes  # 5 MiB of frozen weights per layer with LoRA
@@ -335,8 +374,7 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
     weights_pool = HostBufferPool(pin_memory=False, budget=budget, grow_in_chunks=False)  # as streaming does
     weights = [weights_pool.acquire(layer_bytes) for _ in range(shape.layers if lora_rank else 0)]
     assert all(weights), "the cap holds the streamed weights"
-    tier = build_tier("tiered", budget, pin_memory=False, use_streams=False,
-                      disk=DiskOptions(directory=str(tmp_path)))
+    tier = build_tier("tiered", budget, pin_memory=False, use_streams=False, disk=DiskOptions(directory=str(tmp_path)))
     stored = [tier.store(torch.full((block,), i, dtype=torch.uint8)) for i in range(shape.layers - 1)]
     for s in stored:  # let background demotions finish
         demotion = s.payload.demotion

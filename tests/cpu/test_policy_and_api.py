@@ -254,8 +254,9 @@ def test_backward_order_is_learned_and_replayed():
 def test_prefetch_bytes_horizon():
     model = build_llama("tiny")
     batch = make_batch(256, 2, 32)
-    ctx = get_act_offloading_ctx_manager(model, offload_cpu_tensors=True, min_offload_size=0, prefetch=1,
-                                         prefetch_bytes=1 << 30)
+    ctx = get_act_offloading_ctx_manager(
+        model, offload_cpu_tensors=True, min_offload_size=0, prefetch=1, prefetch_bytes=1 << 30
+    )
     run_step(model, batch, ctx)
     run_step(model, batch, ctx)
     assert ctx.stats.prefetch_misses == 0 and ctx.is_idle()

@@ -47,10 +47,12 @@ def test_inplace_write_of_a_saved_activation_raises(manager):
         z.sum().backward()
 
     _raises_like_pytorch(step)
-    ctx = {"offloaded": lambda: cpu_ctx(),
-           "kept-small": lambda: cpu_ctx(min_offload_size=1 << 30),
-           "noop": lambda: NoOpManager(),
-           "budget": lambda: cpu_ctx(budget=HostMemoryBudget(limit_bytes=0, min_free_bytes=0))}[manager]()
+    ctx = {
+        "offloaded": lambda: cpu_ctx(),
+        "kept-small": lambda: cpu_ctx(min_offload_size=1 << 30),
+        "noop": lambda: NoOpManager(),
+        "budget": lambda: cpu_ctx(budget=HostMemoryBudget(limit_bytes=0, min_free_bytes=0)),
+    }[manager]()
     with pytest.raises(RuntimeError, match=INPLACE):
         step(ctx)
 
@@ -131,8 +133,11 @@ def test_partial_grad_on_an_older_retained_graph():
     g_old1 = torch.autograd.grad(old[1].sum(), w, retain_graph=True)[0]
     g_new = torch.autograd.grad(new[-1].sum(), w)[0]
     g_old2 = torch.autograd.grad(old[2].sum(), w)[0]
-    ref = [torch.autograd.grad(_chain(x, w)[1].sum(), w)[0], torch.autograd.grad(_chain(x, w, 4)[-1].sum(), w)[0],
-           torch.autograd.grad(_chain(x, w)[2].sum(), w)[0]]
+    ref = [
+        torch.autograd.grad(_chain(x, w)[1].sum(), w)[0],
+        torch.autograd.grad(_chain(x, w, 4)[-1].sum(), w)[0],
+        torch.autograd.grad(_chain(x, w)[2].sum(), w)[0],
+    ]
     for got, want in zip((g_old1, g_new, g_old2), ref):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     del old, new
@@ -469,28 +474,34 @@ def test_checkpointed_block_keyword_inputs_are_offloaded():
 
 
 # -- arguments ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, name", [
-    (dict(disk="/tmp", storage="disk"), "disk"),
-    (dict(host_budget_bytes="1GiB"), "host_budget_bytes"),
-    (dict(max_fwd_stash_size=True), "max_fwd_stash_size"),
-    (dict(prefetch=True), "prefetch"),
-    (dict(use_streams="yes"), "use_streams"),
-    (dict(storage="nvme"), "storage"),
-    (dict(min_offload_size="1k"), "min_offload_size"),
-    (dict(budget="1GiB"), "budget"),
-    (dict(tier="disk"), "tier="),
-    (dict(measure_waits="no"), "measure_waits"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(disk="/tmp", storage="disk"), "disk"),
+        (dict(host_budget_bytes="1GiB"), "host_budget_bytes"),
+        (dict(max_fwd_stash_size=True), "max_fwd_stash_size"),
+        (dict(prefetch=True), "prefetch"),
+        (dict(use_streams="yes"), "use_streams"),
+        (dict(storage="nvme"), "storage"),
+        (dict(min_offload_size="1k"), "min_offload_size"),
+        (dict(budget="1GiB"), "budget"),
+        (dict(tier="disk"), "tier="),
+        (dict(measure_waits="no"), "measure_waits"),
+    ],
+)
 def test_wrong_argument_types_name_the_argument(kw, name):
     with pytest.raises(ValueError, match=name):
         OffloadActivations(offload_cpu_tensors=True, **kw)
 
 
-@pytest.mark.parametrize("kw, name", [
-    (dict(head="lm_head"), "head="),
-    (dict(exclude=[torch.nn.Linear]), "not a module instance"),
-    (dict(exclude=3), "exclude="),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(head="lm_head"), "head="),
+        (dict(exclude=[torch.nn.Linear]), "not a module instance"),
+        (dict(exclude=3), "exclude="),
+    ],
+)
 def test_wrong_module_arguments_name_the_argument(kw, name):
     with pytest.raises(ValueError, match=name):
         get_act_offloading_ctx_manager(torch.nn.Linear(4, 4), offload_cpu_tensors=True, **kw)
@@ -670,11 +681,17 @@ def test_symlinked_spill_parent_owned_by_someone_else_is_refused(tmp_path):
 
 
 def test_no_signal_handler_or_exit_hook_at_import():
-    code = ("import atexit, signal; import offloadkit, offloadkit.storage.disk; "
-            "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, atexit._ncallbacks())")
+    code = (
+        "import atexit, signal; import offloadkit, offloadkit.storage.disk; "
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, atexit._ncallbacks())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    baseline = subprocess.run([sys.executable, "-c", "import atexit, torch; print(atexit._ncallbacks())"],
-                              capture_output=True, text=True, check=True).stdout.split()
+    baseline = subprocess.run(
+        [sys.executable, "-c", "import atexit, torch; print(atexit._ncallbacks())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out[0] == "True" and out[1] == baseline[0]
 
 

@@ -9,7 +9,7 @@ def test_peak_in_the_middle_of_a_span_is_seen():
     probe = PeakRss().start()
     before = psutil.Process().memory_info().rss
     block = bytearray(256 << 20)  # touched pages: 256 MiB resident, then freed
-    block[:: 4096] = b"\1" * len(block[:: 4096])
+    block[::4096] = b"\1" * len(block[::4096])
     del block
     peak = probe.stop()
     assert peak >= before + (200 << 20), (peak, before, probe.method)
@@ -23,7 +23,7 @@ def test_sampling_fallback(monkeypatch):
     probe = PeakRss(interval=0.0005).start()
     assert probe.method.startswith("sampled")
     block = bytearray(128 << 20)
-    block[:: 4096] = b"\1" * len(block[:: 4096])
+    block[::4096] = b"\1" * len(block[::4096])
     import time
 
     time.sleep(0.05)

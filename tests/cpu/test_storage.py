@@ -122,7 +122,7 @@ def test_variable_lengths_hold_about_the_largest_step():
         if step == longest_at:
             allocations_after_longest = pool.allocations
     need = max(lengths) * sum(per_token) * 16
-    assert pool.bytes_held <= 1.25 * need, (pool.bytes_held / need)
+    assert pool.bytes_held <= 1.25 * need, pool.bytes_held / need
     assert pool.allocations == allocations_after_longest, "no allocation after the longest step"
 
 
@@ -171,8 +171,15 @@ def test_budget_default_min_free_is_sane():
     assert b.min_free_bytes >= 2 * GiB
 
 
-@pytest.mark.parametrize("kw, field", [(dict(limit_bytes=-1), "host_budget_bytes"), (dict(min_free_bytes=-5), "min_free_bytes"),
-                                       (dict(limit_bytes="1GiB"), "host_budget_bytes"), (dict(limit_bytes=True), "host_budget_bytes")])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(limit_bytes=-1), "host_budget_bytes"),
+        (dict(min_free_bytes=-5), "min_free_bytes"),
+        (dict(limit_bytes="1GiB"), "host_budget_bytes"),
+        (dict(limit_bytes=True), "host_budget_bytes"),
+    ],
+)
 def test_budget_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         HostMemoryBudget(**kw)
@@ -213,35 +220,53 @@ def _cgroup_tree(tmp_path, proc_line, files):
 def test_cgroup_v2_limit_is_read_from_the_process_own_group(tmp_path):
     from offloadkit.storage.budget import cgroup_available
 
-    root, proc = _cgroup_tree(tmp_path, "0::/slurm/job_42/step_0\n", {
-        "memory.max": "max\n", "memory.current": "1\n",  # the root has no limit
-        "slurm/job_42/memory.max": str(8 << 30), "slurm/job_42/memory.current": str(2 << 30),
-        "slurm/job_42/step_0/memory.max": "max", "slurm/job_42/step_0/memory.current": str(2 << 30),
-    })
+    root, proc = _cgroup_tree(
+        tmp_path,
+        "0::/slurm/job_42/step_0\n",
+        {
+            "memory.max": "max\n",
+            "memory.current": "1\n",  # the root has no limit
+            "slurm/job_42/memory.max": str(8 << 30),
+            "slurm/job_42/memory.current": str(2 << 30),
+            "slurm/job_42/step_0/memory.max": "max",
+            "slurm/job_42/step_0/memory.current": str(2 << 30),
+        },
+    )
     assert cgroup_available(root, proc) == 6 << 30  # the job's limit, found from the step's group
 
 
 def test_cgroup_v1_memory_controller_and_no_limit(tmp_path):
     from offloadkit.storage.budget import cgroup_available
 
-    root, proc = _cgroup_tree(tmp_path, "5:cpu,cpuacct:/x\n4:memory:/docker/abc\n", {
-        "memory/memory.limit_in_bytes": str(1 << 62), "memory/memory.usage_in_bytes": "5",
-        "memory/docker/abc/memory.limit_in_bytes": str(4 << 30),
-        "memory/docker/abc/memory.usage_in_bytes": str(1 << 30),
-    })
+    root, proc = _cgroup_tree(
+        tmp_path,
+        "5:cpu,cpuacct:/x\n4:memory:/docker/abc\n",
+        {
+            "memory/memory.limit_in_bytes": str(1 << 62),
+            "memory/memory.usage_in_bytes": "5",
+            "memory/docker/abc/memory.limit_in_bytes": str(4 << 30),
+            "memory/docker/abc/memory.usage_in_bytes": str(1 << 30),
+        },
+    )
     assert cgroup_available(root, proc) == 3 << 30
-    root, proc = _cgroup_tree(tmp_path / "none", "0::/user.slice\n", {"user.slice/memory.max": "max\n",
-                                                                        "user.slice/memory.current": "7"})
+    root, proc = _cgroup_tree(
+        tmp_path / "none", "0::/user.slice\n", {"user.slice/memory.max": "max\n", "user.slice/memory.current": "7"}
+    )
     assert cgroup_available(root, proc) is None
 
 
 def test_cgroup_page_cache_counts_as_free_and_the_limit_is_reported(tmp_path):
     from offloadkit.storage.budget import cgroup_limits
 
-    root, proc = _cgroup_tree(tmp_path, "0::/job\n", {
-        "job/memory.max": str(16 << 30), "job/memory.current": str(10 << 30),
-        "job/memory.stat": f"anon {4 << 30}\nfile {6 << 30}\ninactive_file {5 << 30}\nfile_dirty {1 << 30}\n",
-    })
+    root, proc = _cgroup_tree(
+        tmp_path,
+        "0::/job\n",
+        {
+            "job/memory.max": str(16 << 30),
+            "job/memory.current": str(10 << 30),
+            "job/memory.stat": f"anon {4 << 30}\nfile {6 << 30}\ninactive_file {5 << 30}\nfile_dirty {1 << 30}\n",
+        },
+    )
     assert cgroup_limits(root, proc) == (16 << 30, 10 << 30)  # 5 GiB inactive, 1 GiB of it dirty: 4 reclaimable
 
 
@@ -249,8 +274,9 @@ def test_default_reserve_follows_the_cgroup_limit_not_the_node(monkeypatch):
     from offloadkit.storage import budget as budget_module
 
     # A 128 GiB job on a 2 TiB node: keeping 10% of the node free (205 GiB) would refuse everything.
-    monkeypatch.setattr(budget_module.psutil, "virtual_memory",
-                        lambda: type("vm", (), {"total": 2048 * GiB, "available": 1900 * GiB})())
+    monkeypatch.setattr(
+        budget_module.psutil, "virtual_memory", lambda: type("vm", (), {"total": 2048 * GiB, "available": 1900 * GiB})()
+    )
     monkeypatch.setattr(budget_module, "cgroup_limits", lambda *a, **k: (128 * GiB, 98 * GiB))
     b = HostMemoryBudget(ranks_per_node=1)
     assert b.min_free_bytes == int(12.8 * GiB)

@@ -15,13 +15,31 @@ from offloadkit.config import ConfigError, OffloadConfig  # noqa: E402
 from offloadkit.data import load_texts  # noqa: E402
 
 AXOLOTL = {
-    "base_model": "/models/llama", "datasets": [{"path": "data/train.jsonl", "type": "completion", "field": "body"}],
-    "sequence_len": 512, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "num_epochs": 3,
-    "learning_rate": "2e-4", "lr_scheduler": "cosine", "warmup_steps": 10, "optimizer": "adamw_torch",
-    "adapter": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_linear": True,
-    "bf16": True, "seed": 42, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
-    "activation_offloading": True, "layer_offloading": True, "output_dir": "./outputs/lora-out", "logging_steps": 1,
-    "save_steps": 100, "max_steps": 20,
+    "base_model": "/models/llama",
+    "datasets": [{"path": "data/train.jsonl", "type": "completion", "field": "body"}],
+    "sequence_len": 512,
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": 4,
+    "num_epochs": 3,
+    "learning_rate": "2e-4",
+    "lr_scheduler": "cosine",
+    "warmup_steps": 10,
+    "optimizer": "adamw_torch",
+    "adapter": "lora",
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.05,
+    "lora_target_linear": True,
+    "bf16": True,
+    "seed": 42,
+    "gradient_checkpointing": True,
+    "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "activation_offloading": True,
+    "layer_offloading": True,
+    "output_dir": "./outputs/lora-out",
+    "logging_steps": 1,
+    "save_steps": 100,
+    "max_steps": 20,
 }
 
 
@@ -37,20 +55,27 @@ def test_axolotl_common_keys_map_onto_the_typed_config():
     assert (cfg.model, cfg.dataset, cfg.text_field) == ("/models/llama", "data/train.jsonl", "body")
     assert (cfg.seq_len, cfg.batch_size, cfg.gradient_accumulation_steps) == (512, 2, 4)
     assert cfg.learning_rate == 2e-4 and isinstance(cfg.learning_rate, float)  # PyYAML's string, accepted
-    assert (cfg.num_epochs, cfg.max_steps, cfg.warmup_steps, cfg.lr_scheduler, cfg.optimizer) == (3, 20, 10, "cosine",
-                                                                                                  "adamw_torch")
+    assert (cfg.num_epochs, cfg.max_steps, cfg.warmup_steps, cfg.lr_scheduler, cfg.optimizer) == (
+        3,
+        20,
+        10,
+        "cosine",
+        "adamw_torch",
+    )
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules) == (16, 32, 0.05, "all-linear")
     assert (cfg.dtype, cfg.seed, cfg.logging_steps, cfg.save_steps) == ("bfloat16", 42, 1, 100)
     assert cfg.gradient_checkpointing_kwargs == {"use_reentrant": False}
-    assert cfg.offload == OffloadConfig.from_dict({"gradient_checkpointing": True, "activation_offloading": True,
-                                                   "layer_offloading": True})
+    assert cfg.offload == OffloadConfig.from_dict(
+        {"gradient_checkpointing": True, "activation_offloading": True, "layer_offloading": True}
+    )
     assert cfg.output_dir == "./outputs/lora-out"
     assert not messages
 
 
 def test_axolotl_keys_without_effect_get_one_warning_listing_them():
-    data = dict(AXOLOTL, load_in_8bit=False, sample_packing=True, wandb_project="x", val_set_size=0.05,
-                flash_attention=True)
+    data = dict(
+        AXOLOTL, load_in_8bit=False, sample_packing=True, wandb_project="x", val_set_size=0.05, flash_attention=True
+    )
     cfg, messages = _cfg(data)
     assert len(messages) == 1, messages
     assert "sample_packing, wandb_project, val_set_size" in messages[0]
@@ -72,30 +97,42 @@ def test_axolotl_without_adapter_is_a_full_fine_tune():
     assert len(messages) == 1 and "lora_r (no adapter: lora)" in messages[0]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"sequence_length": 512}, "unknown key 'sequence_length'.*did you mean 'sequence_len'"),
-    ({"load_in_8bit": True}, "load_in_8bit=true: 8-bit quantised bases; use load_in_4bit: true with adapter: qlora"),
-    ({"datasets": [{"path": "a.jsonl", "type": "jeopardy"}]}, r"datasets\[0\].type='jeopardy': offloadkit train reads"),
-    ({"datasets": [{"path": "a.jsonl", "typ": "completion"}]}, r"datasets\[0\] has unknown keys \['typ'\]"),
-    ({"seq_len": 128}, "seq_len and sequence_len are the same setting .seq_len.; keep one"),
-    ({"learning_rate": "fast"}, "learning_rate='fast' is not a number"),
-    ({"micro_batch_size": 0}, "micro_batch_size=0 must be an integer >= 1"),
-    ({"lr_scheduler": "one_cycle"}, "lr_scheduler='one_cycle' is not a scheduler"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sequence_length": 512}, "unknown key 'sequence_length'.*did you mean 'sequence_len'"),
+        (
+            {"load_in_8bit": True},
+            "load_in_8bit=true: 8-bit quantised bases; use load_in_4bit: true with adapter: qlora",
+        ),
+        (
+            {"datasets": [{"path": "a.jsonl", "type": "jeopardy"}]},
+            r"datasets\[0\].type='jeopardy': offloadkit train reads",
+        ),
+        ({"datasets": [{"path": "a.jsonl", "typ": "completion"}]}, r"datasets\[0\] has unknown keys \['typ'\]"),
+        ({"seq_len": 128}, "seq_len and sequence_len are the same setting .seq_len.; keep one"),
+        ({"learning_rate": "fast"}, "learning_rate='fast' is not a number"),
+        ({"micro_batch_size": 0}, "micro_batch_size=0 must be an integer >= 1"),
+        ({"lr_scheduler": "one_cycle"}, "lr_scheduler='one_cycle' is not a scheduler"),
+    ],
+)
 def test_axolotl_mistakes_are_one_line_errors(change, message):
     with pytest.raises(ConfigError, match=message) as info:
         TrainConfig.from_dict(dict(AXOLOTL, **change), source="axolotl.yaml", cuda=False)
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"dataset": ["a.jsonl", "b.jsonl"]}, r"dataset=\['a.jsonl', 'b.jsonl'\] must be one file path"),
-    ({"output_dir": 3}, "output_dir=3 must be a path"),
-    ({"max_steps": 0}, "max_steps=0 must be an integer >= 1"),
-    ({"lora_target_modules": 5}, "lora_target_modules=5 must be"),
-    ({"gradient_checkpointing_kwargs": {"reentrant": False}}, "gradient_checkpointing_kwargs=.* takes a mapping"),
-    ({"report_to": 7}, "report_to=7 must be none, tensorboard"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"dataset": ["a.jsonl", "b.jsonl"]}, r"dataset=\['a.jsonl', 'b.jsonl'\] must be one file path"),
+        ({"output_dir": 3}, "output_dir=3 must be a path"),
+        ({"max_steps": 0}, "max_steps=0 must be an integer >= 1"),
+        ({"lora_target_modules": 5}, "lora_target_modules=5 must be"),
+        ({"gradient_checkpointing_kwargs": {"reentrant": False}}, "gradient_checkpointing_kwargs=.* takes a mapping"),
+        ({"report_to": 7}, "report_to=7 must be none, tensorboard"),
+    ],
+)
 def test_native_mistakes_are_one_line_errors(data, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig.from_dict(data, cuda=False)
@@ -122,7 +159,13 @@ def test_json_dataset_is_read_as_records(tmp_path):
 
 
 def test_plot_says_why_it_was_skipped(tmp_path):
-    path, reason = plot_timelines([RunMeasure("with offloadkit")], str(tmp_path / "p.png"), title="t",
-                                  memory_label="RSS", profile_step=3, steps_run=2)
+    path, reason = plot_timelines(
+        [RunMeasure("with offloadkit")],
+        str(tmp_path / "p.png"),
+        title="t",
+        memory_label="RSS",
+        profile_step=3,
+        steps_run=2,
+    )
     assert path is None and "the run had 2 steps and the timeline samples step 3" in reason
     assert "pip install" not in reason

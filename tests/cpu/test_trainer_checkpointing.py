@@ -30,11 +30,23 @@ class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
 
 
 def _hf_run(tmp_path, checkpointing):
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
-                                          save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
-                                          remove_unused_columns=False, logging_steps=1)
-    trainer = OffloadTrainer(model=_model(), args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 64),
-                             offload_config=_disk(tmp_path, checkpointing))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        remove_unused_columns=False,
+        logging_steps=1,
+    )
+    trainer = OffloadTrainer(
+        model=_model(),
+        args=args,
+        train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 64),
+        offload_config=_disk(tmp_path, checkpointing),
+    )
     trainer.train()
     return trainer
 
@@ -81,7 +93,8 @@ class MiniTrainer:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 self.model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+                    gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+                )
         self.model.train()
         for seed in range(self.steps):
             loss = self.compute_loss(self.model, make_batch(256, 2, 32, seed=seed))
@@ -150,9 +163,12 @@ def active_engines(monkeypatch, model):
 
     monkeypatch.setattr(saved_tensors_hooks, "__enter__", tracked_enter)
     monkeypatch.setattr(saved_tensors_hooks, "__exit__", tracked_exit)
-    handles = [layer.register_forward_pre_hook(
-        lambda *_: seen.append([type(h).__module__ for h in active if type(h).__name__ == "OffloadActivations"]))
-        for layer in model.model.layers]
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda *_: seen.append([type(h).__module__ for h in active if type(h).__name__ == "OffloadActivations"])
+        )
+        for layer in model.model.layers
+    ]
     try:
         yield seen
     finally:
@@ -178,14 +194,29 @@ def test_trl_activation_offloading_flag_leaves_one_engine(tmp_path, monkeypatch)
         pass
 
     text = load_texts()[0]
-    ds = datasets.Dataset.from_dict({"text": [text[i:i + 200] for i in range(0, 4000, 200)]})
-    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to=[],
-                         use_cpu=True, disable_tqdm=True, max_length=64, save_strategy="no", packing=False,
-                         activation_offloading=True, gradient_checkpointing=False)
+    ds = datasets.Dataset.from_dict({"text": [text[i : i + 200] for i in range(0, 4000, 200)]})
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        max_length=64,
+        save_strategy="no",
+        packing=False,
+        activation_offloading=True,
+        gradient_checkpointing=False,
+    )
     model = _model()
     with pytest.warns(UserWarning, match="TRL's activation_offloading is switched off"):
-        trainer = SFT(model=model, args=args, train_dataset=ds, processing_class=byte_tokenizer(),
-                      offload_config={"activation_offloading": "disk", "disk_dir": str(tmp_path)})
+        trainer = SFT(
+            model=model,
+            args=args,
+            train_dataset=ds,
+            processing_class=byte_tokenizer(),
+            offload_config={"activation_offloading": "disk", "disk_dir": str(tmp_path)},
+        )
     with active_engines(monkeypatch, model) as seen:
         trainer.train()
     assert seen and all(s == ["offloadkit.engine.offload"] for s in seen), seen

@@ -16,8 +16,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
     "extra, check",
     [
         ("activation_offloading: true\n", lambda r: r["offloaded"]["activations_to_ram_bytes_per_step"] > 0),
-        ("layer_offloading: true\nactivation_offloading: true\n",
-         lambda r: r["offloaded"]["frozen_weights_streamed_bytes"] > 2**30),
+        (
+            "layer_offloading: true\nactivation_offloading: true\n",
+            lambda r: r["offloaded"]["frozen_weights_streamed_bytes"] > 2**30,
+        ),
         ("activation_offloading: disk\n", lambda r: r["offloaded"]["activations_to_disk_bytes_per_step"] > 0),
     ],
     ids=["ram", "layers", "disk"],
@@ -27,7 +29,8 @@ def test_cli_train_on_1b_shape(tmp_path, extra, check):
     config.write_text(
         f"model_shape: llama-3.2-1b\nseq_len: 2048\nbatch_size: 1\nmax_steps: 4\nlogging_steps: 1\nlora_rank: 16\n"
         f"output_dir: {tmp_path / 'out'}\ngradient_checkpointing: true\nprofile_step: 2\n"
-        + extra + (f"disk_dir: {tmp_path}\n" if "disk" in extra else "")
+        + extra
+        + (f"disk_dir: {tmp_path}\n" if "disk" in extra else "")
     )
     assert main(["train", str(config)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -16,7 +16,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist", "cp_worker.py")
 @pytest.mark.parametrize("variant", ["plain", "stack"])
 def test_two_ranks_match_the_single_process_step(variant):
     env = dict(os.environ, PYTHONPATH=os.getcwd(), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                           WORKER, variant], capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", WORKER, variant],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("RESULT cp") == 2, proc.stdout[-2000:]

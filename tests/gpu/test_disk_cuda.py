@@ -34,8 +34,9 @@ def test_bf16_parity_disk(tmp_path, storage):
     # An explicit budget: the default also keeps 10% of RAM free, which on machines whose RAM
     # grows as it is used (some VMs) can refuse before the cap is reached.
     budget = HostMemoryBudget((8 << 20) if storage == "tiered" else None, min_free_bytes=1 << 30)
-    ctx = get_act_offloading_ctx_manager(model, storage=storage, disk=DiskOptions(directory=str(tmp_path)),
-                                         budget=budget)
+    ctx = get_act_offloading_ctx_manager(
+        model, storage=storage, disk=DiskOptions(directory=str(tmp_path)), budget=budget
+    )
     for _ in range(2):
         got = run_step(model, batch, ctx)
         assert_bitwise_equal(ref[0], got[0], "loss")
@@ -55,8 +56,9 @@ def test_checkpoint_inputs_to_disk_non_default_stream(tmp_path):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = run_step(model, batch)
     model.gradient_checkpointing_disable()
-    handle = apply_activation_checkpointing(model, offload_inputs=True, storage="disk",
-                                            disk=DiskOptions(directory=str(tmp_path)))
+    handle = apply_activation_checkpointing(
+        model, offload_inputs=True, storage="disk", disk=DiskOptions(directory=str(tmp_path))
+    )
     got = step_on_side_stream(run_step, model, batch)
     assert_bitwise_equal(ref[0], got[0], "loss")
     assert_bitwise_equal(ref[1], got[1], "grads")
@@ -66,8 +68,9 @@ def test_checkpoint_inputs_to_disk_non_default_stream(tmp_path):
 def test_hundred_steps_no_leak(tmp_path):
     gc.collect()
     model = build_llama("small", dtype=torch.bfloat16, device=DEV)
-    ctx = get_act_offloading_ctx_manager(model, storage="tiered", budget=HostMemoryBudget(4 << 20, 1 << 30),
-                                         disk=DiskOptions(directory=str(tmp_path)))
+    ctx = get_act_offloading_ctx_manager(
+        model, storage="tiered", budget=HostMemoryBudget(4 << 20, 1 << 30), disk=DiskOptions(directory=str(tmp_path))
+    )
 
     def check():
         assert ctx.is_idle()
@@ -99,9 +102,13 @@ def test_race_disk_read_never_overwrites_a_staging_buffer_in_use(tmp_path, stora
     ref = run_step(model, batch)
     budget = HostMemoryBudget((4 << 20) if storage == "tiered" else None, min_free_bytes=1 << 30)
     # A tiny in-flight limit and one reader: the same staging memory is recycled read after read.
-    ctx = get_act_offloading_ctx_manager(model, storage=storage, budget=budget, prefetch=4,
-                                         disk=DiskOptions(directory=str(tmp_path), threads=1,
-                                                          max_inflight_bytes=2 << 20))
+    ctx = get_act_offloading_ctx_manager(
+        model,
+        storage=storage,
+        budget=budget,
+        prefetch=4,
+        disk=DiskOptions(directory=str(tmp_path), threads=1, max_inflight_bytes=2 << 20),
+    )
     slow(SLOW, kinds=("h2d",))  # every host->device copy sits queued for milliseconds
     for _ in range(2):
         got = _slow_step(model, batch, ctx, torch.cuda.Stream())
@@ -125,10 +132,13 @@ def test_race_disk_write_failure_keeps_bytes_in_staging_safely(tmp_path, slow, m
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", failing)
-    ctx = get_act_offloading_ctx_manager(model, storage="disk", prefetch=4,
-                                         budget=HostMemoryBudget(None, min_free_bytes=1 << 30),
-                                         disk=DiskOptions(directory=str(tmp_path), threads=1,
-                                                          max_inflight_bytes=2 << 20))
+    ctx = get_act_offloading_ctx_manager(
+        model,
+        storage="disk",
+        prefetch=4,
+        budget=HostMemoryBudget(None, min_free_bytes=1 << 30),
+        disk=DiskOptions(directory=str(tmp_path), threads=1, max_inflight_bytes=2 << 20),
+    )
     slow(SLOW, kinds=("h2d",))
     with pytest.warns(RuntimeWarning, match="No space left"):
         for _ in range(2):
@@ -147,10 +157,13 @@ def test_race_detector_disk_staging_without_the_wait(tmp_path, slow, monkeypatch
 
     model, batch = small()
     ref = run_step(model, batch)
-    ctx = get_act_offloading_ctx_manager(model, storage="disk", prefetch=4,
-                                         budget=HostMemoryBudget(None, min_free_bytes=1 << 30),
-                                         disk=DiskOptions(directory=str(tmp_path), threads=1,
-                                                          max_inflight_bytes=2 << 20))
+    ctx = get_act_offloading_ctx_manager(
+        model,
+        storage="disk",
+        prefetch=4,
+        budget=HostMemoryBudget(None, min_free_bytes=1 << 30),
+        disk=DiskOptions(directory=str(tmp_path), threads=1, max_inflight_bytes=2 << 20),
+    )
     run_step(model, batch, ctx)  # warm the staging pool
     monkeypatch.setattr(HostBlock, "wait_host", lambda self: None)
     slow(SLOW, kinds=("h2d",))

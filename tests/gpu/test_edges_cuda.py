@@ -39,8 +39,9 @@ def _fp16_errors(chunked: bool, hidden_dtype, n=8192, hidden=1024, vocab=32000, 
             loss = F.cross_entropy(F.linear(h, w).float()[:-1], labels[1:])
     (loss * scale).backward()
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
-    return [float((got.double() / scale - ref.grad).norm() / ref.grad.norm()) for got, ref in ((h.grad, rh),
-                                                                                               (w.grad, rw))]
+    return [
+        float((got.double() / scale - ref.grad).norm() / ref.grad.norm()) for got, ref in ((h.grad, rh), (w.grad, rw))
+    ]
 
 
 @pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.float16])
@@ -58,31 +59,58 @@ def _trainer_losses(tmp_path, callbacks, name):
     ids = torch.randint(0, model.config.vocab_size, (8, 512))
     rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3, fp16=True,
-        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0, remove_unused_columns=False,
-        lr_scheduler_type="constant", logging_nan_inf_filter=False)
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=2,
+        max_steps=4,
+        learning_rate=1e-3,
+        fp16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        remove_unused_columns=False,
+        lr_scheduler_type="constant",
+        logging_nan_inf_filter=False,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
     trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], \
-        [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], [
+        h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h
+    ]
 
 
 def test_trainer_fp16_with_chunked_loss_and_offloading_matches_plain_fp16(tmp_path):
     from offloadkit.integrations.trainer import OffloadCallback
 
     ref, ref_norms = _trainer_losses(tmp_path, [], "ref")
-    got, norms = _trainer_losses(tmp_path, [OffloadCallback({"chunked_cross_entropy": True,
-                                                             "gradient_checkpointing": True,
-                                                             "activation_offloading": True})], "got")
+    got, norms = _trainer_losses(
+        tmp_path,
+        [
+            OffloadCallback(
+                {"chunked_cross_entropy": True, "gradient_checkpointing": True, "activation_offloading": True}
+            )
+        ],
+        "got",
+    )
     assert all(map(lambda x: x == x and abs(x) != float("inf"), got + norms)), (got, norms)
     assert got == pytest.approx(ref, rel=2e-2), (got, ref)
     assert norms == pytest.approx(ref_norms, rel=5e-2), (norms, ref_norms)
 
 
 def test_moe_tiled_bf16_keeps_router_gradient():
-    config = transformers.MixtralConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
+    config = transformers.MixtralConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).to(DEV)
@@ -93,8 +121,9 @@ def test_moe_tiled_bf16_keeps_router_gradient():
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=autocast):
             out = model(input_ids=ids, labels=ids)
         out.loss.backward()
-        return out.loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()
-                                           if p.grad is not None}
+        return out.loss.detach().float(), {
+            n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
 
     _, exact = grads(False)  # fp32: the reference both bf16 runs are measured against
     _, plain = grads(True)
@@ -115,10 +144,12 @@ def test_moe_tiled_bf16_keeps_router_gradient():
 def test_cli_fp16_trains_mixed_precision(tmp_path, lora_rank):
     # LoRA: an fp16 frozen base with fp32 adapters under the loss scaler; full: fp32 weights.
     config = tmp_path / "fp16.yaml"
-    config.write_text(f"model_shape: small\nseq_len: 512\nbatch_size: 4\nmax_steps: 6\nlogging_steps: 1\n"
-                      f"dtype: float16\noutput_dir: {tmp_path / 'out'}\ncompare: false\nlora_rank: {lora_rank}\n"
-                      f"learning_rate: 1e-3\nlayer_offloading: {str(bool(lora_rank)).lower()}\n"
-                      "chunked_cross_entropy: true\n")
+    config.write_text(
+        f"model_shape: small\nseq_len: 512\nbatch_size: 4\nmax_steps: 6\nlogging_steps: 1\n"
+        f"dtype: float16\noutput_dir: {tmp_path / 'out'}\ncompare: false\nlora_rank: {lora_rank}\n"
+        f"learning_rate: 1e-3\nlayer_offloading: {str(bool(lora_rank)).lower()}\n"
+        "chunked_cross_entropy: true\n"
+    )
     assert main(["train", str(config)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     losses = [loss for _, loss in report["losses"]]
@@ -130,9 +161,11 @@ def test_cli_fp16_trains_mixed_precision(tmp_path, lora_rank):
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 def test_cli_qlora_streams_the_quantized_base(tmp_path):
     config = tmp_path / "qlora.yaml"
-    config.write_text(f"model_shape: llama-3.2-1b\nseq_len: 1024\nbatch_size: 1\nmax_steps: 4\nlogging_steps: 1\n"
-                      f"lora_rank: 8\nload_in_4bit: true\ngradient_checkpointing: true\nactivation_offloading: true\n"
-                      f"layer_offloading: true\noutput_dir: {tmp_path / 'out'}\ncompare: false\n")
+    config.write_text(
+        f"model_shape: llama-3.2-1b\nseq_len: 1024\nbatch_size: 1\nmax_steps: 4\nlogging_steps: 1\n"
+        f"lora_rank: 8\nload_in_4bit: true\ngradient_checkpointing: true\nactivation_offloading: true\n"
+        f"layer_offloading: true\noutput_dir: {tmp_path / 'out'}\ncompare: false\n"
+    )
     assert main(["train", str(config)]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "4-bit" in report["model"]

@@ -127,7 +127,9 @@ class Thin(nn.Module):
 
     def __init__(self, d=2048, layers=12, sleepy=False):
         super().__init__()
-        self.w = nn.ParameterList([nn.Parameter(torch.randn(d, device=DEV, dtype=torch.bfloat16)) for _ in range(layers)])
+        self.w = nn.ParameterList(
+            [nn.Parameter(torch.randn(d, device=DEV, dtype=torch.bfloat16)) for _ in range(layers)]
+        )
         self.head = nn.Linear(d, 64, device=DEV, dtype=torch.bfloat16)
         self.sleepy = sleepy
 
@@ -434,6 +436,7 @@ def test_fsdp2_checkpoint_input_offload_with_slow_copies(slow, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29517")
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
+
         def sharded():
             model = small_llama()
             for layer in model.model.layers:

@@ -167,8 +167,9 @@ def test_evicted_weights_stay_usable_on_the_gpu(tmp_path):
     assert torch.cuda.memory_allocated() == before
     w = q.base_layer.weight
     assert w.device.type == "cuda" and torch.equal(w, original)
-    assert torch.equal(model.state_dict()["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"],
-                       original)
+    assert torch.equal(
+        model.state_dict()["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"], original
+    )
     with torch.no_grad():
         plain = model(**batch).loss
         model.merge_adapter()

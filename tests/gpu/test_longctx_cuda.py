@@ -202,8 +202,15 @@ def test_hf_peak_memory_drops_with_chunked_loss_and_tiled_mlp():
     """16K tokens, 128256 vocab, intermediate 14336, LoRA, HF checkpointing: the chunked
     loss removes the logits' ~20 GiB; tiling the MLP in 4 shards then removes most of a
     layer's recomputed intermediates (4 x 448 MiB saved, plus their gradients)."""
-    model = lora_model(layers=2, vocab_size=VOCAB, hidden_size=1024, intermediate_size=14336,
-                       num_attention_heads=8, num_key_value_heads=4, attn_implementation="sdpa")
+    model = lora_model(
+        layers=2,
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=14336,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        attn_implementation="sdpa",
+    )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = make_batch(VOCAB, 1, 16384, device=DEV)
     ref, ref_peak = peak(lambda: run_step(model, batch))
@@ -222,8 +229,14 @@ def test_hf_peak_memory_drops_with_chunked_loss_and_tiled_mlp():
 
 def test_tiled_mlp_8b_shape_parity_and_peak():
     """One 8B-shaped MLP (4096 -> 14336) with LoRA on 32K tokens: 8 shards vs untiled."""
-    model = lora_model(layers=1, vocab_size=256, hidden_size=4096, intermediate_size=14336,
-                       num_attention_heads=32, num_key_value_heads=8)
+    model = lora_model(
+        layers=1,
+        vocab_size=256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
     mlp = model.base_model.model.model.layers[0].mlp
     params = [p for p in mlp.parameters() if p.requires_grad]
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -323,8 +336,11 @@ def test_tiled_projections_saved_bytes_match_the_planner_on_cuda():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)
         handle.remove()
-        skip = params | {x.untyped_storage().data_ptr(), cos.untyped_storage().data_ptr(),
-                         sin.untyped_storage().data_ptr()}
+        skip = params | {
+            x.untyped_storage().data_ptr(),
+            cos.untyped_storage().data_ptr(),
+            sin.untyped_storage().data_ptr(),
+        }
         return sum(n for p, n in seen.items() if p not in skip)
 
     w = Workload(resolve_shape("small", layers=1), s, b, lora_rank=8)
@@ -337,7 +353,7 @@ def test_tiled_projections_saved_bytes_match_the_planner_on_cuda():
 def test_tiled_projections_compose_with_input_offload_and_streaming():
     """The config route a long-context plan produces (tiled projections, horizon 1, block inputs
     on disk, streaming) equals the same tiling under HF checkpointing, bitwise."""
-    from offloadkit.integrations.runtime import prepare
+    from offloadkit.compose import prepare
 
     model = lora_model(layers=4)
     batch = make_batch(2048, 1, 1024, device=DEV)
@@ -348,10 +364,20 @@ def test_tiled_projections_compose_with_input_offload_and_streaming():
     model.gradient_checkpointing_disable()
     mlp_handle.remove()
     loss_handle.remove()
-    runtime = prepare(model, {"gradient_checkpointing": True, "activation_offloading": "disk",
-                              "layer_offloading": True, "activation_loading_horizon": 1,
-                              "chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": 3, "tiled_mlp": True,
-                              "tiled_mlp_num_shards": 3, "tiled_projections": True})
+    runtime = prepare(
+        model,
+        {
+            "gradient_checkpointing": True,
+            "activation_offloading": "disk",
+            "layer_offloading": True,
+            "activation_loading_horizon": 1,
+            "chunked_cross_entropy": True,
+            "chunked_cross_entropy_num_chunks": 3,
+            "tiled_mlp": True,
+            "tiled_mlp_num_shards": 3,
+            "tiled_projections": True,
+        },
+    )
     try:
         for _ in range(2):
             with runtime.context():

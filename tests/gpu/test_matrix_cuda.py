@@ -64,8 +64,10 @@ def test_precisions(precision):
 
     def step(model, batch, ctx=None):
         model.zero_grad(set_to_none=True)
-        with ctx if ctx is not None else torch.enable_grad(), \
-                torch.autocast(DEV, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with (
+            ctx if ctx is not None else torch.enable_grad(),
+            torch.autocast(DEV, dtype=dtype or torch.bfloat16, enabled=dtype is not None),
+        ):
             loss = model(**batch).loss
         (scaler.scale(loss) if scaler is not None else loss).backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -89,10 +91,15 @@ def test_qlora_base(tmp_path):
     from offloadkit.testing.families import family_batch
 
     build_llama("small", dtype=torch.bfloat16).save_pretrained(tmp_path)
-    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16,
-                                                              device_map={"": DEV}, attn_implementation="sdpa")
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=quant, dtype=torch.bfloat16, device_map={"": DEV}, attn_implementation="sdpa"
+    )
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear")).train()
     for name, p in model.named_parameters():
         if "lora_B" in name:

@@ -30,20 +30,28 @@ def _losses(trainer) -> list[float]:
 
 
 def _common(tmp_path, name):
-    return {"output_dir": str(tmp_path / name), "per_device_train_batch_size": 4, "max_steps": STEPS,
-            "report_to": [], "disable_tqdm": True, "logging_steps": 1, "save_strategy": "no", "seed": 0,
-            "bf16": True, "gradient_checkpointing": True}
+    return {
+        "output_dir": str(tmp_path / name),
+        "per_device_train_batch_size": 4,
+        "max_steps": STEPS,
+        "report_to": [],
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "seed": 0,
+        "bf16": True,
+        "gradient_checkpointing": True,
+    }
 
 
 def _sft_data():
     text = load_texts()[0]
-    return datasets.Dataset.from_dict({"text": [text[i:i + 500] for i in range(0, 16000, 500)]})
+    return datasets.Dataset.from_dict({"text": [text[i : i + 500] for i in range(0, 16000, 500)]})
 
 
 def _sft(tmp_path, name, mixin: bool, trl_offloading: bool):
     cls = type("SFT", (ActivationOffloadingMixin, trl.SFTTrainer), {}) if mixin else trl.SFTTrainer
-    args = trl.SFTConfig(**_common(tmp_path, name), max_length=256, packing=False,
-                         activation_offloading=trl_offloading)
+    args = trl.SFTConfig(**_common(tmp_path, name), max_length=256, packing=False, activation_offloading=trl_offloading)
     extra = {"offload_config": OFFLOAD} if mixin else {}
     trainer = cls(model=_model(), args=args, train_dataset=_sft_data(), processing_class=byte_tokenizer(), **extra)
     torch.cuda.reset_peak_memory_stats()
@@ -74,13 +82,20 @@ def test_sft_trainer_with_trl_offloading_and_the_mixin_runs_one_engine(tmp_path)
 def _dpo(tmp_path, name, mixin: bool):
     cls = type("DPO", (ActivationOffloadingMixin, trl.DPOTrainer), {}) if mixin else trl.DPOTrainer
     text = load_texts()[0]
-    rows = {"prompt": [text[i:i + 120] for i in range(0, 3840, 120)],
-            "chosen": [text[i + 120:i + 200] for i in range(0, 3840, 120)],
-            "rejected": [text[i + 5000:i + 5080] for i in range(0, 3840, 120)]}
+    rows = {
+        "prompt": [text[i : i + 120] for i in range(0, 3840, 120)],
+        "chosen": [text[i + 120 : i + 200] for i in range(0, 3840, 120)],
+        "rejected": [text[i + 5000 : i + 5080] for i in range(0, 3840, 120)],
+    }
     args = trl.DPOConfig(**_common(tmp_path, name), max_length=256)
     extra = {"offload_config": OFFLOAD} if mixin else {}
-    trainer = cls(model=_model(), args=args, train_dataset=datasets.Dataset.from_dict(rows),
-                  processing_class=byte_tokenizer(), **extra)
+    trainer = cls(
+        model=_model(),
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(rows),
+        processing_class=byte_tokenizer(),
+        **extra,
+    )
     trainer.train()
     return trainer
 

@@ -1,0 +1,287 @@
+"""Apply an :class:`OffloadConfig` to a model: chunked loss, tiled MLP, checkpointing,
+activation offloading and layer streaming, in the right order, with one handle to detach
+everything.
+
+This is what the Trainer mixins, the callback and the CLI share; plain loops can use it too::
+
+    runtime = prepare(model, OffloadConfig(gradient_checkpointing=True, activation_offloading=True))
+    for batch in loader:
+        with runtime.context():
+            loss = model(**batch).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+    runtime.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from offloadkit.api import attach_to_forward, get_act_offloading_ctx_manager
+from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.config import OffloadConfig
+from offloadkit.layers import apply_layer_streaming
+from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
+from offloadkit.models.heads import unwrap_model
+from offloadkit.storage import DiskOptions, HostMemoryBudget
+
+if TYPE_CHECKING:
+    from offloadkit.checkpointing.apply import CheckpointedBlocks
+    from offloadkit.engine import OffloadActivations
+    from offloadkit.layers.streaming import LayerStreamer
+    from offloadkit.longctx.causal_lm import ChunkedLossHandle
+    from offloadkit.longctx.tiled_mlp import TiledMLPHandle
+    from offloadkit.planning import Plan
+
+__all__ = ["OffloadRuntime", "plan_for", "prepare"]
+
+
+def _hf_checkpointing_on(model: nn.Module) -> bool:
+    base = unwrap_model(model)
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+
+
+class OffloadRuntime:
+    """Everything a config attached to one model. Use :func:`prepare` to build it.
+
+    Attributes:
+        manager: the activation offloading manager (or None).
+        checkpointing: offloadkit's checkpointing handle (None when off, or when Hugging
+            Face's own gradient checkpointing is on).
+        streamer: the layer streamer (or None).
+        chunked_loss / tiled_mlp: the long-context handles (or None).
+    """
+
+    def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
+        self.model = model
+        self.config = config
+        self.manager: OffloadActivations | None = None
+        self.checkpointing: CheckpointedBlocks | None = None
+        self.streamer: LayerStreamer | None = None
+        self.chunked_loss: ChunkedLossHandle | None = None
+        self.tiled_mlp: TiledMLPHandle | None = None
+        self._forward_attachment: Any = None
+        self.plan: Plan | None = None  # the planner's Plan under offload_plan: auto
+        self.notes: list[str] = list(config._warnings)
+
+    def context(self):
+        """Wrap each training forward (and loss) in this; a no-op when offloading is off."""
+        return self.manager if self.manager is not None else contextlib.nullcontext()
+
+    def attach_to_forward(self) -> None:
+        """Offload around every training forward without wrapping the step (callback route)."""
+        if self.manager is not None and self._forward_attachment is None:
+            self._forward_attachment = attach_to_forward(self.manager, self.model)
+
+    def report(self) -> dict:
+        out: dict = {"config": self.config.to_dict(), "notes": self.notes}
+        if self.plan is not None:
+            out["plan"] = {
+                "name": self.plan.name,
+                "placement": self.plan.placement,
+                "fits": self.plan.fits,
+                "predicted_gpu_peak_bytes": self.plan.memory.gpu_peak,
+                "predicted_host_bytes": self.plan.memory.host,
+                "predicted_disk_bytes": self.plan.memory.disk,
+                "predicted_step_s": self.plan.time.seconds,
+                "bound": self.plan.time.bound,
+            }
+        if self.manager is not None:
+            out["activations"] = self.manager.collect_stats().as_dict()
+            out["storage"] = self.manager.storage_stats()
+        if self.streamer is not None:
+            st = self.streamer.collect_stats()
+            out["layer_streaming"] = {
+                "streamed_bytes": self.streamer.streamed_bytes,
+                "layers": len(self.streamer.layers),
+                "depth": self.streamer.depth,
+                "loads": st.loads,
+                "loaded_bytes": st.loaded_bytes,
+                "misses": st.misses,
+                "max_resident": st.max_resident,
+                "wait_seconds": st.wait_seconds,
+            }
+        return out
+
+    def close(self) -> None:
+        """Detach everything: the model is an ordinary model again (all weights on the GPU)."""
+        if self._forward_attachment is not None:
+            self._forward_attachment.remove()
+            self._forward_attachment = None
+        if self.streamer is not None:
+            self.streamer.remove()
+            self.streamer = None
+        if self.manager is not None:
+            self.manager.close()
+            self.manager = None
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
+            self.checkpointing = None
+        for name in ("tiled_mlp", "chunked_loss"):
+            handle = getattr(self, name)
+            if handle is not None:
+                handle.remove()
+                setattr(self, name, None)
+
+    def _note(self, message: str) -> None:
+        self.notes.append(message)
+        warnings.warn(f"offloadkit: {message}", UserWarning, stacklevel=3)
+
+
+def _lora_rank(model: nn.Module) -> int:
+    """The LoRA rank of a PEFT model (its first adapter's A matrix), 0 without adapters."""
+    for name, p in model.named_parameters():
+        if "lora_A" in name and p.dim() == 2:
+            return int(p.shape[0])
+    return 0
+
+
+def plan_for(model: nn.Module, config: OffloadConfig, seq_len: int | None = None):
+    """The planner's :class:`~offloadkit.planning.Plan` for ``model`` at ``seq_len`` (else
+    ``config.seq_len``), under this machine's budgets (``host_budget_bytes`` caps the RAM).
+
+    Raises:
+        ConfigError: without a sequence length, or for a model without a decoder config.
+    """
+    from offloadkit.config import ConfigError
+    from offloadkit.planning import Budgets, plan, resolve_shape
+
+    seq_len = seq_len if seq_len is not None else config.seq_len
+    if seq_len is None:
+        raise ConfigError(
+            "offload_plan: auto needs the sequence length: set seq_len (e.g. seq_len: 131072) "
+            "or pass prepare(model, config, seq_len=...)"
+        )
+    base = unwrap_model(model)
+    try:
+        shape = resolve_shape(base)
+    except ValueError as exc:
+        raise ConfigError(f"offload_plan: auto cannot read the model's shape: {exc}") from exc
+    embed = getattr(base, "get_input_embeddings", lambda: None)()
+    dtype_bytes = embed.weight.element_size() if embed is not None else next(base.parameters()).element_size()
+    budgets = Budgets.detect(host_bytes=config.host_budget_bytes, disk_dir=config.disk_dir)
+    return plan(
+        shape,
+        seq_len,
+        batch=config.batch_size,
+        lora_rank=_lora_rank(model),
+        budgets=budgets,
+        dtype_bytes=dtype_bytes,
+        stream_depth=config.layer_offloading_depth,
+    )
+
+
+def prepare(
+    model: nn.Module, config: OffloadConfig | dict | None = None, *, seq_len: int | None = None
+) -> OffloadRuntime:
+    """Attach what ``config`` asks for to ``model``; returns the :class:`OffloadRuntime`.
+
+    Settings that cannot take effect on this machine or model are skipped with one warning
+    each (no GPU for layer streaming, no frozen weights to stream, streams on a CPU-only
+    machine). With ``activation_offloading: disk`` on a CPU-only machine, CPU activations
+    go to disk (that saves host RAM).
+
+    With ``offload_plan: auto`` the planner decides checkpointing, activation offloading,
+    layer streaming, loss chunks and MLP shards for ``seq_len`` (else ``config.seq_len``);
+    its choice replaces those keys (``runtime.plan`` holds the plan, ``runtime.config`` the
+    config applied).
+
+    Raises:
+        ConfigError: the disk tier's directory is a file or cannot be written.
+
+    Example:
+        >>> runtime = prepare(model, {"offload_plan": "auto", "seq_len": 131072})  # doctest: +SKIP
+    """
+    if not isinstance(config, OffloadConfig):
+        config = OffloadConfig.from_dict(config or {})
+    config.check_paths()  # a bad disk directory fails here, not inside the first step
+    chosen = None
+    if config.offload_plan == "auto":
+        chosen = plan_for(model, config, seq_len)
+        config = config.replace(**chosen.to_config())
+    runtime = OffloadRuntime(model, config)
+    if chosen is not None:
+        runtime.plan = chosen
+        if not chosen.fits:
+            runtime._note(
+                f"offload_plan: auto found no plan within the budgets ({'; '.join(chosen.reasons)}); "
+                f"applying the most frugal one ({chosen.name})"
+            )
+    cuda = torch.cuda.is_available()
+    mode = config.activation_offloading
+
+    if config.chunked_cross_entropy:
+        try:
+            runtime.chunked_loss = apply_chunked_loss(model, config.chunked_cross_entropy_num_chunks)
+        except ValueError as exc:
+            runtime._note(f"chunked_cross_entropy has no effect: {exc}")
+    if config.tiled_mlp:
+        try:
+            runtime.tiled_mlp = apply_tiled_mlp(
+                model, config.tiled_mlp_num_shards, projections=config.tiled_projections
+            )
+        except ValueError as exc:
+            runtime._note(f"tiled_mlp has no effect: {exc}")
+
+    if config.gradient_checkpointing:
+        if _hf_checkpointing_on(model):
+            if config.selective_checkpointing:
+                runtime._note(
+                    "selective_checkpointing has no effect: Hugging Face gradient checkpointing is "
+                    "already on (turn it off to use offloadkit's)"
+                )
+        else:
+            runtime.checkpointing = apply_activation_checkpointing(model, selective=config.selective_checkpointing)
+
+    budget = HostMemoryBudget(config.host_budget_bytes, config.host_min_free_bytes)
+    if mode:
+        if mode in (True, "legacy") and not cuda:
+            runtime._note(
+                f"activation_offloading: {mode} has no effect without a CUDA GPU "
+                "(use activation_offloading: disk to move CPU activations to disk)"
+            )
+        else:
+            storage = "ram"
+            disk = None
+            if mode == "disk":
+                storage = "tiered" if config.disk_tiering else "disk"
+                disk = DiskOptions(directory=config.disk_dir, threads=config.disk_threads, direct_io=config.direct_io)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the CPU-only message is replaced by ours
+                runtime.manager = get_act_offloading_ctx_manager(
+                    model,
+                    use_pin_memory=config.use_pin_memory,
+                    use_streams=mode != "legacy",
+                    min_offload_size=config.min_offload_size,
+                    max_fwd_stash_size=config.max_fwd_stash_size,
+                    prefetch=config.activation_loading_horizon,
+                    prefetch_bytes=config.prefetch_bytes,
+                    budget=budget,
+                    storage=storage,
+                    disk=disk,
+                    offload_cpu_tensors=not cuda,
+                )
+
+    if runtime.checkpointing is not None and runtime.manager is not None:
+        runtime.checkpointing.keep_last_input_from(runtime.manager)  # needed first in backward
+
+    if config.layer_offloading:
+        if not cuda:
+            runtime._note("layer_offloading has no effect without a CUDA GPU")
+        else:
+            try:
+                runtime.streamer = apply_layer_streaming(
+                    model, depth=config.layer_offloading_depth, use_pin_memory=config.use_pin_memory, budget=budget
+                )
+            except ValueError as exc:
+                if "no frozen parameters" not in str(exc):
+                    raise
+                runtime._note(
+                    "layer_offloading has no effect: the model's layers hold no frozen weights "
+                    "(it streams the frozen base of LoRA/QLoRA models)"
+                )
+    return runtime
