@@ -17,6 +17,7 @@ from collections import deque
 
 import torch
 
+from offloadkit.engine.decide import REFUSED_BY_STORAGE, decide
 from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.engine.prefetch import PrefetchPlanner, Step
 from offloadkit.engine.spans import DeathQueue, Entry, Kept, Packed, span_view, storage_span
@@ -61,24 +62,19 @@ class ForwardPath:
         nbytes = t.numel() * t.element_size()
         state = self._state()
         state.saves += 1
-        if self._closed:
-            # A forward that began inside the region on another thread and goes on after
-            # close(): its remaining saves stay where they are.
-            reason = "closed"
-        elif in_backward():
-            # Saved while a backward runs (reentrant checkpointing's recompute, a double-backward
-            # graph): needed within this backward or kept for a later one; a round trip buys
-            # nothing. On CUDA this runs on the engine's device thread, which inherits the hooks
-            # but none of this thread's forward state (its tail mark).
-            reason = "backward"
-        elif state.keep_depth or state.tail:
-            reason = "excluded"
-        else:
-            reason = self.policy.keep_reason(t)
-        if reason is not None:
+        # in_backward first: on CUDA a save inside backward runs on the engine's device
+        # thread, which inherits the hooks but none of this thread's forward state.
+        decision = decide(
+            t,
+            self.policy,
+            closed=self._closed,
+            in_backward=in_backward(),
+            excluded=bool(state.keep_depth or state.tail),
+        )
+        if not decision.offload:
             with self._lock:
                 self.stats.saved_tensors += 1
-                self.stats.note_kept(reason, nbytes)
+                self.stats.note_kept(decision.reason, nbytes)
                 return self._register(Kept(t))
         with self._lock:
             self.stats.saved_tensors += 1
@@ -112,7 +108,7 @@ class ForwardPath:
                     entry = self._offload(step, storage, start, end, t.device, version)  # the view alone may fit
                 if entry is None:
                     self._warn_budget()
-                    self.stats.note_kept("budget", nbytes)
+                    self.stats.note_kept(REFUSED_BY_STORAGE.reason, nbytes)
                     return self._register(Kept(t))
                 entry.group, entry.born = state.group, now
                 entry.span_start = min(start, *(e.span_start for e in overlapping)) if overlapping else start

@@ -1,10 +1,9 @@
-"""Which saved tensors to offload: the *what*, kept apart from the engine's *how*.
+"""The policy's settings and the parameter storages it tracks: what the rules of
+:mod:`offloadkit.engine.decide` read about a model.
 
-A saved tensor is offloaded when it lives on an accepted device, is at least
-``min_offload_size`` bytes, is a plain strided tensor, and is not parameter or buffer
-storage. Parameters are recognised by storage, not only by type: a matmul saves
-``weight.t()`` (a view), FSDP2 saves views of all-gathered unsharded parameters, and
-``.data``/``.detach()`` aliases carry no Parameter type at all.
+Parameters are recognised by storage, not only by type: a matmul saves ``weight.t()`` (a
+view), FSDP2 saves views of all-gathered unsharded parameters, and ``.data``/``.detach()``
+aliases carry no Parameter type at all.
 """
 
 from __future__ import annotations
@@ -12,11 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from offloadkit.engine.decide import KEEP_REASONS, tensor_rule
 from offloadkit.runtime.storages import StorageRef, base_of, local_shard, storage_key
 
 __all__ = ["OffloadPolicy", "KEEP_REASONS"]
-
-KEEP_REASONS = ("excluded", "device", "small", "parameter", "unsupported", "budget")
 
 
 def _storage(t: torch.Tensor):
@@ -95,15 +93,6 @@ class OffloadPolicy:
         return ref is not None and not ref.expired()
 
     def keep_reason(self, t: torch.Tensor) -> str | None:
-        """Why ``t`` stays where it is, or None if it should be offloaded."""
-        if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
-            return "unsupported"  # tensor subclasses (DTensor, quantized wrappers, ...) own their layout
-        if t.device.type not in self.device_types:
-            return "device"
-        if t.layout is not torch.strided or t.is_conj() or t.is_neg():
-            return "unsupported"
-        if t.numel() == 0 or t.numel() * t.element_size() < self.min_offload_size:
-            return "small"  # nothing to move (and an empty view may sit on a non-resizable storage)
-        if self.is_parameter_storage(t):
-            return "parameter"
-        return None
+        """Why ``t`` stays where it is by the rules that read the tensor alone (see
+        :func:`offloadkit.engine.decide.tensor_rule`), or None if it may be offloaded."""
+        return tensor_rule(t, self.device_types, self.min_offload_size, self.is_parameter_storage)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offloadkit.runtime.copies import copy_on
 from offloadkit.runtime.device import device_alias_of_host, host_alias
 from offloadkit.storage.pool import HostBufferPool
+from offloadkit.transfer import copy_stream, queue_copy
 
 __all__ = ["FlatWeights", "STREAMED_STORAGE", "streamable_reason"]
 
@@ -148,21 +148,22 @@ class FlatWeights:
     def byte_view(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage, 0, (self.nbytes,), (1,))
 
-    def load(self, side_stream) -> None:
-        """Allocate on the current stream and copy the host bytes in (on ``side_stream``)."""
+    def load(self) -> None:
+        """Allocate on the current stream and copy the host bytes in (on the device's
+        host->device copy stream)."""
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.storage.resize_(self.nbytes)
         dst = self.byte_view()
         src = self.host.view(self.nbytes)
-        if compute is None or side_stream is None:
+        if compute is None:
             dst.copy_(src)
             self.ready, self.alloc_stream = None, compute
         else:
-            side_stream.wait_stream(compute)  # the new block may reuse memory compute just released
-            self.host.order_device_use(side_stream)  # a write-back may still be reading the host copy
-            copy_on(side_stream, dst, src, non_blocking=self.host.pinned)
-            self.ready, self.alloc_stream = side_stream.record_event(), compute
-            self.host.note_use(side_stream, self.ready)
+            # After compute: the new block may reuse memory compute just released. The host
+            # block orders it after a write-back that may still read the host copy.
+            stream = copy_stream(self.device, "h2d")
+            self.ready = queue_copy(dst, src, stream=stream, block=self.host, after=compute)
+            self.alloc_stream = compute
         self._point_params(resident=True)
         self.resident = True
         self.consumed = False

@@ -76,12 +76,13 @@ class LayerStreamer:
         budget: HostMemoryBudget | None = None,
         head: nn.Module | None = None,
         measure_waits: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth={depth!r} is invalid; it is the number of resident layers, an int >= 1")
         self.model = model
         self.depth = depth
-        self.device = self._compute_device()
+        self.device = _streaming_device(device)
         cuda = self.device.type == "cuda"
         self.budget = budget if budget is not None else HostMemoryBudget()
         # Sized once, one block per layer: exact chunks, no growth slack.
@@ -89,7 +90,6 @@ class LayerStreamer:
         self.stats = StreamStats()
         self._clock = WaitClock(measure_waits and cuda)
         self._clock_stats = OffloadStats()
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.RLock()
         self._handles: list = []
         self._bwd_task: int | None = None  # graph task whose end-of-backward callback is queued
@@ -126,15 +126,6 @@ class LayerStreamer:
         head = head if head is not None else find_output_head(model)
         if head is not None:
             self._handles.append(head.register_forward_hook(self._head_post_hook))
-
-    def _compute_device(self) -> torch.device:
-        """Where the weights are streamed to: the current CUDA device."""
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "offloadkit: layer_offloading streams weights to a CUDA GPU and none is available; "
-                "turn layer_offloading off on this machine"
-            )
-        return torch.device("cuda", torch.cuda.current_device())
 
     # -- hooks ---------------------------------------------------------------------------
     def _hook_block(self, index: int, block: nn.Module) -> None:
@@ -273,7 +264,7 @@ class LayerStreamer:
         layer.consumed = True
 
     def _load(self, layer: FlatWeights) -> None:
-        layer.load(self._side)
+        layer.load()
         self.stats.loads += 1
         self.stats.loaded_bytes += layer.nbytes
         self.stats.max_resident = max(self.stats.max_resident, sum(lay.resident for lay in self.layers))
@@ -342,6 +333,7 @@ def apply_layer_streaming(
     host_budget_bytes: int | None = None,
     budget: HostMemoryBudget | None = None,
     head: nn.Module | None = None,
+    device: torch.device | str | None = None,
 ) -> LayerStreamer:
     """Stream the frozen weights of ``model``'s blocks (decoder layers) from pinned host memory.
 
@@ -352,6 +344,10 @@ def apply_layer_streaming(
         use_pin_memory: page-lock the host copies (needed for asynchronous copies).
         host_budget_bytes / budget: host-memory budget for the copies.
         head: the output head (auto-detected) whose backward starts the reverse prefetch.
+        device: where the weights are streamed to; the current CUDA device by default.
+            ``"cpu"`` keeps the whole bookkeeping (loads, evictions, prefetch order) with CPU
+            memory standing in for the device and no copy overlap: it saves nothing, and is
+            there to check a setup on a machine without a GPU.
 
     Returns:
         The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.
@@ -360,34 +356,27 @@ def apply_layer_streaming(
         >>> streamer = apply_layer_streaming(peft_model)
         >>> loss = peft_model(**batch).loss; loss.backward()
     """
-    return build_streamer(
-        LayerStreamer,
-        model,
-        block_types=block_types,
-        predicate=predicate,
-        depth=depth,
-        use_pin_memory=use_pin_memory,
-        host_budget_bytes=host_budget_bytes,
-        budget=budget,
-        head=head,
-    )
-
-
-def build_streamer(
-    cls: type[LayerStreamer],
-    model: nn.Module,
-    *,
-    block_types=None,
-    predicate=None,
-    depth: int = 2,
-    use_pin_memory: bool = True,
-    host_budget_bytes: int | None = None,
-    budget: HostMemoryBudget | None = None,
-    head: nn.Module | None = None,
-) -> LayerStreamer:
-    """What :func:`apply_layer_streaming` does, with the streamer class given."""
     _refuse_fsdp2(model)
     blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
     if budget is None:
         budget = HostMemoryBudget(host_budget_bytes)
-    return cls(model, blocks, depth=depth, use_pin_memory=use_pin_memory, budget=budget, head=head)
+    return LayerStreamer(
+        model, blocks, depth=depth, use_pin_memory=use_pin_memory, budget=budget, head=head, device=device
+    )
+
+
+def _streaming_device(device: torch.device | str | None) -> torch.device:
+    """Where the weights are streamed to: ``device``, or the current CUDA device."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device={str(device)!r} is not supported for layer streaming; use a CUDA device")
+        return device
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "offloadkit: layer_offloading streams weights to a CUDA GPU and none is available; "
+            "turn layer_offloading off on this machine"
+        )
+    return torch.device("cuda", torch.cuda.current_device())

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from offloadkit.runtime.copies import copy_on
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import FutureCompletion, Loaded, Stored
 from offloadkit.storage.budget import HostMemoryBudget
@@ -49,6 +48,7 @@ from offloadkit.storage.fileio import (
     view,
 )
 from offloadkit.storage.pool import HostBlock, HostBufferPool
+from offloadkit.transfer import copy_stream, queue_copy
 
 __all__ = ["DiskOptions", "DiskTier", "DiskFullError", "DiskStats"]
 
@@ -195,7 +195,6 @@ class DiskTier:
         self.disk_in_use = 0  # bytes of extents allocated and not freed
         self._write_busy = Busy()
         self._read_busy = Busy()
-        self._side_streams: dict[int, torch.cuda.Stream] = {}
         self._fallback_warned = False
         self._closed = False
 
@@ -237,13 +236,9 @@ class DiskTier:
             block.view(nbytes).copy_(src)
             copied = None
         else:
-            stream = self._side(src.device) if self.use_streams else compute
-            if stream is not compute:
-                stream.wait_stream(compute)  # the source was produced on the compute stream
-            block.order_device_use(stream)  # a recycled buffer may still feed an earlier copy
-            copy_on(stream, block.view(nbytes), src, non_blocking=block.pinned)
-            copied = stream.record_event()
-            block.note_use(stream, copied)
+            stream = copy_stream(src.device, "d2h") if self.use_streams else compute
+            # After compute: the source was produced there.
+            copied = queue_copy(block.view(nbytes), src, stream=stream, block=block, after=compute)
             stored.done, stored.done_stream = copied, stream
         record = _Record(segment, offset, length, copied=copied)
         stored.payload = record
@@ -285,7 +280,7 @@ class DiskTier:
         allocated = compute.record_event() if compute is not None else None
         stream = None
         if compute is not None:
-            stream = self._side(stored.device) if self.use_streams else compute
+            stream = copy_stream(stored.device, "h2d") if self.use_streams else compute
         if record.segment is not None:
             with self._lock:
                 record.segment.pending += 1
@@ -516,13 +511,9 @@ class DiskTier:
                     staging.wait_host()
                     dst.copy_(staging.view(nbytes))
                     return None
-                with torch.cuda.device(dst.device):
-                    stream.wait_event(allocated)  # dst may reuse memory compute released before that point
-                    staging.order_device_use(stream)  # RAM-kept bytes: their device->host copy first
-                    copy_on(stream, dst, staging.view(nbytes), non_blocking=staging.pinned)
-                    event = stream.record_event()
-                staging.note_use(stream, event)
-                return event
+                # After the allocation point: dst may reuse memory compute released before it.
+                # The block orders it after the device->host copy of RAM-kept bytes.
+                return queue_copy(dst, staging.view(nbytes), stream=stream, block=staging, after=allocated)
             finally:
                 if pooled:
                     self.pool.release(staging)  # also when the read failed: never leak the buffer
@@ -567,13 +558,6 @@ class DiskTier:
             os.close(segment.fd)
             segment.fd = -1
             self._segments.discard(segment)
-
-    def _side(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._side_streams.get(index)
-        if stream is None:
-            stream = self._side_streams[index] = torch.cuda.Stream(device=index)
-        return stream
 
     def describe(self) -> str:
         s = self.stats

@@ -1,14 +1,15 @@
 """RAM tier: device bytes <-> pooled (pinned) host buffers.
 
-Stream discipline, CUDA sources with ``use_streams=True``:
+Stream discipline, CUDA sources with ``use_streams=True`` (the copies themselves are
+queued by :func:`offloadkit.transfer.queue_copy` on the device's copy streams):
 
-* store: the side stream waits for the compute stream (the source was produced there),
-  copies device->host, and records ``done``. The engine keeps the source alive until
-  ``done`` and makes the source's stream wait on it before the memory can be reused.
+* store: the device->host stream waits for the compute stream (the source was produced
+  there), copies, and records ``done``. The engine keeps the source alive until ``done``
+  and makes the source's stream wait on it before the memory can be reused.
 * load: the destination is allocated on the compute stream (so its reuse is ordered by
-  that stream); the side stream waits for the compute stream (the block may have just
-  been freed by compute work), copies host->device and records ``ready``; consumers
-  wait on ``ready``.
+  that stream); the host->device stream waits for the compute stream (the block may have
+  just been freed by compute work), copies and records ``ready``; consumers wait on
+  ``ready``.
 
 With ``use_streams=False`` ("legacy") every copy is queued on the live current stream:
 no overlap, and stream order alone makes it safe. CPU sources are copied synchronously
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from offloadkit.runtime.copies import copy_on
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import Loaded, Stored
 from offloadkit.storage.pool import HostBufferPool
+from offloadkit.transfer import copy_stream, queue_copy
 
 __all__ = ["HostTier"]
 
@@ -49,15 +50,6 @@ class HostTier:
         self.pool = pool
         self.pools = (pool,)
         self.use_streams = bool(use_streams)
-        self._side_streams: dict[int, torch.cuda.Stream] = {}
-
-    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._side_streams.get(index)
-        if stream is None:
-            stream = torch.cuda.Stream(device=index)
-            self._side_streams[index] = stream
-        return stream
 
     def store(self, src: torch.Tensor) -> Stored | None:
         nbytes = src.numel()
@@ -71,13 +63,10 @@ class HostTier:
             block.wait_host()  # a recycled block may still be in a device copy
             host.copy_(src)
             return stored
-        stream = self.side_stream(src.device) if self.use_streams else compute
-        if stream is not compute:
-            stream.wait_stream(compute)  # the source was produced by work queued on compute
-        block.order_device_use(stream)  # a recycled block may still be read by an earlier copy
-        copy_on(stream, host, src, non_blocking=block.pinned)
-        stored.done, stored.done_stream = stream.record_event(), stream
-        block.note_use(stream, stored.done)
+        stream = copy_stream(src.device, "d2h") if self.use_streams else compute
+        # After compute: the source was produced by work queued there.
+        stored.done = queue_copy(host, src, stream=stream, block=block, after=compute)
+        stored.done_stream = stream
         return stored
 
     def load(self, stored: Stored) -> Loaded:
@@ -89,15 +78,11 @@ class HostTier:
         if compute is None:
             dst.copy_(host)
             return Loaded(dst)
-        stream = self.side_stream(stored.device) if self.use_streams else compute
-        if stream is not compute:
-            stream.wait_stream(compute)  # dst may reuse memory whose last reader is queued on compute
-        # The bytes must have landed: the device->host copy may be on another stream.
-        block.order_device_use(stream)
-        copy_on(stream, dst, host, non_blocking=block.pinned)
-        ready = stream.record_event()  # consumers on other streams wait on this
-        block.note_use(stream, ready)
-        return Loaded(dst, ready=ready, alloc_stream=compute)
+        stream = copy_stream(stored.device, "h2d") if self.use_streams else compute
+        # After compute: dst may reuse memory whose last reader is queued there. The block
+        # orders it after the device->host copy that filled it.
+        ready = queue_copy(dst, host, stream=stream, block=block, after=compute)
+        return Loaded(dst, ready=ready, alloc_stream=compute)  # consumers wait on ready
 
     def free(self, stored: Stored) -> None:
         block, stored.payload = stored.payload, None

@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from offloadkit.layers.streaming import LayerStreamer, build_streamer
+from offloadkit.layers.streaming import LayerStreamer, apply_layer_streaming
 
-__all__ = ["CpuLayerStreamer", "stream_layers_on_cpu"]
-
-
-class CpuLayerStreamer(LayerStreamer):
-    """A :class:`~offloadkit.layers.LayerStreamer` whose "device" is the CPU."""
-
-    def _compute_device(self) -> torch.device:
-        return torch.device("cpu")
+__all__ = ["stream_layers_on_cpu"]
 
 
 def stream_layers_on_cpu(model: torch.nn.Module, **kwargs) -> LayerStreamer:
     """:func:`~offloadkit.layers.apply_layer_streaming` with CPU memory as the device."""
-    return build_streamer(CpuLayerStreamer, model, **kwargs)
+    return apply_layer_streaming(model, device="cpu", **kwargs)

@@ -41,6 +41,32 @@ def test_policy_detects_buffers_and_refreshes():
     assert policy.keep_reason(m.running_mean) == "parameter"
 
 
+def test_every_rule_decides_in_one_place_in_its_order():
+    from offloadkit.engine.decide import KEEP_REASONS, REFUSED_BY_STORAGE, decide
+
+    lin = nn.Linear(64, 64)
+    policy = OffloadPolicy(min_offload_size=1024, device_types=("cpu",))
+    policy.track(lin)
+    big = torch.randn(1024)
+
+    def why(t, closed=False, backward=False, excluded=False):
+        return decide(t, policy, closed=closed, in_backward=backward, excluded=excluded).reason
+
+    assert why(big) is None and decide(big, policy, closed=False, in_backward=False, excluded=False).offload
+    # The first rule that keeps a tensor names the reason.
+    assert why(lin.weight, closed=True, backward=True, excluded=True) == "closed"
+    assert why(lin.weight, backward=True, excluded=True) == "backward"
+    assert why(lin.weight, excluded=True) == "excluded"
+    assert why(torch.randn(8)) == "small"
+    assert why(lin.weight) == "parameter"
+    assert why(big.to_sparse()) == "unsupported"
+    assert why(torch.randn(1024, device="meta")) == "device"
+    assert REFUSED_BY_STORAGE.reason == "budget"
+    assert {"closed", "backward", "excluded", "unsupported", "device", "small", "parameter", "budget"} == set(
+        KEEP_REASONS
+    )
+
+
 def test_policy_reasons():
     policy = OffloadPolicy(min_offload_size=1024, device_types=("cpu",))
     assert policy.keep_reason(torch.empty(10)) == "small"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: environment facts, the GPU test suite, then the given benchmarks.
-# Usage: bash benchmarks/device/run_gpu_suite.sh [tests] [bench-args ...]
+# Usage: bash benchmarks/device/gpu_suite_then_bench.sh [tests] [bench-args ...]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -1,0 +1,99 @@
+"""Where a saved tensor goes: every keep/offload rule of the engine, in one place, each
+answer a :class:`Decision` with its reason.
+
+The rules, in the order they are asked (the first that keeps a tensor names the reason):
+
+* ``closed``: the manager was closed while a forward begun inside it on another thread
+  goes on; its remaining saves stay where they are.
+* ``backward``: saved while a backward runs (reentrant checkpointing's recompute, a
+  double-backward graph): needed within this backward or kept for a later one, so a round
+  trip buys nothing.
+* ``excluded``: inside a keep region: modules excluded by the user (``exclude=``, fused
+  loss kernels), the last checkpointed block's inputs (backward needs them first), and
+  everything after the output head (the loss over full-vocabulary logits, needed first).
+  The hooks that open these regions only mark them; the rule is here.
+* ``unsupported``: tensor subclasses (DTensor, quantized wrappers) own their layout; sparse,
+  conjugate and negative views have none a byte copy could restore.
+* ``device``: not on a device type this manager moves.
+* ``small``: under ``min_offload_size`` bytes (and empty views, which may sit on a storage
+  that cannot be resized).
+* ``parameter``: parameter or buffer storage (recognised by storage, not only by type: a
+  matmul saves ``weight.t()``, FSDP2 saves views of all-gathered parameters).
+* ``budget``: the storage tier refused the bytes (host budget, disk full): the tensor stays
+  on the device, with one warning.
+
+Everything else is offloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["KEEP_REASONS", "Decision", "OFFLOAD", "REFUSED_BY_STORAGE", "decide", "tensor_rule"]
+
+KEEP_REASONS = ("closed", "backward", "excluded", "unsupported", "device", "small", "parameter", "budget")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Keep a saved tensor where it is (``reason`` says why) or offload it (``reason`` None)."""
+
+    reason: str | None = None
+
+    @property
+    def offload(self) -> bool:
+        return self.reason is None
+
+
+OFFLOAD = Decision()
+REFUSED_BY_STORAGE = Decision("budget")
+_KEEP = {reason: Decision(reason) for reason in KEEP_REASONS}
+
+
+def tensor_rule(t: torch.Tensor, device_types: tuple[str, ...], min_offload_size: int, is_parameter) -> str | None:
+    """The rules that read the tensor alone: why ``t`` stays, or None.
+
+    Args:
+        t: the saved tensor.
+        device_types: device types whose tensors are moved.
+        min_offload_size: smallest tensor worth moving, in bytes.
+        is_parameter: ``is_parameter(t)`` tells whether ``t`` is parameter or buffer storage.
+    """
+    if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+        return "unsupported"
+    if t.device.type not in device_types:
+        return "device"
+    if t.layout is not torch.strided or t.is_conj() or t.is_neg():
+        return "unsupported"
+    if t.numel() == 0 or t.numel() * t.element_size() < min_offload_size:
+        return "small"
+    if is_parameter(t):
+        return "parameter"
+    return None
+
+
+def decide(t: torch.Tensor, policy, *, closed: bool, in_backward: bool, excluded: bool) -> Decision:
+    """Where the saved tensor ``t`` goes.
+
+    Args:
+        t: the tensor autograd saves.
+        policy: the :class:`~offloadkit.engine.policy.OffloadPolicy` (device types, size
+            threshold, the parameter storages it tracks).
+        closed: the manager is closed.
+        in_backward: the save happens while a backward runs on this thread.
+        excluded: the save happens inside a keep region (see the module docstring).
+
+    Returns:
+        The decision; ``decision.offload`` or ``decision.reason``.
+    """
+    if closed:
+        return _KEEP["closed"]
+    if in_backward:
+        return _KEEP["backward"]
+    if excluded:
+        return _KEEP["excluded"]
+    reason = tensor_rule(t, policy.device_types, policy.min_offload_size, policy.is_parameter_storage)
+    return OFFLOAD if reason is None else _KEEP[reason]

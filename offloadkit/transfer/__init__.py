@@ -1,0 +1,11 @@
+"""Moving bytes between host and device: the one place side streams are created and the one
+copy choreography every client (the RAM and disk tiers, layer streaming) queues through.
+
+A saved tensor's path runs hooks -> decide -> lifecycle -> storage (where bytes rest) ->
+transfer (moving them); nothing here knows what the bytes are.
+"""
+
+from offloadkit.transfer.copy import queue_copy
+from offloadkit.transfer.streams import copy_stream, copy_streams_created
+
+__all__ = ["copy_stream", "copy_streams_created", "queue_copy"]
