@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.engine.validation import check_modules
 from offloadkit.models.heads import find_output_head, unwrap_model
@@ -57,8 +58,8 @@ def get_act_offloading_ctx_manager(
     model: nn.Module,
     use_pin_memory: bool = True,
     use_streams: bool = True,
-    min_offload_size: int = 1024,
-    max_fwd_stash_size: int = 5,
+    min_offload_size: int = MIN_OFFLOAD_SIZE,
+    max_fwd_stash_size: int = MAX_FWD_STASH_SIZE,
     warn_if_no_head: bool = True,
     *,
     head: nn.Module | None = None,
@@ -133,8 +134,8 @@ def get_lora_act_offloading_ctx_manager(
     model: nn.Module,
     use_pin_memory: bool = True,
     use_streams: bool = True,
-    min_offload_size: int = 1024,
-    max_fwd_stash_size: int = 5,
+    min_offload_size: int = MIN_OFFLOAD_SIZE,
+    max_fwd_stash_size: int = MAX_FWD_STASH_SIZE,
     warn_if_no_head: bool = True,
     **kwargs,
 ) -> OffloadActivations:

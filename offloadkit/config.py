@@ -20,6 +20,8 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, STREAM_DEPTH
+
 __all__ = [
     "ConfigError",
     "ConfigProblemsError",
@@ -229,8 +231,8 @@ class OffloadConfig:
     activation_offloading: bool | str = False
     activation_loading_horizon: int | None = None
     prefetch_bytes: int | None = None
-    min_offload_size: int = 1024
-    max_fwd_stash_size: int = 5
+    min_offload_size: int = MIN_OFFLOAD_SIZE
+    max_fwd_stash_size: int = MAX_FWD_STASH_SIZE
     use_pin_memory: bool = True
     host_budget_bytes: int | None = None
     host_min_free_bytes: int | None = None
@@ -239,7 +241,7 @@ class OffloadConfig:
     direct_io: bool | str = "auto"
     disk_tiering: bool = False
     layer_offloading: bool = False
-    layer_offloading_depth: int = 2
+    layer_offloading_depth: int = STREAM_DEPTH
     chunked_cross_entropy: bool = False
     chunked_cross_entropy_num_chunks: int | None = None
     tiled_mlp: bool = False

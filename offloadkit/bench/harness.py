@@ -22,6 +22,7 @@ import torch
 
 from offloadkit.bench.modes import MODES, ModeSetup
 from offloadkit.bench.rss import PeakRss
+from offloadkit.defaults import MAX_FWD_STASH_SIZE, STREAM_DEPTH
 from offloadkit.models.zoo import LLAMA_SHAPES, build_llama
 
 __all__ = ["BenchConfig", "ModeResult", "run_benchmark", "measure_copy_bandwidth", "format_table"]
@@ -42,8 +43,8 @@ class BenchConfig:
     attn_implementation: str = "sdpa"
     prefetch: int | None = None
     prefetch_bytes: int | None = None
-    max_fwd_stash_size: int = 5
-    stream_depth: int = 2
+    max_fwd_stash_size: int = MAX_FWD_STASH_SIZE
+    stream_depth: int = STREAM_DEPTH
     storage: str = "ram"  # ram | disk | tiered, for the offloadkit modes
     disk_dir: str | None = None
     host_budget_gib: float | None = None

@@ -21,6 +21,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE
 from offloadkit.engine.backward import BackwardPath
 from offloadkit.engine.forward import ForwardPath
 from offloadkit.engine.policy import OffloadPolicy
@@ -88,8 +89,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self,
         use_pin_memory: bool = True,
         use_streams: bool = True,
-        min_offload_size: int = 1024,
-        max_fwd_stash_size: int = 5,
+        min_offload_size: int = MIN_OFFLOAD_SIZE,
+        max_fwd_stash_size: int = MAX_FWD_STASH_SIZE,
         *,
         prefetch: int | None = None,
         prefetch_bytes: int | None = None,

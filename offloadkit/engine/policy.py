@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from offloadkit.defaults import MIN_OFFLOAD_SIZE
 from offloadkit.engine.decide import KEEP_REASONS, tensor_rule
 from offloadkit.runtime.storages import StorageRef, base_of, local_shard, storage_key
 
@@ -40,7 +41,7 @@ class OffloadPolicy:
         ('parameter', None)
     """
 
-    def __init__(self, min_offload_size: int = 1024, device_types: tuple[str, ...] = ("cuda",)) -> None:
+    def __init__(self, min_offload_size: int = MIN_OFFLOAD_SIZE, device_types: tuple[str, ...] = ("cuda",)) -> None:
         if not isinstance(min_offload_size, int) or isinstance(min_offload_size, bool) or min_offload_size < 0:
             raise ValueError(f"min_offload_size={min_offload_size!r} is invalid; pass a byte count >= 0 (default 1024)")
         self.min_offload_size = min_offload_size

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.layers.flat import FlatWeights, streamable_reason
 from offloadkit.models.blocks import find_blocks
@@ -71,7 +72,7 @@ class LayerStreamer:
         model: nn.Module,
         blocks,
         *,
-        depth: int = 2,
+        depth: int = STREAM_DEPTH,
         use_pin_memory: bool = True,
         budget: HostMemoryBudget | None = None,
         head: nn.Module | None = None,
@@ -328,7 +329,7 @@ def apply_layer_streaming(
     *,
     block_types=None,
     predicate=None,
-    depth: int = 2,
+    depth: int = STREAM_DEPTH,
     use_pin_memory: bool = True,
     host_budget_bytes: int | None = None,
     budget: HostMemoryBudget | None = None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.planning.shape import ModelShape
 
 __all__ = [
@@ -127,7 +128,7 @@ class Features:
     offload_inputs: bool = False
     ram_blocks: int | None = None
     layer_streaming: bool = False
-    stream_depth: int = 2
+    stream_depth: int = STREAM_DEPTH
     loss_chunks: int = 0
     mlp_shards: int = 1
     tiled_projections: bool = False

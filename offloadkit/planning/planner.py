@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     HORIZON_DISK,
@@ -260,7 +261,7 @@ def plan(
     budgets: Budgets | None = None,
     layers: int | None = None,
     dtype_bytes: int = 2,
-    stream_depth: int = 2,
+    stream_depth: int = STREAM_DEPTH,
 ) -> Plan:
     """Choose the features for one step and predict its cost.
 
@@ -421,7 +422,7 @@ def longest_sequence(
     budgets: Budgets | None = None,
     layers: int | None = None,
     dtype_bytes: int = 2,
-    stream_depth: int = 2,
+    stream_depth: int = STREAM_DEPTH,
 ) -> Capacity:
     """Binary search for the longest sequence :func:`plan` fits under ``budgets``.
 

@@ -1,0 +1,16 @@
+"""The defaults of the settings that several components and the config share, stated once.
+
+Every constructor, :class:`~offloadkit.config.OffloadConfig`, the planner and the bench read
+them from here (plain values: no torch import).
+"""
+
+__all__ = ["MAX_FWD_STASH_SIZE", "MIN_OFFLOAD_SIZE", "STREAM_DEPTH"]
+
+# Smallest saved tensor worth moving, in bytes: below this a copy's fixed cost is more than
+# the memory it frees.
+MIN_OFFLOAD_SIZE = 1024
+# Device sources kept alive while their copy to the host is in flight, before forward waits.
+MAX_FWD_STASH_SIZE = 5
+# Blocks of streamed weights resident at once: 2 is double buffering (one computing, one
+# arriving).
+STREAM_DEPTH = 2
