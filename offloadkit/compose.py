@@ -65,6 +65,7 @@ class OffloadRuntime:
         self.chunked_loss: ChunkedLossHandle | None = None
         self.tiled_mlp: TiledMLPHandle | None = None
         self._forward_attachment: Any = None
+        self._gpu_cap: tuple[int, float] | None = None  # (device, fraction before) while a GPU budget is enforced
         self.plan: Plan | None = None  # the planner's Plan under offload_plan: auto
         self.notes: list[str] = list(config._warnings)
 
@@ -126,10 +127,29 @@ class OffloadRuntime:
             if handle is not None:
                 handle.remove()
                 setattr(self, name, None)
+        if self._gpu_cap is not None:
+            device, _ = self._gpu_cap
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            self._gpu_cap = None
 
     def _note(self, message: str) -> None:
         self.notes.append(message)
         warnings.warn(f"offloadkit: {message}", UserWarning, stacklevel=3)
+
+
+def _cap_gpu_memory(budget: int | None) -> tuple[int, float] | None:
+    """Cap the caching allocator of the current CUDA device at ``budget`` bytes.
+
+    Returns:
+        ``(device, fraction)`` while capped (``close()`` lifts it), None without CUDA or budget.
+    """
+    if budget is None or not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, budget / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return device, fraction
 
 
 def _lora_rank(model: nn.Module) -> int:
@@ -163,7 +183,9 @@ def plan_for(model: nn.Module, config: OffloadConfig, seq_len: int | None = None
         raise ConfigError(f"offload_plan: auto cannot read the model's shape: {exc}") from exc
     embed = getattr(base, "get_input_embeddings", lambda: None)()
     dtype_bytes = embed.weight.element_size() if embed is not None else next(base.parameters()).element_size()
-    budgets = Budgets.detect(host_bytes=config.host_budget_bytes, disk_dir=config.disk_dir)
+    budgets = Budgets.detect(
+        gpu_bytes=config.gpu_budget_bytes, host_bytes=config.host_budget_bytes, disk_dir=config.disk_dir
+    )
     return plan(
         shape,
         seq_len,
@@ -199,11 +221,15 @@ def prepare(
     if not isinstance(config, OffloadConfig):
         config = OffloadConfig.from_dict(config or {})
     config.check_paths()  # a bad disk directory fails here, not inside the first step
+    gpu_cap = _cap_gpu_memory(config.gpu_budget_bytes)  # before anything allocates under the plan
     chosen = None
     if config.offload_plan == "auto":
         chosen = plan_for(model, config, seq_len)
         config = config.replace(**chosen.to_config())
     runtime = OffloadRuntime(model, config)
+    runtime._gpu_cap = gpu_cap
+    if config.gpu_budget_bytes is not None and gpu_cap is None:
+        runtime._note("gpu_budget_bytes has no effect without a CUDA GPU")
     if chosen is not None:
         runtime.plan = chosen
         if not chosen.fits:
@@ -235,7 +261,9 @@ def prepare(
                     "already on (turn it off to use offloadkit's)"
                 )
         else:
-            runtime.checkpointing = apply_activation_checkpointing(model, selective=config.selective_checkpointing)
+            runtime.checkpointing = apply_activation_checkpointing(
+                model, selective=config.selective_checkpointing, keep_last_input=1 + config.gpu_block_inputs
+            )
 
     budget = HostMemoryBudget(config.host_budget_bytes, config.host_min_free_bytes)
     if mode:
@@ -268,6 +296,11 @@ def prepare(
 
     if runtime.checkpointing is not None and runtime.manager is not None:
         runtime.checkpointing.keep_last_input_from(runtime.manager)  # needed first in backward
+    elif config.gpu_block_inputs:
+        runtime._note(
+            "gpu_block_inputs has no effect: it keeps block inputs of offloadkit's checkpointing on the GPU, "
+            "and this run has no such checkpointing with activation offloading"
+        )
 
     if config.layer_offloading:
         if not cuda:

@@ -197,8 +197,14 @@ class OffloadConfig:
         prefetch_bytes: also keep this many bytes in flight ahead (None: 1/16 of the step's).
         min_offload_size: smallest saved tensor offloaded, bytes.
         max_fwd_stash_size: device tensors kept alive while their copies are in flight.
+        gpu_block_inputs: with checkpointing and offloading, block inputs kept on the GPU
+            besides the last block's (the newest ones, needed first in backward): for a GPU
+            with room to spare where RAM and disk are short (``offload_plan: auto`` sets it).
         use_pin_memory: page-lock host buffers.
         host_budget_bytes: cap on host RAM for offloaded bytes (int or "16GiB").
+        gpu_budget_bytes: cap on this process's GPU memory (int or "24GiB"), enforced by the
+            caching allocator's per-process fraction: a run on a larger GPU behaves, and
+            fails, as on a GPU of this size; ``offload_plan: auto`` plans for it.
         host_min_free_bytes: system RAM that must stay available (default: 10% of RAM, at
             least 2 GiB); lower it on VMs whose RAM grows as it is used.
         disk_dir / disk_threads / direct_io / disk_tiering: the disk tier.
@@ -233,9 +239,11 @@ class OffloadConfig:
     prefetch_bytes: int | None = None
     min_offload_size: int = MIN_OFFLOAD_SIZE
     max_fwd_stash_size: int = MAX_FWD_STASH_SIZE
+    gpu_block_inputs: int = 0
     use_pin_memory: bool = True
     host_budget_bytes: int | None = None
     host_min_free_bytes: int | None = None
+    gpu_budget_bytes: int | None = None
     disk_dir: str | None = None
     disk_threads: int = 4
     direct_io: bool | str = "auto"
@@ -259,7 +267,7 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, data: dict | None, source: str = "config") -> "OffloadConfig":
         data = check_keys(dict(data or {}), cls.keys(), source)
-        for key in ("host_budget_bytes", "host_min_free_bytes"):
+        for key in ("host_budget_bytes", "host_min_free_bytes", "gpu_budget_bytes"):
             if key in data:
                 data[key] = parse_bytes(data[key], key)
         if data.get("prefetch_bytes") is not None:
@@ -302,6 +310,7 @@ class OffloadConfig:
         for key, low in (
             ("min_offload_size", 0),
             ("max_fwd_stash_size", 1),
+            ("gpu_block_inputs", 0),
             ("disk_threads", 1),
             ("layer_offloading_depth", 1),
         ):
@@ -381,7 +390,7 @@ class OffloadConfig:
         if self.activation_offloading is False:
             changed = [
                 k
-                for k in ("activation_loading_horizon", "min_offload_size", "max_fwd_stash_size")
+                for k in ("activation_loading_horizon", "min_offload_size", "max_fwd_stash_size", "gpu_block_inputs")
                 if getattr(self, k) != getattr(OffloadConfig, k)
             ]
             if changed:

@@ -44,7 +44,8 @@ class CheckpointedBlocks:
         self.offloader = offloader
         self._owns_offloader = owns_offloader
         self._context_fn = context_fn
-        self._keep_last_input = keep_last_input
+        # How many of the last blocks keep their inputs on the device (True: the last one).
+        self._keep_last = int(keep_last_input)
         self._outer: OffloadActivations | None = None  # a whole-model manager around the blocks
         self._restore_use_cache = None
         self._attached = False
@@ -129,7 +130,8 @@ class CheckpointedBlocks:
         last = index == len(self.blocks) - 1
         if index == 0 and self.offloader is not None:
             self.offloader.policy.refresh()  # once per forward: parameters may have moved
-        offload = self.offloader is not None and not (last and self._keep_last_input)
+        kept = index >= len(self.blocks) - self._keep_last
+        offload = self.offloader is not None and not kept
         capture = self.offloader.capture() if offload else contextlib.nullcontext()
         fn, flat = original, args
         if offload and kwargs:
@@ -139,7 +141,7 @@ class CheckpointedBlocks:
             fn, flat, kwargs = _keywords_as_positions(original, args, kwargs)
         # Only the checkpoint's own input saves happen in this call (the block's inner saves
         # are discarded and recomputed), so the outer manager's keep region covers exactly them.
-        outer = self._outer if last and self._keep_last_input and self.offloader is None else None
+        outer = self._outer if kept and self.offloader is None else None
         if outer is not None:
             outer.keep_enter()
         try:
@@ -223,7 +225,7 @@ def apply_activation_checkpointing(
     selective: Iterable | None = None,
     offload_inputs: bool | OffloadActivations = False,
     prefetch: int | None = None,
-    keep_last_input: bool = True,
+    keep_last_input: bool | int = True,
     **offload_kwargs,
 ) -> CheckpointedBlocks:
     """Checkpoint every repeated block of ``model`` (non-reentrant).
@@ -237,7 +239,8 @@ def apply_activation_checkpointing(
             :class:`OffloadActivations` to use).
         prefetch: block inputs brought back ahead in backward (``activation_loading_horizon``;
             None: 2 from RAM, 4 from disk).
-        keep_last_input: keep the last block's input on the device (needed first).
+        keep_last_input: keep the last block's input on the device (needed first); an int
+            keeps that many of the last blocks' inputs (a GPU with room to spare).
         **offload_kwargs: forwarded to :class:`OffloadActivations` when one is created.
 
     Returns:
@@ -248,6 +251,11 @@ def apply_activation_checkpointing(
         >>> loss = model(**batch).loss; loss.backward()
         >>> handle.remove()
     """
+    if not isinstance(keep_last_input, (bool, int)) or keep_last_input < 0:
+        raise ValueError(
+            f"keep_last_input={keep_last_input!r} is invalid; pass True/False or how many of the last "
+            "blocks keep their inputs on the device (an int >= 0)"
+        )
     blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
     context_fn = noop_context_fn if selective is None else selective_context_fn(selective)
     owns = False

@@ -115,6 +115,8 @@ class Features:
         offload_inputs: offload block inputs (all but the last layer's).
         ram_blocks: how many offloaded block inputs fit in the RAM budget (the rest go to
             disk, oldest first); None: all in RAM.
+        gpu_blocks: block inputs kept on the GPU besides the last layer's (the newest ones,
+            needed first in backward), where the GPU has room the RAM and disk lack.
         layer_streaming / stream_depth: stream frozen layer weights, layers resident.
         loss_chunks: chunks of the chunked loss; 0: the unchunked loss.
         mlp_shards: shards of the tiled MLP; 1: untiled.
@@ -127,6 +129,7 @@ class Features:
     checkpointing: bool = True
     offload_inputs: bool = False
     ram_blocks: int | None = None
+    gpu_blocks: int = 0
     layer_streaming: bool = False
     stream_depth: int = STREAM_DEPTH
     loss_chunks: int = 0
@@ -241,10 +244,13 @@ def _placement(w: Workload, f: Features) -> list[str]:
     layers = w.shape.layers
     if not (f.checkpointing and f.offload_inputs):
         return ["gpu"] * layers
-    offloaded = layers - 1  # the last layer's input stays: backward needs it first
+    # The last layer's input stays (backward needs it first), and so do the newest
+    # ``gpu_blocks`` before it.
+    kept = max(0, min(layers - 1, f.gpu_blocks))
+    offloaded = layers - 1 - kept
     in_ram = offloaded if f.ram_blocks is None else max(0, min(offloaded, f.ram_blocks))
     # The tiered store keeps the newest entries in RAM and demotes the oldest to disk.
-    return ["disk"] * (offloaded - in_ram) + ["ram"] * in_ram + ["gpu"]
+    return ["disk"] * (offloaded - in_ram) + ["ram"] * in_ram + ["gpu"] * (kept + 1)
 
 
 def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
+    FRAGMENTATION,
     HORIZON_DISK,
     HORIZON_RAM,
     HOST_BASELINE_BYTES,
@@ -99,6 +100,7 @@ class Plan:
         out: dict = {
             "gradient_checkpointing": f.checkpointing,
             "layer_offloading": f.layer_streaming,
+            "layer_offloading_depth": f.stream_depth,
             "chunked_cross_entropy": f.loss_chunks > 0,
             "tiled_mlp": f.mlp_shards > 1,
             "chunked_cross_entropy_num_chunks": f.loss_chunks or None,
@@ -108,6 +110,8 @@ class Plan:
         }
         if f.offload_inputs and f.horizon is not None:
             out["activation_loading_horizon"] = f.horizon
+        if f.offload_inputs and f.gpu_blocks:
+            out["gpu_block_inputs"] = f.gpu_blocks
         if not f.offload_inputs:
             out["activation_offloading"] = False
         elif "disk" not in self.placement:
@@ -198,7 +202,7 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     streamed = _streamed_host_bytes(w, f)
     room = b.host_bytes - streamed
     per = size_class(w.block_input_bytes)
-    if room // per >= w.shape.layers - 1:
+    if room // per >= w.shape.layers - 1 - f.gpu_blocks:
         return max(0, room // per)  # nothing spills: no staging, no demotion
     horizon = f.horizon if f.horizon is not None else HORIZON_DISK
     staging = (horizon + 1) * per
@@ -208,6 +212,10 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     while n and n * per + streamed + tiered_reserve_bytes(n * per + streamed) + staging > b.host_bytes:
         n -= 1
     return n
+
+
+# How much finer than the automatic tiling the planner tries when a step does not fit.
+FINER_TILES = (2, 4, 8, 16, 32)
 
 
 def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:
@@ -240,6 +248,29 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, F
     out += tiled
     if mlp_shards > 1 and tiles_projections(w.tokens, w.shape.hidden):
         out += [(name + " + tiled projections", replace(f, tiled_projections=True)) for name, f in tiled]
+    # Small GPUs: a layer's working set (the MLP's intermediate, the projections' outputs,
+    # the logits of a loss chunk) shrinks with finer tiles, at the cost of more and smaller
+    # kernels; offered last, so a GPU with room keeps the coarser tiles.
+    for factor in FINER_TILES:
+        out += [
+            (
+                f"{name} + tiled projections, {max(2, mlp_shards) * factor} shards",
+                replace(
+                    f,
+                    mlp_shards=max(2, mlp_shards) * factor,
+                    tiled_projections=True,
+                    loss_chunks=f.loss_chunks * factor,
+                ),
+            )
+            for name, f in tiled
+        ]
+    # Last resort for the smallest GPUs: one streamed layer resident instead of two (its
+    # weights' copy is then waited for, not overlapped).
+    out += [
+        (name + ", one streamed layer resident", replace(f, stream_depth=1))
+        for name, f in out[-len(tiled) :]
+        if f.layer_streaming and stream_depth > 1
+    ]
     return out
 
 
@@ -299,6 +330,15 @@ def plan(
             reasons = _check(w, m, b)
             if not reasons:
                 break
+        held = _gpu_blocks(w, f, m, b) if f.offload_inputs and (reasons or "disk" in m.block_placement) else 0
+        if held:
+            # RAM and disk are short but the GPU has room: it holds the newest block inputs.
+            f = replace(f, gpu_blocks=held)
+            f = replace(f, ram_blocks=_ram_blocks(w, f, b))
+            m = estimate_memory(w, f)
+            t = estimate_time(w, f, b.rates, m.block_placement)
+            reasons = _check(w, m, b)
+            name += f", {held} block inputs on the GPU"
         results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
     fitting = [p for p in results if p.fits]
     if fitting:
@@ -311,6 +351,15 @@ def plan(
         if p is not best and (not p.fits or p.time.seconds < best.time.seconds)
     ]
     return best
+
+
+def _gpu_blocks(w: Workload, f: Features, m: MemoryEstimate, b: Budgets) -> int:
+    """How many more block inputs the GPU's room beside the predicted peak holds (counted at
+    the allocator's reservation), up to every offloaded one."""
+    room = b.gpu_bytes - m.gpu_reserved
+    per = math.ceil(w.block_input_bytes * FRAGMENTATION)
+    offloaded = m.block_placement.count("ram") + m.block_placement.count("disk")
+    return max(0, min(offloaded, room // per)) if room > 0 else 0
 
 
 def _shorter_horizons(w: Workload, f: Features, m: MemoryEstimate, t, b: Budgets) -> list[int]:

@@ -146,7 +146,12 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     if f.checkpointing and f.offload_inputs and f.horizon == 0:
         # Nothing is fetched ahead: each offloaded block input arrives while its layer waits.
         exposed = moved / rates.pcie_bytes_per_s + on_disk / rates.disk_read_bytes_per_s
-    fwd = max(fwd_compute, fwd_pcie, fwd_disk)
+    fwd_exposed = 0.0
+    if streamed and f.stream_depth <= 1:
+        # One streamed layer resident: each layer's weights arrive while it waits, in both passes.
+        fwd_exposed = streamed / rates.pcie_bytes_per_s
+        exposed += streamed / rates.pcie_bytes_per_s
+    fwd = max(fwd_compute + fwd_exposed, fwd_pcie, fwd_disk)
     bwd = max(bwd_compute + exposed, bwd_pcie, bwd_disk)
     totals = {"compute": fwd_compute + bwd_compute, "pcie": fwd_pcie + bwd_pcie, "disk": fwd_disk + bwd_disk}
     # The bound is the resource that sets the longer phase's time.

@@ -96,6 +96,80 @@ def test_block_inputs_offloaded_as_planned():
     assert planned <= offloaded < planned + w.block_input_bytes
 
 
+@pytest.mark.parametrize("held", [1, 2])
+def test_block_inputs_held_on_the_gpu_as_planned(held):
+    """``gpu_block_inputs`` keeps the newest block inputs where they are: exactly the planned
+    bytes leave, and the step is bitwise the one that offloads them all."""
+    from offloadkit.testing import assert_bitwise_equal, run_step
+
+    model = build_llama("tiny", num_hidden_layers=4, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model.train()
+    ids = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    moved, steps = [], []
+    for keep in (1, 1 + held):
+        handle = apply_activation_checkpointing(
+            model, offload_inputs=True, offload_cpu_tensors=True, storage="disk", keep_last_input=keep
+        )
+        try:
+            steps.append(run_step(model, batch))
+            moved.append(handle.offloader.collect_stats().offloaded_bytes)
+        finally:
+            handle.remove()
+    w = Workload(resolve_shape("tiny", layers=4), 128, 2, lora_rank=0, dtype_bytes=4)
+    m = estimate_memory(w, Features(offload_inputs=True, gpu_blocks=held))
+    assert m.block_placement == ["ram"] * (3 - held) + ["gpu"] * (held + 1)
+    # Each block input held back is one block input's bytes (and its rotary tables) fewer.
+    per_block = (moved[0] - moved[1]) / held
+    assert w.block_input_bytes <= per_block < 2 * w.block_input_bytes
+    assert_bitwise_equal(steps[0][0], steps[1][0], "loss")
+    assert_bitwise_equal(steps[0][1], steps[1][1], "grads")
+    with pytest.raises(ValueError, match="keep_last_input=-1 is invalid"):
+        apply_activation_checkpointing(model, keep_last_input=-1)
+
+
+def test_gpu_block_inputs_config_reaches_checkpointing():
+    model = build_llama("tiny", num_hidden_layers=4)
+    runtime = prepare(
+        model,
+        {"gradient_checkpointing": True, "activation_offloading": "disk", "gpu_block_inputs": 2},
+    )
+    try:
+        assert runtime.checkpointing._keep_last == 3
+    finally:
+        runtime.close()
+    with pytest.raises(ConfigError, match="gpu_block_inputs=-1 is too small"):
+        OffloadConfig.from_dict({"gpu_block_inputs": -1})
+
+
+@pytest.mark.parametrize("gpu_gib", [16, 24, 48, 80, 141])
+def test_nine_tenths_of_the_physical_limit_at_every_gpu_size(gpu_gib):
+    """8B LoRA r=16 with 108 GiB of host RAM and 55 GiB of disk: small GPUs tile finer (and keep
+    one streamed layer resident at the edge), large ones hold block inputs the RAM and disk
+    cannot."""
+    cap = longest_sequence("llama-3-8b", lora_rank=16, budgets=Budgets(gpu_gib * GiB, 108 * GiB, 55 * GiB))
+    assert cap.ratio >= 0.9, cap.summary()
+    p = cap.plan
+    assert p.fits and OffloadConfig.from_dict(p.to_config()).layer_offloading_depth == p.features.stream_depth
+    if gpu_gib == 141:
+        assert p.features.gpu_blocks > 0 and "disk" in p.placement
+
+
+def test_one_streamed_layer_resident_is_chosen_only_when_needed():
+    from dataclasses import replace
+
+    from offloadkit.planning import estimate_time
+
+    small = Budgets(16 * GiB, 108 * GiB, 55 * GiB)
+    edge = longest_sequence("llama-3-8b", lora_rank=16, budgets=small).plan
+    assert edge.features.stream_depth == 1 and edge.to_config()["layer_offloading_depth"] == 1
+    # Waiting for each layer's weights costs time, so with room the plan keeps two resident.
+    two = estimate_time(edge.workload, replace(edge.features, stream_depth=2), small.rates, edge.placement)
+    assert edge.time.seconds > two.seconds
+    assert plan("llama-3-8b", 16384, lora_rank=16, budgets=small).features.stream_depth == 2
+
+
 def test_loss_chunk_bytes_match_the_chunked_loss():
     tokens, hidden, vocab = 512, 32, 1000
     w = Workload(
@@ -181,9 +255,14 @@ def test_ram_exhaustion_pushes_oldest_block_inputs_to_disk():
     p = plan("llama-3-8b", 262144, budgets=small_ram)
     assert p.fits, p.reasons
     assert p.placement[0] == "disk" and p.placement[-1] == "gpu"
-    first_ram = p.placement.index("ram")
-    assert set(p.placement[:first_ram]) == {"disk"} and set(p.placement[first_ram:-1]) == {"ram"}
+    # Oldest on disk, then RAM, then the newest on the GPU (the last one, and as many more
+    # as the GPU's room holds: RAM and disk are the short ones here).
+    first_ram, first_gpu = p.placement.index("ram"), p.placement.index("gpu")
+    assert set(p.placement[:first_ram]) == {"disk"} and set(p.placement[first_ram:first_gpu]) == {"ram"}
+    assert set(p.placement[first_gpu:]) == {"gpu"}
+    assert p.features.gpu_blocks == len(p.placement) - first_gpu - 1
     cfg = OffloadConfig.from_dict(p.to_config())
+    assert cfg.gpu_block_inputs == p.features.gpu_blocks
     assert cfg.activation_offloading == "disk" and cfg.disk_tiering and cfg.host_budget_bytes <= 40 * GiB
     assert p.memory.disk == p.placement.count("disk") * p.workload.block_input_bytes
     assert p.time.disk_s > 0
@@ -233,6 +312,23 @@ def test_prepare_applies_the_plan():
         runtime.close()
 
 
+def test_gpu_budget_is_planned_for_and_noted_without_cuda():
+    from offloadkit.integrations.peft_utils import apply_lora
+
+    assert OffloadConfig.from_dict({"gpu_budget_bytes": "24GiB"}).gpu_budget_bytes == 24 * GiB
+    with pytest.raises(ConfigError, match="gpu_budget_bytes"):
+        OffloadConfig.from_dict({"gpu_budget_bytes": -1})
+    model = apply_lora(build_llama("tiny", attn_implementation="sdpa"), rank=4)
+    with pytest.warns(UserWarning, match="gpu_budget_bytes has no effect without a CUDA GPU"):
+        runtime = prepare(
+            model, {"offload_plan": "auto", "host_budget_bytes": "2GiB", "gpu_budget_bytes": "3GiB"}, seq_len=4096
+        )
+    try:
+        assert runtime.plan.budgets.gpu_bytes == 3 * GiB and runtime.plan.budgets.source["gpu"] == "given"
+    finally:
+        runtime.close()
+
+
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run(
@@ -270,7 +366,10 @@ def test_long_plans_tile_projections_and_shorten_the_horizon_only_when_needed():
     cfg = long.to_config()
     assert long.fits, long.reasons
     assert cfg["tiled_projections"] and cfg["tiled_mlp"] and cfg["activation_loading_horizon"] == 1
-    assert long.memory.gpu_parts["block inputs"] == 2 * long.workload.block_input_bytes  # the last one + one ahead
+    # The last one, one fetched ahead, and those the GPU's spare room holds (disk is short).
+    held = long.features.gpu_blocks
+    assert held > 0 and cfg["gpu_block_inputs"] == held
+    assert long.memory.gpu_parts["block inputs"] == (2 + held) * long.workload.block_input_bytes
     OffloadConfig.from_dict(cfg)  # a valid config
     # Without the projections tiled the same step does not fit.
     untiled = estimate_memory(long.workload, Features(**{**long.features.__dict__, "tiled_projections": False}))
