@@ -27,6 +27,7 @@ from offloadkit.config import OffloadConfig
 from offloadkit.layers import apply_layer_streaming
 from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
 from offloadkit.models.heads import unwrap_model
+from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.storage import DiskOptions, HostMemoryBudget
 
 if TYPE_CHECKING:
@@ -149,6 +150,7 @@ def _cap_gpu_memory(budget: int | None) -> tuple[int, float] | None:
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = min(1.0, budget / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
+    use_expandable_segments()  # near a cap, fixed segments strand room no large block fits
     return device, fraction
 
 
