@@ -12,7 +12,8 @@ so a new side stream or a second copy of the copy choreography shows up here:
   (``note_kept("...")``) other than ``engine/decide.py``;
 - copies of the copy choreography: functions that order a stream (``wait_stream`` or
   ``wait_event``), queue a copy and record its event;
-- prefetch schedulers: classes with a method whose name says it prefetches;
+- prefetch schedulers: classes with a method named ``prefetch``/``_prefetch...`` (one that
+  issues fetches ahead of need);
 - product modules importing the test helpers (``offloadkit.testing``).
 
 The test helpers themselves (``offloadkit/testing``) are not product code and are skipped.
@@ -63,15 +64,20 @@ def _side_streams(path: str, tree: ast.AST) -> int:
 
 
 def _mutates_entry(tree: ast.AST) -> bool:
+    """Assigns an Entry-only field: through ``self`` inside ``class Entry``, through any other
+    name anywhere."""
+    inside_entry = set()
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef) and cls.name == "Entry":
+            inside_entry |= {id(n) for n in ast.walk(cls)}
     for n in ast.walk(tree):
         targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
         for t in targets:
             for leaf in ast.walk(t):
-                if (
-                    isinstance(leaf, ast.Attribute)
-                    and leaf.attr in ENTRY_ONLY_FIELDS
-                    and not (isinstance(leaf.value, ast.Name) and leaf.value.id == "self")
-                ):
+                if not (isinstance(leaf, ast.Attribute) and leaf.attr in ENTRY_ONLY_FIELDS):
+                    continue
+                through_self = isinstance(leaf.value, ast.Name) and leaf.value.id == "self"
+                if not through_self or id(n) in inside_entry:
                     return True
     return False
 
@@ -104,7 +110,7 @@ def _prefetchers(tree: ast.AST) -> list[str]:
     out = []
     for cls in ast.walk(tree):
         if isinstance(cls, ast.ClassDef) and any(
-            isinstance(m, ast.FunctionDef) and "prefetch" in m.name.lower() for m in cls.body
+            isinstance(m, ast.FunctionDef) and m.name.lstrip("_").startswith("prefetch") for m in cls.body
         ):
             out.append(cls.name)
     return out

@@ -63,7 +63,7 @@ class BackwardPath:
                 self.stats.prefetch_misses += 1
             elif entry.prefetched:
                 self.stats.prefetch_hits += 1
-                entry.prefetched = False
+                entry.mark_prefetched(False)
             self._planner.on_consumed(step, entry)
             self._prefetch(step, entry)
             consumer = current_stream(entry.device)
@@ -79,8 +79,7 @@ class BackwardPath:
             )
             if packed.seen_gen != entry.gen:
                 packed.seen_gen = entry.gen
-                entry.waiting -= 1
-                if entry.waiting <= 0:
+                if entry.consumed_by_one():
                     # Every sharer has its view; ``out`` keeps the memory alive while in use.
                     self._drop_resident(entry, consumed=True)
             return out
@@ -105,7 +104,7 @@ class BackwardPath:
             self._make_resident(
                 entry, entry.src, ready=None, stream=entry.src_stream, guard=(entry.src_stream, entry.stored.done)
             )
-            entry.src = None
+            entry.drop_source()
             self.stats.stash_hits += 1
         self._prefetch(step, None)
 
@@ -146,7 +145,7 @@ class BackwardPath:
                 last_group = entry.group
             if entry.gpu is None:
                 self._fetch(entry)
-                entry.prefetched = True
+                entry.mark_prefetched(True)
             ahead_bytes += entry.nbytes
 
     def _fetch(self, entry: Entry) -> None:
@@ -161,10 +160,7 @@ class BackwardPath:
         )
 
     def _make_resident(self, entry: Entry, data, ready, stream, guard) -> None:
-        entry.gpu, entry.gpu_ready, entry.gpu_stream, entry.gpu_guard = data, ready, stream, guard
-        entry.gen += 1
-        entry.waiting = entry.live
-        entry.prefetched = False
+        entry.make_resident(data, ready, stream, guard)
 
     def _drop_resident(self, entry: Entry, consumed: bool) -> None:
         guard = entry.gpu_guard
@@ -173,5 +169,4 @@ class BackwardPath:
                 # Unconsumed prefetch: the copy may still write it. Stash source: the
                 # device->host copy may still read it. Either way, order the reuse after it.
                 order_after(guard[0], guard[1])
-        entry.gpu = entry.gpu_ready = entry.gpu_guard = entry.gpu_stream = None
-        entry.prefetched = False
+        entry.drop_resident()

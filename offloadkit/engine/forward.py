@@ -88,7 +88,7 @@ class ForwardPath:
             entry = self._find(step, key, start, end, version, now)
             copied = entry is None
             if entry is not None:
-                entry.group = state.group  # needed with its newest saver's group
+                entry.saved_again(state.group)  # needed with its newest saver's group
                 self.stats.deduplicated_tensors += 1
                 self.stats.deduplicated_bytes += nbytes
                 self._planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
@@ -110,12 +110,17 @@ class ForwardPath:
                     self._warn_budget()
                     self.stats.note_kept(REFUSED_BY_STORAGE.reason, nbytes)
                     return self._register(Kept(t))
-                entry.group, entry.born = state.group, now
-                entry.span_start = min(start, *(e.span_start for e in overlapping)) if overlapping else start
-                entry.span_end = max(end, *(e.span_end for e in overlapping)) if overlapping else end
+                entry.first_saved(
+                    state.group,
+                    now,
+                    (
+                        min(start, *(e.span_start for e in overlapping)) if overlapping else start,
+                        max(end, *(e.span_end for e in overlapping)) if overlapping else end,
+                    ),
+                )
                 for old in overlapping:
                     self._merge(old, entry)
-            entry.live += 1
+            entry.add_handle()
             return self._register(Packed(entry, t, self._dead, copied))
 
     def _register(self, handle):
@@ -146,8 +151,7 @@ class ForwardPath:
     def _merge(self, old: Entry, new: Entry) -> None:
         """``new`` covers ``old``'s range: serve ``old``'s handles from it and give ``old``'s
         copy back, so each storage's bytes are held once (a slice saved before the whole)."""
-        old.merged_into, old.shift = new, old.start - new.start
-        new.live += old.live
+        old.merge_into(new)
         self.stats.offloaded_bytes -= old.nbytes
         self.stats.offloaded_tensors -= 1
         self.stats.merged_entries += 1
@@ -185,7 +189,7 @@ class ForwardPath:
         self._by_storage.setdefault(entry.key, []).append(entry)
         self._planner.on_saved(step, entry, new=True)
         if not stored.copy_finished():
-            entry.src, entry.src_stream = src, current_stream(device)
+            entry.keep_source(src, current_stream(device))
             self._stash.append(entry)
             self._trim_stash()
         return entry
@@ -213,7 +217,7 @@ class ForwardPath:
             # The side stream may still read the source: its memory must not be reused on the
             # source's stream until the copy is done (GPU-side wait, no host sync).
             self._clock.wait(entry.src_stream, entry.stored.done, "forward", self.stats)
-        entry.src = None
+        entry.drop_source()
 
     def _flush_stash(self) -> None:
         while self._stash:

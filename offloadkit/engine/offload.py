@@ -453,18 +453,16 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
 
     def _handle_died(self, entry: Entry, seen_gen: int) -> None:
         entry, _ = entry.resolve()
-        entry.live -= 1
-        if entry.gpu is not None and seen_gen != entry.gen:
-            entry.waiting -= 1
-            if entry.waiting <= 0:
-                self._drop_resident(entry, consumed=False)
-        if entry.live <= 0:
+        unawaited, last = entry.handle_died(seen_gen)
+        if unawaited:
+            self._drop_resident(entry, consumed=False)
+        if last:
             self._release(entry)
 
     def _release(self, entry: Entry) -> None:
         if entry.released:
             return
-        entry.released = True
+        entry.release()
         if entry.src is not None:
             try:
                 self._stash.remove(entry)

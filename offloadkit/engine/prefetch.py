@@ -68,8 +68,7 @@ class PrefetchPlanner:
     @staticmethod
     def on_saved(step: Step, entry: Entry, new: bool) -> None:
         if new:
-            entry.step = step
-            entry.seq = step.next_seq
+            entry.place(step, step.next_seq)
             step.next_seq += 1
             step.by_seq[entry.seq] = entry
             step.live += 1

@@ -84,6 +84,72 @@ class Entry:
     merged_into: "Entry | None" = None
     shift: int = 0
 
+    # -- every change of an entry's state is one of these (the engine reads fields, and
+    # -- writes them only through here) --------------------------------------------------
+    def first_saved(self, group: int | None, born: int, span: tuple[int, int]) -> None:
+        """The save that created this entry: its group, its index and the bytes it needed."""
+        self.group, self.born = group, born
+        self.span_start, self.span_end = span
+
+    def saved_again(self, group: int | None) -> None:
+        """A later save is served by this entry: backward needs it with that saver's group."""
+        self.group = group
+
+    def add_handle(self) -> None:
+        self.live += 1
+
+    def merge_into(self, new: "Entry") -> None:
+        """``new`` covers this entry's range: it serves this entry's handles from now on."""
+        self.merged_into, self.shift = new, self.start - new.start
+        new.live += self.live
+
+    def keep_source(self, src: torch.Tensor, stream) -> None:
+        """Keep the device source alive while its copy to the host is in flight."""
+        self.src, self.src_stream = src, stream
+
+    def drop_source(self) -> None:
+        self.src = None
+
+    def place(self, step, seq: int) -> None:
+        """Its forward (step) and creation index in it."""
+        self.step, self.seq = step, seq
+
+    def make_resident(self, data: torch.Tensor, ready, stream, guard) -> None:
+        """A new device copy to serve backward: every live handle has yet to read it."""
+        self.gpu, self.gpu_ready, self.gpu_stream, self.gpu_guard = data, ready, stream, guard
+        self.gen += 1
+        self.waiting = self.live
+        self.prefetched = False
+
+    def mark_prefetched(self, prefetched: bool) -> None:
+        self.prefetched = prefetched
+
+    def consumed_by_one(self) -> bool:
+        """A handle read the resident copy; True once every handle has."""
+        self.waiting -= 1
+        return self.waiting <= 0
+
+    def drop_resident(self) -> None:
+        self.gpu = self.gpu_ready = self.gpu_guard = self.gpu_stream = None
+        self.prefetched = False
+
+    def handle_died(self, seen_gen: int) -> tuple[bool, bool]:
+        """A handle autograd held is gone.
+
+        Returns:
+            ``(unawaited, last)``: no live handle waits for the resident copy any more, and
+            this was the last handle.
+        """
+        self.live -= 1
+        unawaited = False
+        if self.gpu is not None and seen_gen != self.gen:
+            self.waiting -= 1  # it will never read the resident copy
+            unawaited = self.waiting <= 0
+        return unawaited, self.live <= 0
+
+    def release(self) -> None:
+        self.released = True
+
     def resolve(self) -> tuple["Entry", int]:
         """The entry that holds this one's bytes now, and the byte offset of ours in it."""
         entry, shift = self, 0

@@ -24,3 +24,4 @@ def test_one_transfer_layer_one_decision_module_no_test_helpers_in_the_product()
     assert counts["copies of the copy choreography"]["where"] == ["offloadkit/transfer/copy.py:queue_copy"]
     assert counts["keep/offload decision sites outside engine/decide.py"]["count"] == 0, counts
     assert counts["product modules importing test helpers"]["count"] == 0, counts
+    assert counts["files that mutate an Entry"]["where"] == ["offloadkit/engine/spans.py"]
