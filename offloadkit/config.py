@@ -209,6 +209,9 @@ class OffloadConfig:
             least 2 GiB); lower it on VMs whose RAM grows as it is used.
         disk_dir / disk_threads / direct_io / disk_tiering: the disk tier.
         layer_offloading: stream frozen decoder-layer weights from pinned host memory.
+        optimizer_offloading: with the Trainer mixins, replace the Trainer's AdamW by
+            :class:`~offloadkit.optim.BackwardAdamW`: moments in host memory, each parameter
+            updated in backward (or at ``step()`` when the Trainer clips gradients).
         layer_offloading_depth: layers of frozen weights resident at once.
         chunked_cross_entropy: compute the loss over token chunks, never holding the
             full-vocabulary logits (Hugging Face causal LMs).
@@ -249,6 +252,7 @@ class OffloadConfig:
     direct_io: bool | str = "auto"
     disk_tiering: bool = False
     layer_offloading: bool = False
+    optimizer_offloading: bool = False
     layer_offloading_depth: int = STREAM_DEPTH
     chunked_cross_entropy: bool = False
     chunked_cross_entropy_num_chunks: int | None = None
@@ -296,6 +300,7 @@ class OffloadConfig:
         _expect("layer_offloading", self.layer_offloading, (bool,), "true or false")
         _expect("use_pin_memory", self.use_pin_memory, (bool,), "true or false")
         _expect("disk_tiering", self.disk_tiering, (bool,), "true or false")
+        _expect("optimizer_offloading", self.optimizer_offloading, (bool,), "true or false")
         if self.activation_offloading not in _ACTIVATION_MODES:
             raise ConfigError(
                 f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "

@@ -221,6 +221,16 @@ class _OffloadingTrainerMixin:
             active = True
         self._checkpointing_active = active
 
+    def create_optimizer(self, *args, **kwargs):
+        if not self.offload_config.optimizer_offloading or getattr(self, "optimizer", None) is not None:
+            return super().create_optimizer(*args, **kwargs)
+        from offloadkit.integrations.optimizer import backward_adamw_for
+
+        self.optimizer, note = backward_adamw_for(self)
+        self.offload_notes.append(note)
+        warnings.warn(f"offloadkit: {note}", UserWarning, stacklevel=2)
+        return self.optimizer
+
     def compute_loss(self, model, inputs, *args, **kwargs):
         runtime = self.offload_runtime
         training = runtime is not None and model.training and torch.is_grad_enabled()

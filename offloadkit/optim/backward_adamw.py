@@ -23,7 +23,7 @@ update happens in the backward after it (or at :meth:`step` when deferred).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
@@ -41,6 +41,10 @@ class BackwardAdamW(Optimizer):
         max_grad_norm: clip gradients by their global norm first (updates then wait for
             :meth:`step`); None: update in backward.
         pin_memory: page-lock the host state of CUDA parameters (asynchronous copies).
+        update_when: asked in backward before updating; False leaves the gradient to
+            accumulate (the Trainer passes whether this micro-step synchronizes gradients).
+        defer_to_step: update only in :meth:`step` (someone else clips the gradients in
+            between, as the Trainer does).
 
     Example:
         >>> opt = BackwardAdamW(model.parameters(), lr=1e-5)  # doctest: +SKIP
@@ -58,6 +62,8 @@ class BackwardAdamW(Optimizer):
         *,
         max_grad_norm: float | None = None,
         pin_memory: bool = True,
+        update_when: Callable[[], bool] | None = None,
+        defer_to_step: bool = False,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is invalid; it must be >= 0")
@@ -67,14 +73,25 @@ class BackwardAdamW(Optimizer):
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.pin_memory = pin_memory
+        self.update_when = update_when
+        self.defer_to_step = defer_to_step
         self._accumulating = False
-        self._group_of: dict[int, dict] = {}
-        self._handles = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    self._group_of[id(p)] = group
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        ]
+
+    def _group(self, p: torch.Tensor) -> dict:
+        """``p``'s parameter group as it is now: ``load_state_dict`` (Accelerate's device
+        placement calls it) replaces the group dicts that schedulers then change."""
+        seen, by_param = self._groups_seen
+        if seen != id(self.param_groups) or id(p) not in by_param:
+            by_param = {id(q): group for group in self.param_groups for q in group["params"]}
+            self._groups_seen = (id(self.param_groups), by_param)
+        return by_param[id(p)]
 
     # -- the update --------------------------------------------------------------------
     def _host_state(self, p: torch.Tensor) -> dict:
@@ -89,7 +106,7 @@ class BackwardAdamW(Optimizer):
 
     @torch.no_grad()
     def _update(self, p: torch.Tensor) -> None:
-        group = self._group_of[id(p)]
+        group = self._group(p)
         state = self._host_state(p)
         # To the device on the current stream; the copy back below is queued on the same
         # stream, so the next update's read of the host state is ordered after it.
@@ -120,9 +137,16 @@ class BackwardAdamW(Optimizer):
             state["exp_avg_sq"].copy_(exp_avg_sq, non_blocking=True)
         p.grad = None  # its memory goes back now, not at zero_grad()
 
+    @property
+    def updates_in_backward(self) -> bool:
+        """Whether parameters are updated in backward (no clipping to wait for)."""
+        return self.max_grad_norm is None and not self.defer_to_step
+
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self._accumulating or self.max_grad_norm is not None:
-            return  # accumulating, or clipping needs every gradient first: step() updates
+        if not self.updates_in_backward or self._accumulating:
+            return  # clipping needs every gradient first, or accumulating: step() updates
+        if self.update_when is not None and not self.update_when():
+            return
         self._update(p)
 
     # -- the Optimizer interface -------------------------------------------------------------
@@ -152,11 +176,8 @@ class BackwardAdamW(Optimizer):
 
     def _synchronize(self) -> None:
         """Host reads of the state wait for its copies back from the device."""
-        if any(p.is_cuda for p in self._group_of_params()):
+        if any(p.is_cuda for g in self.param_groups for p in g["params"]):
             torch.cuda.synchronize()
-
-    def _group_of_params(self):
-        return [p for g in self.param_groups for p in g["params"]]
 
     def state_dict(self):
         self._synchronize()

@@ -1,0 +1,66 @@
+"""The Trainer's AdamW replaced by :class:`~offloadkit.optim.BackwardAdamW`
+(``optimizer_offloading: true``): the same parameter groups, learning rate, betas, epsilon and
+weight decay as the Trainer's own, the Trainer's learning-rate schedule, clipping and
+checkpoints around it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offloadkit.config import ConfigError
+from offloadkit.optim import BackwardAdamW
+
+__all__ = ["backward_adamw_for"]
+
+# The Trainer's AdamW variants this replaces (the math is torch.optim.AdamW's).
+_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+
+
+def backward_adamw_for(trainer: Any) -> tuple[BackwardAdamW, str]:
+    """A :class:`BackwardAdamW` set up as ``trainer`` would set up its AdamW.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (its model, arguments and accelerator are read).
+
+    Returns:
+        ``(optimizer, note)``: the note says what replaced what, and when updates happen.
+
+    Raises:
+        ConfigError: the Trainer's optimizer is not AdamW.
+    """
+    args, model = trainer.args, trainer.model
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in _ADAMW:
+        raise ConfigError(
+            f"optimizer_offloading replaces the Trainer's AdamW, but optim={optim!r}; use optim: adamw_torch "
+            "or turn optimizer_offloading off"
+        )
+    decay = set(trainer.get_decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
+    accelerator = trainer.accelerator
+    optimizer = BackwardAdamW(
+        groups,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        # The Trainer clips between backward and step(): updates then wait for step().
+        defer_to_step=clipping,
+        update_when=lambda: accelerator.sync_gradients,
+    )
+    when = (
+        f"updates at step(), after the Trainer's clipping (max_grad_norm={args.max_grad_norm}; 0 updates in "
+        "backward and frees each gradient at once)"
+        if clipping
+        else "each parameter updated in backward"
+    )
+    fused = " (its fused kernel rounds differently)" if optim == "adamw_torch_fused" else ""
+    note = (
+        f"optimizer_offloading: the Trainer's {optim}{fused} is replaced by BackwardAdamW, moments in host "
+        f"memory, {when}"
+    )
+    return optimizer, note

@@ -1,0 +1,85 @@
+"""``optimizer_offloading: true`` through the Trainer mixin: the Trainer's AdamW replaced by
+BackwardAdamW, with losses and weights bitwise those of the Trainer's own AdamW (clipping on
+and off, gradient accumulation, a linear schedule with warm-up), and a checkpoint resumed
+exactly."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from offloadkit.config import ConfigError  # noqa: E402
+from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts  # noqa: E402
+from offloadkit.integrations.trainer import ActivationOffloadingMixin  # noqa: E402
+from offloadkit.optim import BackwardAdamW  # noqa: E402
+from offloadkit.testing import assert_bitwise_equal, build_llama  # noqa: E402
+
+
+class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+    pass
+
+
+OFFLOAD = {"optimizer_offloading": True, "activation_offloading": False}
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=4,
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+    )
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def _train(cls, tmp_path, resume=None, **kw):
+    torch.manual_seed(0)
+    model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa")
+    extra = {"offload_config": OFFLOAD} if cls is OffloadTrainer else {}
+    trainer = cls(
+        model=model, args=_args(tmp_path, **kw), train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("max_grad_norm, accumulation", [(1.0, 1), (0.0, 1), (1.0, 2), (0.0, 2)])
+def test_trainer_losses_and_weights_bitwise_with_the_trainers_adamw(tmp_path, max_grad_norm, accumulation):
+    kw = {"max_grad_norm": max_grad_norm, "gradient_accumulation_steps": accumulation}
+    _, ref_losses, ref_weights = _train(transformers.Trainer, tmp_path / "plain", **kw)
+    trainer, losses, weights = _train(OffloadTrainer, tmp_path / "ours", **kw)
+    assert isinstance(trainer.optimizer.optimizer, BackwardAdamW)
+    assert trainer.optimizer.optimizer.updates_in_backward == (max_grad_norm == 0.0)
+    assert any("replaced by BackwardAdamW" in n for n in trainer.offload_report["notes"])
+    assert losses == ref_losses and len(losses) == 4
+    assert_bitwise_equal(ref_weights, weights, "weights after training")
+
+
+def test_resuming_a_checkpoint_continues_exactly(tmp_path):
+    _, full_losses, full_weights = _train(OffloadTrainer, tmp_path / "full", max_grad_norm=0.0)
+    _train(OffloadTrainer, tmp_path / "first", max_grad_norm=0.0, save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "first" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").exists()
+    _, resumed_losses, resumed_weights = _train(
+        OffloadTrainer, tmp_path / "first", resume=str(checkpoint), max_grad_norm=0.0
+    )
+    assert resumed_losses[-2:] == full_losses[2:]  # the history before the checkpoint comes with it
+    assert_bitwise_equal(full_weights, resumed_weights, "weights after resuming")
+
+
+def test_an_optimizer_that_is_not_adamw_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="optimizer_offloading replaces the Trainer's AdamW, but optim='sgd'"):
+        _train(OffloadTrainer, tmp_path, optim="sgd")
