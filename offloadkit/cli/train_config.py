@@ -62,7 +62,7 @@ class TrainConfig:
         num_epochs: passes over the dataset when ``max_steps`` is not given.
         learning_rate, lr_scheduler, warmup_steps, optimizer, gradient_accumulation_steps,
         logging_steps, seed, weight_decay, max_grad_norm: as in Hugging Face
-        ``TrainingArguments``.
+        ``TrainingArguments`` (``max_grad_norm: 0``: no clipping).
         save_steps, save_total_limit: Trainer checkpoints every N steps, keeping the last K.
         resume_from_checkpoint: a checkpoint directory, or true for the newest in output_dir.
         overwrite_output_dir: replace an earlier run found in output_dir (its report, model
@@ -257,13 +257,15 @@ class TrainConfig:
         for key, floor, example in (
             ("learning_rate", 0.0, "2e-4"),
             ("num_epochs", 0.0, "3"),
-            ("max_grad_norm", 0.0, "1.0"),
         ):
             value = getattr(self, key)
             if value is None and key == "num_epochs":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= floor:
                 fail(key, value, f"must be a positive number, e.g. {example}")
+        norm = self.max_grad_norm
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float)) or norm < 0):
+            fail("max_grad_norm", norm, "must be a number >= 0, e.g. 1.0 (0: no clipping)")
         if (
             isinstance(self.lora_dropout, bool)
             or not isinstance(self.lora_dropout, (int, float))

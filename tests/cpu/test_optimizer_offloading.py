@@ -83,3 +83,27 @@ def test_resuming_a_checkpoint_continues_exactly(tmp_path):
 def test_an_optimizer_that_is_not_adamw_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="optimizer_offloading replaces the Trainer's AdamW, but optim='sgd'"):
         _train(OffloadTrainer, tmp_path, optim="sgd")
+
+
+def test_the_command_line_trains_with_it(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    (tmp_path / "run.yaml").write_text(
+        "model_shape: tiny\nseq_len: 64\nmax_steps: 3\nlora_rank: 0\nmax_grad_norm: 0\n"
+        f"optimizer_offloading: true\ncompare: false\noutput_dir: {tmp_path / 'out'}\n"
+    )
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadkit", "train", str(tmp_path / "run.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert any("replaced by BackwardAdamW" in n and "updated in backward" in n for n in report["notes"])
