@@ -8,4 +8,9 @@ bash scripts/setup.sh
 python -m ruff check offloadkit tests benchmarks scripts
 python -m ruff format --check offloadkit tests benchmarks scripts
 python -m mypy
-exec python -m pytest -q "$@"
+# Without a GPU: two workers (one per core of the CI machine), one torch thread each, so the
+# CPU suite takes about 9.5 minutes instead of 14. With a GPU: one process, since GPU tests
+# measure memory and time and must not share the device. The slowest tests are listed last.
+workers=${PYTEST_WORKERS:-$(python -c "import torch; print(0 if torch.cuda.is_available() else 2)")}
+if [ "$workers" != 0 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
+exec python -m pytest -q -n "$workers" --durations=10 "$@"
