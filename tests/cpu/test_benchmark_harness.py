@@ -1,0 +1,42 @@
+"""The trainer cells of the compatibility matrix (``benchmarks/compat_trainers.py``) run on a
+CPU as a dry run: the Trainer's loops (gradient accumulation, evaluation with
+compute_metrics, both checkpointing kinds, saving and resuming, generate() afterwards) train
+bitwise equal without and with the mixin, and a run that differs is reported as such."""
+
+import argparse
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("trl")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks import compat_trainers  # noqa: E402
+
+
+def test_the_trainer_loops_cells_are_bitwise():
+    rows = compat_trainers.cells_loops(argparse.Namespace(seq_len=64))
+    assert len(rows) == 3
+    for row in rows:
+        assert row["status"] == "works", row
+        assert row["parity"].startswith("bitwise"), row
+    assert "generate() after training gives the same tokens" in rows[0]["note"]
+
+
+def test_a_run_that_differs_is_reported():
+    logged = [{"loss": 1.0}] * compat_trainers.STEPS
+    same = {
+        "logged": logged,
+        "weights": {},
+        "report": {},
+        "peak_gib": 1.0,
+        "step_s": 1.0,
+        "steps_s": [],
+        "peaks_gib": [],
+    }
+    other = dict(same, logged=[{"loss": 1.5}] + logged[1:])
+    assert compat_trainers._compare("cell", same, same)["parity"].startswith("bitwise")
+    assert compat_trainers._compare("cell", same, other)["parity"] == "DIFFERS"
