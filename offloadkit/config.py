@@ -212,6 +212,9 @@ class OffloadConfig:
         optimizer_offloading: with the Trainer mixins, replace the Trainer's AdamW by
             :class:`~offloadkit.optim.BackwardAdamW`: moments in host memory, each parameter
             updated in backward (or at ``step()`` when the Trainer clips gradients).
+        optimizer_precision: "params" (moments in the parameters' dtype: pure bf16 for a
+            bf16 model, as torch.optim.AdamW) or "fp32_master" (fp32 master weights and
+            moments for bf16/fp16 parameters, in host memory).
         layer_offloading_depth: layers of frozen weights resident at once.
         chunked_cross_entropy: compute the loss over token chunks, never holding the
             full-vocabulary logits (Hugging Face causal LMs).
@@ -253,6 +256,7 @@ class OffloadConfig:
     disk_tiering: bool = False
     layer_offloading: bool = False
     optimizer_offloading: bool = False
+    optimizer_precision: str = "params"
     layer_offloading_depth: int = STREAM_DEPTH
     chunked_cross_entropy: bool = False
     chunked_cross_entropy_num_chunks: int | None = None
@@ -301,6 +305,15 @@ class OffloadConfig:
         _expect("use_pin_memory", self.use_pin_memory, (bool,), "true or false")
         _expect("disk_tiering", self.disk_tiering, (bool,), "true or false")
         _expect("optimizer_offloading", self.optimizer_offloading, (bool,), "true or false")
+        if self.optimizer_precision not in ("params", "fp32_master"):
+            raise ConfigError(
+                f"optimizer_precision={self.optimizer_precision!r} is not a precision; use params (moments in the "
+                "parameters' dtype) or fp32_master (fp32 master weights and moments)"
+            )
+        if self.optimizer_precision != "params" and not self.optimizer_offloading:
+            self._warn(
+                "optimizer_precision only applies with optimizer_offloading: true; the Trainer's own optimizer runs"
+            )
         if self.activation_offloading not in _ACTIVATION_MODES:
             raise ConfigError(
                 f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "

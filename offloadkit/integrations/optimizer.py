@@ -51,6 +51,9 @@ def backward_adamw_for(trainer: Any) -> tuple[BackwardAdamW, str]:
         # The Trainer clips between backward and step(): updates then wait for step().
         defer_to_step=clipping,
         update_when=lambda: accelerator.sync_gradients,
+        # The kernel the Trainer's own AdamW would run, so the updates are bitwise its own.
+        fused=optim == "adamw_torch_fused",
+        master_weights=trainer.offload_config.optimizer_precision == "fp32_master",
     )
     when = (
         f"updates at step(), after the Trainer's clipping (max_grad_norm={args.max_grad_norm}; 0 updates in "
@@ -58,9 +61,13 @@ def backward_adamw_for(trainer: Any) -> tuple[BackwardAdamW, str]:
         if clipping
         else "each parameter updated in backward"
     )
-    fused = " (its fused kernel rounds differently)" if optim == "adamw_torch_fused" else ""
+    state = (
+        "fp32 master weights and moments"
+        if optimizer.defaults["master_weights"]
+        else "moments in the parameters' dtype"
+    )
     note = (
-        f"optimizer_offloading: the Trainer's {optim}{fused} is replaced by BackwardAdamW, moments in host "
-        f"memory, {when}"
+        f"optimizer_offloading: the Trainer's {optim} is replaced by BackwardAdamW (the same kernel), {state} in "
+        f"host memory, {when}"
     )
     return optimizer, note

@@ -7,10 +7,21 @@ gradient outlives its update, so the model never holds a full set of gradients. 
 fine-tune that is what a GPU holds beyond the weights: an 8B model in bf16 needs 16 GB of
 gradients and 32-64 GB of AdamW state.
 
-The update is PyTorch's own single-tensor AdamW (``torch.optim.adamw.adamw`` with
-``foreach=False``), step for step, so the result is bitwise the one ``torch.optim.AdamW``
-gives on the same gradients (same parameter dtype, same state dtype: the moments have the
-parameter's dtype, as in PyTorch).
+The update is PyTorch's own AdamW (``torch.optim.adamw.adamw``), called with the
+implementation ``torch.optim.AdamW`` would use (its multi-tensor kernels for CUDA parameters,
+the single-tensor loop on the CPU, or the fused kernel when asked for), so the result is bitwise
+the one ``torch.optim.AdamW`` with the same ``foreach``/``fused`` gives on the same gradients
+(same parameter dtype, same state dtype: the moments have the parameter's dtype, as in
+PyTorch). The implementations round differently from each other: pick the one you compare
+with.
+
+Precision: by default the moments have the parameter's dtype and the update is applied to the
+parameter itself, as ``torch.optim.AdamW`` does (pure bf16 for a bf16 model). With
+``master_weights=True``, each bf16/fp16 parameter gets an fp32 master copy and fp32 moments
+in host memory; its gradient is widened to fp32, the fp32 copy is updated, and the parameter
+receives the copy rounded to its dtype: bitwise what ``torch.optim.AdamW`` over fp32 copies
+of the parameters gives (mixed-precision training). That is 12 bytes of host state per
+parameter instead of 4, streamed to the GPU and back at each update.
 
 Gradient clipping by global norm needs every gradient before any update: with
 ``max_grad_norm`` the updates are deferred to :meth:`step` (the gradients are then held
@@ -45,6 +56,14 @@ class BackwardAdamW(Optimizer):
             accumulate (the Trainer passes whether this micro-step synchronizes gradients).
         defer_to_step: update only in :meth:`step` (someone else clips the gradients in
             between, as the Trainer does).
+        foreach, fused: as for ``torch.optim.AdamW``. None: multi-tensor kernels for CUDA
+            parameters, the single-tensor loop for CPU ones (PyTorch's default).
+        master_weights: keep an fp32 master copy and fp32 moments of every bf16/fp16
+            parameter (fp32 parameters need none).
+
+    Raises:
+        ValueError: a negative ``lr``, a non-positive ``max_grad_norm``, or both ``foreach``
+            and ``fused``.
 
     Example:
         >>> opt = BackwardAdamW(model.parameters(), lr=1e-5)  # doctest: +SKIP
@@ -64,12 +83,25 @@ class BackwardAdamW(Optimizer):
         pin_memory: bool = True,
         update_when: Callable[[], bool] | None = None,
         defer_to_step: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        master_weights: bool = False,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is invalid; it must be >= 0")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid; pass a positive norm or None")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        if foreach and fused:
+            raise ValueError("foreach=True and fused=True: pick one AdamW implementation (or neither: the default)")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "foreach": foreach,
+            "fused": bool(fused),
+            "master_weights": master_weights,
+        }
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.pin_memory = pin_memory
@@ -97,33 +129,53 @@ class BackwardAdamW(Optimizer):
     def _host_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
+            group = self._group(p)
             pin = self.pin_memory and p.is_cuda
-            # The moments have the parameter's dtype, as torch.optim.AdamW keeps them.
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=p.dtype, pin_memory=pin)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=p.dtype, pin_memory=pin)
+            # The fused kernel counts steps on the parameter's device (a host count would make
+            # every update wait for a copy back); the others read the count on the host.
+            step_device = p.device if group["fused"] else "cpu"
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
+            if self._keeps_master(p, group):
+                state["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach())
+                dtype = torch.float32
+            else:
+                dtype = p.dtype  # the moments have the parameter's dtype, as torch.optim.AdamW keeps them
+            state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
         return state
+
+    @staticmethod
+    def _keeps_master(p: torch.Tensor, group: dict) -> bool:
+        return bool(group["master_weights"]) and p.dtype in (torch.bfloat16, torch.float16)
 
     @torch.no_grad()
     def _update(self, p: torch.Tensor) -> None:
         group = self._group(p)
         state = self._host_state(p)
-        # To the device on the current stream; the copy back below is queued on the same
-        # stream, so the next update's read of the host state is ordered after it.
+        # To the device on the current stream; the copies back below are queued on the same
+        # stream, so the next update's read of the host state is ordered after them.
         exp_avg = state["exp_avg"].to(p.device, non_blocking=True)
         exp_avg_sq = state["exp_avg_sq"].to(p.device, non_blocking=True)
+        master = "master" in state
+        if master:
+            weight = state["master"].to(p.device, non_blocking=True)
+            grad = p.grad.float()
+        else:
+            weight, grad = p, p.grad
         beta1, beta2 = group["betas"]
+        fused = group["fused"]
+        foreach = group["foreach"] if group["foreach"] is not None else p.is_cuda and not fused
         adamw(
-            [p],
-            [p.grad],
+            [weight],
+            [grad],
             [exp_avg],
             [exp_avg_sq],
             [],
             [state["step"]],
-            foreach=False,
+            foreach=foreach,
             capturable=False,
             differentiable=False,
-            fused=False,
+            fused=fused,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
@@ -132,6 +184,10 @@ class BackwardAdamW(Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+        if master:
+            p.copy_(weight)  # rounded to the parameter's dtype
+            if weight is not state["master"]:
+                state["master"].copy_(weight, non_blocking=True)
         if exp_avg is not state["exp_avg"]:
             state["exp_avg"].copy_(exp_avg, non_blocking=True)
             state["exp_avg_sq"].copy_(exp_avg_sq, non_blocking=True)
@@ -184,17 +240,28 @@ class BackwardAdamW(Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        # PyTorch casts loaded state to its parameter's dtype: fp32 master copies and moments
+        # of a bf16 parameter are taken back from the saved tensors after it.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        ours = [p for g in self.param_groups for p in g["params"]]
+        wide = {
+            id(p): state_dict["state"][i] for i, p in zip(saved_ids, ours) if "master" in state_dict["state"].get(i, {})
+        }
         super().load_state_dict(state_dict)
-        # PyTorch moves loaded state next to its parameter; this optimizer keeps it on the host.
         for p, state in self.state.items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state and state[key].device.type != "cpu":
-                    host = torch.empty(
-                        state[key].shape, dtype=state[key].dtype, pin_memory=self.pin_memory and p.is_cuda
-                    )
-                    state[key] = host.copy_(state[key])
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key not in state:
+                    continue
+                value = wide[id(p)][key] if id(p) in wide else state[key]
+                # PyTorch moves loaded state next to its parameter; this optimizer keeps it
+                # on the host, page-locked for CUDA parameters (asynchronous copies).
+                pin = self.pin_memory and p.is_cuda
+                if value.device.type != "cpu" or (pin and not value.is_pinned()):
+                    value = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin).copy_(value)
+                state[key] = value
             if "step" in state:
-                state["step"] = state["step"].detach().to("cpu", torch.float32)
+                where = p.device if self._group(p)["fused"] else "cpu"
+                state["step"] = state["step"].detach().to(where, torch.float32)
 
     def remove(self) -> None:
         """Detach the backward hooks (the optimizer then updates only in :meth:`step`)."""

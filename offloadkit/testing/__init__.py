@@ -7,6 +7,7 @@ from offloadkit.models.zoo import LLAMA_SHAPES, build_llama, make_batch
 from offloadkit.testing.allocations import AllocationTracker, SavedTensorTracker
 from offloadkit.testing.delays import slow_copies
 from offloadkit.testing.parity import assert_bitwise_equal, grads_of, run_step
+from offloadkit.testing.references import Fp32MasterAdamW
 from offloadkit.testing.steps import (
     memory_after_each_step,
     randomize_lora_b,
@@ -15,6 +16,7 @@ from offloadkit.testing.steps import (
 
 __all__ = [
     "AllocationTracker",
+    "Fp32MasterAdamW",
     "SavedTensorTracker",
     "LLAMA_SHAPES",
     "assert_bitwise_equal",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from offloadkit.optim import BackwardAdamW
-from offloadkit.testing import assert_bitwise_equal
+from offloadkit.testing import Fp32MasterAdamW, assert_bitwise_equal
 
 
 def _model(dtype):
@@ -38,13 +38,19 @@ def _params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+# Each of PyTorch's AdamW implementations rounds its own way: matched one for one.
+KERNELS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_every_update_bitwise_equal_to_torch_adamw(dtype, clip):
+def test_every_update_bitwise_equal_to_torch_adamw(dtype, clip, kernel):
     ref, ours = _model(dtype), _model(dtype)
     ours.load_state_dict(ref.state_dict())
-    opt_ref = torch.optim.AdamW(_groups(ref, 1e-2), lr=1e-2, betas=(0.8, 0.95), eps=1e-6)
-    opt = BackwardAdamW(_groups(ours, 1e-2), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, max_grad_norm=clip)
+    kw = KERNELS[kernel]
+    opt_ref = torch.optim.AdamW(_groups(ref, 1e-2), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, **kw)
+    opt = BackwardAdamW(_groups(ours, 1e-2), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, max_grad_norm=clip, **kw)
     sched_ref = torch.optim.lr_scheduler.LambdaLR(opt_ref, lambda s: 1.0 / (1 + s))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     for step, batch in enumerate(_batches(dtype, 5)):
@@ -87,11 +93,12 @@ def test_gradient_accumulation_updates_once_per_step():
         assert_bitwise_equal(_params(ref), _params(ours), f"step {i // 3}")
 
 
-def test_state_dict_round_trip_continues_bitwise():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_state_dict_round_trip_continues_bitwise(kernel):
     ref, ours = _model(torch.float32), _model(torch.float32)
     ours.load_state_dict(ref.state_dict())
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = BackwardAdamW(ours.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, **KERNELS[kernel])
+    opt = BackwardAdamW(ours.parameters(), lr=1e-2, **KERNELS[kernel])
     batches = _batches(torch.float32, 4)
     for b in batches[:2]:
         _loss(ref, b).backward()
@@ -102,7 +109,7 @@ def test_state_dict_round_trip_continues_bitwise():
     saved = copy.deepcopy(opt.state_dict())
     assert saved["state"][0]["step"].item() == 2.0
     opt.remove()
-    resumed = BackwardAdamW(ours.parameters(), lr=1e-2)
+    resumed = BackwardAdamW(ours.parameters(), lr=1e-2, **KERNELS[kernel])
     resumed.load_state_dict(saved)
     for b in batches[2:]:
         _loss(ref, b).backward()
@@ -119,3 +126,44 @@ def test_arguments_are_checked():
         BackwardAdamW(model.parameters(), max_grad_norm=0)
     with pytest.raises(ValueError, match="lr=-1 is invalid"):
         BackwardAdamW(model.parameters(), lr=-1)
+    with pytest.raises(ValueError, match="pick one AdamW implementation"):
+        BackwardAdamW(model.parameters(), foreach=True, fused=True)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_fp32_master_weights_bitwise_equal_to_adamw_over_fp32_copies(kernel):
+    ref, ours = _model(torch.bfloat16), _model(torch.bfloat16)
+    ours.load_state_dict(ref.state_dict())
+    opt_ref = Fp32MasterAdamW(ref, lr=1e-2, weight_decay=0.1, **KERNELS[kernel])
+    opt = BackwardAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True, **KERNELS[kernel])
+    batches = _batches(torch.bfloat16, 6)
+    for step, batch in enumerate(batches[:3]):
+        _loss(ref, batch).backward()
+        opt_ref.step()
+        _loss(ours, batch).backward()
+        opt.step()
+        assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")
+    state = opt.state[next(ours.parameters())]
+    assert state["master"].dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
+    master = dict(zip([n for n, _ in ref.named_parameters()], opt_ref.master))
+    ours_master = {n: opt.state[p]["master"] for n, p in ours.named_parameters()}
+    assert_bitwise_equal({n: m.detach() for n, m in master.items()}, ours_master, "master weights")
+    # A checkpoint keeps the fp32 state (PyTorch's loader would round it to bf16).
+    saved = copy.deepcopy(opt.state_dict())
+    opt.remove()
+    resumed = BackwardAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True, **KERNELS[kernel])
+    resumed.load_state_dict(saved)
+    assert resumed.state[next(ours.parameters())]["master"].dtype == torch.float32
+    for step, batch in enumerate(batches[3:]):
+        _loss(ref, batch).backward()
+        opt_ref.step()
+        _loss(ours, batch).backward()
+        resumed.step()
+        assert_bitwise_equal(_params(ref), _params(ours), f"step {step + 3} after resuming")
+
+
+def test_fp32_parameters_need_no_master_copy():
+    model = _model(torch.float32)
+    opt = BackwardAdamW(model.parameters(), lr=1e-2, master_weights=True)
+    _loss(model, _batches(torch.float32, 1)[0]).backward()
+    assert "master" not in opt.state[next(model.parameters())]

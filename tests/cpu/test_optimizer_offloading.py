@@ -44,10 +44,10 @@ def _args(tmp_path, **kw):
     return transformers.TrainingArguments(**base)
 
 
-def _train(cls, tmp_path, resume=None, **kw):
+def _train(cls, tmp_path, resume=None, offload=OFFLOAD, dtype=torch.float32, **kw):
     torch.manual_seed(0)
-    model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa")
-    extra = {"offload_config": OFFLOAD} if cls is OffloadTrainer else {}
+    model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa", dtype=dtype)
+    extra = {"offload_config": offload} if cls is OffloadTrainer else {}
     trainer = cls(
         model=model, args=_args(tmp_path, **kw), train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra
     )
@@ -56,9 +56,12 @@ def _train(cls, tmp_path, resume=None, **kw):
     return trainer, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("max_grad_norm, accumulation", [(1.0, 1), (0.0, 1), (1.0, 2), (0.0, 2)])
-def test_trainer_losses_and_weights_bitwise_with_the_trainers_adamw(tmp_path, max_grad_norm, accumulation):
-    kw = {"max_grad_norm": max_grad_norm, "gradient_accumulation_steps": accumulation}
+@pytest.mark.parametrize(
+    "max_grad_norm, accumulation, optim",
+    [(1.0, 1, "adamw_torch"), (0.0, 1, "adamw_torch"), (1.0, 2, "adamw_torch"), (0.0, 2, "adamw_torch_fused")],
+)
+def test_trainer_losses_and_weights_bitwise_with_the_trainers_adamw(tmp_path, max_grad_norm, accumulation, optim):
+    kw = {"max_grad_norm": max_grad_norm, "gradient_accumulation_steps": accumulation, "optim": optim}
     _, ref_losses, ref_weights = _train(transformers.Trainer, tmp_path / "plain", **kw)
     trainer, losses, weights = _train(OffloadTrainer, tmp_path / "ours", **kw)
     assert isinstance(trainer.optimizer.optimizer, BackwardAdamW)
@@ -78,6 +81,36 @@ def test_resuming_a_checkpoint_continues_exactly(tmp_path):
     )
     assert resumed_losses[-2:] == full_losses[2:]  # the history before the checkpoint comes with it
     assert_bitwise_equal(full_weights, resumed_weights, "weights after resuming")
+
+
+def test_fp32_master_weights_through_the_trainer_resume_exactly(tmp_path):
+    """A bf16 model with ``optimizer_precision: fp32_master``: fp32 master weights and moments,
+    and a checkpoint (saved and loaded by the Trainer) that keeps them fp32 and resumes bit
+    for bit."""
+    offload = {**OFFLOAD, "optimizer_precision": "fp32_master"}
+    kw = {"max_grad_norm": 0.0, "offload": offload, "dtype": torch.bfloat16}
+    trainer, full_losses, full_weights = _train(OffloadTrainer, tmp_path / "full", **kw)
+    optimizer = trainer.optimizer.optimizer
+    state = optimizer.state[next(p for p in trainer.model.parameters())]
+    assert state["master"].dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
+    assert any("fp32 master weights and moments" in n for n in trainer.offload_report["notes"])
+    _train(OffloadTrainer, tmp_path / "first", save_strategy="steps", save_steps=2, **kw)
+    resumed, resumed_losses, resumed_weights = _train(
+        OffloadTrainer, tmp_path / "first", resume=str(tmp_path / "first" / "checkpoint-2"), **kw
+    )
+    state = resumed.optimizer.optimizer.state[next(p for p in resumed.model.parameters())]
+    assert state["master"].dtype == torch.float32
+    assert resumed_losses[-2:] == full_losses[2:]
+    assert_bitwise_equal(full_weights, resumed_weights, "weights after resuming")
+
+
+def test_optimizer_precision_is_checked():
+    from offloadkit.config import OffloadConfig
+
+    with pytest.raises(ConfigError, match="optimizer_precision='fp16' is not a precision"):
+        OffloadConfig(optimizer_offloading=True, optimizer_precision="fp16").validate()
+    with pytest.warns(UserWarning, match="optimizer_precision only applies with optimizer_offloading"):
+        OffloadConfig(optimizer_precision="fp32_master").validate()
 
 
 def test_an_optimizer_that_is_not_adamw_is_refused(tmp_path):

@@ -1,12 +1,13 @@
-"""BackwardAdamW on the GPU: bitwise equal to torch.optim.AdamW (single-tensor and the default
-foreach) on a bf16 and an fp32 Llama, moments in pinned host memory, and a peak that holds
+"""BackwardAdamW on the GPU: bitwise equal to torch.optim.AdamW with the same implementation
+(the default multi-tensor kernels, the single-tensor loop, the fused kernel) on a bf16 and an
+fp32 Llama, moments in pinned host memory, and a peak that holds
 neither the gradients nor the moments."""
 
 import pytest
 import torch
 
 from offloadkit.optim import BackwardAdamW
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch
+from offloadkit.testing import Fp32MasterAdamW, assert_bitwise_equal, build_llama, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("transformers")
@@ -18,13 +19,13 @@ def _params(model):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("foreach", [False, None])
-def test_updates_bitwise_equal_to_torch_adamw(dtype, foreach):
+@pytest.mark.parametrize("kernel", [{}, {"foreach": False}, {"fused": True}], ids=["default", "single", "fused"])
+def test_updates_bitwise_equal_to_torch_adamw(dtype, kernel):
     ref = build_llama("small", dtype=dtype, device=DEV)
     ours = build_llama("small", dtype=dtype, device=DEV)
     batch = make_batch(2048, 2, 256, device=DEV)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=foreach)
-    opt = BackwardAdamW(ours.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, **kernel)
+    opt = BackwardAdamW(ours.parameters(), lr=1e-3, **kernel)
     for step in range(3):
         ref(**batch).loss.backward()
         opt_ref.step()
@@ -35,6 +36,23 @@ def test_updates_bitwise_equal_to_torch_adamw(dtype, foreach):
         assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")
     state = opt.state[next(ours.parameters())]
     assert state["exp_avg"].is_pinned() and state["exp_avg"].dtype == dtype
+
+
+@pytest.mark.parametrize("kernel", [{}, {"fused": True}], ids=["default", "fused"])
+def test_fp32_master_weights_bitwise_equal_to_adamw_over_fp32_copies(kernel):
+    ref = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    batch = make_batch(2048, 2, 256, device=DEV)
+    opt_ref = Fp32MasterAdamW(ref, lr=1e-3, **kernel)
+    opt = BackwardAdamW(ours.parameters(), lr=1e-3, master_weights=True, **kernel)
+    for step in range(3):
+        ref(**batch).loss.backward()
+        opt_ref.step()
+        ours(**batch).loss.backward()
+        opt.step()
+        assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")
+    state = opt.state[next(ours.parameters())]
+    assert state["master"].is_pinned() and state["master"].dtype == torch.float32
 
 
 def test_peak_holds_neither_gradients_nor_moments():
