@@ -129,7 +129,13 @@ def build_report(trainer, losses: list, with_measure, elapsed: float, tokens_per
     opt_state = 0
     if trainer.optimizer is not None:
         for state in trainer.optimizer.state.values():
-            opt_state += _tensor_bytes(state.values())
+            opt_state += _tensor_bytes(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    # BackwardAdamW keeps its state in host memory and frees each gradient at its update.
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    state_on_host = bool(getattr(inner, "updates_in_backward", None) is not None)
+    gradients = _tensor_bytes(trainable)
+    if state_on_host and inner.updates_in_backward:
+        gradients = max((p.numel() * p.element_size() for p in trainable), default=0)
     steps = max(1, len(with_measure.step_times))
     acts = offload.get("activations") or {}
     disk = (offload.get("storage") or {}).get("disk") or {}
@@ -170,8 +176,9 @@ def build_report(trainer, losses: list, with_measure, elapsed: float, tokens_per
             "trainable_parameters_bytes": _tensor_bytes(trainable),
             "frozen_parameters_bytes": _tensor_bytes(p for p in params if not p.requires_grad),
             "frozen_parameters_streamed_from_host_bytes": streaming.get("streamed_bytes", 0),
-            "gradients_bytes": _tensor_bytes(trainable),
+            "gradients_bytes": gradients,  # held on the GPU at once
             "optimizer_state_bytes": opt_state,
+            "optimizer_state_in_host_memory": state_on_host,
         },
         "offload": offload,
         "notes": list(offload.get("notes", [])),
@@ -243,7 +250,8 @@ def format_report(report: dict) -> str:
     lines += [
         "  where the memory went:",
         f"    trainable parameters {_gib(mem['trainable_parameters_bytes'])} (+ gradients "
-        f"{_gib(mem['gradients_bytes'])}, optimizer state {_gib(mem['optimizer_state_bytes'])})",
+        f"{_gib(mem['gradients_bytes'])} at once, optimizer state {_gib(mem['optimizer_state_bytes'])}"
+        f"{' in host memory' if mem.get('optimizer_state_in_host_memory') else ''})",
         f"    frozen parameters    {_gib(mem['frozen_parameters_bytes'])}, of which "
         f"{_gib(mem['frozen_parameters_streamed_from_host_bytes'])} live in pinned host memory",
     ]

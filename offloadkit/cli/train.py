@@ -307,7 +307,7 @@ def _steps_planned(cfg: TrainConfig, blocks: int) -> int:
     return max(1, math.ceil(per_epoch * cfg.num_epochs))
 
 
-def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool) -> dict:
+def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool, sequences: int | None = None) -> dict:
     off = cfg.offload
     parts = []
     if off.gradient_checkpointing:
@@ -326,6 +326,8 @@ def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool) -> di
     shape = f"{cfg.batch_size} x {cfg.seq_len}"
     if cfg.gradient_accumulation_steps > 1:
         shape += f" x {cfg.gradient_accumulation_steps} accumulated"
+    if sequences is not None and sequences < cfg.batch_size * cfg.gradient_accumulation_steps:
+        shape += f", filled with the dataset's {sequences} sequences"
     return {
         "model": name,
         "fine_tune": f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "full fine-tune",
@@ -451,7 +453,16 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
             f"profile_step {cfg.profile_step} is past the run's {planned} steps; step {profile_step} "
             "is measured instead"
         )
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len * ranks.world
+    sequences_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * ranks.world
+    if len(dataset) < sequences_per_step:
+        # A step cannot be filled: each step trains the whole (small) dataset once.
+        notes.append(
+            f"the dataset has {len(dataset)} sequences of {cfg.seq_len} tokens, fewer than the {sequences_per_step} "
+            f"a step asks for (batch_size x gradient_accumulation_steps x processes): each step trains "
+            f"{len(dataset)}; give more text or lower batch_size"
+        )
+        sequences_per_step = len(dataset)
+    tokens_per_step = sequences_per_step * cfg.seq_len
 
     class OffloadTrainer(ActivationOffloadingMixin, Trainer):
         pass
@@ -504,7 +515,9 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
             f"the training loss is {value} at step {step}: training stopped and no model was saved; {hint}"
         )
 
-    report = build_report(trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda))
+    report = build_report(
+        trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda, sequences_per_step)
+    )
     report["profile_step"] = profile_step
     report["offload_summary"] = _effective_summary(cfg, report)
     report["notes"] = notes + report["notes"]

@@ -134,7 +134,7 @@ def test_arguments_are_checked():
 def test_fp32_master_weights_bitwise_equal_to_adamw_over_fp32_copies(kernel):
     ref, ours = _model(torch.bfloat16), _model(torch.bfloat16)
     ours.load_state_dict(ref.state_dict())
-    opt_ref = Fp32MasterAdamW(ref, lr=1e-2, weight_decay=0.1, **KERNELS[kernel])
+    opt_ref = Fp32MasterAdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, **KERNELS[kernel])
     opt = BackwardAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True, **KERNELS[kernel])
     batches = _batches(torch.bfloat16, 6)
     for step, batch in enumerate(batches[:3]):
@@ -145,7 +145,7 @@ def test_fp32_master_weights_bitwise_equal_to_adamw_over_fp32_copies(kernel):
         assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")
     state = opt.state[next(ours.parameters())]
     assert state["master"].dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
-    master = dict(zip([n for n, _ in ref.named_parameters()], opt_ref.master))
+    master = dict(zip([n for n, _ in ref.named_parameters()], opt_ref.param_groups[0]["params"]))
     ours_master = {n: opt.state[p]["master"] for n, p in ours.named_parameters()}
     assert_bitwise_equal({n: m.detach() for n, m in master.items()}, ours_master, "master weights")
     # A checkpoint keeps the fp32 state (PyTorch's loader would round it to bf16).

@@ -535,3 +535,15 @@ def test_fp16_loads_what_trains_in_fp32():
         == torch.float32
     )
     assert load_dtype(TrainConfig.from_dict({}, cuda=True), True) == torch.bfloat16
+
+
+def test_a_dataset_smaller_than_a_step_is_counted_as_trained(tmp_path):
+    """The shipped corpus holds 31 sequences of 2048 tokens: a batch of 64 cannot be filled,
+    so a step trains 31 sequences, and tokens per step (and tokens/s) say so."""
+    proc = _cli("train", _tiny(tmp_path, seq_len=2048, batch_size=64, max_steps=1), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    blocks = report["tokens_per_step"] // 2048
+    assert 0 < blocks < 64 and report["tokens_per_step"] == blocks * 2048
+    assert f"filled with the dataset's {blocks} sequences" in report["step_shape"]
+    assert any(f"the dataset has {blocks} sequences of 2048 tokens" in n for n in report["notes"])

@@ -44,10 +44,12 @@ def _args(tmp_path, **kw):
     return transformers.TrainingArguments(**base)
 
 
-def _train(cls, tmp_path, resume=None, offload=OFFLOAD, dtype=torch.float32, **kw):
+def _train(cls, tmp_path, resume=None, offload=OFFLOAD, dtype=torch.float32, optimizers_factory=None, **kw):
     torch.manual_seed(0)
     model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa", dtype=dtype)
     extra = {"offload_config": offload} if cls is OffloadTrainer else {}
+    if optimizers_factory is not None:
+        extra["optimizers"] = optimizers_factory(model)
     trainer = cls(
         model=model, args=_args(tmp_path, **kw), train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra
     )
@@ -104,6 +106,24 @@ def test_fp32_master_weights_through_the_trainer_resume_exactly(tmp_path):
     assert_bitwise_equal(full_weights, resumed_weights, "weights after resuming")
 
 
+def test_fp32_master_weights_through_the_trainer_equal_a_hand_written_mixed_precision_adamw(tmp_path):
+    """The Trainer with ``optimizer_precision: fp32_master`` on a bf16 model against the plain
+    Trainer driving AdamW over fp32 copies: the same losses and weights, bit for bit."""
+    from offloadkit.testing import Fp32MasterAdamW
+
+    offload = {**OFFLOAD, "optimizer_precision": "fp32_master"}
+    kw = {"max_grad_norm": 0.0, "dtype": torch.bfloat16, "weight_decay": 0.0}
+    _, losses, weights = _train(OffloadTrainer, tmp_path / "ours", offload=offload, **kw)
+    _, ref_losses, ref_weights = _train(
+        transformers.Trainer,
+        tmp_path / "ref",
+        optimizers_factory=lambda model: (Fp32MasterAdamW(model.parameters(), lr=3e-3, weight_decay=0.0), None),
+        **kw,
+    )
+    assert losses == ref_losses and len(losses) == 4
+    assert_bitwise_equal(ref_weights, weights, "weights after training")
+
+
 def test_optimizer_precision_is_checked():
     from offloadkit.config import OffloadConfig
 
@@ -140,3 +160,7 @@ def test_the_command_line_trains_with_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert any("replaced by BackwardAdamW" in n and "updated in backward" in n for n in report["notes"])
+    memory = report["memory"]
+    assert memory["optimizer_state_in_host_memory"] and memory["optimizer_state_bytes"] > 0
+    # Gradients are freed at each parameter's update: at most the largest one is held.
+    assert memory["gradients_bytes"] < memory["trainable_parameters_bytes"] / 2

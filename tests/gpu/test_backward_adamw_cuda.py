@@ -43,7 +43,7 @@ def test_fp32_master_weights_bitwise_equal_to_adamw_over_fp32_copies(kernel):
     ref = build_llama("small", dtype=torch.bfloat16, device=DEV)
     ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
     batch = make_batch(2048, 2, 256, device=DEV)
-    opt_ref = Fp32MasterAdamW(ref, lr=1e-3, **kernel)
+    opt_ref = Fp32MasterAdamW(ref.parameters(), lr=1e-3, **kernel)
     opt = BackwardAdamW(ours.parameters(), lr=1e-3, master_weights=True, **kernel)
     for step in range(3):
         ref(**batch).loss.backward()
@@ -82,3 +82,52 @@ def test_peak_holds_neither_gradients_nor_moments():
     # AdamW holds the gradients and two moments (3x the weights) at its step; in backward
     # only a parameter's own gradient and moments are on the GPU at a time.
     assert plain - ours >= 2 * weights, (plain, ours, weights)
+
+
+@pytest.mark.parametrize("chunked_loss", [False, True])
+def test_trainer_with_fp32_master_weights_and_offloading_matches_mixed_precision_adamw(tmp_path, chunked_loss):
+    """What ``offloadkit train`` runs for a full fine-tune (checkpointing, activation
+    offloading, optionally the chunked loss, BackwardAdamW with fp32 master weights) against
+    the same run whose optimizer is hand-written mixed-precision AdamW: losses and weights
+    bitwise, over steps whose updates build on each other."""
+    transformers = pytest.importorskip("transformers")
+    from offloadkit.data import BYTE_VOCAB_SIZE, TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    trainer_cls = type("T", (ActivationOffloadingMixin, transformers.Trainer), {})
+    common = {"gradient_checkpointing": True, "activation_offloading": True, "chunked_cross_entropy": chunked_loss}
+
+    def run(name, optimizer_offloading):
+        torch.manual_seed(0)
+        model = build_llama("small", vocab_size=BYTE_VOCAB_SIZE, dtype=torch.bfloat16, device=DEV)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=4,
+            max_steps=6,
+            learning_rate=1e-3,
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            seed=0,
+            remove_unused_columns=False,
+        )
+        extra = {}
+        config = dict(common)
+        if optimizer_offloading:
+            config.update(optimizer_offloading=True, optimizer_precision="fp32_master")
+        else:
+            extra["optimizers"] = (Fp32MasterAdamW(model.parameters(), lr=1e-3, weight_decay=0.0), None)
+        data = TokenBlocks(byte_tokenizer(), load_texts(), 256)
+        trainer = trainer_cls(model=model, args=args, train_dataset=data, offload_config=config, **extra)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, _params(model)
+
+    ref_losses, ref_weights = run("ref", optimizer_offloading=False)
+    losses, weights = run("ours", optimizer_offloading=True)
+    assert len(losses) == 6 and losses == ref_losses, (losses, ref_losses)
+    assert_bitwise_equal(ref_weights, weights, "weights after training")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On one GPU: full fine-tunes of the Llama-3-8B shape with BackwardAdamW through
+# `offloadkit train` (benchmarks/configs/full-ft-8b-16k.yaml, one sequence a step): pure bf16
+# at 16K for 20 steps, fp32 master weights and moments (optimizer_precision: fp32_master) at
+# 16K for 20 steps, pure bf16 at 64K for 3 steps (the shipped text repeated to fill 64K).
+# Each run's report (step times, peaks, host RAM) and log under $OUT. Longer than one command:
+# start it with setsid and collect $OUT later.
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -c "
+from offloadkit.data import load_texts
+open('/tmp/corpus-x6.txt', 'w').write(load_texts()[0] * 6)"
+run() {  # name, extra config lines
+  local name=$1; shift
+  local keys="output_dir"
+  for line in "$@"; do keys="$keys|${line%%:*}"; done
+  { grep -v -E "^($keys):" benchmarks/configs/full-ft-8b-16k.yaml; printf '%s\n' "$@"; echo "output_dir: /tmp/ft-$name"; } \
+    > "$OUT/$name.yaml"
+  /usr/bin/time -v python3 -m offloadkit train "$OUT/$name.yaml" --overwrite > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$?"
+  cp /tmp/ft-"$name"/report.json "$OUT/$name-report.json" 2>/dev/null
+  cp /tmp/ft-"$name"/report.md "$OUT/$name-report.md" 2>/dev/null
+  rm -rf /tmp/ft-"$name"
+  grep -E "training |peak GPU|Maximum resident|Error" "$OUT/$name.log" | tail -6
+}
+run bf16-16k
+run fp32-master-16k "optimizer_precision: fp32_master"
+run bf16-64k "seq_len: 65536" "max_steps: 3" "dataset: /tmp/corpus-x6.txt"
+echo "== all done"
