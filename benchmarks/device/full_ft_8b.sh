@@ -24,7 +24,8 @@ run() {  # name, extra config lines
   rm -rf /tmp/ft-"$name"
   grep -E "training |peak GPU|Maximum resident|Error" "$OUT/$name.log" | tail -6
 }
-run bf16-16k
-run fp32-master-16k "optimizer_precision: fp32_master"
-run bf16-64k "seq_len: 65536" "max_steps: 3" "dataset: /tmp/corpus-x6.txt"
+RUNS=${RUNS:-"bf16-16k fp32-master-16k bf16-64k"}  # a subset: RUNS="bf16-16k"
+[[ " $RUNS " == *" bf16-16k "* ]] && run bf16-16k
+[[ " $RUNS " == *" fp32-master-16k "* ]] && run fp32-master-16k "optimizer_precision: fp32_master"
+[[ " $RUNS " == *" bf16-64k "* ]] && run bf16-64k "seq_len: 65536" "max_steps: 3" "dataset: /tmp/corpus-x6.txt"
 echo "== all done"

@@ -2,7 +2,8 @@
 with its moments kept in (pinned) host memory.
 
 Two things leave the GPU: the optimizer state (two moments per parameter, 4 or 8 bytes each
-in fp32) lives on the host and visits the GPU only for its parameter's update, and no
+in fp32) lives on the host and visits the GPU only for its parameter's update (in and out on
+the copy streams, fetched ahead in the order of the last pass: :mod:`.state_copies`), and no
 gradient outlives its update, so the model never holds a full set of gradients. For a full
 fine-tune that is what a GPU holds beyond the weights: an 8B model in bf16 needs 16 GB of
 gradients and 32-64 GB of AdamW state.
@@ -40,6 +41,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
+from offloadkit.optim.state_copies import StateCopies
+
 __all__ = ["BackwardAdamW"]
 
 
@@ -60,6 +63,8 @@ class BackwardAdamW(Optimizer):
             parameters, the single-tensor loop for CPU ones (PyTorch's default).
         master_weights: keep an fp32 master copy and fp32 moments of every bf16/fp16
             parameter (fp32 parameters need none).
+        copy_window_bytes: GPU memory for the state of CUDA parameters fetched ahead, and
+            for the state still being copied back, each (at least one parameter's).
 
     Raises:
         ValueError: a negative ``lr``, a non-positive ``max_grad_norm``, or both ``foreach``
@@ -86,6 +91,7 @@ class BackwardAdamW(Optimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
         master_weights: bool = False,
+        copy_window_bytes: int = 1 << 30,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is invalid; it must be >= 0")
@@ -108,6 +114,7 @@ class BackwardAdamW(Optimizer):
         self.update_when = update_when
         self.defer_to_step = defer_to_step
         self._accumulating = False
+        self._copies = StateCopies(self._travelling, copy_window_bytes)
         self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -148,28 +155,34 @@ class BackwardAdamW(Optimizer):
     def _keeps_master(p: torch.Tensor, group: dict) -> bool:
         return bool(group["master_weights"]) and p.dtype in (torch.bfloat16, torch.float16)
 
+    def _travelling(self, p: torch.Tensor):
+        """``p``'s host state and the keys of its tensors that visit the GPU (None: no state)."""
+        state = self.state.get(p)
+        if not state:
+            return None
+        return state, tuple(k for k in ("exp_avg", "exp_avg_sq", "master") if k in state)
+
     @torch.no_grad()
     def _update(self, p: torch.Tensor) -> None:
         group = self._group(p)
         state = self._host_state(p)
-        # To the device on the current stream; the copies back below are queued on the same
-        # stream, so the next update's read of the host state is ordered after them.
-        exp_avg = state["exp_avg"].to(p.device, non_blocking=True)
-        exp_avg_sq = state["exp_avg_sq"].to(p.device, non_blocking=True)
         master = "master" in state
-        if master:
-            weight = state["master"].to(p.device, non_blocking=True)
-            grad = p.grad.float()
+        if p.is_cuda:
+            # In on the copy stream (fetched ahead when the order is known), updated here,
+            # back on the other copy stream while backward goes on.
+            local = self._copies.fetch(p)
         else:
-            weight, grad = p, p.grad
+            local = {k: state[k] for k in ("exp_avg", "exp_avg_sq", "master") if k in state}
+        weight = local["master"] if master else p
+        grad = p.grad.float() if master else p.grad
         beta1, beta2 = group["betas"]
         fused = group["fused"]
         foreach = group["foreach"] if group["foreach"] is not None else p.is_cuda and not fused
         adamw(
             [weight],
             [grad],
-            [exp_avg],
-            [exp_avg_sq],
+            [local["exp_avg"]],
+            [local["exp_avg_sq"]],
             [],
             [state["step"]],
             foreach=foreach,
@@ -186,11 +199,8 @@ class BackwardAdamW(Optimizer):
         )
         if master:
             p.copy_(weight)  # rounded to the parameter's dtype
-            if weight is not state["master"]:
-                state["master"].copy_(weight, non_blocking=True)
-        if exp_avg is not state["exp_avg"]:
-            state["exp_avg"].copy_(exp_avg, non_blocking=True)
-            state["exp_avg_sq"].copy_(exp_avg_sq, non_blocking=True)
+        if p.is_cuda:
+            self._copies.store(p, local)
         p.grad = None  # its memory goes back now, not at zero_grad()
 
     @property
@@ -228,18 +238,22 @@ class BackwardAdamW(Optimizer):
             torch.nn.utils.clip_grad_norm_(waiting, self.max_grad_norm)
         for p in waiting:
             self._update(p)
+        self._copies.end_pass()
         return loss
 
     def _synchronize(self) -> None:
-        """Host reads of the state wait for its copies back from the device."""
+        """Host reads and writes of the state wait for its copies to and from the device."""
         if any(p.is_cuda for g in self.param_groups for p in g["params"]):
             torch.cuda.synchronize()
+        self._copies.wait_all()
 
     def state_dict(self):
         self._synchronize()
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        self._synchronize()  # no copy may still write the state being replaced
+        self._copies.drop_ahead()
         # PyTorch casts loaded state to its parameter's dtype: fp32 master copies and moments
         # of a bf16 parameter are taken back from the saved tensors after it.
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]

@@ -134,3 +134,33 @@ def test_trainer_with_fp32_master_weights_and_offloading_matches_mixed_precision
     losses, weights = run("ours", optimizer_offloading=True)
     assert len(losses) == 6 and losses == ref_losses, (losses, ref_losses)
     assert_bitwise_equal(ref_weights, weights, "weights after training")
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["bf16", "fp32_master"])
+@pytest.mark.parametrize("window", [1 << 30, 1], ids=["window", "one-at-a-time"])
+def test_state_copies_delayed_on_both_streams_stay_bitwise(master, window):
+    """Every state copy (in on the host->device stream, fetched ahead from the second step
+    on; back on the device->host stream) delayed by milliseconds, with compute that does
+    not wait for anything it need not: the parameters stay bitwise those of the reference,
+    so no update reads state that has not landed and no fetch reads state not yet written
+    back. A one-byte window exercises the host waiting for copies back."""
+    from offloadkit.testing import slow_copies
+
+    ref = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    batch = make_batch(2048, 2, 128, device=DEV)
+    opt_ref = Fp32MasterAdamW(ref.parameters(), lr=1e-3) if master else torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = BackwardAdamW(ours.parameters(), lr=1e-3, master_weights=master, copy_window_bytes=window)
+    with slow_copies(2_000_000):
+        for step in range(4):
+            ref(**batch).loss.backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+            ours(**batch).loss.backward()
+            opt.step()
+            assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")
+    assert len(opt._copies._order) == len(list(ours.parameters()))  # the order was learned
+    saved = opt.state_dict()  # waits for the copies back: the host state is final
+    key = "master" if master else "exp_avg"
+    first = next(ours.parameters())
+    assert saved["state"][0][key].data_ptr() == opt.state[first][key].data_ptr()

@@ -1,0 +1,162 @@
+"""Optimizer state between pinned host memory and the GPU, on the process's copy streams.
+
+A parameter's state (moments, fp32 master copy) comes to the GPU on the host->device stream,
+is updated on the compute stream, and goes back on the device->host stream while backward goes
+on. The order in which parameters were updated in the last pass is remembered, so that while
+one parameter is updated the state of the next ones is already on its way in. Every copy goes
+through :func:`offloadkit.transfer.queue_copy`, in the same two queues as the activations'.
+
+GPU memory: the states fetched ahead and those still being copied back are bounded by
+``window_bytes`` each; past it the host waits for the oldest copy back (the GPU keeps running
+the work already queued).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import torch
+
+from offloadkit.storage.pool import HostBlock
+from offloadkit.transfer import copy_stream, queue_copy
+
+__all__ = ["StateCopies"]
+
+# (host state of a parameter, the keys that travel); None when it has none yet
+Lookup = Callable[[torch.Tensor], "tuple[dict, tuple[str, ...]] | None"]
+
+
+class StateCopies:
+    """Fetch, prefetch and write back the host-resident state of CUDA parameters.
+
+    Args:
+        lookup: ``lookup(p)`` returns ``(state, keys)``: the parameter's state dict and the
+            keys of its host tensors that travel, or None when it has no state yet.
+        window_bytes: GPU bytes of state fetched ahead, and of state still being copied
+            back, each at most (at least one parameter's).
+    """
+
+    def __init__(self, lookup: Lookup, window_bytes: int) -> None:
+        self.lookup = lookup
+        self.window_bytes = window_bytes
+        self._order: list[torch.Tensor] = []  # the last pass's update order
+        self._position: dict[int, int] = {}
+        self._seen: list[torch.Tensor] = []  # this pass's, so far
+        self._seen_ids: set[int] = set()
+        self._ahead: dict[int, tuple[dict[str, torch.Tensor], torch.cuda.Event, int]] = {}
+        self._ahead_bytes = 0
+        self._back: collections.deque = collections.deque()  # (event, bytes) of copies back
+        self._back_bytes = 0
+        self._blocks: dict[tuple[int, str], HostBlock] = {}
+
+    # -- host blocks ----------------------------------------------------------------------
+    def _block(self, p: torch.Tensor, key: str, host: torch.Tensor) -> HostBlock:
+        """The block that remembers which copies still touch ``host`` (kept across steps: a
+        fetch must follow the last step's copy back of the same bytes)."""
+        block = self._blocks.get((id(p), key))
+        if block is None or block.buffer.data_ptr() != host.data_ptr():
+            flat = host.view(-1).view(torch.uint8)
+            block = self._blocks[(id(p), key)] = HostBlock(flat, flat.numel(), host.is_pinned())
+        return block
+
+    # -- in -----------------------------------------------------------------------------
+    def _queue_in(self, p: torch.Tensor, state: dict, keys: tuple[str, ...]):
+        h2d = copy_stream(p.device, "h2d")
+        # Allocated on the copy stream: its memory is free there, and the compute stream
+        # marks its own use below (record_stream) before the tensors are released.
+        with torch.cuda.stream(h2d):
+            gpu = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=p.device) for k in keys}
+        done = None
+        for k in keys:
+            done = queue_copy(gpu[k], state[k], stream=h2d, block=self._block(p, k, state[k]), after=None)
+        return gpu, done, sum(t.nbytes for t in gpu.values())
+
+    def fetch(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The GPU copies of ``p``'s travelling state, usable on the current stream; the
+        states that come next in the learned order are queued to follow.
+
+        Returns:
+            key -> device tensor.
+        """
+        found = self.lookup(p)
+        assert found is not None, "fetch() of a parameter without state"
+        state, keys = found
+        got = self._ahead.pop(id(p), None)
+        if got is not None:
+            self._ahead_bytes -= got[2]
+        else:
+            got = self._queue_in(p, state, keys)
+        gpu, done, _ = got
+        compute = torch.cuda.current_stream(p.device)
+        compute.wait_event(done)  # the update reads what the copy wrote
+        for t in gpu.values():
+            t.record_stream(compute)  # allocated on the copy stream, used on this one
+        if id(p) in self._seen_ids:
+            self.end_pass()  # a parameter updated again: a new pass began without step()
+        self._seen.append(p)
+        self._seen_ids.add(id(p))
+        self._prefetch_after(p)
+        return gpu
+
+    def _prefetch_after(self, p: torch.Tensor) -> None:
+        at = self._position.get(id(p))
+        if at is None:
+            return
+        for q in self._order[at + 1 :]:
+            if self._ahead_bytes >= self.window_bytes:
+                return
+            if id(q) in self._ahead:
+                continue
+            found = self.lookup(q)
+            if found is None:
+                return
+            got = self._queue_in(q, *found)
+            self._ahead[id(q)] = got
+            self._ahead_bytes += got[2]
+
+    # -- out ----------------------------------------------------------------------------
+    def store(self, p: torch.Tensor, gpu: dict[str, torch.Tensor]) -> None:
+        """Queue the copies of ``gpu`` back into ``p``'s host state, after the update queued
+        on the current stream."""
+        found = self.lookup(p)
+        assert found is not None
+        state, _ = found
+        compute = torch.cuda.current_stream(p.device)
+        d2h = copy_stream(p.device, "d2h")
+        updated = compute.record_event()  # the copies back read what the update wrote
+        done = None
+        for key, t in gpu.items():
+            t.record_stream(d2h)  # released by the caller; the copy back still reads it
+            done = queue_copy(state[key], t, stream=d2h, block=self._block(p, key, state[key]), after=updated)
+        nbytes = sum(t.nbytes for t in gpu.values())
+        self._back.append((done, nbytes))
+        self._back_bytes += nbytes
+        # Backpressure: state waiting to go back holds GPU memory until its copy is done.
+        while self._back_bytes > self.window_bytes and len(self._back) > 1:
+            event, size = self._back.popleft()
+            event.synchronize()
+            self._back_bytes -= size
+
+    # -- passes -------------------------------------------------------------------------
+    def end_pass(self) -> None:
+        """The updates of one optimizer step are done: remember their order, and release
+        what was fetched for parameters that were not updated."""
+        if self._seen:
+            self._order = self._seen
+            self._position = {id(q): i for i, q in enumerate(self._order)}
+        self._seen = []
+        self._seen_ids = set()
+        self.drop_ahead()
+
+    def drop_ahead(self) -> None:
+        """Forget the states fetched ahead (the host state changed, or they were not used)."""
+        self._ahead.clear()
+        self._ahead_bytes = 0
+
+    def wait_all(self) -> None:
+        """Block the host until every copy back has landed (before the host reads the state)."""
+        while self._back:
+            event, _ = self._back.popleft()
+            event.synchronize()
+        self._back_bytes = 0
