@@ -196,6 +196,7 @@ def plan_for(model: nn.Module, config: OffloadConfig, seq_len: int | None = None
         budgets=budgets,
         dtype_bytes=dtype_bytes,
         stream_depth=config.layer_offloading_depth,
+        optimizer_precision=config.optimizer_precision,
     )
 
 

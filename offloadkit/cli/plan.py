@@ -27,6 +27,12 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-rank", type=int, default=16, help="LoRA rank on every linear layer; 0: full fine-tune (default 16)"
     )
+    p.add_argument(
+        "--optimizer-precision",
+        choices=("params", "fp32_master"),
+        default="params",
+        help="a full fine-tune's AdamW state: moments in the weights' dtype, or fp32 master weights and moments",
+    )
     p.add_argument("--layers", type=int, default=None, help="override the depth (same layer shape)")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU budget (default: this GPU's memory less 1 GiB)")
     p.add_argument(
@@ -61,12 +67,19 @@ def run_plan(args, log=print) -> int:
     if args.measure:
         budgets = budgets.measure(disk_dir=args.disk_dir)
     model = args.model or args.shape
-    p = plan(model, args.seq_len, batch=args.batch, lora_rank=args.lora_rank, budgets=budgets, layers=args.layers)
+    common = {
+        "batch": args.batch,
+        "lora_rank": args.lora_rank,
+        "budgets": budgets,
+        "layers": args.layers,
+        "optimizer_precision": args.optimizer_precision,
+    }
+    p = plan(model, args.seq_len, **common)
     log(p.table())
     log("")
     log("budgets: " + ", ".join(f"{k}: {v}" for k, v in budgets.source.items()))
     log("config keys: " + ", ".join(f"{k}={v}" for k, v in p.to_config().items()))
     if not args.no_search:
-        cap = longest_sequence(model, batch=args.batch, lora_rank=args.lora_rank, budgets=budgets, layers=args.layers)
+        cap = longest_sequence(model, **common)
         log(cap.summary())
     return 0 if p.fits else 1

@@ -16,11 +16,13 @@ __all__ = ["backward_adamw_for"]
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 
 
-def backward_adamw_for(trainer: Any) -> tuple[BackwardAdamW, str]:
+def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW, str]:
     """A :class:`BackwardAdamW` set up as ``trainer`` would set up its AdamW.
 
     Args:
         trainer: a ``transformers.Trainer`` (its model, arguments and accelerator are read).
+        config: the :class:`~offloadkit.config.OffloadConfig` in effect (default: the
+            trainer's ``offload_config``).
 
     Returns:
         ``(optimizer, note)``: the note says what replaced what, and when updates happen.
@@ -42,25 +44,32 @@ def backward_adamw_for(trainer: Any) -> tuple[BackwardAdamW, str]:
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
     clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
+    # fp16's loss scaler unscales the gradients and skips steps with inf/nan at step(): an
+    # update in backward would apply scaled gradients and bypass that check.
+    scaled = bool(getattr(args, "fp16", False))
     accelerator = trainer.accelerator
     optimizer = BackwardAdamW(
         groups,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
-        # The Trainer clips between backward and step(): updates then wait for step().
-        defer_to_step=clipping,
+        # The Trainer clips (and the fp16 scaler unscales) between backward and step():
+        # updates then wait for step().
+        defer_to_step=clipping or scaled,
         update_when=lambda: accelerator.sync_gradients,
         # The kernel the Trainer's own AdamW would run, so the updates are bitwise its own.
         fused=optim == "adamw_torch_fused",
-        master_weights=trainer.offload_config.optimizer_precision == "fp32_master",
+        master_weights=(config or trainer.offload_config).optimizer_precision == "fp32_master",
     )
-    when = (
-        f"updates at step(), after the Trainer's clipping (max_grad_norm={args.max_grad_norm}; 0 updates in "
-        "backward and frees each gradient at once)"
-        if clipping
-        else "each parameter updated in backward"
-    )
+    if scaled:
+        when = "updates at step(), after the fp16 loss scaler unscales the gradients and checks them for inf/nan"
+    elif clipping:
+        when = (
+            f"updates at step(), after the Trainer's clipping (max_grad_norm={args.max_grad_norm}; 0 updates in "
+            "backward and frees each gradient at once)"
+        )
+    else:
+        when = "each parameter updated in backward"
     state = (
         "fp32 master weights and moments"
         if optimizer.defaults["master_weights"]

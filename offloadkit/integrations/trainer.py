@@ -217,11 +217,13 @@ class _OffloadingTrainerMixin:
         self._checkpointing_active = active
 
     def create_optimizer(self, *args, **kwargs):
-        if not self.offload_config.optimizer_offloading or getattr(self, "optimizer", None) is not None:
+        # The config in effect: offload_plan: auto may have chosen optimizer offloading.
+        config = self.offload_runtime.config if self.offload_runtime is not None else self.offload_config
+        if not config.optimizer_offloading or getattr(self, "optimizer", None) is not None:
             return super().create_optimizer(*args, **kwargs)
         from offloadkit.integrations.optimizer import backward_adamw_for
 
-        self.optimizer, note = backward_adamw_for(self)
+        self.optimizer, note = backward_adamw_for(self, config)
         self.offload_notes.append(note)
         warnings.warn(f"offloadkit: {note}", UserWarning, stacklevel=2)
         return self.optimizer

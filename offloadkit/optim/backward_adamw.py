@@ -29,7 +29,9 @@ Gradient clipping by global norm needs every gradient before any update: with
 until the end of backward, as without this optimizer), which clips exactly as
 ``torch.nn.utils.clip_grad_norm_`` and then updates parameter by parameter. Gradient
 accumulation: inside ``with optimizer.accumulating():`` backward only accumulates; the
-update happens in the backward after it (or at :meth:`step` when deferred).
+update happens in the backward after it (or at :meth:`step` when deferred). With a loss
+scaler (fp16), pass ``defer_to_step=True`` and call ``scaler.step(optimizer)``: an update in
+backward would apply scaled gradients and skip the scaler's inf/nan check.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class BackwardAdamW(Optimizer):
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=False,
+            has_complex=torch.is_complex(p),
         )
         if master:
             p.copy_(weight)  # rounded to the parameter's dtype
@@ -252,30 +255,37 @@ class BackwardAdamW(Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        """Load a checkpoint's state straight into host memory.
+
+        PyTorch's loader would first move every state tensor next to its parameter (the whole
+        state on the GPU at once) and round fp32 master state to the parameter's dtype; here
+        the groups go through it and the state is placed by hand.
+        """
         self._synchronize()  # no copy may still write the state being replaced
-        self._copies.drop_ahead()
-        # PyTorch casts loaded state to its parameter's dtype: fp32 master copies and moments
-        # of a bf16 parameter are taken back from the saved tensors after it.
+        self._copies.reset()
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         ours = [p for g in self.param_groups for p in g["params"]]
-        wide = {
-            id(p): state_dict["state"][i] for i, p in zip(saved_ids, ours) if "master" in state_dict["state"].get(i, {})
-        }
-        super().load_state_dict(state_dict)
-        for p, state in self.state.items():
-            for key in ("exp_avg", "exp_avg_sq", "master"):
-                if key not in state:
-                    continue
-                value = wide[id(p)][key] if id(p) in wide else state[key]
-                # PyTorch moves loaded state next to its parameter; this optimizer keeps it
-                # on the host, page-locked for CUDA parameters (asynchronous copies).
-                pin = self.pin_memory and p.is_cuda
-                if value.device.type != "cpu" or (pin and not value.is_pinned()):
-                    value = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin).copy_(value)
-                state[key] = value
-            if "step" in state:
-                where = p.device if self._group(p)["fused"] else "cpu"
-                state["step"] = state["step"].detach().to(where, torch.float32)
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)  # a torch.optim.AdamW checkpoint lacks ours
+        for i, p in zip(saved_ids, ours):
+            saved = state_dict["state"].get(i)
+            if not saved:
+                continue
+            wide = "master" in saved  # fp32 master state keeps fp32 moments
+            pin = self.pin_memory and p.is_cuda
+            entry = {}
+            for key, value in saved.items():
+                if key == "step":
+                    where = p.device if self._group(p)["fused"] else "cpu"
+                    entry[key] = torch.as_tensor(value).detach().to(where, torch.float32)
+                elif isinstance(value, torch.Tensor):
+                    dtype = value.dtype if wide else p.dtype
+                    entry[key] = torch.empty(value.shape, dtype=dtype, pin_memory=pin).copy_(value)
+                else:
+                    entry[key] = value
+            self.state[p] = entry
 
     def remove(self) -> None:
         """Detach the backward hooks (the optimizer then updates only in :meth:`step`)."""

@@ -8,12 +8,18 @@ through :func:`offloadkit.transfer.queue_copy`, in the same two queues as the ac
 
 GPU memory: the states fetched ahead and those still being copied back are bounded by
 ``window_bytes`` each; past it the host waits for the oldest copy back (the GPU keeps running
-the work already queued).
+the work already queued). The buffers are allocated on the host->device stream, so the
+allocator keeps about two windows in that stream's pool.
+
+Parameters on several GPUs are updated from one autograd thread per device: every method
+holds one lock, and a parameter between its fetch and its store is never fetched ahead (its
+host bytes are about to be rewritten).
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Callable
 
 import torch
@@ -49,6 +55,8 @@ class StateCopies:
         self._back: collections.deque = collections.deque()  # (event, bytes) of copies back
         self._back_bytes = 0
         self._blocks: dict[tuple[int, str], HostBlock] = {}
+        self._updating: set[int] = set()  # fetched, not yet stored
+        self._lock = threading.RLock()
 
     # -- host blocks ----------------------------------------------------------------------
     def _block(self, p: torch.Tensor, key: str, host: torch.Tensor) -> HostBlock:
@@ -79,9 +87,15 @@ class StateCopies:
         Returns:
             key -> device tensor.
         """
+        with self._lock:
+            return self._fetch(p)
+
+    def _fetch(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         found = self.lookup(p)
         assert found is not None, "fetch() of a parameter without state"
         state, keys = found
+        if id(p) in self._seen_ids:
+            self.end_pass()  # a parameter updated again: a new pass began without step()
         got = self._ahead.pop(id(p), None)
         if got is not None:
             self._ahead_bytes -= got[2]
@@ -92,8 +106,7 @@ class StateCopies:
         compute.wait_event(done)  # the update reads what the copy wrote
         for t in gpu.values():
             t.record_stream(compute)  # allocated on the copy stream, used on this one
-        if id(p) in self._seen_ids:
-            self.end_pass()  # a parameter updated again: a new pass began without step()
+        self._updating.add(id(p))
         self._seen.append(p)
         self._seen_ids.add(id(p))
         self._prefetch_after(p)
@@ -106,11 +119,11 @@ class StateCopies:
         for q in self._order[at + 1 :]:
             if self._ahead_bytes >= self.window_bytes:
                 return
-            if id(q) in self._ahead:
+            if id(q) in self._ahead or id(q) in self._updating:
                 continue
             found = self.lookup(q)
             if found is None:
-                return
+                continue  # no state yet (its first update creates it)
             got = self._queue_in(q, *found)
             self._ahead[id(q)] = got
             self._ahead_bytes += got[2]
@@ -119,6 +132,10 @@ class StateCopies:
     def store(self, p: torch.Tensor, gpu: dict[str, torch.Tensor]) -> None:
         """Queue the copies of ``gpu`` back into ``p``'s host state, after the update queued
         on the current stream."""
+        with self._lock:
+            self._store(p, gpu)
+
+    def _store(self, p: torch.Tensor, gpu: dict[str, torch.Tensor]) -> None:
         found = self.lookup(p)
         assert found is not None
         state, _ = found
@@ -129,6 +146,7 @@ class StateCopies:
         for key, t in gpu.items():
             t.record_stream(d2h)  # released by the caller; the copy back still reads it
             done = queue_copy(state[key], t, stream=d2h, block=self._block(p, key, state[key]), after=updated)
+        self._updating.discard(id(p))
         nbytes = sum(t.nbytes for t in gpu.values())
         self._back.append((done, nbytes))
         self._back_bytes += nbytes
@@ -142,21 +160,33 @@ class StateCopies:
     def end_pass(self) -> None:
         """The updates of one optimizer step are done: remember their order, and release
         what was fetched for parameters that were not updated."""
+        with self._lock:
+            self._end_pass()
+
+    def _end_pass(self) -> None:
         if self._seen:
             self._order = self._seen
             self._position = {id(q): i for i, q in enumerate(self._order)}
         self._seen = []
         self._seen_ids = set()
-        self.drop_ahead()
-
-    def drop_ahead(self) -> None:
-        """Forget the states fetched ahead (the host state changed, or they were not used)."""
         self._ahead.clear()
         self._ahead_bytes = 0
 
+    def reset(self) -> None:
+        """Forget everything tied to the current host state (it is being replaced): states
+        fetched ahead, the host blocks (they hold the old tensors), the learned order."""
+        with self._lock:
+            self.wait_all()
+            self._ahead.clear()
+            self._ahead_bytes = 0
+            self._blocks.clear()
+            self._updating.clear()
+            self._order, self._position, self._seen, self._seen_ids = [], {}, [], set()
+
     def wait_all(self) -> None:
         """Block the host until every copy back has landed (before the host reads the state)."""
-        while self._back:
-            event, _ = self._back.popleft()
-            event.synchronize()
-        self._back_bytes = 0
+        with self._lock:
+            while self._back:
+                event, _ = self._back.popleft()
+                event.synchronize()
+            self._back_bytes = 0

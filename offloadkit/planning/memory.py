@@ -87,6 +87,8 @@ class Workload:
         lora_rank: 0 for a full fine-tune.
         dtype_bytes: bytes per weight and activation element (2 for bf16).
         adapter_bytes: bytes per LoRA parameter (PEFT keeps adapters in fp32 by default).
+        optimizer_precision: a full fine-tune's AdamW state: "params" (two moments in the
+            weights' dtype) or "fp32_master" (fp32 master weights and moments: 12 bytes).
     """
 
     shape: ModelShape
@@ -95,6 +97,12 @@ class Workload:
     lora_rank: int = 16
     dtype_bytes: int = 2
     adapter_bytes: int = 4
+    optimizer_precision: str = "params"
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """AdamW state per trained parameter of a full fine-tune."""
+        return 12 if self.optimizer_precision == "fp32_master" else 2 * self.dtype_bytes
 
     @property
     def tokens(self) -> int:
@@ -124,6 +132,10 @@ class Features:
             only their bf16 inputs).
         horizon: offloaded block inputs brought back ahead in backward (None: the engine's
             default, 2 from RAM and 4 from disk).
+        optimizer_offloading: a full fine-tune's AdamW state in host memory, each parameter
+            updated in backward (BackwardAdamW): no gradients or state held on the GPU beyond
+            one parameter's and the copy window.
+        copy_window_bytes: GPU bytes of optimizer state in flight, each way.
     """
 
     checkpointing: bool = True
@@ -136,6 +148,8 @@ class Features:
     mlp_shards: int = 1
     tiled_projections: bool = False
     horizon: int | None = None
+    optimizer_offloading: bool = False
+    copy_window_bytes: int = 1 << 30
 
 
 @dataclass
@@ -280,8 +294,15 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         parts["weights"] = s.params * b
     if w.lora_rank:
         parts["trainable state"] = s.lora_params(w.lora_rank) * w.adapter_bytes * 4  # param, grad, AdamW m and v
+    elif f.optimizer_offloading:
+        # One parameter's gradient (widened to fp32 with master weights) and the state in
+        # flight: fetched ahead and on its way back, a window each.
+        largest = max(max(a * c for a, c in s.linears), s.embed_params, s.head_params)
+        grad = largest * (b + 4 if w.optimizer_precision == "fp32_master" else b)
+        in_flight = 2 * min(f.copy_window_bytes, s.params * w.optimizer_state_bytes) + largest * w.optimizer_state_bytes
+        parts["trainable state"] = grad + in_flight
     else:
-        parts["trainable state"] = s.params * b * 3  # grad, AdamW m and v in the weights' dtype
+        parts["trainable state"] = s.params * (b + w.optimizer_state_bytes)  # gradients and AdamW state
     placement = _placement(w, f)
     block = w.block_input_bytes
     if f.checkpointing:
@@ -324,6 +345,8 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     host = HOST_BASELINE_BYTES + placement.count("ram") * block + disk_staging_bytes(w, f, placement)
     if f.layer_streaming and w.lora_rank:
         host += s.layers * s.layer_params * b  # pinned host copies of the frozen layers
+    if f.optimizer_offloading and not w.lora_rank:
+        host += s.params * w.optimizer_state_bytes  # pinned AdamW state
     disk = placement.count("disk") * block
     return MemoryEstimate(
         gpu_peak=gpu_peak,

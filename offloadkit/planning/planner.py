@@ -107,7 +107,10 @@ class Plan:
             "tiled_mlp_num_shards": f.mlp_shards if f.mlp_shards > 1 else None,
             "disk_tiering": False,
             "tiled_projections": f.tiled_projections and f.mlp_shards > 1,
+            "optimizer_offloading": f.optimizer_offloading,
         }
+        if f.optimizer_offloading:
+            out["optimizer_precision"] = self.workload.optimizer_precision
         if f.offload_inputs and f.horizon is not None:
             out["activation_loading_horizon"] = f.horizon
         if f.offload_inputs and f.gpu_blocks:
@@ -144,7 +147,13 @@ class Plan:
             f"MLP: {str(f.mlp_shards) + ' shards' if f.mlp_shards > 1 else 'untiled'}"
             f"{' (norms and attention projections too)' if f.tiled_projections else ''};  "
             f"{'prefetch horizon: ' + str(f.horizon) + ';  ' if f.offload_inputs and f.horizon is not None else ''}"
-            f"layer streaming: {'on, depth ' + str(f.stream_depth) if f.layer_streaming else 'off'}",
+            f"layer streaming: {'on, depth ' + str(f.stream_depth) if f.layer_streaming else 'off'}"
+            + (
+                ""
+                if w.lora_rank
+                else f";  AdamW state ({w.optimizer_precision}, {w.optimizer_state_bytes} bytes a parameter): "
+                + ("host memory, updated in backward" if f.optimizer_offloading else "GPU")
+            ),
             "",
             "| | predicted | budget |",
             "|---|---|---|",
@@ -190,17 +199,25 @@ def _check(w: Workload, m: MemoryEstimate, b: Budgets) -> list[str]:
 
 
 def _streamed_host_bytes(w: Workload, f: Features) -> int:
+    """Host RAM of the streamed frozen layers (they share the engine's host budget)."""
     if f.layer_streaming and w.lora_rank:
         return w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
     return 0
+
+
+def _held_host_bytes(w: Workload, f: Features) -> int:
+    """Host RAM held beside the block inputs: the streamed layers, and a full fine-tune's
+    AdamW state in host memory (the optimizer's own, outside the engine's budget)."""
+    state = w.shape.params * w.optimizer_state_bytes if f.optimizer_offloading and not w.lora_rank else 0
+    return _streamed_host_bytes(w, f) + state
 
 
 def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     """Block inputs the host budget holds beside the streamed weights; when the rest spill to
     disk, also beside the disk tier's staging buffers and the room the tiered tier keeps free
     (what the engine does with the cap :meth:`Plan.host_budget_bytes` gives it)."""
-    streamed = _streamed_host_bytes(w, f)
-    room = b.host_bytes - streamed
+    streamed, state = _streamed_host_bytes(w, f), _held_host_bytes(w, f) - _streamed_host_bytes(w, f)
+    room = b.host_bytes - streamed - state
     per = size_class(w.block_input_bytes)
     if room // per >= w.shape.layers - 1 - f.gpu_blocks:
         return max(0, room // per)  # nothing spills: no staging, no demotion
@@ -209,7 +226,7 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     n = max(0, (room - staging) // per)
     # The cap (:meth:`Plan.host_budget_bytes`) covers the streamed weights too, and so does
     # the room the tiered tier keeps free under it.
-    while n and n * per + streamed + tiered_reserve_bytes(n * per + streamed) + staging > b.host_bytes:
+    while n and n * per + streamed + tiered_reserve_bytes(n * per + streamed) + staging + state > b.host_bytes:
         n -= 1
     return n
 
@@ -231,6 +248,10 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, F
         ("checkpointing", base),
         ("checkpointing + block-input offload", replace(offload, ram_blocks=_ram_blocks(w, offload, b))),
     ]
+    if not w.lora_rank:
+        # A full fine-tune's AdamW state (and gradients) in host memory, updated in backward.
+        for name, f in list(out):
+            out.append((name + " + optimizer state in host memory", replace(f, optimizer_offloading=True)))
     if w.lora_rank:
         streamed = replace(offload, layer_streaming=True)
         out.append(
@@ -274,13 +295,23 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, F
     return out
 
 
-def _workload(model, seq_len: int, batch: int, lora_rank: int, layers: int | None, dtype_bytes: int) -> Workload:
+def _workload(
+    model,
+    seq_len: int,
+    batch: int,
+    lora_rank: int,
+    layers: int | None,
+    dtype_bytes: int,
+    optimizer_precision: str = "params",
+) -> Workload:
+    if optimizer_precision not in ("params", "fp32_master"):
+        raise ValueError(f"optimizer_precision={optimizer_precision!r} must be params or fp32_master")
     if seq_len < 1 or batch < 1:
         raise ValueError(f"seq_len={seq_len!r} and batch={batch!r} must be >= 1")
     if lora_rank < 0:
         raise ValueError(f"lora_rank={lora_rank!r} must be >= 0 (0: full fine-tune)")
     shape = model if isinstance(model, ModelShape) and layers is None else resolve_shape(model, layers)
-    return Workload(shape, seq_len, batch, lora_rank, dtype_bytes)
+    return Workload(shape, seq_len, batch, lora_rank, dtype_bytes, optimizer_precision=optimizer_precision)
 
 
 def plan(
@@ -293,6 +324,7 @@ def plan(
     layers: int | None = None,
     dtype_bytes: int = 2,
     stream_depth: int = STREAM_DEPTH,
+    optimizer_precision: str = "params",
 ) -> Plan:
     """Choose the features for one step and predict its cost.
 
@@ -304,6 +336,7 @@ def plan(
         layers: override the depth.
         dtype_bytes: 2 for bf16/fp16 weights and activations.
         stream_depth: layers resident when streaming.
+        optimizer_precision: a full fine-tune's AdamW state, "params" or "fp32_master".
 
     Returns:
         The fastest :class:`Plan` that fits, or the most frugal one with ``fits=False``.
@@ -313,7 +346,7 @@ def plan(
         >>> p.fits, p.to_config()["chunked_cross_entropy"]
         (True, True)
     """
-    w = _workload(model, seq_len, batch, lora_rank, layers, dtype_bytes)
+    w = _workload(model, seq_len, batch, lora_rank, layers, dtype_bytes, optimizer_precision)
     b = budgets if budgets is not None else Budgets.detect()
     results = []
     for name, f in _candidates(w, b, stream_depth):
@@ -420,7 +453,14 @@ def _search(fits, high: int) -> int:
 
 
 def physical_limit(
-    model, *, batch: int = 1, lora_rank: int = 16, budgets: Budgets, layers: int | None = None, dtype_bytes: int = 2
+    model,
+    *,
+    batch: int = 1,
+    lora_rank: int = 16,
+    budgets: Budgets,
+    layers: int | None = None,
+    dtype_bytes: int = 2,
+    optimizer_precision: str = "params",
 ) -> tuple[int, str]:
     """Longest sequence whose irreducible bytes fit the budgets (see :class:`Capacity`), and
     what limits it.
@@ -432,11 +472,14 @@ def physical_limit(
     weights, must fit GPU, RAM and disk together ("storage"): a byte held on the GPU is not
     also free for block inputs.
     """
-    w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes)
+    w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes, optimizer_precision)
     pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
     # Streamed frozen weights live in host RAM; where RAM cannot hold them they stay on the GPU.
     streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes if lora_rank else 0
     streaming = bool(lora_rank) and streamed <= budgets.host_bytes
+    # A full fine-tune's AdamW state lives in host RAM where RAM holds it.
+    state = 0 if lora_rank else w0.shape.params * w0.optimizer_state_bytes
+    state_on_host = bool(state) and state <= budgets.host_bytes
 
     def working_set(seq: int):
         w = replace(w0, seq_len=seq)
@@ -448,6 +491,7 @@ def physical_limit(
             loss_chunks=max(1, w.tokens),
             mlp_shards=max(1, w.tokens),
             tiled_projections=True,
+            optimizer_offloading=state_on_host,
         )
         return w, estimate_memory(w, f).gpu_peak
 
@@ -456,7 +500,8 @@ def physical_limit(
 
     def storage_ok(seq: int) -> bool:
         w, gpu = working_set(seq)
-        return gpu + (w.shape.layers - 1) * w.block_input_bytes + (streamed if streaming else 0) <= pooled
+        off_gpu = (streamed if streaming else 0) + (state if state_on_host else 0)
+        return gpu + (w.shape.layers - 1) * w.block_input_bytes + off_gpu <= pooled
 
     by_gpu = _search(gpu_ok, 1 << 16)
     by_storage = _search(storage_ok, 1 << 16)
@@ -472,6 +517,7 @@ def longest_sequence(
     layers: int | None = None,
     dtype_bytes: int = 2,
     stream_depth: int = STREAM_DEPTH,
+    optimizer_precision: str = "params",
 ) -> Capacity:
     """Binary search for the longest sequence :func:`plan` fits under ``budgets``.
 
@@ -492,11 +538,18 @@ def longest_sequence(
             layers=layers,
             dtype_bytes=dtype_bytes,
             stream_depth=stream_depth,
+            optimizer_precision=optimizer_precision,
         ).fits
 
     longest = _search(fits, 1 << 16)
     physical, limit = physical_limit(
-        model, batch=batch, lora_rank=lora_rank, budgets=b, layers=layers, dtype_bytes=dtype_bytes
+        model,
+        batch=batch,
+        lora_rank=lora_rank,
+        budgets=b,
+        layers=layers,
+        dtype_bytes=dtype_bytes,
+        optimizer_precision=optimizer_precision,
     )
     best = (
         plan(
@@ -508,6 +561,7 @@ def longest_sequence(
             layers=layers,
             dtype_bytes=dtype_bytes,
             stream_depth=stream_depth,
+            optimizer_precision=optimizer_precision,
         )
         if longest
         else None

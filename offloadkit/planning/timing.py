@@ -13,7 +13,9 @@ Executed work is counted (the recompute included): achieved TFLOP/s reported by 
 capacity benchmark is hardware FLOPs, not "model FLOPs".
 
 Copies overlap compute on side streams: forward takes max(compute, device->host copies,
-disk writes) and backward max(compute, host->device copies, disk reads). With a prefetch
+disk writes) and backward max(compute, host->device copies, disk reads). With the optimizer
+state in host memory (a full fine-tune's BackwardAdamW), all of it crosses the link to the
+GPU and back during backward, each direction on its own stream. With a prefetch
 horizon of 0 nothing is fetched ahead, so every block input's fetch adds to backward.
 """
 
@@ -137,8 +139,11 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     streamed = 0
     if f.layer_streaming and w.lora_rank:
         streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes  # per pass: forward, then backward
+    state = w.shape.params * w.optimizer_state_bytes if f.optimizer_offloading and not w.lora_rank else 0
     fwd_pcie = (moved + streamed) / rates.pcie_bytes_per_s  # inputs out and weights in share the link
-    bwd_pcie = (moved + streamed) / rates.pcie_bytes_per_s
+    # Backward's host->device queue carries the block inputs, streamed weights and optimizer
+    # state; the state's way back is the other direction's queue, as long.
+    bwd_pcie = (moved + streamed + state) / rates.pcie_bytes_per_s
     on_disk = placement.count("disk") * block
     fwd_disk = on_disk / rates.disk_write_bytes_per_s
     bwd_disk = on_disk / rates.disk_read_bytes_per_s

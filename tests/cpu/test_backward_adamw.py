@@ -167,3 +167,29 @@ def test_fp32_parameters_need_no_master_copy():
     opt = BackwardAdamW(model.parameters(), lr=1e-2, master_weights=True)
     _loss(model, _batches(torch.float32, 1)[0]).backward()
     assert "master" not in opt.state[next(model.parameters())]
+
+
+def test_a_torch_adamw_checkpoint_loads_and_continues_bitwise():
+    """A checkpoint of torch.optim.AdamW (groups without BackwardAdamW's own keys) loads into
+    host memory and the training continues as torch.optim.AdamW's own would."""
+    ref, ours = _model(torch.float32), _model(torch.float32)
+    ours.load_state_dict(ref.state_dict())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batches = _batches(torch.float32, 4)
+    for b in batches[:2]:
+        _loss(ref, b).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    ours.load_state_dict(ref.state_dict())
+    opt = BackwardAdamW(ours.parameters(), lr=1e-2)
+    opt.load_state_dict(copy.deepcopy(opt_ref.state_dict()))
+    assert opt.param_groups[0]["master_weights"] is False  # filled from the defaults
+    for b in batches[2:]:
+        _loss(ref, b).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        _loss(ours, b).backward()
+        opt.step()
+    assert_bitwise_equal(_params(ref), _params(ours), "after loading torch's checkpoint")
+    state = opt.state[next(ours.parameters())]
+    assert state["exp_avg"].device.type == "cpu" and state["step"].item() == 4.0

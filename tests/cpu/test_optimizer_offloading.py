@@ -164,3 +164,27 @@ def test_the_command_line_trains_with_it(tmp_path):
     assert memory["optimizer_state_in_host_memory"] and memory["optimizer_state_bytes"] > 0
     # Gradients are freed at each parameter's update: at most the largest one is held.
     assert memory["gradients_bytes"] < memory["trainable_parameters_bytes"] / 2
+
+
+def test_fp16_loss_scaling_defers_the_updates_to_the_scalers_step():
+    """Under fp16 the Trainer's GradScaler unscales and checks the gradients at step(): the
+    updates wait for it even without clipping (in backward they would apply scaled ones)."""
+    from types import SimpleNamespace
+
+    from offloadkit.config import OffloadConfig
+    from offloadkit.integrations.optimizer import backward_adamw_for
+
+    model = build_llama("tiny")
+    args = transformers.TrainingArguments(output_dir="unused", max_grad_norm=0.0, use_cpu=True, report_to=[])
+    trainer = SimpleNamespace(
+        args=args,
+        model=model,
+        accelerator=SimpleNamespace(sync_gradients=True),
+        offload_config=OffloadConfig(optimizer_offloading=True),
+        get_decay_parameter_names=lambda m: [n for n, _ in m.named_parameters()],
+    )
+    optimizer, note = backward_adamw_for(trainer)
+    assert optimizer.updates_in_backward and "updated in backward" in note
+    args.fp16 = True
+    optimizer, note = backward_adamw_for(trainer)
+    assert not optimizer.updates_in_backward and "fp16 loss scaler" in note

@@ -495,3 +495,51 @@ def test_physical_limit_keeps_frozen_weights_on_the_gpu_when_ram_cannot_hold_the
     roomy, _ = physical_limit("llama-3-8b", budgets=Budgets(80 * GiB, 64 * GiB, 200 * GiB))
     no_ram, _ = physical_limit("llama-3-8b", budgets=Budgets(80 * GiB, 1 * GiB, 200 * GiB))
     assert no_ram < roomy, "13 GiB of streamed weights cannot stream from 1 GiB of RAM"
+
+
+def test_a_full_fine_tune_keeps_its_adamw_state_in_host_memory_when_that_fits_longer():
+    """The 8B shape on an H100 with 108 GiB of RAM: with the AdamW state in host memory,
+    updated in backward, the planner fits 384K tokens and more, the state counted in host RAM
+    and its copies in the step; with the state and gradients on the GPU (45 GiB beside the
+    weights), the same step does not fit."""
+    budgets = Budgets(79 << 30, 108 << 30, 55 << 30)
+    cap = longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets)
+    assert cap.longest >= 384 * 1024, cap.summary()
+    chosen = cap.plan
+    assert chosen.fits and chosen.features.optimizer_offloading
+    keys = chosen.to_config()
+    assert keys["optimizer_offloading"] is True and keys["optimizer_precision"] == "params"
+    state = chosen.workload.shape.params * 4  # two bf16 moments
+    assert chosen.memory.host >= state
+    # Its state crosses the link both ways in backward: the predicted PCIe time counts it.
+    assert chosen.time.pcie_s >= state / budgets.rates.pcie_bytes_per_s
+    from dataclasses import replace
+
+    on_gpu = estimate_memory(chosen.workload, replace(chosen.features, optimizer_offloading=False))
+    assert on_gpu.gpu_reserved > budgets.gpu_bytes
+
+
+def test_fp32_master_weights_cost_twelve_bytes_a_parameter_of_host_memory():
+    budgets = Budgets(79 << 30, 108 << 30, 55 << 30)
+    bf16 = plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets)
+    fp32 = plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets, optimizer_precision="fp32_master")
+    params = bf16.workload.shape.params
+    assert fp32.features.optimizer_offloading and fp32.to_config()["optimizer_precision"] == "fp32_master"
+    assert fp32.memory.host - bf16.memory.host == params * (12 - 4)
+    assert "AdamW state (fp32_master, 12 bytes a parameter): host memory" in fp32.table()
+    shorter = longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets, optimizer_precision="fp32_master")
+    assert shorter.longest < longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets).longest
+    with pytest.raises(ValueError, match="optimizer_precision='fp8' must be params or fp32_master"):
+        plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets, optimizer_precision="fp8")
+
+
+def test_without_room_in_host_memory_the_state_stays_on_the_gpu():
+    """16 GiB of RAM cannot hold the 8B's 28 GB of moments: the plan keeps them on the GPU."""
+    p = plan("llama-3-8b", 4096, lora_rank=0, budgets=Budgets(79 << 30, 16 << 30, 55 << 30))
+    assert p.fits and not p.features.optimizer_offloading
+    assert "AdamW state (params, 4 bytes a parameter): GPU" in p.table()
+
+
+def test_lora_plans_never_offload_the_optimizer():
+    p = plan("llama-3-8b", 16384, lora_rank=16, budgets=Budgets(79 << 30, 108 << 30, 55 << 30))
+    assert not p.features.optimizer_offloading and p.to_config()["optimizer_offloading"] is False
