@@ -18,19 +18,18 @@ Writes ``compat-trainers.json`` and ``compat-trainers.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.compat import _clean, _sync, _why  # noqa: E402 - one copy of the helpers
 from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer, load_texts  # noqa: E402
 from offloadkit.integrations.trainer import ActivationOffloadingMixin  # noqa: E402
 from offloadkit.models.zoo import build_llama  # noqa: E402
@@ -43,11 +42,6 @@ MODES = {
     "offload all": ({"activation_offloading": True}, False),
     "checkpoint-input offload": ({"gradient_checkpointing": True, "activation_offloading": True}, True),
 }
-
-
-def _sync():
-    if CUDA:
-        torch.cuda.synchronize()
 
 
 def step_clock():
@@ -186,17 +180,6 @@ def _compare(cell: str, ref: dict, got: dict, note: str = "") -> dict:
         "peaks_with_gib": got["peaks_gib"],
         "note": note,
     }
-
-
-def _clean():
-    gc.collect()
-    if CUDA:
-        torch.cuda.empty_cache()
-
-
-def _why(exc) -> str:
-    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-    return " ".join(last.split())[:300]
 
 
 # --- TRL ---------------------------------------------------------------------------------

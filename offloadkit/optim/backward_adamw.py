@@ -47,6 +47,9 @@ from offloadkit.optim.state_copies import StateCopies
 
 __all__ = ["BackwardAdamW"]
 
+# A parameter's state tensors, host-resident; "master" only with fp32 master weights.
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
+
 
 class BackwardAdamW(Optimizer):
     """AdamW updating in backward with host-resident moments.
@@ -162,7 +165,7 @@ class BackwardAdamW(Optimizer):
         state = self.state.get(p)
         if not state:
             return None
-        return state, tuple(k for k in ("exp_avg", "exp_avg_sq", "master") if k in state)
+        return state, tuple(k for k in STATE_KEYS if k in state)
 
     @torch.no_grad()
     def _update(self, p: torch.Tensor) -> None:
@@ -174,7 +177,7 @@ class BackwardAdamW(Optimizer):
             # back on the other copy stream while backward goes on.
             local = self._copies.fetch(p)
         else:
-            local = {k: state[k] for k in ("exp_avg", "exp_avg_sq", "master") if k in state}
+            local = {k: state[k] for k in STATE_KEYS if k in state}
         weight = local["master"] if master else p
         grad = p.grad.float() if master else p.grad
         beta1, beta2 = group["betas"]
