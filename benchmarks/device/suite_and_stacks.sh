@@ -17,5 +17,9 @@ if ls .whl/deepspeed/*.whl >/dev/null 2>&1; then
   PYTHONPATH=$PYTHONPATH:/tmp/site-ds DS_BUILD_OPS=0 timeout 900 python3 benchmarks/deepspeed_probe.py --out "$OUT" ${DS_ARGS:-} \
     > "$OUT/deepspeed.log" 2>&1
   tail -4 "$OUT/deepspeed.log"
+  echo "== deepspeed GPU tests"
+  PYTHONPATH=$PYTHONPATH:/tmp/site-ds timeout 900 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/gpu/test_deepspeed_cuda.py > "$OUT/gpu_tests_deepspeed.txt" 2>&1
+  tail -1 "$OUT/gpu_tests_deepspeed.txt"
 fi
 echo "== all done"
