@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, STREAM_DEPTH
+from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, OPTIMIZER_STATE_BYTES, STREAM_DEPTH
 
 __all__ = [
     "ConfigError",
@@ -213,7 +213,9 @@ class OffloadConfig:
             :class:`~offloadkit.optim.BackwardAdamW`: moments in host memory, each parameter
             updated in backward (or at ``step()`` when the Trainer clips gradients).
         optimizer_precision: "params" (moments in the parameters' dtype: pure bf16 for a
-            bf16 model, as torch.optim.AdamW) or "fp32_master" (fp32 master weights and
+            bf16 model, as torch.optim.AdamW), "compact" (bf16 moments; the update in fp32,
+            rounded stochastically to bf16: 4 bytes a parameter, closer to fp32 than pure
+            bf16) or "fp32_master" (fp32 master weights and
             moments for bf16/fp16 parameters, in host memory).
         layer_offloading_depth: layers of frozen weights resident at once.
         chunked_cross_entropy: compute the loss over token chunks, never holding the
@@ -305,10 +307,11 @@ class OffloadConfig:
         _expect("use_pin_memory", self.use_pin_memory, (bool,), "true or false")
         _expect("disk_tiering", self.disk_tiering, (bool,), "true or false")
         _expect("optimizer_offloading", self.optimizer_offloading, (bool,), "true or false")
-        if self.optimizer_precision not in ("params", "fp32_master"):
+        if self.optimizer_precision not in OPTIMIZER_STATE_BYTES:
             raise ConfigError(
                 f"optimizer_precision={self.optimizer_precision!r} is not a precision; use params (moments in the "
-                "parameters' dtype) or fp32_master (fp32 master weights and moments)"
+                "parameters' dtype), compact (bf16 moments, stochastic rounding) or fp32_master (fp32 master weights "
+                "and moments)"
             )
         if self.optimizer_precision != "params" and not self.optimizer_offloading:
             self._warn(

@@ -4,7 +4,7 @@ Every constructor, :class:`~offloadkit.config.OffloadConfig`, the planner and th
 them from here (plain values: no torch import).
 """
 
-__all__ = ["MAX_FWD_STASH_SIZE", "MIN_OFFLOAD_SIZE", "STREAM_DEPTH"]
+__all__ = ["MAX_FWD_STASH_SIZE", "MIN_OFFLOAD_SIZE", "OPTIMIZER_STATE_BYTES", "STREAM_DEPTH"]
 
 # Smallest saved tensor worth moving, in bytes: below this a copy's fixed cost is more than
 # the memory it frees.
@@ -14,3 +14,8 @@ MAX_FWD_STASH_SIZE = 5
 # Blocks of streamed weights resident at once: 2 is double buffering (one computing, one
 # arriving).
 STREAM_DEPTH = 2
+# A full fine-tune's AdamW state per parameter of a bf16 model, by ``optimizer_precision``:
+# "params" keeps two moments in the weights' dtype (pure bf16, as torch.optim.AdamW),
+# "fp32_master" an fp32 master copy and fp32 moments, "compact" bf16 moments with the update
+# rounded stochastically.
+OPTIMIZER_STATE_BYTES = {"params": 4, "fp32_master": 12, "compact": 4}

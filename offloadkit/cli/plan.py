@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from offloadkit.defaults import OPTIMIZER_STATE_BYTES
+
 __all__ = ["add_plan_parser", "run_plan"]
 
 _GiB = 1 << 30
@@ -29,9 +31,10 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--optimizer-precision",
-        choices=("params", "fp32_master"),
+        choices=tuple(OPTIMIZER_STATE_BYTES),
         default="params",
-        help="a full fine-tune's AdamW state: moments in the weights' dtype, or fp32 master weights and moments",
+        help="a full fine-tune's AdamW state: moments in the weights' dtype (params), bf16 moments with "
+        "stochastic rounding (compact), or fp32 master weights and moments (fp32_master)",
     )
     p.add_argument("--layers", type=int, default=None, help="override the depth (same layer shape)")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU budget (default: this GPU's memory less 1 GiB)")

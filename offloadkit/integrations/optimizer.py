@@ -48,6 +48,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
     # update in backward would apply scaled gradients and bypass that check.
     scaled = bool(getattr(args, "fp16", False))
     accelerator = trainer.accelerator
+    precision = (config or trainer.offload_config).optimizer_precision
     optimizer = BackwardAdamW(
         groups,
         lr=args.learning_rate,
@@ -59,7 +60,8 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
         update_when=lambda: accelerator.sync_gradients,
         # The kernel the Trainer's own AdamW would run, so the updates are bitwise its own.
         fused=optim == "adamw_torch_fused",
-        master_weights=(config or trainer.offload_config).optimizer_precision == "fp32_master",
+        master_weights=precision == "fp32_master",
+        stochastic_rounding=precision == "compact",
     )
     if scaled:
         when = "updates at step(), after the fp16 loss scaler unscales the gradients and checks them for inf/nan"
@@ -70,13 +72,13 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
         )
     else:
         when = "each parameter updated in backward"
-    state = (
-        "fp32 master weights and moments"
-        if optimizer.defaults["master_weights"]
-        else "moments in the parameters' dtype"
-    )
+    state = {
+        "fp32_master": "fp32 master weights and moments",
+        "compact": "bf16 moments with stochastically rounded updates",
+    }.get(precision, "moments in the parameters' dtype")
+    kernel = "the same kernel, in fp32 on widened copies" if precision == "compact" else "the same kernel"
     note = (
-        f"optimizer_offloading: the Trainer's {optim} is replaced by BackwardAdamW (the same kernel), {state} in "
+        f"optimizer_offloading: the Trainer's {optim} is replaced by BackwardAdamW ({kernel}), {state} in "
         f"host memory, {when}"
     )
     return optimizer, note

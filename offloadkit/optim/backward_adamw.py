@@ -22,7 +22,13 @@ parameter itself, as ``torch.optim.AdamW`` does (pure bf16 for a bf16 model). Wi
 in host memory; its gradient is widened to fp32, the fp32 copy is updated, and the parameter
 receives the copy rounded to its dtype: bitwise what ``torch.optim.AdamW`` over fp32 copies
 of the parameters gives (mixed-precision training). That is 12 bytes of host state per
-parameter instead of 4, streamed to the GPU and back at each update.
+parameter instead of 4, streamed to the GPU and back at each update. With
+``stochastic_rounding=True`` (the compact option, 4 bytes a parameter) the moments are bf16
+and the update is computed in fp32 from widened copies, then rounded back to bf16
+stochastically (:mod:`.rounding`): weights and moments keep, on average, the updates that
+round-to-nearest bf16 would lose. It is not bitwise anything; its loss curve is measured
+against fp32 master weights (``benchmarks/optimizer_precision.py``). The update runs in
+chunks of ``chunk_elements`` so that its fp32 temporaries stay small for the embedding.
 
 Gradient clipping by global norm needs every gradient before any update: with
 ``max_grad_norm`` the updates are deferred to :meth:`step` (the gradients are then held
@@ -43,12 +49,15 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
+from offloadkit.optim.rounding import stochastic_round_to_bf16
 from offloadkit.optim.state_copies import StateCopies
 
 __all__ = ["BackwardAdamW"]
 
 # A parameter's state tensors, host-resident; "master" only with fp32 master weights.
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
+# The state_dict entry holding the compact option's generator states, by device.
+_RNG_KEY = "stochastic_rounding_rng"
 
 
 class BackwardAdamW(Optimizer):
@@ -68,12 +77,16 @@ class BackwardAdamW(Optimizer):
             parameters, the single-tensor loop for CPU ones (PyTorch's default).
         master_weights: keep an fp32 master copy and fp32 moments of every bf16/fp16
             parameter (fp32 parameters need none).
+        stochastic_rounding: the compact option: bf16 moments for every parameter; the update
+            in fp32, rounded stochastically to bf16 (bf16 parameters and the moments; fp32
+            parameters keep the exact fp32 result, fp16 ones round to nearest).
+        seed: the compact option's random source (one generator per device).
         copy_window_bytes: GPU memory for the state of CUDA parameters fetched ahead, and
             for the state still being copied back, each (at least one parameter's).
 
     Raises:
-        ValueError: a negative ``lr``, a non-positive ``max_grad_norm``, or both ``foreach``
-            and ``fused``.
+        ValueError: a negative ``lr``, a non-positive ``max_grad_norm``, both ``foreach``
+            and ``fused``, or both ``master_weights`` and ``stochastic_rounding``.
 
     Example:
         >>> opt = BackwardAdamW(model.parameters(), lr=1e-5)  # doctest: +SKIP
@@ -96,6 +109,9 @@ class BackwardAdamW(Optimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
         master_weights: bool = False,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
+        chunk_elements: int = 1 << 24,
         copy_window_bytes: int = 1 << 30,
     ) -> None:
         if not lr >= 0.0:
@@ -104,6 +120,13 @@ class BackwardAdamW(Optimizer):
             raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid; pass a positive norm or None")
         if foreach and fused:
             raise ValueError("foreach=True and fused=True: pick one AdamW implementation (or neither: the default)")
+        if master_weights and stochastic_rounding:
+            raise ValueError(
+                "master_weights=True and stochastic_rounding=True: pick fp32 master state (12 bytes a parameter) "
+                "or the compact bf16 state (4 bytes)"
+            )
+        if chunk_elements < 1:
+            raise ValueError(f"chunk_elements={chunk_elements!r} must be >= 1")
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -112,12 +135,16 @@ class BackwardAdamW(Optimizer):
             "foreach": foreach,
             "fused": bool(fused),
             "master_weights": master_weights,
+            "stochastic_rounding": stochastic_rounding,
         }
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.pin_memory = pin_memory
         self.update_when = update_when
         self.defer_to_step = defer_to_step
+        self.seed = seed
+        self.chunk_elements = chunk_elements
+        self._generators: dict[torch.device, torch.Generator] = {}
         self._accumulating = False
         self._copies = StateCopies(self._travelling, copy_window_bytes)
         self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
@@ -149,9 +176,7 @@ class BackwardAdamW(Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
             if self._keeps_master(p, group):
                 state["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach())
-                dtype = torch.float32
-            else:
-                dtype = p.dtype  # the moments have the parameter's dtype, as torch.optim.AdamW keeps them
+            dtype = self._moment_dtype(p, group)
             state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
         return state
@@ -159,6 +184,18 @@ class BackwardAdamW(Optimizer):
     @staticmethod
     def _keeps_master(p: torch.Tensor, group: dict) -> bool:
         return bool(group["master_weights"]) and p.dtype in (torch.bfloat16, torch.float16)
+
+    def _moment_dtype(self, p: torch.Tensor, group: dict) -> torch.dtype:
+        if self._keeps_master(p, group):
+            return torch.float32
+        if group.get("stochastic_rounding"):
+            return torch.bfloat16
+        return p.dtype  # as torch.optim.AdamW keeps them
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
 
     def _travelling(self, p: torch.Tensor):
         """``p``'s host state and the keys of its tensors that visit the GPU (None: no state)."""
@@ -178,18 +215,31 @@ class BackwardAdamW(Optimizer):
             local = self._copies.fetch(p)
         else:
             local = {k: state[k] for k in STATE_KEYS if k in state}
-        weight = local["master"] if master else p
-        grad = p.grad.float() if master else p.grad
+        if group.get("stochastic_rounding"):
+            self._compact_update(p, local, state["step"], group)
+        else:
+            weight = local["master"] if master else p
+            grad = p.grad.float() if master else p.grad
+            self._adamw(weight, grad, local["exp_avg"], local["exp_avg_sq"], state["step"], group, p.is_cuda)
+            if master:
+                p.copy_(weight)  # rounded to the parameter's dtype
+        if p.is_cuda:
+            self._copies.store(p, local)
+        p.grad = None  # its memory goes back now, not at zero_grad()
+
+    @staticmethod
+    def _adamw(weight, grad, exp_avg, exp_avg_sq, step, group: dict, on_cuda: bool) -> None:
+        """PyTorch's AdamW on one tensor, with the implementation ``torch.optim.AdamW`` picks."""
         beta1, beta2 = group["betas"]
         fused = group["fused"]
-        foreach = group["foreach"] if group["foreach"] is not None else p.is_cuda and not fused
+        foreach = group["foreach"] if group["foreach"] is not None else on_cuda and not fused
         adamw(
             [weight],
             [grad],
-            [local["exp_avg"]],
-            [local["exp_avg_sq"]],
+            [exp_avg],
+            [exp_avg_sq],
             [],
-            [state["step"]],
+            [step],
             foreach=foreach,
             capturable=False,
             differentiable=False,
@@ -201,13 +251,31 @@ class BackwardAdamW(Optimizer):
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=False,
-            has_complex=torch.is_complex(p),
+            has_complex=torch.is_complex(weight),
         )
-        if master:
-            p.copy_(weight)  # rounded to the parameter's dtype
-        if p.is_cuda:
-            self._copies.store(p, local)
-        p.grad = None  # its memory goes back now, not at zero_grad()
+
+    def _compact_update(self, p: torch.Tensor, local: dict, step: torch.Tensor, group: dict) -> None:
+        """The compact option: AdamW in fp32 on widened chunks, rounded back stochastically."""
+        gen = self._generator(p.device)
+        tensors = [p.detach(), p.grad, local["exp_avg"], local["exp_avg_sq"]]
+        chunk = self.chunk_elements
+        if all(t.is_contiguous() for t in tensors):
+            tensors = [t.view(-1) for t in tensors]  # chunks of the flat views write through
+        else:
+            chunk = p.numel()  # one chunk: slicing a strided tensor by elements would copy it
+        weight, grad, exp_avg, exp_avg_sq = tensors
+        for start in range(0, max(p.numel(), 1), chunk):
+            part = slice(start, start + chunk) if chunk < p.numel() else slice(None)
+            w32, m32, v32 = weight[part].float(), exp_avg[part].float(), exp_avg_sq[part].float()
+            # Each chunk is the same step: it counts from a copy, the real count moves once below.
+            self._adamw(w32, grad[part].float(), m32, v32, step.clone(), group, p.is_cuda)
+            if p.dtype == torch.bfloat16:
+                weight[part].copy_(stochastic_round_to_bf16(w32, gen))
+            else:
+                weight[part].copy_(w32)  # fp32 exactly; fp16 to nearest
+            exp_avg[part].copy_(stochastic_round_to_bf16(m32, gen))
+            exp_avg_sq[part].copy_(stochastic_round_to_bf16(v32, gen))
+        step.add_(1)
 
     @property
     def updates_in_backward(self) -> bool:
@@ -255,7 +323,11 @@ class BackwardAdamW(Optimizer):
 
     def state_dict(self):
         self._synchronize()
-        return super().state_dict()
+        saved = super().state_dict()
+        if self._generators:
+            # The compact option's random streams: a resumed run rounds as the uninterrupted one.
+            saved[_RNG_KEY] = {str(d): g.get_state() for d, g in self._generators.items()}
+        return saved
 
     def load_state_dict(self, state_dict) -> None:
         """Load a checkpoint's state straight into host memory.
@@ -266,6 +338,8 @@ class BackwardAdamW(Optimizer):
         """
         self._synchronize()  # no copy may still write the state being replaced
         self._copies.reset()
+        for device, rng in state_dict.get(_RNG_KEY, {}).items():
+            self._generator(torch.device(device)).set_state(rng)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         ours = [p for g in self.param_groups for p in g["params"]]
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
@@ -277,6 +351,7 @@ class BackwardAdamW(Optimizer):
             if not saved:
                 continue
             wide = "master" in saved  # fp32 master state keeps fp32 moments
+            moment_dtype = self._moment_dtype(p, self._group(p))
             pin = self.pin_memory and p.is_cuda
             entry = {}
             for key, value in saved.items():
@@ -284,7 +359,7 @@ class BackwardAdamW(Optimizer):
                     where = p.device if self._group(p)["fused"] else "cpu"
                     entry[key] = torch.as_tensor(value).detach().to(where, torch.float32)
                 elif isinstance(value, torch.Tensor):
-                    dtype = value.dtype if wide else p.dtype
+                    dtype = value.dtype if wide else moment_dtype
                     entry[key] = torch.empty(value.shape, dtype=dtype, pin_memory=pin).copy_(value)
                 else:
                     entry[key] = value

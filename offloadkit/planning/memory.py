@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from offloadkit.defaults import STREAM_DEPTH
+from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
 from offloadkit.planning.shape import ModelShape
 
 __all__ = [
@@ -88,7 +88,8 @@ class Workload:
         dtype_bytes: bytes per weight and activation element (2 for bf16).
         adapter_bytes: bytes per LoRA parameter (PEFT keeps adapters in fp32 by default).
         optimizer_precision: a full fine-tune's AdamW state: "params" (two moments in the
-            weights' dtype) or "fp32_master" (fp32 master weights and moments: 12 bytes).
+            weights' dtype), "fp32_master" (fp32 master weights and moments: 12 bytes) or
+            "compact" (bf16 moments, stochastic rounding: 4 bytes).
     """
 
     shape: ModelShape
@@ -102,7 +103,9 @@ class Workload:
     @property
     def optimizer_state_bytes(self) -> int:
         """AdamW state per trained parameter of a full fine-tune."""
-        return 12 if self.optimizer_precision == "fp32_master" else 2 * self.dtype_bytes
+        if self.optimizer_precision == "params":
+            return 2 * self.dtype_bytes
+        return OPTIMIZER_STATE_BYTES[self.optimizer_precision]
 
     @property
     def tokens(self) -> int:
@@ -298,6 +301,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         # One parameter's gradient (widened to fp32 with master weights) and the state in
         # flight: fetched ahead and on its way back, a window each.
         largest = max(max(a * c for a, c in s.linears), s.embed_params, s.head_params)
+        # fp32 master weights widen the whole gradient; the compact update widens one chunk.
         grad = largest * (b + 4 if w.optimizer_precision == "fp32_master" else b)
         in_flight = 2 * min(f.copy_window_bytes, s.params * w.optimizer_state_bytes) + largest * w.optimizer_state_bytes
         parts["trainable state"] = grad + in_flight

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from offloadkit.defaults import STREAM_DEPTH
+from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     FRAGMENTATION,
@@ -304,8 +304,9 @@ def _workload(
     dtype_bytes: int,
     optimizer_precision: str = "params",
 ) -> Workload:
-    if optimizer_precision not in ("params", "fp32_master"):
-        raise ValueError(f"optimizer_precision={optimizer_precision!r} must be params or fp32_master")
+    if optimizer_precision not in OPTIMIZER_STATE_BYTES:
+        names = ", ".join(OPTIMIZER_STATE_BYTES)
+        raise ValueError(f"optimizer_precision={optimizer_precision!r} is not a precision; use one of {names}")
     if seq_len < 1 or batch < 1:
         raise ValueError(f"seq_len={seq_len!r} and batch={batch!r} must be >= 1")
     if lora_rank < 0:
@@ -336,7 +337,7 @@ def plan(
         layers: override the depth.
         dtype_bytes: 2 for bf16/fp16 weights and activations.
         stream_depth: layers resident when streaming.
-        optimizer_precision: a full fine-tune's AdamW state, "params" or "fp32_master".
+        optimizer_precision: a full fine-tune's AdamW state: "params", "fp32_master" or "compact".
 
     Returns:
         The fastest :class:`Plan` that fits, or the most frugal one with ``fits=False``.

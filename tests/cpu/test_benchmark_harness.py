@@ -40,3 +40,21 @@ def test_a_run_that_differs_is_reported():
     other = dict(same, logged=[{"loss": 1.5}] + logged[1:])
     assert compat_trainers._compare("cell", same, same)["parity"].startswith("bitwise")
     assert compat_trainers._compare("cell", same, other)["parity"] == "DIFFERS"
+
+
+def test_the_optimizer_precision_curve_runs_and_reports_each_precision(tmp_path):
+    """``benchmarks/optimizer_precision.py`` as a dry run: three precisions on the same data,
+    the host state each keeps, and a report whose fp32_master row has no gap to itself."""
+    from benchmarks import optimizer_precision as op
+
+    args = argparse.Namespace(
+        shape="tiny", steps=6, batch=2, seq_len=64, lr=3e-3, warmup=2, device="cpu", device_name="cpu"
+    )
+    records = [op.run(name, args) for name in op.PRECISIONS]
+    bytes_per_param = {r["precision"]: r["host_state_bytes_per_param"] for r in records}
+    assert bytes_per_param == {"params": 4.0, "compact": 4.0, "fp32_master": 12.0}
+    first = {r["losses"][0] for r in records}
+    assert len(first) == 1  # the same model and batch before any update
+    assert all(len(r["losses"]) == 6 and r["losses"][-1] < r["losses"][0] for r in records)
+    text = op.report(records, args)
+    assert "| fp32_master | 12.0 |" in text and "+0.0000 | +0.0000 |" in text

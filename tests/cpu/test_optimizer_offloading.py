@@ -124,6 +124,26 @@ def test_fp32_master_weights_through_the_trainer_equal_a_hand_written_mixed_prec
     assert_bitwise_equal(ref_weights, weights, "weights after training")
 
 
+def test_compact_state_through_the_trainer_trains_and_resumes_exactly(tmp_path):
+    """``optimizer_precision: compact`` on a bf16 model: bf16 moments in host memory, the loss
+    goes down, and a checkpoint (with the rounding's random state) resumes bit for bit."""
+    offload = {**OFFLOAD, "optimizer_precision": "compact"}
+    kw = {"max_grad_norm": 0.0, "offload": offload, "dtype": torch.bfloat16}
+    trainer, full_losses, full_weights = _train(OffloadTrainer, tmp_path / "full", **kw)
+    optimizer = trainer.optimizer.optimizer
+    assert optimizer.defaults["stochastic_rounding"] and not optimizer.defaults["master_weights"]
+    state = optimizer.state[next(p for p in trainer.model.parameters())]
+    assert state["exp_avg"].dtype == torch.bfloat16 and "master" not in state
+    assert any("bf16 moments with stochastically rounded updates" in n for n in trainer.offload_report["notes"])
+    assert full_losses[-1] < full_losses[0]
+    _train(OffloadTrainer, tmp_path / "first", save_strategy="steps", save_steps=2, **kw)
+    _, resumed_losses, resumed_weights = _train(
+        OffloadTrainer, tmp_path / "first", resume=str(tmp_path / "first" / "checkpoint-2"), **kw
+    )
+    assert resumed_losses[-2:] == full_losses[2:]
+    assert_bitwise_equal(full_weights, resumed_weights, "weights after resuming")
+
+
 def test_optimizer_precision_is_checked():
     from offloadkit.config import OffloadConfig
 

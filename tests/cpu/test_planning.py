@@ -529,7 +529,9 @@ def test_fp32_master_weights_cost_twelve_bytes_a_parameter_of_host_memory():
     assert "AdamW state (fp32_master, 12 bytes a parameter): host memory" in fp32.table()
     shorter = longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets, optimizer_precision="fp32_master")
     assert shorter.longest < longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets).longest
-    with pytest.raises(ValueError, match="optimizer_precision='fp8' must be params or fp32_master"):
+    compact = plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets, optimizer_precision="compact")
+    assert compact.memory.host == bf16.memory.host and "AdamW state (compact, 4 bytes a parameter)" in compact.table()
+    with pytest.raises(ValueError, match="optimizer_precision='fp8' is not a precision; use one of params, fp32"):
         plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets, optimizer_precision="fp8")
 
 
