@@ -12,7 +12,15 @@ bytes written to disk and the step time, and checks every restored block input: 
 layer's scale gradient is ``sum(x)`` of its restored input, which must equal, bit for bit,
 the same reduction over the original.
 
+A full fine-tune (``--lora-rank 0``) keeps its weights trainable instead: each layer holds the
+real bf16 weight bytes as one trainable tensor (and one more tensor stands for the embedding
+and the head), touched in forward by a zero-weighted sum so that backward gives each a real
+full-size gradient. :class:`~offloadkit.optim.BackwardAdamW` with the plan's precision updates
+them in backward, its state in host memory: the run then holds the optimizer state the plan
+counts beside the block inputs in RAM and on disk.
+
     PYTHONPATH=$PWD python3 benchmarks/footprint.py --shape llama-3-8b --lora-rank 16 --seq-len 655360 --out results/
+    PYTHONPATH=$PWD python3 benchmarks/footprint.py --shape llama-3-8b --lora-rank 0 --seq-len 0 --out results/
 """
 
 from __future__ import annotations
@@ -30,25 +38,39 @@ from torch import nn
 GiB = float(1 << 30)
 
 
-class Layer(nn.Module):
-    """A decoder layer's frozen bytes and a trainable scale; forward is ``x * scale``."""
+def _touch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` unchanged, with ``weight`` in the graph: backward gives it a full-size (zero) gradient."""
+    return x + (weight.sum() * 0).to(x.dtype)
 
-    def __init__(self, hidden: int, frozen_elements: int) -> None:
+
+class Layer(nn.Module):
+    """A decoder layer's weight bytes (frozen, or trainable for a full fine-tune) and a
+    trainable scale; forward is ``x * scale``."""
+
+    def __init__(self, hidden: int, weight_elements: int, trainable: bool = False) -> None:
         super().__init__()
-        rows = max(1, frozen_elements // hidden)
-        self.frozen = nn.Parameter(torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda"), requires_grad=False)
+        rows = max(1, weight_elements // hidden)
+        weight = torch.zeros(rows, hidden, dtype=torch.bfloat16, device="cuda")
+        self.frozen = nn.Parameter(weight, requires_grad=trainable)
         self.scale = nn.Parameter(torch.ones((), device="cuda"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale.to(x.dtype)
+        x = x * self.scale.to(x.dtype)
+        return _touch(x, self.frozen) if self.frozen.requires_grad else x
 
 
 class Stack(nn.Module):
-    def __init__(self, layers: int, hidden: int, frozen_elements: int) -> None:
+    def __init__(self, layers: int, hidden: int, weight_elements: int, edge_elements: int = 0) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Layer(hidden, frozen_elements) for _ in range(layers))
+        trainable = edge_elements > 0
+        self.layers = nn.ModuleList(Layer(hidden, weight_elements, trainable) for _ in range(layers))
+        # A full fine-tune's embedding and head: trained, updated and stateful like the layers.
+        edges = torch.zeros(edge_elements, dtype=torch.bfloat16, device="cuda")
+        self.edges = nn.Parameter(edges) if trainable else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.edges is not None:
+            x = _touch(x, self.edges)
         for layer in self.layers:
             x = layer(x)
         return x
@@ -99,10 +121,22 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
     }
-    frozen = shape.layer_params if lora_rank else 0
-    model = Stack(shape.layers, shape.hidden, frozen)
+    full = lora_rank == 0
+    weights = shape.layer_params if lora_rank or full else 0
+    model = Stack(shape.layers, shape.hidden, weights, shape.embed_params + shape.head_params if full else 0)
     t0 = time.perf_counter()
     runtime = prepare(model, config)
+    optimizer = None
+    if full and config.get("optimizer_offloading"):
+        from offloadkit.optim import BackwardAdamW
+
+        precision = config.get("optimizer_precision", "params")
+        optimizer = BackwardAdamW(
+            [p for n, p in model.named_parameters() if not n.endswith("scale")],
+            lr=0.0,  # the state is what is measured; the weights stay as they are
+            master_weights=precision == "fp32_master",
+            stochastic_rounding=precision == "compact",
+        )
     out["prepare_s"] = time.perf_counter() - t0
     x_gpu = torch.randn(1, seq, shape.hidden, dtype=torch.bfloat16, device="cuda")
     # What every layer's scale gradient must be: its input is x (all scales are 1).
@@ -139,6 +173,15 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
         sampler.join()
     grads = [layer.scale.grad for layer in model.layers]
     out["restored_inputs_exact"] = all(g is not None and torch.equal(g, expected) for g in grads)
+    if optimizer is not None:
+        optimizer.step()  # the updates happened in backward; this ends the pass
+        torch.cuda.synchronize()
+        state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
+        out["optimizer_state_host_gib"] = sum(t.numel() * t.element_size() for t in state) / GiB
+        out["optimizer_state_pinned"] = all(t.is_pinned() for t in state)
+        out["trainable_params"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
+        out["predicted"]["optimizer_state_gib"] = out["trainable_params"] * p.workload.optimizer_state_bytes / GiB
+        out["gradients_left"] = sum(q.grad is not None for q in model.parameters() if q.ndim > 0)
     report = runtime.report()
     storage = report.get("storage") or {}
     disk = storage.get("disk") or {}

@@ -36,6 +36,16 @@ LLAMA_SHAPES: dict[str, dict] = {
         tie_word_embeddings=True,
         rope_theta=500000.0,
     ),
+    "llama-3.2-3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
     "llama-3-8b": dict(
         hidden_size=4096,
         intermediate_size=14336,

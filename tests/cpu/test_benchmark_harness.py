@@ -58,3 +58,24 @@ def test_the_optimizer_precision_curve_runs_and_reports_each_precision(tmp_path)
     assert all(len(r["losses"]) == 6 and r["losses"][-1] < r["losses"][0] for r in records)
     text = op.report(records, args)
     assert "| fp32_master | 12.0 |" in text and "+0.0000 | +0.0000 |" in text
+
+
+def test_the_full_fine_tune_comparison_does_not_start_a_peer_the_host_cannot_hold(monkeypatch):
+    """``benchmarks/full_ft_peers.py`` checks a mode's host state against the RAM available
+    before starting it (a host out of memory takes the machine down), and its table reports
+    such a mode as not run, with the reason, beside the measured ones."""
+    from benchmarks import full_ft_peers as peers
+
+    monkeypatch.setattr(peers, "_available_host_bytes", lambda: 100 << 30)
+    args = argparse.Namespace(seq_len=16384, layers=2)
+    record = peers.run_one("deepspeed_zero2_offload", "llama-3-8b", args)
+    assert "step_s" not in record and record["host_state_gib"] > 119
+    assert "needs 120 GiB (16 bytes a parameter)" in record["skipped"] and "100 GiB available" in record["skipped"]
+    measured = dict(
+        mode="offloadkit", shape="llama-3-8b", seq_len=16384, step_s=2.0, tokens_per_s=8192.0, losses=[12.0],
+        peak_allocated_gib=20.0, peak_reserved_gib=22.0, host_peak_rss_gib=95.0, optimizer="BackwardAdamW",
+    )  # fmt: skip
+    slower = dict(measured, mode="fsdp2_cpu_offload", step_s=5.0)
+    text = peers._table([measured, slower, record], "# head")
+    assert "| llama-3-8b | fsdp2_cpu_offload | 16384 | 5.00 | 8192 | 2.50x |" in text
+    assert "| llama-3-8b | deepspeed_zero2_offload | 16384 | - |" in text and "not run: its host state needs" in text

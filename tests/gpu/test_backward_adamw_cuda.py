@@ -169,3 +169,31 @@ def test_state_copies_delayed_on_both_streams_stay_bitwise(master, window):
     key = "master" if master else "exp_avg"
     first = next(ours.parameters())
     assert saved["state"][0][key].data_ptr() == opt.state[first][key].data_ptr()
+
+
+def test_compact_state_with_delayed_copies_matches_the_undelayed_run_bitwise():
+    """The compact option on the GPU (bf16 moments in pinned memory, the update in fp32
+    chunks, stochastic rounding from a seeded CUDA generator): with every state copy delayed
+    by milliseconds the run is bitwise the undelayed one: no update reads state that has not
+    landed, and the rounding's random stream is the same."""
+    import contextlib
+
+    from offloadkit.testing import slow_copies
+
+    runs = []
+    for delayed in (False, True):
+        model = build_llama("small", dtype=torch.bfloat16, device=DEV)
+        batch = make_batch(2048, 2, 128, device=DEV)
+        opt = BackwardAdamW(model.parameters(), lr=1e-3, stochastic_rounding=True, seed=5, chunk_elements=1 << 16)
+        with slow_copies(2_000_000) if delayed else contextlib.nullcontext():
+            losses = []
+            for _ in range(4):
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        state = opt.state[next(model.parameters())]
+        assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg"].is_pinned()
+        runs.append((losses, _params(model)))
+    assert runs[0][0] == runs[1][0] and runs[0][0][-1] < runs[0][0][0]
+    assert_bitwise_equal(runs[0][1], runs[1][1], "compact, delayed copies")

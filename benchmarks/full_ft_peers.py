@@ -1,0 +1,345 @@
+"""Full fine-tuning with fp32 master weights on one GPU, side by side: offloadkit
+(BackwardAdamW with fp32 master weights and moments in host memory, checkpointing with the
+block inputs offloaded), FSDP2 with ``CPUOffloadPolicy`` on one rank, and DeepSpeed
+ZeRO-Offload (stage 2: optimizer on the CPU; stage 3: parameters too), both with checkpointing.
+
+Every mode trains the same Llama-shaped model (random init, the same fp32 weights cast to
+bf16 for compute), on the same random tokens, one sequence of ``--seq-len`` a step, AdamW
+without weight decay, SDPA attention. Each mode runs in a process of its own: 2 warm-up steps,
+then the median of ``--steps`` synchronised steps (forward, backward, optimizer step).
+Recorded: step time, tokens/s, peak GPU memory (allocated and reserved), the process's peak
+resident host memory, the losses. A peer whose host state cannot fit this machine's RAM is
+not started (a host out of memory takes the machine down with it): its record says what it
+would need.
+
+    python benchmarks/full_ft_peers.py --out DIR --shapes llama-3.2-3b,llama-3-8b
+
+Mode ``offloadkit_plan`` is the GPU side of the planner's longest full fine-tune instead:
+the plan for ``--budgets`` (GPU, host, disk GiB; the GPU's enforced through
+``gpu_budget_bytes``) at ``--seq-len`` (0: the planner's longest), applied with ``prepare()``
+to a model of ``--layers`` decoder layers (the GPU peak does not grow with depth), with
+BackwardAdamW at ``--precision``; the record has the plan's predicted step for this depth and
+for the full one.
+
+    python benchmarks/full_ft_peers.py --out DIR --shapes llama-3-8b --modes offloadkit_plan \
+        --seq-len 0 --layers 2 --budgets 79,108,55 --warmup 1 --steps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from offloadkit.models.zoo import LLAMA_SHAPES, build_llama, make_batch  # noqa: E402
+from offloadkit.planning.shape import ModelShape  # noqa: E402
+
+MODES = (
+    "offloadkit",
+    "offloadkit+chunked_loss",
+    "fsdp2_cpu_offload",
+    "deepspeed_zero2_offload",
+    "deepspeed_zero3_offload",
+)
+LR = 1e-5
+_GiB = 1 << 30
+# Host bytes per parameter each mode keeps (fp32 master weights and moments; the peers also
+# hold fp32 gradients on the host), for the check before starting.
+HOST_BYTES_PER_PARAM = {"offloadkit": 12, "fsdp2": 16, "deepspeed": 16}
+
+
+def _available_host_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info["MemAvailable"]
+
+
+def _model_fp32(shape: str, device: str):
+    model = build_llama(shape, dtype=torch.float32, device=device, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def _build_offloadkit(shape: str, chunked: bool):
+    from offloadkit.checkpointing import apply_activation_checkpointing
+    from offloadkit.longctx import apply_chunked_loss
+    from offloadkit.optim import BackwardAdamW
+
+    model = _model_fp32(shape, "cuda").to(torch.bfloat16)  # the peers' weights, rounded as their bf16 compute
+    model.train()
+    handles = [apply_activation_checkpointing(model, offload_inputs=True)]
+    if chunked:
+        handles.append(apply_chunked_loss(model))
+    opt = BackwardAdamW(model.parameters(), lr=LR, weight_decay=0.0, master_weights=True)
+
+    def step(batch):
+        loss = model(**batch).loss
+        loss.backward()  # each parameter updated here, its fp32 state streamed in and out
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, {"optimizer": "BackwardAdamW(master_weights=True)"}
+
+
+def _build_fsdp2(shape: str):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    model = _model_fp32(shape, "cuda").cpu()  # fp32 master weights: the parameters themselves, on the host
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    info = {}
+    try:  # PyTorch's fastest CPU AdamW; the for-loop one where the fused kernel is refused
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+        info["optimizer"] = "torch.optim.AdamW(fused=True) on the CPU"
+    except (RuntimeError, ValueError) as exc:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        info["optimizer"] = f"torch.optim.AdamW on the CPU (fused refused: {str(exc)[:120]})"
+
+    def step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, info
+
+
+def _build_deepspeed(shape: str, stage: int):
+    import deepspeed
+
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "gradient_clipping": 0.0,
+    }
+    model = _model_fp32(shape, "cuda").cpu()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.train()
+
+    def step(batch):
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, {"optimizer": type(opt.optimizer if hasattr(opt, "optimizer") else opt).__name__}
+
+
+def _build_planned(shape: str, args) -> tuple:
+    from offloadkit.compose import prepare
+    from offloadkit.optim import BackwardAdamW
+    from offloadkit.planning import Budgets, longest_sequence, plan
+
+    gpu, host, disk = (int(float(x) * _GiB) for x in args.budgets.split(","))
+    budgets = Budgets(gpu, host, disk)
+    seq = args.seq_len or longest_sequence(shape, lora_rank=0, budgets=budgets).longest
+    precision = args.precision
+    full = plan(shape, seq, lora_rank=0, budgets=budgets, optimizer_precision=precision)
+    here = plan(shape, seq, lora_rank=0, budgets=budgets, optimizer_precision=precision, layers=args.layers)
+    config = dict(full.to_config(), gpu_budget_bytes=gpu, disk_dir=args.disk_dir)
+    model = build_llama(
+        shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa", num_hidden_layers=args.layers
+    )
+    model.config.use_cache = False
+    model.train()
+    runtime = prepare(model, config)
+    opt = BackwardAdamW(
+        model.parameters(),
+        lr=LR,
+        weight_decay=0.0,
+        master_weights=precision == "fp32_master",
+        stochastic_rounding=precision == "compact",
+    )
+
+    def step(batch):
+        with runtime.context():
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    info = {
+        "seq_len": seq,
+        "layers": args.layers,
+        "precision": precision,
+        "budgets_gib": args.budgets,
+        "config": {k: v for k, v in config.items() if v is not None},
+        "fits": full.fits,
+        "predicted_step_s": here.time.seconds,
+        "predicted_full_depth_step_s": full.time.seconds,
+        "predicted_gpu_gib": here.memory.gpu_reserved / _GiB,
+        "optimizer": f"BackwardAdamW({precision})",
+    }
+    return step, info, seq
+
+
+def run_one(mode: str, shape: str, args) -> dict:
+    params = ModelShape.from_config(LLAMA_SHAPES[shape], name=shape).params
+    family = mode.split("_")[0].split("+")[0]
+    if mode == "offloadkit_plan":
+        params = ModelShape.from_config(dict(LLAMA_SHAPES[shape], num_hidden_layers=args.layers)).params
+    need = params * HOST_BYTES_PER_PARAM[family]
+    record = {"mode": mode, "shape": shape, "seq_len": args.seq_len, "params": params, "host_state_gib": need / _GiB}
+    available = _available_host_bytes()
+    if need + 8 * _GiB > available:
+        record["skipped"] = (
+            f"its host state needs {need / _GiB:.0f} GiB ({HOST_BYTES_PER_PARAM[family]} bytes a parameter) and the "
+            f"runtime about 8 more; this machine has {available / _GiB:.0f} GiB available"
+        )
+        return record
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29521")
+    torch.cuda.set_device(0)
+    seq_len = args.seq_len
+    if mode == "offloadkit_plan":
+        step, info, seq_len = _build_planned(shape, args)
+    elif mode.startswith("offloadkit"):
+        step, info = _build_offloadkit(shape, chunked=mode.endswith("chunked_loss"))
+    elif mode == "fsdp2_cpu_offload":
+        step, info = _build_fsdp2(shape)
+    else:
+        step, info = _build_deepspeed(shape, 2 if "zero2" in mode else 3)
+    record.update(info)
+    gc.collect()
+    vocab = LLAMA_SHAPES[shape]["vocab_size"]
+    batch = make_batch(vocab, 1, seq_len, device="cuda", seed=0)
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step(batch)
+        torch.cuda.synchronize()
+        losses.append(loss.item())
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    record.update(
+        step_s=step_s,
+        steps_s=times,
+        tokens_per_s=seq_len / step_s,
+        losses=losses,
+        peak_allocated_gib=torch.cuda.max_memory_allocated() / _GiB,
+        peak_reserved_gib=torch.cuda.max_memory_reserved() / _GiB,
+        host_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GiB,
+    )
+    return record
+
+
+def _table(records: list[dict], head: str) -> str:
+    lines = [
+        head,
+        "",
+        "| shape | mode | tokens | step s | tokens/s | vs offloadkit | GPU peak alloc / reserved GiB | "
+        "host peak RSS GiB | first loss | optimizer / note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ours = {r["shape"]: r for r in records if r["mode"] == "offloadkit" and "step_s" in r}
+    for r in records:
+        if "step_s" not in r:
+            why = r.get("skipped") or r.get("error", "no record")
+            lines.append(
+                f"| {r['shape']} | {r['mode']} | {r.get('seq_len', '-')} | - | - | - | - | - | - | not run: {why} |"
+            )
+            continue
+        base = ours.get(r["shape"])
+        ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base and r["mode"] != "offloadkit_plan" else "-"
+        note = r.get("optimizer", "")
+        if r["mode"] == "offloadkit_plan":
+            note += (
+                f"; {r['layers']} layers, plan for {r['budgets_gib']} GiB: "
+                f"predicted {r['predicted_step_s']:.1f} s here, "
+                f"{r['predicted_full_depth_step_s']:.0f} s at full depth, GPU {r['predicted_gpu_gib']:.1f} GiB"
+            )
+        lines.append(
+            f"| {r['shape']} | {r['mode']} | {r['seq_len']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {ratio} | "
+            f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f} | {r['host_peak_rss_gib']:.1f} | "
+            f"{r['losses'][0]:.4f} | {note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="llama-3.2-3b,llama-3-8b")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--seq-len", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2, help="offloadkit_plan: decoder layers built")
+    ap.add_argument("--budgets", default="79,108,55", help="offloadkit_plan: GPU,host,disk GiB planned for")
+    ap.add_argument("--precision", default="params", help="offloadkit_plan: optimizer_precision")
+    ap.add_argument("--disk-dir", default=None, help="offloadkit_plan: where the disk tier writes")
+    ap.add_argument("--one", nargs=2, metavar=("MODE", "SHAPE"), help="run one case in this process")
+    args = ap.parse_args()
+    if args.one:
+        mode, shape = args.one
+        try:
+            record = run_one(mode, shape, args)
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            record = {"mode": mode, "shape": shape, "error": " ".join(last.split())[:400]}
+            traceback.print_exc()
+        print("RECORD " + json.dumps(record), flush=True)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    records = []
+    for shape in args.shapes.split(","):
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--out", args.out, "--seq-len", str(args.seq_len)]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers)]
+            cmd += ["--budgets", args.budgets, "--precision", args.precision, "--one", mode, shape]
+            if args.disk_dir:
+                cmd += ["--disk-dir", args.disk_dir]
+            log = os.path.join(args.out, f"{shape}-{mode}.log")
+            with open(log, "w") as f:
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True)
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
+            record = (
+                json.loads(lines[-1][7:]) if lines else {"mode": mode, "shape": shape, "error": f"rc={proc.returncode}"}
+            )
+            records.append(record)
+            print(json.dumps({k: v for k, v in record.items() if k not in ("steps_s", "losses")}), flush=True)
+            with open(os.path.join(args.out, "full-ft-peers.json"), "w") as f:
+                json.dump(records, f, indent=1)
+    head = (
+        f"# Full fine-tune, fp32 master weights, one GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"{args.seq_len} tokens a step, median of {args.steps} steps after {args.warmup} warm-ups\n\n"
+        f"Command: `python benchmarks/full_ft_peers.py --shapes {args.shapes} --seq-len {args.seq_len}`."
+    )
+    text = _table(records, head)
+    with open(os.path.join(args.out, "full-ft-peers.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
