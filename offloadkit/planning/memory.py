@@ -299,11 +299,13 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         parts["trainable state"] = s.lora_params(w.lora_rank) * w.adapter_bytes * 4  # param, grad, AdamW m and v
     elif f.optimizer_offloading:
         # One parameter's gradient (widened to fp32 with master weights) and the state in
-        # flight: fetched ahead and on its way back, a window each.
+        # flight: fetched ahead and on its way back, a window each. The two hold different
+        # parameters (not yet updated, already updated), so together never more than the state.
         largest = max(max(a * c for a, c in s.linears), s.embed_params, s.head_params)
         # fp32 master weights widen the whole gradient; the compact update widens one chunk.
         grad = largest * (b + 4 if w.optimizer_precision == "fp32_master" else b)
-        in_flight = 2 * min(f.copy_window_bytes, s.params * w.optimizer_state_bytes) + largest * w.optimizer_state_bytes
+        state = s.params * w.optimizer_state_bytes
+        in_flight = min(2 * f.copy_window_bytes, state) + largest * w.optimizer_state_bytes
         parts["trainable state"] = grad + in_flight
     else:
         parts["trainable state"] = s.params * (b + w.optimizer_state_bytes)  # gradients and AdamW state

@@ -376,7 +376,19 @@ def plan(
         results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
     fitting = [p for p in results if p.fits]
     if fitting:
-        best = min(fitting, key=lambda p: (round(p.time.seconds, 2), p.memory.gpu_peak))
+        # Equal times (small workloads round to the same hundredth): the optimizer state on
+        # the GPU and coarser tiles (moving state costs host RAM, and tiny tiles cost kernel
+        # launches the estimate does not see), then the lower GPU peak.
+        best = min(
+            fitting,
+            key=lambda p: (
+                round(p.time.seconds, 2),
+                p.features.optimizer_offloading,
+                p.features.mlp_shards,
+                p.features.loss_chunks,
+                p.memory.gpu_peak,
+            ),
+        )
     else:
         best = min(results, key=lambda p: p.memory.gpu_reserved)
     best.rejected = [

@@ -144,6 +144,42 @@ def test_compact_state_through_the_trainer_trains_and_resumes_exactly(tmp_path):
     assert_bitwise_equal(full_weights, resumed_weights, "weights after resuming")
 
 
+def test_offload_plan_auto_that_needs_the_state_on_the_host_gives_the_trainer_backward_adamw(tmp_path):
+    """``offload_plan: auto`` for a full fine-tune whose GPU budget holds the weights but not
+    also the gradients and AdamW state: the plan moves the state to host memory, and the
+    Trainer's optimizer is BackwardAdamW (created in create_optimizer from the planned
+    config), which then trains. With room on the GPU the state stays there."""
+    from offloadkit.planning import Budgets, plan
+
+    shape = dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=259,
+    )
+    roomy = plan(shape, 32, batch=2, lora_rank=0, budgets=Budgets(1 << 30, 1 << 30, 1 << 30))
+    assert roomy.fits and not roomy.features.optimizer_offloading
+    offload = {"offload_plan": "auto", "seq_len": 32, "batch_size": 2, "gpu_budget_bytes": 48 << 20}
+    torch.manual_seed(0)
+    model = build_llama(shape, attn_implementation="sdpa", dtype=torch.bfloat16)
+    trainer = OffloadTrainer(
+        model=model,
+        args=_args(tmp_path, max_grad_norm=0.0, max_steps=2, warmup_steps=0, learning_rate=1e-3),
+        train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32),
+        offload_config=offload,
+    )
+    trainer.train()
+    plan = trainer.offload_report["plan"]
+    assert plan["fits"] and "optimizer state in host memory" in plan["name"], plan
+    optimizer = trainer.optimizer.optimizer
+    assert isinstance(optimizer, BackwardAdamW) and optimizer.updates_in_backward
+    assert all(s["exp_avg"].device.type == "cpu" for s in optimizer.state.values())
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and losses[-1] < losses[0]
+
+
 def test_optimizer_precision_is_checked():
     from offloadkit.config import OffloadConfig
 
