@@ -71,7 +71,7 @@ def _model_fp32(shape: str, device: str):
     return model
 
 
-def _build_offloadkit(shape: str, chunked: bool):
+def _build_offloadkit(shape: str, chunked: bool, args):
     from offloadkit.checkpointing import apply_activation_checkpointing
     from offloadkit.longctx import apply_chunked_loss
     from offloadkit.optim import BackwardAdamW
@@ -81,16 +81,30 @@ def _build_offloadkit(shape: str, chunked: bool):
     handles = [apply_activation_checkpointing(model, offload_inputs=True)]
     if chunked:
         handles.append(apply_chunked_loss(model))
-    opt = BackwardAdamW(model.parameters(), lr=LR, weight_decay=0.0, master_weights=True)
+    precision = args.precision if args.ours_params else "fp32_master"
+    opt = BackwardAdamW(
+        model.parameters(),
+        lr=LR,
+        weight_decay=0.0,
+        master_weights=precision == "fp32_master",
+        stochastic_rounding=precision == "compact",
+        copy_window_bytes=args.copy_window_mib << 20,
+    )
+    offloader = handles[0].offloader
 
     def step(batch):
         loss = model(**batch).loss
-        loss.backward()  # each parameter updated here, its fp32 state streamed in and out
+        loss.backward()  # each parameter updated here, its state streamed in and out
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return step, {"optimizer": "BackwardAdamW(master_weights=True)"}
+    def waits() -> dict:
+        stats = offloader.collect_stats()
+        return {"activation_wait_s": stats.wait_seconds, "activation_host_wait_s": stats.host_wait_seconds}
+
+    info = {"optimizer": f"BackwardAdamW({precision}, window {args.copy_window_mib} MiB)", "waits": waits}
+    return step, info
 
 
 def _build_fsdp2(shape: str):
@@ -221,17 +235,20 @@ def run_one(mode: str, shape: str, args) -> dict:
     if mode == "offloadkit_plan":
         step, info, seq_len = _build_planned(shape, args)
     elif mode.startswith("offloadkit"):
-        step, info = _build_offloadkit(shape, chunked=mode.endswith("chunked_loss"))
+        step, info = _build_offloadkit(shape, chunked=mode.endswith("chunked_loss"), args=args)
     elif mode == "fsdp2_cpu_offload":
         step, info = _build_fsdp2(shape)
     else:
         step, info = _build_deepspeed(shape, 2 if "zero2" in mode else 3)
+    waits = info.pop("waits", None)
     record.update(info)
     gc.collect()
     vocab = LLAMA_SHAPES[shape]["vocab_size"]
     batch = make_batch(vocab, 1, seq_len, device="cuda", seed=0)
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
+    if waits is not None:
+        waits()  # from here on: the timed steps' waits
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -240,6 +257,8 @@ def run_one(mode: str, shape: str, args) -> dict:
         losses.append(loss.item())
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+        elif waits is not None:
+            waits()  # warm-up steps' waits are not counted
     step_s = statistics.median(times)
     record.update(
         step_s=step_s,
@@ -250,6 +269,8 @@ def run_one(mode: str, shape: str, args) -> dict:
         peak_reserved_gib=torch.cuda.max_memory_reserved() / _GiB,
         host_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GiB,
     )
+    if waits is not None:
+        record.update({k: v / args.steps for k, v in waits().items()})  # per timed step
     return record
 
 
@@ -296,7 +317,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2, help="offloadkit_plan: decoder layers built")
     ap.add_argument("--budgets", default="79,108,55", help="offloadkit_plan: GPU,host,disk GiB planned for")
-    ap.add_argument("--precision", default="params", help="offloadkit_plan: optimizer_precision")
+    ap.add_argument(
+        "--precision",
+        default="params",
+        help="optimizer_precision of offloadkit_plan, and of the offloadkit modes with --ours-params "
+        "(they default to fp32_master, as the peers)",
+    )
+    ap.add_argument("--ours-params", action="store_true", help="offloadkit modes: use --precision as given")
+    ap.add_argument("--copy-window-mib", type=int, default=1024, help="offloadkit modes: BackwardAdamW's window")
     ap.add_argument("--disk-dir", default=None, help="offloadkit_plan: where the disk tier writes")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "SHAPE"), help="run one case in this process")
     args = ap.parse_args()
@@ -317,6 +345,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--out", args.out, "--seq-len", str(args.seq_len)]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers)]
             cmd += ["--budgets", args.budgets, "--precision", args.precision, "--one", mode, shape]
+            cmd += ["--copy-window-mib", str(args.copy_window_mib)] + (["--ours-params"] if args.ours_params else [])
             if args.disk_dir:
                 cmd += ["--disk-dir", args.disk_dir]
             log = os.path.join(args.out, f"{shape}-{mode}.log")
