@@ -100,8 +100,11 @@ def _build_offloadkit(shape: str, chunked: bool, args):
         return loss
 
     def waits() -> dict:
+        """The waits since the last call (the engine's counters start again)."""
         stats = offloader.collect_stats()
-        return {"activation_wait_s": stats.wait_seconds, "activation_host_wait_s": stats.host_wait_seconds}
+        out = {"activation_wait_s": stats.wait_seconds, "activation_host_wait_s": stats.host_wait_seconds}
+        offloader.reset_stats()
+        return out
 
     info = {"optimizer": f"BackwardAdamW({precision}, window {args.copy_window_mib} MiB)", "waits": waits}
     return step, info
