@@ -49,6 +49,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
+from offloadkit.defaults import OPTIMIZER_COPY_WINDOW_BYTES
 from offloadkit.optim.rounding import stochastic_round_to_bf16
 from offloadkit.optim.state_copies import StateCopies
 
@@ -82,7 +83,9 @@ class BackwardAdamW(Optimizer):
             parameters keep the exact fp32 result, fp16 ones round to nearest).
         seed: the compact option's random source (one generator per device).
         copy_window_bytes: GPU memory for the state of CUDA parameters fetched ahead, and
-            for the state still being copied back, each (at least one parameter's).
+            for the state still being copied back, each (at least one parameter's). None: 4 GiB
+            with fp32 master weights, 1 GiB otherwise (about one 8B layer's state; measured in
+            ``benchmarks/results/full-ft/window/``).
 
     Raises:
         ValueError: a negative ``lr``, a non-positive ``max_grad_norm``, both ``foreach``
@@ -112,7 +115,7 @@ class BackwardAdamW(Optimizer):
         stochastic_rounding: bool = False,
         seed: int = 0,
         chunk_elements: int = 1 << 24,
-        copy_window_bytes: int = 1 << 30,
+        copy_window_bytes: int | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is invalid; it must be >= 0")
@@ -146,6 +149,9 @@ class BackwardAdamW(Optimizer):
         self.chunk_elements = chunk_elements
         self._generators: dict[torch.device, torch.Generator] = {}
         self._accumulating = False
+        if copy_window_bytes is None:
+            precision = "fp32_master" if master_weights else "params"
+            copy_window_bytes = OPTIMIZER_COPY_WINDOW_BYTES[precision]
         self._copies = StateCopies(self._travelling, copy_window_bytes)
         self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
         self._handles = [

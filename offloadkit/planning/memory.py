@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
+from offloadkit.defaults import OPTIMIZER_COPY_WINDOW_BYTES, OPTIMIZER_STATE_BYTES, STREAM_DEPTH
 from offloadkit.planning.shape import ModelShape
 
 __all__ = [
@@ -138,7 +138,8 @@ class Features:
         optimizer_offloading: a full fine-tune's AdamW state in host memory, each parameter
             updated in backward (BackwardAdamW): no gradients or state held on the GPU beyond
             one parameter's and the copy window.
-        copy_window_bytes: GPU bytes of optimizer state in flight, each way.
+        copy_window_bytes: GPU bytes of optimizer state in flight, each way (None: BackwardAdamW's
+            default for the precision).
     """
 
     checkpointing: bool = True
@@ -152,7 +153,7 @@ class Features:
     tiled_projections: bool = False
     horizon: int | None = None
     optimizer_offloading: bool = False
-    copy_window_bytes: int = 1 << 30
+    copy_window_bytes: int | None = None
 
 
 @dataclass
@@ -305,7 +306,8 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         # fp32 master weights widen the whole gradient; the compact update widens one chunk.
         grad = largest * (b + 4 if w.optimizer_precision == "fp32_master" else b)
         state = s.params * w.optimizer_state_bytes
-        in_flight = min(2 * f.copy_window_bytes, state) + largest * w.optimizer_state_bytes
+        window = f.copy_window_bytes or OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
+        in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes
         parts["trainable state"] = grad + in_flight
     else:
         parts["trainable state"] = s.params * (b + w.optimizer_state_bytes)  # gradients and AdamW state
