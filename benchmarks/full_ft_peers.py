@@ -88,7 +88,7 @@ def _build_offloadkit(shape: str, chunked: bool, args):
         weight_decay=0.0,
         master_weights=precision == "fp32_master",
         stochastic_rounding=precision == "compact",
-        copy_window_bytes=args.copy_window_mib << 20,
+        copy_window_bytes=None if args.copy_window_mib is None else args.copy_window_mib << 20,
     )
     offloader = handles[0].offloader
 
@@ -106,7 +106,8 @@ def _build_offloadkit(shape: str, chunked: bool, args):
         offloader.reset_stats()
         return out
 
-    info = {"optimizer": f"BackwardAdamW({precision}, window {args.copy_window_mib} MiB)", "waits": waits}
+    window = opt._copies.window_bytes >> 20
+    info = {"optimizer": f"BackwardAdamW({precision}, window {window} MiB)", "waits": waits}
     return step, info
 
 
@@ -327,7 +328,9 @@ def main() -> None:
         "(they default to fp32_master, as the peers)",
     )
     ap.add_argument("--ours-params", action="store_true", help="offloadkit modes: use --precision as given")
-    ap.add_argument("--copy-window-mib", type=int, default=1024, help="offloadkit modes: BackwardAdamW's window")
+    ap.add_argument(
+        "--copy-window-mib", type=int, default=None, help="offloadkit modes: BackwardAdamW's window (default: its own)"
+    )
     ap.add_argument("--disk-dir", default=None, help="offloadkit_plan: where the disk tier writes")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "SHAPE"), help="run one case in this process")
     args = ap.parse_args()
@@ -348,7 +351,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--out", args.out, "--seq-len", str(args.seq_len)]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers)]
             cmd += ["--budgets", args.budgets, "--precision", args.precision, "--one", mode, shape]
-            cmd += ["--copy-window-mib", str(args.copy_window_mib)] + (["--ours-params"] if args.ours_params else [])
+            cmd += ["--copy-window-mib", str(args.copy_window_mib)] if args.copy_window_mib else []
+            cmd += ["--ours-params"] if args.ours_params else []
             if args.disk_dir:
                 cmd += ["--disk-dir", args.disk_dir]
             log = os.path.join(args.out, f"{shape}-{mode}.log")
