@@ -194,7 +194,8 @@ def test_an_optimizer_that_is_not_adamw_is_refused(tmp_path):
         _train(OffloadTrainer, tmp_path, optim="sgd")
 
 
-def test_the_command_line_trains_with_it(tmp_path):
+@pytest.mark.parametrize("precision", ["params", "compact"])
+def test_the_command_line_trains_with_it(tmp_path, precision):
     import json
     import os
     import subprocess
@@ -203,7 +204,8 @@ def test_the_command_line_trains_with_it(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     (tmp_path / "run.yaml").write_text(
         "model_shape: tiny\nseq_len: 64\nmax_steps: 3\nlora_rank: 0\nmax_grad_norm: 0\n"
-        f"optimizer_offloading: true\ncompare: false\noutput_dir: {tmp_path / 'out'}\n"
+        f"optimizer_offloading: true\noptimizer_precision: {precision}\ncompare: false\n"
+        f"output_dir: {tmp_path / 'out'}\n"
     )
     env = dict(os.environ, PYTHONPATH=root)
     proc = subprocess.run(
@@ -216,6 +218,8 @@ def test_the_command_line_trains_with_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert any("replaced by BackwardAdamW" in n and "updated in backward" in n for n in report["notes"])
+    state = "bf16 moments with stochastically rounded updates" if precision == "compact" else "parameters' dtype"
+    assert any(state in n for n in report["notes"]), report["notes"]
     memory = report["memory"]
     assert memory["optimizer_state_in_host_memory"] and memory["optimizer_state_bytes"] > 0
     # Gradients are freed at each parameter's update: at most the largest one is held.
