@@ -6,6 +6,8 @@ them from here (plain values: no torch import).
 
 __all__ = [
     "MAX_FWD_STASH_SIZE",
+    "COMPACT_CHUNK_ELEMENTS",
+    "COMPACT_CHUNK_BYTES_PER_ELEMENT",
     "MIN_OFFLOAD_SIZE",
     "OPTIMIZER_COPY_WINDOW_BYTES",
     "OPTIMIZER_STATE_BYTES",
@@ -30,3 +32,8 @@ OPTIMIZER_STATE_BYTES = {"params": 4, "fp32_master": 12, "compact": 4}
 # master weights (12 bytes a parameter) an 8B step at 16K took 3.20 s with 1 GiB and 2.80 s
 # with 4 GiB; with 4 bytes a parameter 1 and 4 GiB ran alike (2.53, 2.52 s), 64 MiB 5% slower.
 OPTIMIZER_COPY_WINDOW_BYTES = {"params": 1 << 30, "compact": 1 << 30, "fp32_master": 4 << 30}
+# The compact optimizer state's update runs over chunks of this many elements, widened to fp32:
+# about 40 bytes of temporaries an element (weight, gradient and moments in fp32, AdamW's
+# intermediates, the rounding's noise and bit patterns), 640 MiB a chunk.
+COMPACT_CHUNK_ELEMENTS = 1 << 24
+COMPACT_CHUNK_BYTES_PER_ELEMENT = 40

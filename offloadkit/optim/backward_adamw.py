@@ -49,7 +49,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
-from offloadkit.defaults import OPTIMIZER_COPY_WINDOW_BYTES
+from offloadkit.defaults import COMPACT_CHUNK_ELEMENTS, OPTIMIZER_COPY_WINDOW_BYTES
 from offloadkit.optim.rounding import stochastic_round_to_bf16
 from offloadkit.optim.state_copies import StateCopies
 
@@ -57,8 +57,10 @@ __all__ = ["BackwardAdamW"]
 
 # A parameter's state tensors, host-resident; "master" only with fp32 master weights.
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
-# The state_dict entry holding the compact option's generator states, by device.
+# The state_dict entry holding the compact option's generator states, by device type.
 _RNG_KEY = "stochastic_rounding_rng"
+# Group keys the constructor decides, not a checkpoint: the state's precision and the kernel.
+_PRECISION_KEYS = ("master_weights", "stochastic_rounding", "fused", "foreach")
 
 
 class BackwardAdamW(Optimizer):
@@ -114,7 +116,7 @@ class BackwardAdamW(Optimizer):
         master_weights: bool = False,
         stochastic_rounding: bool = False,
         seed: int = 0,
-        chunk_elements: int = 1 << 24,
+        chunk_elements: int = COMPACT_CHUNK_ELEMENTS,
         copy_window_bytes: int | None = None,
     ) -> None:
         if not lr >= 0.0:
@@ -148,6 +150,7 @@ class BackwardAdamW(Optimizer):
         self.seed = seed
         self.chunk_elements = chunk_elements
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._rng_restored: dict[str, torch.Tensor] = {}  # device type -> a checkpoint's state
         self._accumulating = False
         if copy_window_bytes is None:
             precision = "fp32_master" if master_weights else "params"
@@ -200,7 +203,11 @@ class BackwardAdamW(Optimizer):
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            gen = torch.Generator(device=device).manual_seed(self.seed)
+            restored = self._rng_restored.get(device.type)
+            if restored is not None:
+                gen.set_state(restored)
+            self._generators[device] = gen
         return self._generators[device]
 
     def _travelling(self, p: torch.Tensor):
@@ -332,7 +339,9 @@ class BackwardAdamW(Optimizer):
         saved = super().state_dict()
         if self._generators:
             # The compact option's random streams: a resumed run rounds as the uninterrupted one.
-            saved[_RNG_KEY] = {str(d): g.get_state() for d, g in self._generators.items()}
+            # Keyed by device type: under DDP every rank seeds alike and draws alike (replicas
+            # stay equal), and the one rank that saves speaks for all of them.
+            saved[_RNG_KEY] = {d.type: g.get_state() for d, g in self._generators.items()}
         return saved
 
     def load_state_dict(self, state_dict) -> None:
@@ -341,35 +350,53 @@ class BackwardAdamW(Optimizer):
         PyTorch's loader would first move every state tensor next to its parameter (the whole
         state on the GPU at once) and round fp32 master state to the parameter's dtype; here
         the groups go through it and the state is placed by hand.
+
+        The precision and kernel asked for at construction win over the checkpoint's: state
+        saved under another precision is converted (a master copy made from the parameter,
+        or dropped, the parameter being its rounding; moments cast to this precision's dtype).
         """
         self._synchronize()  # no copy may still write the state being replaced
         self._copies.reset()
-        for device, rng in state_dict.get(_RNG_KEY, {}).items():
-            self._generator(torch.device(device)).set_state(rng)
+        for key, rng in state_dict.get(_RNG_KEY, {}).items():
+            kind = torch.device(key).type  # older checkpoints name a device ("cuda:0")
+            # set_state takes a CPU byte tensor; the Trainer may have loaded it onto the GPU.
+            self._rng_restored[kind] = rng.cpu()
+            for device, gen in self._generators.items():
+                if device.type == kind:
+                    gen.set_state(self._rng_restored[kind])
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         ours = [p for g in self.param_groups for p in g["params"]]
+        asked = [{k: g[k] for k in _PRECISION_KEYS if k in g} for g in self.param_groups]
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        for group in self.param_groups:
+        for group, mine in zip(self.param_groups, asked):
+            group.update(mine)
             for key, value in self.defaults.items():
                 group.setdefault(key, value)  # a torch.optim.AdamW checkpoint lacks ours
         for i, p in zip(saved_ids, ours):
             saved = state_dict["state"].get(i)
-            if not saved:
-                continue
-            wide = "master" in saved  # fp32 master state keeps fp32 moments
-            moment_dtype = self._moment_dtype(p, self._group(p))
-            pin = self.pin_memory and p.is_cuda
-            entry = {}
-            for key, value in saved.items():
-                if key == "step":
-                    where = p.device if self._group(p)["fused"] else "cpu"
-                    entry[key] = torch.as_tensor(value).detach().to(where, torch.float32)
-                elif isinstance(value, torch.Tensor):
-                    dtype = value.dtype if wide else moment_dtype
-                    entry[key] = torch.empty(value.shape, dtype=dtype, pin_memory=pin).copy_(value)
-                else:
-                    entry[key] = value
-            self.state[p] = entry
+            if saved:
+                self.state[p] = self._converted(p, saved)
+
+    def _converted(self, p: torch.Tensor, saved: dict) -> dict:
+        """A checkpoint's state of ``p`` in host memory, in this optimizer's precision."""
+        group = self._group(p)
+        moment_dtype = self._moment_dtype(p, group)
+        pin = self.pin_memory and p.is_cuda
+        entry = {}
+        for key, value in saved.items():
+            if key == "step":
+                where = p.device if group["fused"] else "cpu"
+                entry[key] = torch.as_tensor(value).detach().to(where, torch.float32)
+            elif key == "master":
+                if self._keeps_master(p, group):
+                    entry[key] = torch.empty(value.shape, dtype=torch.float32, pin_memory=pin).copy_(value)
+            elif isinstance(value, torch.Tensor):
+                entry[key] = torch.empty(value.shape, dtype=moment_dtype, pin_memory=pin).copy_(value)
+            else:
+                entry[key] = value
+        if self._keeps_master(p, group) and "master" not in entry:
+            entry["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach())
+        return entry
 
     def remove(self) -> None:
         """Detach the backward hooks (the optimizer then updates only in :meth:`step`)."""

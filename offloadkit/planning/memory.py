@@ -18,7 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from offloadkit.defaults import OPTIMIZER_COPY_WINDOW_BYTES, OPTIMIZER_STATE_BYTES, STREAM_DEPTH
+from offloadkit.defaults import (
+    COMPACT_CHUNK_BYTES_PER_ELEMENT,
+    COMPACT_CHUNK_ELEMENTS,
+    OPTIMIZER_COPY_WINDOW_BYTES,
+    OPTIMIZER_STATE_BYTES,
+    STREAM_DEPTH,
+)
 from offloadkit.planning.shape import ModelShape
 
 __all__ = [
@@ -305,8 +311,12 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         largest = max(max(a * c for a, c in s.linears), s.embed_params, s.head_params)
         # fp32 master weights widen the whole gradient; the compact update widens one chunk.
         grad = largest * (b + 4 if w.optimizer_precision == "fp32_master" else b)
+        if w.optimizer_precision == "compact":
+            grad += min(largest, COMPACT_CHUNK_ELEMENTS) * COMPACT_CHUNK_BYTES_PER_ELEMENT
         state = s.params * w.optimizer_state_bytes
-        window = f.copy_window_bytes or OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
+        window = f.copy_window_bytes
+        if window is None:
+            window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
         in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes
         parts["trainable state"] = grad + in_flight
     else:

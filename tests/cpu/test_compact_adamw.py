@@ -152,3 +152,64 @@ def test_compact_and_master_weights_are_exclusive():
         BackwardAdamW([nn.Parameter(torch.ones(2))], master_weights=True, stochastic_rounding=True)
     with pytest.raises(ValueError, match="chunk_elements=0 must be >= 1"):
         BackwardAdamW([nn.Parameter(torch.ones(2))], stochastic_rounding=True, chunk_elements=0)
+
+
+def _trained(opt_kwargs, steps=2):
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8).bfloat16()
+    opt = BackwardAdamW(layer.parameters(), lr=1e-2, **opt_kwargs)
+    for _ in range(steps):
+        layer(torch.ones(2, 8, dtype=torch.bfloat16)).float().square().sum().backward()
+        opt.step()
+    return layer, opt
+
+
+@pytest.mark.parametrize(
+    "saved_kwargs, now_kwargs",
+    [
+        ({}, {"master_weights": True}),
+        ({"master_weights": True}, {"stochastic_rounding": True}),
+        ({"stochastic_rounding": True}, {}),
+        ({"master_weights": True}, {}),
+    ],
+    ids=["params->fp32_master", "fp32_master->compact", "compact->params", "fp32_master->params"],
+)
+def test_a_checkpoint_of_another_precision_is_converted_to_the_one_asked_for(saved_kwargs, now_kwargs):
+    """The precision given to the constructor wins over the checkpoint's; the state is
+    converted (a master copy made from the parameter, or dropped; moments cast) and training
+    goes on."""
+    layer, opt = _trained(saved_kwargs)
+    saved = copy.deepcopy(opt.state_dict())
+    opt.remove()
+    resumed = BackwardAdamW(layer.parameters(), lr=1e-2, **now_kwargs)
+    resumed.load_state_dict(saved)
+    group = resumed.param_groups[0]
+    assert group["master_weights"] == bool(now_kwargs.get("master_weights"))
+    assert group["stochastic_rounding"] == bool(now_kwargs.get("stochastic_rounding"))
+    state = resumed.state[layer.weight]
+    if now_kwargs.get("master_weights"):
+        assert state["exp_avg"].dtype == torch.float32
+        if not saved_kwargs.get("master_weights"):
+            assert torch.equal(state["master"], layer.weight.detach().float())  # made from the parameter
+    else:
+        assert "master" not in state and state["exp_avg"].dtype == torch.bfloat16
+    assert state["step"].item() == 2.0
+    before = layer.weight.detach().clone()
+    layer(torch.ones(2, 8, dtype=torch.bfloat16)).float().square().sum().backward()
+    resumed.step()
+    assert not torch.equal(before, layer.weight.detach()) and torch.isfinite(layer.weight).all()
+
+
+def test_the_rounding_state_is_saved_by_device_type_and_restored_onto_the_cpu():
+    """Saved by device type (every DDP rank seeds and draws alike; the rank that saves speaks
+    for all), restored into the generator of each parameter's device, created before or after
+    loading; a checkpoint naming a device ("cpu:0"-style keys of older saves) loads too."""
+    _, opt = _trained({"stochastic_rounding": True, "seed": 4})
+    saved = opt.state_dict()
+    assert set(saved["stochastic_rounding_rng"]) == {"cpu"}
+    expected = saved["stochastic_rounding_rng"]["cpu"]
+    for key in ("cpu", "cpu:0"):
+        layer, fresh = _trained({"stochastic_rounding": True, "seed": 99}, steps=0)
+        legacy = dict(copy.deepcopy(saved), stochastic_rounding_rng={key: expected.clone()})
+        fresh.load_state_dict(legacy)
+        assert torch.equal(fresh._generator(torch.device("cpu")).get_state(), expected)

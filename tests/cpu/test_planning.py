@@ -532,6 +532,9 @@ def test_fp32_master_weights_cost_twelve_bytes_a_parameter_of_host_memory():
     assert shorter.longest < longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets).longest
     compact = plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets, optimizer_precision="compact")
     assert compact.memory.host == bf16.memory.host and "AdamW state (compact, 4 bytes a parameter)" in compact.table()
+    # The compact update's fp32 temporaries: one chunk of 2**24 elements, 40 bytes each.
+    extra = compact.memory.gpu_parts["trainable state"] - bf16.memory.gpu_parts["trainable state"]
+    assert compact.features.optimizer_offloading and extra == (1 << 24) * 40
     with pytest.raises(ValueError, match="optimizer_precision='fp8' is not a precision; use one of params, fp32"):
         plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets, optimizer_precision="fp8")
 
