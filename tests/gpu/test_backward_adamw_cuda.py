@@ -197,3 +197,26 @@ def test_compact_state_with_delayed_copies_matches_the_undelayed_run_bitwise():
         runs.append((losses, _params(model)))
     assert runs[0][0] == runs[1][0] and runs[0][0][-1] < runs[0][0][0]
     assert_bitwise_equal(runs[0][1], runs[1][1], "compact, delayed copies")
+
+
+def test_compact_state_resumes_bitwise_from_a_checkpoint_loaded_onto_the_gpu():
+    """A compact run on the GPU saved after 2 steps and loaded with every tensor mapped to the
+    GPU (as the Trainer loads under several processes), CUDA generator state included: the 2
+    steps after it are bitwise those of the uninterrupted run."""
+
+    def run(resume: bool):
+        model = build_llama("small", dtype=torch.bfloat16, device=DEV)
+        batch = make_batch(2048, 2, 128, device=DEV)
+        opt = BackwardAdamW(model.parameters(), lr=1e-3, stochastic_rounding=True, seed=7)
+        for step in range(4):
+            if resume and step == 2:
+                saved = opt.state_dict()
+                on_gpu = torch.utils._pytree.tree_map(lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x, saved)
+                opt.remove()
+                opt = BackwardAdamW(model.parameters(), lr=1e-3, stochastic_rounding=True, seed=0)
+                opt.load_state_dict(on_gpu)
+            model(**batch).loss.backward()
+            opt.step()
+        return _params(model)
+
+    assert_bitwise_equal(run(False), run(True), "compact, resumed from a GPU-mapped checkpoint")
