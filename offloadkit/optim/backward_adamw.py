@@ -271,14 +271,17 @@ class BackwardAdamW(Optimizer):
         """The compact option: AdamW in fp32 on widened chunks, rounded back stochastically."""
         gen = self._generator(p.device)
         tensors = [p.detach(), p.grad, local["exp_avg"], local["exp_avg_sq"]]
-        chunk = self.chunk_elements
         if all(t.is_contiguous() for t in tensors):
             tensors = [t.view(-1) for t in tensors]  # chunks of the flat views write through
+            length, per = p.numel(), self.chunk_elements
         else:
-            chunk = p.numel()  # one chunk: slicing a strided tensor by elements would copy it
+            # Strided (a 0-dim tensor is always contiguous): chunks of whole rows along the first
+            # dimension, which are views that write through too.
+            length = p.shape[0]
+            per = max(1, self.chunk_elements // max(1, p.numel() // max(1, length)))
         weight, grad, exp_avg, exp_avg_sq = tensors
-        for start in range(0, max(p.numel(), 1), chunk):
-            part = slice(start, start + chunk) if chunk < p.numel() else slice(None)
+        for start in range(0, max(length, 1), per):
+            part = slice(start, start + per)
             w32, m32, v32 = weight[part].float(), exp_avg[part].float(), exp_avg_sq[part].float()
             # Each chunk is the same step: it counts from a copy, the real count moves once below.
             self._adamw(w32, grad[part].float(), m32, v32, step.clone(), group, p.is_cuda)

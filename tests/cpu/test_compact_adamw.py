@@ -89,6 +89,24 @@ def test_each_compact_update_is_the_fp32_update_rounded_to_a_neighbour(chunk):
                 assert ((got == down) | (got == up)).all(), (key, step)
 
 
+def test_a_strided_parameter_is_updated_in_chunks_of_rows():
+    """A transposed (non-contiguous) parameter, chunked by rows: each weight lands on a bf16
+    neighbour of the fp32 update, as for a contiguous one."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(24, 40).bfloat16().t())  # [40, 24], strided
+    assert not w.is_contiguous()
+    ref = nn.Parameter(w.detach().float())
+    grad = torch.randn(40, 24)
+    opt = BackwardAdamW([w], lr=1e-2, stochastic_rounding=True, chunk_elements=100)  # 4 rows a chunk
+    w.grad = grad.bfloat16().t().contiguous().t()  # strided like the parameter
+    ref.grad = w.grad.float()
+    opt.step()
+    torch.optim.AdamW([ref], lr=1e-2).step()
+    down, up = _neighbours(ref.detach().contiguous())
+    got = w.detach().float()
+    assert ((got == down) | (got == up)).all() and opt.state[w]["step"].item() == 1.0
+
+
 def test_small_updates_survive_as_with_fp32_master_weights_and_vanish_in_pure_bf16():
     """Weights at 1.0 moved by AdamW steps of about 1e-4, 30 times smaller than bf16's half
     step there: pure bf16 rounds every update away, fp32 master weights move 100 steps' worth,
