@@ -130,12 +130,10 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
     if full and config.get("optimizer_offloading"):
         from offloadkit.optim import BackwardAdamW
 
-        precision = config.get("optimizer_precision", "params")
-        optimizer = BackwardAdamW(
+        optimizer = BackwardAdamW.for_precision(
             [p for n, p in model.named_parameters() if not n.endswith("scale")],
+            config.get("optimizer_precision", "params"),
             lr=0.0,  # the state is what is measured; the weights stay as they are
-            master_weights=precision == "fp32_master",
-            stochastic_rounding=precision == "compact",
         )
     out["prepare_s"] = time.perf_counter() - t0
     x_gpu = torch.randn(1, seq, shape.hidden, dtype=torch.bfloat16, device="cuda")

@@ -82,12 +82,11 @@ def _build_offloadkit(shape: str, chunked: bool, args):
     if chunked:
         handles.append(apply_chunked_loss(model))
     precision = args.precision if args.ours_params else "fp32_master"
-    opt = BackwardAdamW(
+    opt = BackwardAdamW.for_precision(
         model.parameters(),
+        precision,
         lr=LR,
         weight_decay=0.0,
-        master_weights=precision == "fp32_master",
-        stochastic_rounding=precision == "compact",
         copy_window_bytes=None if args.copy_window_mib is None else args.copy_window_mib << 20,
     )
     offloader = handles[0].offloader
@@ -188,13 +187,7 @@ def _build_planned(shape: str, args) -> tuple:
     model.config.use_cache = False
     model.train()
     runtime = prepare(model, config)
-    opt = BackwardAdamW(
-        model.parameters(),
-        lr=LR,
-        weight_decay=0.0,
-        master_weights=precision == "fp32_master",
-        stochastic_rounding=precision == "compact",
-    )
+    opt = BackwardAdamW.for_precision(model.parameters(), precision, lr=LR, weight_decay=0.0)
 
     def step(batch):
         with runtime.context():

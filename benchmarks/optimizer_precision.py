@@ -41,11 +41,7 @@ SHAPES = {
         vocab_size=259,
     ),
 }
-PRECISIONS = {
-    "params": {},
-    "compact": {"stochastic_rounding": True},
-    "fp32_master": {"master_weights": True},
-}
+PRECISIONS = ("params", "compact", "fp32_master")
 
 
 def _lr(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -59,7 +55,7 @@ def run(precision: str, args) -> dict:
     device = torch.device(args.device)
     model = build_llama(SHAPES[args.shape], vocab_size=259, dtype=torch.bfloat16, device=device, seed=0)
     model.config._attn_implementation = "sdpa"
-    opt = BackwardAdamW(model.parameters(), lr=args.lr, weight_decay=0.1, **PRECISIONS[precision])
+    opt = BackwardAdamW.for_precision(model.parameters(), precision, lr=args.lr, weight_decay=0.1)
     data = TokenBlocks(byte_tokenizer(), load_texts(), args.seq_len)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     losses, times = [], []

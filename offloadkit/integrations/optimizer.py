@@ -49,8 +49,9 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
     scaled = bool(getattr(args, "fp16", False))
     accelerator = trainer.accelerator
     precision = (config or trainer.offload_config).optimizer_precision
-    optimizer = BackwardAdamW(
+    optimizer = BackwardAdamW.for_precision(
         groups,
+        precision,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
@@ -60,8 +61,6 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
         update_when=lambda: accelerator.sync_gradients,
         # The kernel the Trainer's own AdamW would run, so the updates are bitwise its own.
         fused=optim == "adamw_torch_fused",
-        master_weights=precision == "fp32_master",
-        stochastic_rounding=precision == "compact",
     )
     if scaled:
         when = "updates at step(), after the fp16 loss scaler unscales the gradients and checks them for inf/nan"

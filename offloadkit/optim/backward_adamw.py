@@ -49,7 +49,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
-from offloadkit.defaults import COMPACT_CHUNK_ELEMENTS, OPTIMIZER_COPY_WINDOW_BYTES
+from offloadkit.defaults import COMPACT_CHUNK_ELEMENTS, OPTIMIZER_COPY_WINDOW_BYTES, OPTIMIZER_STATE_BYTES
 from offloadkit.optim.rounding import stochastic_round_to_bf16
 from offloadkit.optim.state_copies import StateCopies
 
@@ -163,6 +163,25 @@ class BackwardAdamW(Optimizer):
             for p in group["params"]
             if p.requires_grad
         ]
+
+    @classmethod
+    def for_precision(cls, params: Iterable, precision: str = "params", **kwargs) -> "BackwardAdamW":
+        """A BackwardAdamW keeping its state in ``precision`` (the ``optimizer_precision`` names).
+
+        Args:
+            params: as for the constructor.
+            precision: "params" (the parameters' dtype), "fp32_master" or "compact".
+            **kwargs: the constructor's other arguments.
+
+        Raises:
+            ValueError: an unknown precision.
+        """
+        if precision not in OPTIMIZER_STATE_BYTES:
+            names = ", ".join(OPTIMIZER_STATE_BYTES)
+            raise ValueError(f"precision={precision!r} is not an optimizer precision; use one of {names}")
+        return cls(
+            params, master_weights=precision == "fp32_master", stochastic_rounding=precision == "compact", **kwargs
+        )
 
     def _group(self, p: torch.Tensor) -> dict:
         """``p``'s parameter group as it is now: ``load_state_dict`` (Accelerate's device

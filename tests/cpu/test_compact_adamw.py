@@ -165,6 +165,17 @@ def test_the_same_seed_gives_the_same_run_and_a_checkpoint_resumes_it_exactly():
     assert torch.equal(first, run(resume_at=2))
 
 
+def test_a_precision_name_gives_its_options():
+    p = [nn.Parameter(torch.ones(2))]
+    assert BackwardAdamW.for_precision(p, "fp32_master").defaults["master_weights"]
+    compact = BackwardAdamW.for_precision(p, "compact", lr=0.5)
+    assert compact.defaults["stochastic_rounding"] and compact.defaults["lr"] == 0.5
+    plain = BackwardAdamW.for_precision(p)
+    assert not plain.defaults["master_weights"] and not plain.defaults["stochastic_rounding"]
+    with pytest.raises(ValueError, match="precision='fp8' is not an optimizer precision"):
+        BackwardAdamW.for_precision(p, "fp8")
+
+
 def test_compact_and_master_weights_are_exclusive():
     with pytest.raises(ValueError, match="pick fp32 master state"):
         BackwardAdamW([nn.Parameter(torch.ones(2))], master_weights=True, stochastic_rounding=True)
