@@ -310,14 +310,21 @@ def prepare(
             runtime._note("layer_offloading has no effect without a CUDA GPU")
         else:
             try:
+                # Trainable weights stream only when the optimizer updates them in backward,
+                # while their block is resident; torch's AdamW would step over host memory.
                 runtime.streamer = apply_layer_streaming(
-                    model, depth=config.layer_offloading_depth, use_pin_memory=config.use_pin_memory, budget=budget
+                    model,
+                    depth=config.layer_offloading_depth,
+                    use_pin_memory=config.use_pin_memory,
+                    budget=budget,
+                    trainable=config.optimizer_offloading,
                 )
             except ValueError as exc:
-                if "no frozen parameters" not in str(exc):
+                if "layer streaming found no" not in str(exc):
                     raise
                 runtime._note(
                     "layer_offloading has no effect: the model's layers hold no frozen weights "
-                    "(it streams the frozen base of LoRA/QLoRA models)"
+                    "(it streams the frozen base of LoRA/QLoRA models, and a full fine-tune's weights "
+                    "with optimizer_offloading: true)"
                 )
     return runtime

@@ -2,7 +2,9 @@
 # On one GPU: full fine-tunes of the Llama-3-8B shape with BackwardAdamW through
 # `offloadkit train` (benchmarks/configs/full-ft-8b-16k.yaml, one sequence a step): pure bf16
 # at 16K for 20 steps, fp32 master weights and moments (optimizer_precision: fp32_master) at
-# 16K for 20 steps, pure bf16 at 64K for 3 steps (the shipped text repeated to fill 64K).
+# 16K for 20 steps, pure bf16 at 64K for 3 steps (the shipped text repeated to fill 64K); the
+# streamed-* runs add layer_offloading (the layers' trainable weights in pinned host memory,
+# updated in backward while resident).
 # Each run's report (step times, peaks, host RAM) and log under $OUT. Longer than one command:
 # start it with setsid and collect $OUT later.
 set -uo pipefail
@@ -28,4 +30,9 @@ RUNS=${RUNS:-"bf16-16k fp32-master-16k bf16-64k"}  # a subset: RUNS="bf16-16k"
 [[ " $RUNS " == *" bf16-16k "* ]] && run bf16-16k
 [[ " $RUNS " == *" fp32-master-16k "* ]] && run fp32-master-16k "optimizer_precision: fp32_master"
 [[ " $RUNS " == *" bf16-64k "* ]] && run bf16-64k "seq_len: 65536" "max_steps: 3" "dataset: /tmp/corpus-x6.txt"
+[[ " $RUNS " == *" streamed-bf16-16k "* ]] && run streamed-bf16-16k "layer_offloading: true"
+[[ " $RUNS " == *" streamed-fp32-master-16k "* ]] && run streamed-fp32-master-16k "layer_offloading: true" \
+  "optimizer_precision: fp32_master"
+[[ " $RUNS " == *" streamed-bf16-64k "* ]] && run streamed-bf16-64k "layer_offloading: true" "seq_len: 65536" \
+  "max_steps: 3" "dataset: /tmp/corpus-x6.txt"
 echo "== all done"

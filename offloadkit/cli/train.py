@@ -322,7 +322,9 @@ def _describe(cfg: TrainConfig, name: str, dtype: torch.dtype, cuda: bool, seque
             }[mode]
         )
     if off.layer_offloading:
-        parts.append("frozen-layer streaming")
+        full_ft = not cfg.lora_rank and off.optimizer_offloading
+        what = "layer streaming (trainable weights, updated in backward)" if full_ft else "frozen-layer streaming"
+        parts.append(what)
     shape = f"{cfg.batch_size} x {cfg.seq_len}"
     if cfg.gradient_accumulation_steps > 1:
         shape += f" x {cfg.gradient_accumulation_steps} accumulated"

@@ -182,10 +182,12 @@ class TrainConfig:
     def warn_without_effect(self) -> None:
         """One warning per setting that cannot take effect (called once, when the config is read)."""
         if self.offload.layer_offloading and not self.lora_rank and self.model is None:
-            self.offload._warn(
-                f"layer_offloading streams frozen weights; with a full fine-tune "
-                f"({self.name('lora_rank')}: 0) there are none, so it has no effect"
-            )
+            if not self.offload.optimizer_offloading:
+                self.offload._warn(
+                    f"layer_offloading streams frozen weights, and a full fine-tune's "
+                    f"({self.name('lora_rank')}: 0) only with optimizer_offloading: true (updates in backward); "
+                    "without it there is nothing to stream, so it has no effect"
+                )
         lora_keys = [k for k in ("lora_alpha",) if getattr(self, k) is not None]
         lora_keys += [k for k in ("lora_dropout",) if getattr(self, k)]
         lora_keys += [k for k in ("lora_target_modules",) if getattr(self, k) != "all-linear"]

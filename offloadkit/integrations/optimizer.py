@@ -80,4 +80,12 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
         f"optimizer_offloading: the Trainer's {optim} is replaced by BackwardAdamW ({kernel}), {state} in "
         f"host memory, {when}"
     )
+    runtime = getattr(trainer, "offload_runtime", None)
+    streamer = getattr(runtime, "streamer", None)
+    if getattr(streamer, "trainable", False) and (clipping or scaled):
+        note += (
+            "; the layers' weights are streamed, so each deferred update reads and writes them in host memory "
+            "over the bus, with every gradient held on the GPU until step() (max_grad_norm: 0 updates each "
+            "layer in backward while it is resident)"
+        )
     return optimizer, note

@@ -1,4 +1,4 @@
-"""One block's frozen weights as a single flat device storage backed by a pinned host copy.
+"""One block's weights as a single flat device storage backed by a pinned host copy.
 
 While the block is resident each streamed parameter is a view into the block's flat
 device storage (at a 512-byte aligned offset, so kernels see the same alignment as before
@@ -13,6 +13,11 @@ it): reading a weight, ``state_dict()``, ``load_state_dict()``, PEFT's merge or 
 and change the real values instead of a zero-byte storage, and ``model.to("cuda")`` (as
 the Trainer does) moves nothing. The host copy is made once; a resident block's in-place
 changes reach it through :meth:`FlatWeights.write_back`.
+
+Trainable weights stream the same way. Whatever changed a resident weight in place (an
+optimizer updating it during backward) moves its version counter; eviction then queues the
+block's bytes back into the host copy on the device->host stream before the device memory is
+released, and the next load of the block is ordered after that copy.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from offloadkit.runtime.autograd import version_of
 from offloadkit.runtime.device import device_alias_of_host, host_alias
 from offloadkit.storage.pool import HostBufferPool
 from offloadkit.transfer import copy_stream, queue_copy
@@ -35,9 +41,9 @@ _ALIGN = 512
 _RAW_DATA_PARAMS = {"Params4bit", "Int8Params"}  # bitsandbytes: quantized bytes live in .data
 
 
-def streamable_reason(param: nn.Parameter, shared: bool) -> str | None:
-    """Why ``param`` cannot be streamed, or None."""
-    if param.requires_grad:
+def streamable_reason(param: nn.Parameter, shared: bool, trainable: bool = False) -> str | None:
+    """Why ``param`` cannot be streamed, or None (``trainable``: trainable weights may be)."""
+    if param.requires_grad and not trainable:
         return "trainable"
     if shared:
         return "shared"
@@ -87,7 +93,7 @@ def _give_back(pool: HostBufferPool, block, device: torch.device) -> None:
 
 
 class FlatWeights:
-    """Frozen parameters of one block, streamable as one unit.
+    """Parameters of one block, streamable as one unit.
 
     Args:
         name: the block's qualified name (for messages).
@@ -136,6 +142,14 @@ class FlatWeights:
             )
             host_view = self.host_tensor(s)
             alias = device_alias_of_host(host_view, device, self._lease) if self.host.pinned else None
+            if alias is None and s.param.requires_grad and device.type == "cuda":
+                # An evicted trainable weight may still be updated or given a gradient on the GPU
+                # (a deferred optimizer step): it must stay addressable there.
+                raise RuntimeError(
+                    f"offloadkit: the GPU cannot address the host copy of {name}.{s.name} "
+                    "(pinned memory mapped into the device's address space); stream trainable weights only with "
+                    "use_pin_memory=True on a GPU with unified addressing"
+                )
             self._host_views.append(alias if alias is not None else host_alias(host_view, self._lease))
         del flat
         self._point_params(resident=True)
@@ -143,6 +157,8 @@ class FlatWeights:
         self.ready: torch.cuda.Event | None = None  # the load has landed
         self.alloc_stream: torch.cuda.Stream | None = None  # stream the resident memory belongs to
         self.consumed = True
+        self.written: torch.cuda.Event | None = None  # the last write-back queued at eviction
+        self._versions = self._current_versions()  # as loaded: a change means written in place
 
     # -- residency -----------------------------------------------------------------------
     def byte_view(self) -> torch.Tensor:
@@ -167,17 +183,36 @@ class FlatWeights:
         self._point_params(resident=True)
         self.resident = True
         self.consumed = False
+        self._versions = self._current_versions()
 
-    def evict(self) -> None:
+    def _current_versions(self) -> list[int]:
+        return [version_of(slot.param) for slot in self.slots]
+
+    @property
+    def dirty(self) -> bool:
+        """Whether a resident weight was changed in place since the block was loaded."""
+        return self.resident and self._versions != self._current_versions()
+
+    def evict(self) -> bool:
+        """Release the device bytes, writing them back to the host copy first when a weight
+        changed in place (queued after the work on the current stream that changed it).
+
+        Returns:
+            Whether a write-back was queued.
+        """
         if not self.resident:
-            return
+            return False
         if not self.consumed and self.ready is not None:
             # A prefetched copy nobody waited for may still be writing: order reuse after it.
             self.alloc_stream.wait_event(self.ready)
+        dirty = self.dirty
+        if dirty:
+            self._queue_write_back()
         self.storage.resize_(0)
         self._point_params(resident=False)
         self.resident = False
         self.ready = None
+        return dirty
 
     def _point_params(self, resident: bool) -> None:
         views = self._device_views if resident else self._host_views
@@ -224,6 +259,23 @@ class FlatWeights:
             self.ready.synchronize()
         self.host.wait_host()
         self.host.view(self.nbytes).copy_(self.byte_view())
+        self._versions = self._current_versions()
+
+    def _queue_write_back(self) -> None:
+        """Queue the device bytes back into the host copy without waiting for it."""
+        src = self.byte_view()
+        dst = self.host.view(self.nbytes)
+        if self.device.type != "cuda":
+            dst.copy_(src)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        d2h = copy_stream(self.device, "d2h")
+        # After compute: the bytes are final once the updates queued there ran. The storage is
+        # released right after this call: the allocator must not reuse it before the copy read it.
+        src.record_stream(d2h)
+        # The host block orders the copy after a load still reading the host copy, and the
+        # next load after this copy.
+        self.written = queue_copy(dst, src, stream=d2h, block=self.host, after=compute)
 
     def host_tensor(self, slot: _Slot) -> torch.Tensor:
         """The parameter's value in the host copy."""
@@ -236,6 +288,8 @@ class FlatWeights:
         if not self.resident:
             compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             self.storage.resize_(self.nbytes)
+            if compute is not None:
+                self.host.order_device_use(compute)  # after a write-back still filling the host copy
             self.byte_view().copy_(self.host.view(self.nbytes))
             if compute is not None:
                 compute.synchronize()

@@ -1,5 +1,14 @@
-"""Frozen-layer streaming: decoder-layer weights live in pinned host memory and visit the
-GPU one layer at a time, prefetched ahead in forward and in reverse order in backward.
+"""Layer streaming: decoder-layer weights live in pinned host memory and visit the GPU one
+layer at a time, prefetched ahead in forward and in reverse order in backward.
+
+Frozen weights (the base of LoRA/QLoRA models) are streamed by default. With
+``trainable=True`` the trainable ones are too (a full fine-tune): an optimizer that updates
+each parameter during backward (:class:`~offloadkit.optim.BackwardAdamW`) finds the block
+resident while its gradients are formed, and the updated bytes go back to the host copy when
+the block is evicted (:class:`~offloadkit.layers.flat.FlatWeights`). An optimizer stepping
+after backward (clipping, accumulation, ``torch.optim.AdamW``) reads and writes the evicted
+weights in place in host memory through the GPU's mapping of it: correct, at the bus's speed,
+with every gradient held on the GPU until then.
 
 Triggers:
 
@@ -48,6 +57,7 @@ class StreamStats:
     loaded_bytes: int = 0
     prefetched: int = 0
     misses: int = 0  # a block was needed and its load had not been issued
+    write_backs: int = 0  # evictions that copied updated weights back to the host
     max_resident: int = 0
     wait_seconds: float = 0.0
     skipped_params: Counter = field(default_factory=Counter)
@@ -55,13 +65,13 @@ class StreamStats:
     def summary(self) -> str:
         return (
             f"layer streaming: {self.loads} loads ({self.loaded_bytes / 2**30:.2f} GiB), "
-            f"{self.misses} misses, at most {self.max_resident} layers resident, "
+            f"{self.misses} misses, {self.write_backs} write-backs, at most {self.max_resident} layers resident, "
             f"compute waited {self.wait_seconds:.4f} s"
         )
 
 
 class LayerStreamer:
-    """Streams the frozen weights of a model's blocks from pinned host memory.
+    """Streams the weights of a model's blocks from pinned host memory.
 
     Use :func:`apply_layer_streaming` to build one. ``remove()`` puts every weight back on
     the GPU for good and detaches all hooks.
@@ -78,11 +88,13 @@ class LayerStreamer:
         head: nn.Module | None = None,
         measure_waits: bool = True,
         device: torch.device | str | None = None,
+        trainable: bool = False,
     ) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth={depth!r} is invalid; it is the number of resident layers, an int >= 1")
         self.model = model
         self.depth = depth
+        self.trainable = trainable
         self.device = _streaming_device(device)
         cuda = self.device.type == "cuda"
         self.budget = budget if budget is not None else HostMemoryBudget()
@@ -102,7 +114,7 @@ class LayerStreamer:
             params = []
             for mod_name, module in block.named_modules():
                 for attr, p in list(module.named_parameters(recurse=False)):
-                    reason = streamable_reason(p, shared=owners[id(p)] > 1)
+                    reason = streamable_reason(p, shared=owners[id(p)] > 1, trainable=trainable)
                     if reason is None and p.device.type != self.device.type:
                         reason = "not on the compute device"
                     if reason is None:
@@ -114,12 +126,11 @@ class LayerStreamer:
                 self.block_names.append(name)
                 self._hook_block(len(self.layers) - 1, block)
         if not self.layers:
-            raise ValueError(
-                "layer streaming found no frozen parameters in the blocks "
-                f"({dict(self.stats.skipped_params)}); freeze the base model (e.g. use LoRA) first"
-            )
+            what = "parameters it can stream" if trainable else "frozen parameters"
+            hint = "" if trainable else "; freeze the base model (e.g. use LoRA) or stream trainable weights too"
+            raise ValueError(f"layer streaming found no {what} in the blocks ({dict(self.stats.skipped_params)}){hint}")
         for layer in self.layers:
-            layer.evict()
+            self._evict(layer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # return the blocks of the original weights
@@ -143,7 +154,7 @@ class LayerStreamer:
             with self._lock:
                 if in_backward():
                     return  # recompute: the block's backward still needs the weights
-                self.layers[index].evict()
+                self._evict(self.layers[index])
             grad_fn = first_grad_fn(output)
             if grad_fn is not None:
                 grad_fn.register_prehook(lambda grad_outputs: self._backward_reached(index))
@@ -191,7 +202,7 @@ class LayerStreamer:
                     torch.cuda.current_stream(layer.device).synchronize()
                 layer.write_back()
                 if not was_resident:
-                    layer.evict()
+                    self._evict(layer)
 
     def _forward_start(self) -> None:
         if in_backward():
@@ -201,7 +212,8 @@ class LayerStreamer:
             for j, layer in enumerate(self.layers):
                 layer.check_params()
                 if layer.resident and j not in first:
-                    layer.evict()  # left resident by a backward that failed before its end
+                    self._evict(layer)  # left resident by a backward that failed before its end
+            self._order_after_write_backs()
             for j in first:
                 self._prefetch(j)
 
@@ -222,7 +234,7 @@ class LayerStreamer:
             self._queue_end_callback()
             for j, layer in enumerate(self.layers):
                 if j > index and layer.resident:
-                    layer.evict()  # their backward is finished
+                    self._evict(layer)  # their backward is finished
             self._ensure(index)
             for j in range(index - 1, max(index - self.depth, -1), -1):
                 self._prefetch(j)
@@ -239,10 +251,24 @@ class LayerStreamer:
     def _end_backward(self) -> None:
         with self._lock:
             for layer in self.layers:
-                layer.evict()
+                self._evict(layer)
+            self._order_after_write_backs()
             self._bwd_task = None
             self._clock.collect(self._clock_stats)
             self.stats.wait_seconds = self._clock_stats.wait_seconds
+
+    def _evict(self, layer: FlatWeights) -> None:
+        if layer.evict():
+            self.stats.write_backs += 1
+
+    def _order_after_write_backs(self) -> None:
+        """Work queued from now on (a deferred optimizer step, reading or saving the weights)
+        sees the host copies with every update of this backward written back."""
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for layer in self.layers:
+            if layer.written is not None and compute is not None:
+                compute.wait_event(layer.written)
+            layer.written = None
 
     # -- residency -----------------------------------------------------------------------
     def _prefetch(self, index: int) -> None:
@@ -335,11 +361,13 @@ def apply_layer_streaming(
     budget: HostMemoryBudget | None = None,
     head: nn.Module | None = None,
     device: torch.device | str | None = None,
+    trainable: bool = False,
 ) -> LayerStreamer:
-    """Stream the frozen weights of ``model``'s blocks (decoder layers) from pinned host memory.
+    """Stream the weights of ``model``'s blocks (decoder layers) from pinned host memory.
 
     Args:
-        model: a model whose blocks hold frozen weights (LoRA/QLoRA base models).
+        model: a model whose blocks hold frozen weights (LoRA/QLoRA base models), or
+            trainable ones with ``trainable=True``.
         block_types / predicate: name the blocks explicitly (see :func:`find_blocks`).
         depth: layers of frozen weights resident at once (2 = double buffering).
         use_pin_memory: page-lock the host copies (needed for asynchronous copies).
@@ -349,6 +377,10 @@ def apply_layer_streaming(
             ``"cpu"`` keeps the whole bookkeeping (loads, evictions, prefetch order) with CPU
             memory standing in for the device and no copy overlap: it saves nothing, and is
             there to check a setup on a machine without a GPU.
+        trainable: stream the blocks' trainable weights too (a full fine-tune). Pair it with
+            an optimizer that updates in backward (:class:`~offloadkit.optim.BackwardAdamW`):
+            the update then runs while the block is resident and is written back to the host
+            as the block leaves. Shared (tied) weights stay on the GPU.
 
     Returns:
         The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.
@@ -362,7 +394,14 @@ def apply_layer_streaming(
     if budget is None:
         budget = HostMemoryBudget(host_budget_bytes)
     return LayerStreamer(
-        model, blocks, depth=depth, use_pin_memory=use_pin_memory, budget=budget, head=head, device=device
+        model,
+        blocks,
+        depth=depth,
+        use_pin_memory=use_pin_memory,
+        budget=budget,
+        head=head,
+        device=device,
+        trainable=trainable,
     )
 
 

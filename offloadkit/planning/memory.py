@@ -134,7 +134,8 @@ class Features:
             disk, oldest first); None: all in RAM.
         gpu_blocks: block inputs kept on the GPU besides the last layer's (the newest ones,
             needed first in backward), where the GPU has room the RAM and disk lack.
-        layer_streaming / stream_depth: stream frozen layer weights, layers resident.
+        layer_streaming / stream_depth: stream the layers' weights, layers resident (a full
+            fine-tune's only with ``optimizer_offloading``: the update runs in backward).
         loss_chunks: chunks of the chunked loss; 0: the unchunked loss.
         mlp_shards: shards of the tiled MLP; 1: untiled.
         tiled_projections: the norms and attention projections run tiled too (they save
@@ -277,6 +278,12 @@ def _placement(w: Workload, f: Features) -> list[str]:
     return ["disk"] * (offloaded - in_ram) + ["ram"] * in_ram + ["gpu"] * (kept + 1)
 
 
+def streams_weights(w: Workload, f: Features) -> bool:
+    """Whether the layers' weights stream from host memory: a LoRA model's frozen base, or a
+    full fine-tune's trainable weights when the optimizer updates them in backward."""
+    return f.layer_streaming and (bool(w.lora_rank) or f.optimizer_offloading)
+
+
 def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     """Predict GPU peak, host RAM and disk bytes of one step.
 
@@ -298,7 +305,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     h = s.hidden
     parts: dict[str, int] = {}
     edge = (s.embed_params + s.head_params + h) * b
-    if f.layer_streaming and w.lora_rank:
+    if streams_weights(w, f):
         parts["weights"] = edge + min(f.stream_depth, s.layers) * s.layer_params * b
     else:
         parts["weights"] = s.params * b
@@ -361,8 +368,8 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     gpu_peak = int(fixed + max(loss_bytes, layer_bytes))
 
     host = HOST_BASELINE_BYTES + placement.count("ram") * block + disk_staging_bytes(w, f, placement)
-    if f.layer_streaming and w.lora_rank:
-        host += s.layers * s.layer_params * b  # pinned host copies of the frozen layers
+    if streams_weights(w, f):
+        host += s.layers * s.layer_params * b  # pinned host copies of the streamed layers
     if f.optimizer_offloading and not w.lora_rank:
         host += s.params * w.optimizer_state_bytes  # pinned AdamW state
     disk = placement.count("disk") * block

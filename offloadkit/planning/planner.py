@@ -33,6 +33,7 @@ from offloadkit.planning.memory import (
     auto_loss_chunks,
     auto_mlp_shards,
     estimate_memory,
+    streams_weights,
     tiered_reserve_bytes,
     tiles_projections,
 )
@@ -199,8 +200,8 @@ def _check(w: Workload, m: MemoryEstimate, b: Budgets) -> list[str]:
 
 
 def _streamed_host_bytes(w: Workload, f: Features) -> int:
-    """Host RAM of the streamed frozen layers (they share the engine's host budget)."""
-    if f.layer_streaming and w.lora_rank:
+    """Host RAM of the streamed layers (they share the engine's host budget)."""
+    if streams_weights(w, f):
         return w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
     return 0
 
@@ -249,9 +250,17 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, F
         ("checkpointing + block-input offload", replace(offload, ram_blocks=_ram_blocks(w, offload, b))),
     ]
     if not w.lora_rank:
-        # A full fine-tune's AdamW state (and gradients) in host memory, updated in backward.
+        # A full fine-tune's AdamW state (and gradients) in host memory, updated in backward;
+        # with it, the layers' weights can stream too.
         for name, f in list(out):
             out.append((name + " + optimizer state in host memory", replace(f, optimizer_offloading=True)))
+        streamed = replace(offload, optimizer_offloading=True, layer_streaming=True)
+        out.append(
+            (
+                "checkpointing + block-input offload + optimizer state in host memory + layer streaming",
+                replace(streamed, ram_blocks=_ram_blocks(w, streamed, b)),
+            )
+        )
     if w.lora_rank:
         streamed = replace(offload, layer_streaming=True)
         out.append(
@@ -376,14 +385,15 @@ def plan(
         results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
     fitting = [p for p in results if p.fits]
     if fitting:
-        # Equal times (small workloads round to the same hundredth): the optimizer state on
-        # the GPU and coarser tiles (moving state costs host RAM, and tiny tiles cost kernel
+        # Equal times (small workloads round to the same hundredth): the optimizer state and
+        # the weights on the GPU and coarser tiles (moving state costs host RAM, and tiny tiles cost kernel
         # launches the estimate does not see), then the lower GPU peak.
         best = min(
             fitting,
             key=lambda p: (
                 round(p.time.seconds, 2),
                 p.features.optimizer_offloading,
+                p.features.layer_streaming and not w.lora_rank,  # trainable weights cost host RAM
                 p.features.mlp_shards,
                 p.features.loss_chunks,
                 p.memory.gpu_peak,
@@ -490,12 +500,13 @@ def physical_limit(
     """
     w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes, optimizer_precision)
     pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
-    # Streamed frozen weights live in host RAM; where RAM cannot hold them they stay on the GPU.
-    streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes if lora_rank else 0
-    streaming = bool(lora_rank) and streamed <= budgets.host_bytes
     # A full fine-tune's AdamW state lives in host RAM where RAM holds it.
     state = 0 if lora_rank else w0.shape.params * w0.optimizer_state_bytes
     state_on_host = bool(state) and state <= budgets.host_bytes
+    # Streamed weights (frozen, or trainable ones updated in backward) live in host RAM beside
+    # the state; where RAM cannot hold them they stay on the GPU.
+    streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes
+    streaming = (bool(lora_rank) or state_on_host) and streamed + (state if state_on_host else 0) <= budgets.host_bytes
 
     def working_set(seq: int):
         w = replace(w0, seq_len=seq)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offloadkit.planning.memory import Features, Workload
+from offloadkit.planning.memory import Features, Workload, streams_weights
 
 __all__ = [
     "Rates",
@@ -137,8 +137,10 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     block = w.block_input_bytes
     moved = sum(1 for p in placement if p != "gpu") * block  # each way
     streamed = 0
-    if f.layer_streaming and w.lora_rank:
-        streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes  # per pass: forward, then backward
+    if streams_weights(w, f):
+        # Per pass: forward, then backward. A full fine-tune's updated weights go back on the
+        # other direction's queue, beside the state's way back.
+        streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes
     state = w.shape.params * w.optimizer_state_bytes if f.optimizer_offloading and not w.lora_rank else 0
     fwd_pcie = (moved + streamed) / rates.pcie_bytes_per_s  # inputs out and weights in share the link
     # Backward's host->device queue carries the block inputs, streamed weights and optimizer

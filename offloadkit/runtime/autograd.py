@@ -16,6 +16,7 @@ __all__ = [
     "push_saved_tensor_hooks",
     "queue_engine_callback",
     "version_alias",
+    "version_of",
 ]
 
 
@@ -77,3 +78,9 @@ def version_alias(t: torch.Tensor) -> torch.Tensor | None:
     alias = t.detach()
     alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return alias
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s version counter: it moves on every in-place change of ``t`` or a view of it
+    (an optimizer's update included), not when ``.data`` is reassigned."""
+    return t._version

@@ -5,6 +5,7 @@ offload_plan: auto, and the ``offloadkit plan`` command."""
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -157,7 +158,6 @@ def test_nine_tenths_of_the_physical_limit_at_every_gpu_size(gpu_gib):
 
 
 def test_one_streamed_layer_resident_is_chosen_only_when_needed():
-    from dataclasses import replace
 
     from offloadkit.planning import estimate_time
 
@@ -423,7 +423,6 @@ def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets(
     assert p.fits and p.memory.disk <= H100.disk_bytes and p.memory.gpu_reserved <= H100.gpu_bytes
     # At the edge nothing is fetched ahead: the horizon is 0, and the step time pays for each fetch.
     assert p.features.horizon == 0 and p.to_config()["activation_loading_horizon"] == 0
-    from dataclasses import replace
 
     from offloadkit.planning import estimate_time
 
@@ -440,7 +439,6 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
     block inputs it placed in RAM (the tiered tier keeps part of the cap free and demotes the
     oldest), and the rest goes to disk: no more than planned. With LoRA the streamed frozen
     weights share the budget, one pooled block per layer, as layer streaming holds them."""
-    from dataclasses import replace
 
     import offloadkit.storage.pool as pool_module
     from offloadkit.planning import ModelShape, estimate_time
@@ -513,7 +511,6 @@ def test_a_full_fine_tune_keeps_its_adamw_state_in_host_memory_when_that_fits_lo
     assert chosen.memory.host >= state
     # Its state crosses the link both ways in backward: the predicted PCIe time counts it.
     assert chosen.time.pcie_s >= state / budgets.rates.pcie_bytes_per_s
-    from dataclasses import replace
 
     on_gpu = estimate_memory(chosen.workload, replace(chosen.features, optimizer_offloading=False))
     assert on_gpu.gpu_reserved > budgets.gpu_bytes
@@ -549,3 +546,28 @@ def test_without_room_in_host_memory_the_state_stays_on_the_gpu():
 def test_lora_plans_never_offload_the_optimizer():
     p = plan("llama-3-8b", 16384, lora_rank=16, budgets=Budgets(79 << 30, 108 << 30, 55 << 30))
     assert not p.features.optimizer_offloading and p.to_config()["optimizer_offloading"] is False
+
+
+def test_a_full_fine_tune_streams_its_weights_when_the_gpu_is_small():
+    """8B full fine-tune at 16K: on 79 GiB the weights stay on the GPU (as fast, less host RAM);
+    on 16 GiB the plan streams the layers' weights with the state on the host, counts their
+    host copies, and hands over the keys that turn it on."""
+    roomy = plan("llama-3-8b", 16384, lora_rank=0, budgets=Budgets(79 << 30, 108 << 30, 55 << 30))
+    small = plan("llama-3-8b", 16384, lora_rank=0, budgets=Budgets(16 << 30, 108 << 30, 55 << 30))
+    assert roomy.fits and not roomy.features.layer_streaming
+    assert small.fits and small.features.layer_streaming and small.features.optimizer_offloading
+    shape = small.workload.shape
+    weights = shape.layers * shape.layer_params * 2
+    assert small.memory.gpu_reserved <= 16 << 30
+    edge = shape.embed_params + shape.head_params + shape.hidden
+    assert small.memory.gpu_parts["weights"] == (edge + 2 * shape.layer_params) * 2  # two layers and the edges
+    streamed = replace(small.features, layer_streaming=False)
+    assert estimate_memory(small.workload, small.features).host - estimate_memory(small.workload, streamed).host == (
+        weights
+    )
+    keys = small.to_config()
+    assert keys["layer_offloading"] and keys["optimizer_offloading"]
+    # Without the optimizer updating in backward, trainable weights never stream.
+    assert estimate_memory(small.workload, replace(streamed, layer_streaming=True, optimizer_offloading=False)).host < (
+        estimate_memory(small.workload, small.features).host
+    )
