@@ -19,6 +19,7 @@ import math
 import os
 import statistics
 import sys
+import sysconfig
 import time
 
 import torch
@@ -56,7 +57,7 @@ def run(precision: str, args) -> dict:
     model = build_llama(SHAPES[args.shape], vocab_size=259, dtype=torch.bfloat16, device=device, seed=0)
     model.config._attn_implementation = "sdpa"
     opt = BackwardAdamW.for_precision(model.parameters(), precision, lr=args.lr, weight_decay=0.1)
-    data = TokenBlocks(byte_tokenizer(), load_texts(), args.seq_len)
+    data = TokenBlocks(byte_tokenizer(), corpus(args), args.seq_len)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     losses, times = [], []
     for step in range(args.steps):
@@ -84,6 +85,26 @@ def run(precision: str, args) -> dict:
     }
 
 
+def corpus(args) -> list[str]:
+    """The texts to train on: the shipped text, Python's own standard library sources (several
+    MB of real code and prose that any machine with Python has, so that 200 steps do not
+    repeat it), or a file :func:`load_texts` reads."""
+    if args.corpus == "shipped":
+        return load_texts()
+    if args.corpus != "stdlib":
+        return load_texts(args.corpus)
+    root = sysconfig.get_paths()["stdlib"]
+    texts, size = [], 0
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "idlelib", "site-packages", "__pycache__"))
+        for name in sorted(files):
+            if name.endswith(".py") and size < args.corpus_bytes:
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    texts.append(f.read())
+                size += len(texts[-1])
+    return texts
+
+
 def _smooth(xs: list[float], k: int = 10) -> list[float]:
     return [statistics.fmean(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
 
@@ -96,7 +117,11 @@ def report(records: list[dict], args) -> str:
         f"parameters, {args.batch}x{args.seq_len} tokens a step, peak lr {args.lr}, cosine to 10%)",
         "",
         f"Device: {args.device_name}; torch {torch.__version__}. Command: `python benchmarks/optimizer_precision.py "
-        f"--steps {args.steps} --shape {args.shape}`.",
+        f"--steps {args.steps} --shape {args.shape} --corpus {args.corpus}`.",
+        "",
+        f"Corpus: {args.corpus} ({args.corpus_tokens:,} tokens; the run reads "
+        f"{args.steps * args.batch * args.seq_len:,}, {args.steps * args.batch / max(1, args.corpus_blocks):.2f} "
+        "passes).",
         "",
         "| precision | host state, bytes/param | median step, s | loss, last 20 steps (mean) | "
         "gap to fp32_master, last 20 (smoothed, mean) | largest smoothed gap |",
@@ -128,10 +153,15 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--corpus", default="shipped", help="shipped, stdlib (Python's own sources) or a text/jsonl file")
+    ap.add_argument("--corpus-bytes", type=int, default=16 << 20, help="with --corpus stdlib: how much of it")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     args.device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     os.makedirs(args.out, exist_ok=True)
+    texts = corpus(args)
+    args.corpus_tokens = sum(len(t) for t in texts)  # bytes: the byte tokenizer's tokens
+    args.corpus_blocks = len(TokenBlocks(byte_tokenizer(), texts, args.seq_len))
     records = []
     for precision in PRECISIONS:
         records.append(run(precision, args))

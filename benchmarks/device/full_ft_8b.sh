@@ -4,7 +4,9 @@
 # at 16K for 20 steps, fp32 master weights and moments (optimizer_precision: fp32_master) at
 # 16K for 20 steps, pure bf16 at 64K for 3 steps (the shipped text repeated to fill 64K); the
 # streamed-* runs add layer_offloading (the layers' trainable weights in pinned host memory,
-# updated in backward while resident).
+# updated in backward while resident); streamed-clip-16k clips (every update deferred to step(),
+# through the GPU's mapping of the host copies); auto-16gib-32k lets the planner fit 32K
+# tokens under an enforced 16 GiB GPU budget.
 # Each run's report (step times, peaks, host RAM) and log under $OUT. Longer than one command:
 # start it with setsid and collect $OUT later.
 set -uo pipefail
@@ -35,4 +37,8 @@ RUNS=${RUNS:-"bf16-16k fp32-master-16k bf16-64k"}  # a subset: RUNS="bf16-16k"
   "optimizer_precision: fp32_master"
 [[ " $RUNS " == *" streamed-bf16-64k "* ]] && run streamed-bf16-64k "layer_offloading: true" "seq_len: 65536" \
   "max_steps: 3" "dataset: /tmp/corpus-x6.txt"
+[[ " $RUNS " == *" streamed-clip-16k "* ]] && run streamed-clip-16k "layer_offloading: true" "max_grad_norm: 1.0" \
+  "max_steps: 5"
+[[ " $RUNS " == *" auto-16gib-32k "* ]] && run auto-16gib-32k "offload_plan: auto" "gpu_budget_bytes: 16GiB" \
+  "seq_len: 32768" "max_steps: 3" "dataset: /tmp/corpus-x6.txt"
 echo "== all done"

@@ -124,6 +124,7 @@ def build_report(trainer, losses: list, with_measure, elapsed: float, tokens_per
     model = trainer.model
     offload = trainer.offload_report or {}
     streaming = offload.get("layer_streaming") or {}
+    trainable_streamed = bool(streaming.get("trainable"))
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     opt_state = 0
@@ -164,7 +165,7 @@ def build_report(trainer, losses: list, with_measure, elapsed: float, tokens_per
             "activations_to_ram_bytes_per_step": max(0, acts.get("offloaded_bytes", 0) - disk.get("bytes_written", 0))
             // steps,
             "activations_to_disk_bytes_per_step": disk.get("bytes_written", 0) // steps,
-            "frozen_weights_streamed_bytes": streaming.get("streamed_bytes", 0),
+            "frozen_weights_streamed_bytes": 0 if trainable_streamed else streaming.get("streamed_bytes", 0),
             "weights_loaded_bytes_per_step": streaming.get("loaded_bytes", 0) // steps,
         },
         "waited_seconds": {
@@ -175,7 +176,13 @@ def build_report(trainer, losses: list, with_measure, elapsed: float, tokens_per
         "memory": {
             "trainable_parameters_bytes": _tensor_bytes(trainable),
             "frozen_parameters_bytes": _tensor_bytes(p for p in params if not p.requires_grad),
-            "frozen_parameters_streamed_from_host_bytes": streaming.get("streamed_bytes", 0),
+            # A full fine-tune streams trainable weights, a LoRA model its frozen base.
+            "frozen_parameters_streamed_from_host_bytes": 0
+            if trainable_streamed
+            else streaming.get("streamed_bytes", 0),
+            "trainable_parameters_streamed_from_host_bytes": streaming.get("streamed_bytes", 0)
+            if trainable_streamed
+            else 0,
             "gradients_bytes": gradients,  # held on the GPU at once
             "optimizer_state_bytes": opt_state,
             "optimizer_state_in_host_memory": state_on_host,
@@ -251,7 +258,12 @@ def format_report(report: dict) -> str:
         "  where the memory went:",
         f"    trainable parameters {_gib(mem['trainable_parameters_bytes'])} (+ gradients "
         f"{_gib(mem['gradients_bytes'])} at once, optimizer state {_gib(mem['optimizer_state_bytes'])}"
-        f"{' in host memory' if mem.get('optimizer_state_in_host_memory') else ''})",
+        f"{' in host memory' if mem.get('optimizer_state_in_host_memory') else ''})"
+        + (
+            f", of which {_gib(mem['trainable_parameters_streamed_from_host_bytes'])} live in pinned host memory"
+            if mem.get("trainable_parameters_streamed_from_host_bytes")
+            else ""
+        ),
         f"    frozen parameters    {_gib(mem['frozen_parameters_bytes'])}, of which "
         f"{_gib(mem['frozen_parameters_streamed_from_host_bytes'])} live in pinned host memory",
     ]

@@ -153,9 +153,10 @@ def test_through_the_trainer_bitwise_and_resumed(tmp_path, max_grad_norm):
 
     _, ref_losses, ref_weights = train(transformers.Trainer, tmp_path / "plain", save_strategy="no")
     trainer, losses, weights = train(OffloadTrainer, tmp_path / "ours", save_strategy="steps", save_steps=2)
-    streamer = trainer.offload_runtime.streamer
-    assert streamer is not None and streamer.trainable and len(streamer.layers) == 2
-    assert (streamer.stats.write_backs > 0) == (max_grad_norm == 0.0)
+    streamed = trainer.offload_report["layer_streaming"]
+    assert streamed["trainable"] and streamed["layers"] == 2 and streamed["misses"] == 0
+    # Updates in backward write each layer back once a step; deferred ones change the host copies in place.
+    assert streamed["write_backs"] == (2 * 4 if max_grad_norm == 0.0 else 0)
     if max_grad_norm:
         assert any("over the bus" in n for n in trainer.offload_report["notes"])
     assert losses == ref_losses and len(losses) == 4
