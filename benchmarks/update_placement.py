@@ -26,6 +26,7 @@ import sys
 import time
 
 import torch
+from torch.optim.adamw import adamw
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,7 +71,7 @@ def measure(shape, precision: str, repeat: int) -> dict:
         def run():
             for g, g32 in zip(g_host, grads32):
                 g32.copy_(g)
-            torch.optim.adamw.adamw(
+            adamw(
                 w_host, grads32, m_host, v_host, [], step, foreach=not fused, fused=fused, capturable=False,
                 differentiable=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-5, weight_decay=0.0, eps=1e-8,
                 maximize=False, has_complex=False,
@@ -114,7 +115,7 @@ def measure(shape, precision: str, repeat: int) -> dict:
     step_gpu = [torch.tensor(1.0) for _ in w_gpu]
 
     def gpu_update():
-        torch.optim.adamw.adamw(
+        adamw(
             w_gpu, gg, m_gpu, v_gpu, [], step_gpu, foreach=True, capturable=False, differentiable=False,
             fused=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-5, weight_decay=0.0, eps=1e-8,
             maximize=False, has_complex=False,

@@ -208,7 +208,9 @@ class OffloadConfig:
         host_min_free_bytes: system RAM that must stay available (default: 10% of RAM, at
             least 2 GiB); lower it on VMs whose RAM grows as it is used.
         disk_dir / disk_threads / direct_io / disk_tiering: the disk tier.
-        layer_offloading: stream frozen decoder-layer weights from pinned host memory.
+        layer_offloading: stream decoder-layer weights from pinned host memory: the frozen
+            ones, and a full fine-tune's trainable ones when ``optimizer_offloading`` updates
+            them in backward.
         optimizer_offloading: with the Trainer mixins, replace the Trainer's AdamW by
             :class:`~offloadkit.optim.BackwardAdamW`: moments in host memory, each parameter
             updated in backward (or at ``step()`` when the Trainer clips gradients).
@@ -217,7 +219,7 @@ class OffloadConfig:
             rounded stochastically to bf16: 4 bytes a parameter, closer to fp32 than pure
             bf16) or "fp32_master" (fp32 master weights and
             moments for bf16/fp16 parameters, in host memory).
-        layer_offloading_depth: layers of frozen weights resident at once.
+        layer_offloading_depth: layers of streamed weights resident at once.
         chunked_cross_entropy: compute the loss over token chunks, never holding the
             full-vocabulary logits (Hugging Face causal LMs).
         chunked_cross_entropy_num_chunks: chunks per loss (None: automatic, at most 1 GiB

@@ -358,7 +358,10 @@ def _effective_summary(cfg: TrainConfig, report: dict) -> str:
         )
         parts.append(f"activation offloading {where}")
     if "layer_streaming" in acted:
-        parts.append("frozen-layer streaming")
+        trainable = acted["layer_streaming"].get("trainable")
+        parts.append("layer streaming (trainable weights)" if trainable else "frozen-layer streaming")
+    if (report.get("memory") or {}).get("optimizer_state_in_host_memory"):
+        parts.append("optimizer state in host memory")
     return ", ".join(parts) or "nothing (no memory option acted on this run)"
 
 

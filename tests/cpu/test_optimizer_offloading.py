@@ -225,6 +225,7 @@ def test_the_command_line_trains_with_it(tmp_path, precision):
     assert any(state in n for n in report["notes"]), report["notes"]
     memory = report["memory"]
     assert memory["optimizer_state_in_host_memory"] and memory["optimizer_state_bytes"] > 0
+    assert "optimizer state in host memory" in report["offload_summary"], report["offload_summary"]
     # Gradients are freed at each parameter's update: at most the largest one is held.
     assert memory["gradients_bytes"] < memory["trainable_parameters_bytes"] / 2
 
