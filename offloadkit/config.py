@@ -212,7 +212,8 @@ class OffloadConfig:
             ones, and a full fine-tune's trainable ones when ``optimizer_offloading`` updates
             them in backward.
         optimizer_offloading: with the Trainer mixins, replace the Trainer's AdamW by
-            :class:`~offloadkit.optim.BackwardAdamW`: moments in host memory, each parameter
+            :class:`~offloadkit.optim.BackwardAdamW` (its SGD by
+            :class:`~offloadkit.optim.BackwardSGD`): state in host memory, each parameter
             updated in backward (or at ``step()`` when the Trainer clips gradients).
         optimizer_precision: "params" (moments in the parameters' dtype: pure bf16 for a
             bf16 model, as torch.optim.AdamW), "compact" (bf16 moments; the update in fp32,

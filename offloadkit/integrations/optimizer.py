@@ -1,23 +1,27 @@
-"""The Trainer's AdamW replaced by :class:`~offloadkit.optim.BackwardAdamW`
-(``optimizer_offloading: true``): the same parameter groups, learning rate, betas, epsilon and
-weight decay as the Trainer's own, the Trainer's learning-rate schedule, clipping and
-checkpoints around it."""
+"""The Trainer's AdamW (or SGD) replaced by :class:`~offloadkit.optim.BackwardAdamW` (or
+:class:`~offloadkit.optim.BackwardSGD`) (``optimizer_offloading: true``): the same parameter
+groups and hyperparameters as the Trainer's own, the Trainer's learning-rate schedule,
+clipping and checkpoints around it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from offloadkit.config import ConfigError
-from offloadkit.optim import BackwardAdamW
+from offloadkit.optim import BackwardAdamW, BackwardOptimizer, BackwardSGD
 
 __all__ = ["backward_adamw_for"]
 
-# The Trainer's AdamW variants this replaces (the math is torch.optim.AdamW's).
+# The Trainer's AdamW variants this replaces (the math is torch.optim.AdamW's), and its SGD.
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+_SGD = ("sgd",)
+_SGD_KEYS = ("lr", "momentum", "dampening", "nesterov")  # weight decay comes with the groups
 
 
-def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW, str]:
-    """A :class:`BackwardAdamW` set up as ``trainer`` would set up its AdamW.
+def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimizer, str]:
+    """A :class:`BackwardAdamW` set up as ``trainer`` would set up its AdamW (a
+    :class:`BackwardSGD` for ``optim="sgd"``, with the momentum, dampening and Nesterov of its
+    ``optim_args``).
 
     Args:
         trainer: a ``transformers.Trainer`` (its model, arguments and accelerator are read).
@@ -28,14 +32,15 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
         ``(optimizer, note)``: the note says what replaced what, and when updates happen.
 
     Raises:
-        ConfigError: the Trainer's optimizer is not AdamW.
+        ConfigError: the Trainer's optimizer is neither AdamW nor SGD, or SGD with an
+            ``optimizer_precision`` other than "params".
     """
     args, model = trainer.args, trainer.model
     optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in _ADAMW:
+    if optim not in _ADAMW + _SGD:
         raise ConfigError(
-            f"optimizer_offloading replaces the Trainer's AdamW, but optim={optim!r}; use optim: adamw_torch "
-            "or turn optimizer_offloading off"
+            f"optimizer_offloading replaces the Trainer's AdamW or SGD, but optim={optim!r}; use optim: "
+            "adamw_torch (or sgd), or turn optimizer_offloading off"
         )
     decay = set(trainer.get_decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -49,6 +54,21 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
     scaled = bool(getattr(args, "fp16", False))
     accelerator = trainer.accelerator
     precision = (config or trainer.offload_config).optimizer_precision
+    optimizer: BackwardOptimizer
+    if optim in _SGD:
+        if precision != "params":
+            raise ConfigError(
+                f"optimizer_precision={precision!r} applies to AdamW's state; SGD's momentum keeps the parameters' "
+                "dtype: use optimizer_precision: params with optim: sgd"
+            )
+        _, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
+        optimizer = BackwardSGD(
+            groups,
+            **{k: kwargs[k] for k in _SGD_KEYS if k in kwargs},
+            defer_to_step=clipping or scaled,
+            update_when=lambda: accelerator.sync_gradients,
+        )
+        return optimizer, _note(trainer, optim, "BackwardSGD (the same kernel)", "momentum", clipping, scaled, args)
     optimizer = BackwardAdamW.for_precision(
         groups,
         precision,
@@ -62,6 +82,16 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
         # The kernel the Trainer's own AdamW would run, so the updates are bitwise its own.
         fused=optim == "adamw_torch_fused",
     )
+    state = {
+        "fp32_master": "fp32 master weights and moments",
+        "compact": "bf16 moments with stochastically rounded updates",
+    }.get(precision, "moments in the parameters' dtype")
+    kernel = "the same kernel, in fp32 on widened copies" if precision == "compact" else "the same kernel"
+    return optimizer, _note(trainer, optim, f"BackwardAdamW ({kernel})", state, clipping, scaled, args)
+
+
+def _note(trainer: Any, optim: str, by: str, state: str, clipping: bool, scaled: bool, args: Any) -> str:
+    """What replaced what, where its state lives, and when it updates."""
     if scaled:
         when = "updates at step(), after the fp16 loss scaler unscales the gradients and checks them for inf/nan"
     elif clipping:
@@ -71,15 +101,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
         )
     else:
         when = "each parameter updated in backward"
-    state = {
-        "fp32_master": "fp32 master weights and moments",
-        "compact": "bf16 moments with stochastically rounded updates",
-    }.get(precision, "moments in the parameters' dtype")
-    kernel = "the same kernel, in fp32 on widened copies" if precision == "compact" else "the same kernel"
-    note = (
-        f"optimizer_offloading: the Trainer's {optim} is replaced by BackwardAdamW ({kernel}), {state} in "
-        f"host memory, {when}"
-    )
+    note = f"optimizer_offloading: the Trainer's {optim} is replaced by {by}, {state} in host memory, {when}"
     runtime = getattr(trainer, "offload_runtime", None)
     streamer = getattr(runtime, "streamer", None)
     if getattr(streamer, "trainable", False) and (clipping or scaled):
@@ -88,4 +110,4 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardAdamW,
             "over the bus, with every gradient held on the GPU until step() (max_grad_norm: 0 updates each "
             "layer in backward while it is resident)"
         )
-    return optimizer, note
+    return note

@@ -42,16 +42,14 @@ backward would apply scaled gradients and skip the scaler's inf/nan check.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Iterable
 
 import torch
-from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 from offloadkit.defaults import COMPACT_CHUNK_ELEMENTS, OPTIMIZER_COPY_WINDOW_BYTES, OPTIMIZER_STATE_BYTES
+from offloadkit.optim.backward import BackwardOptimizer
 from offloadkit.optim.rounding import stochastic_round_to_bf16
-from offloadkit.optim.state_copies import StateCopies
 
 __all__ = ["BackwardAdamW"]
 
@@ -63,7 +61,7 @@ _RNG_KEY = "stochastic_rounding_rng"
 _PRECISION_KEYS = ("master_weights", "stochastic_rounding", "fused", "foreach")
 
 
-class BackwardAdamW(Optimizer):
+class BackwardAdamW(BackwardOptimizer):
     """AdamW updating in backward with host-resident moments.
 
     Args:
@@ -121,8 +119,6 @@ class BackwardAdamW(Optimizer):
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is invalid; it must be >= 0")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid; pass a positive norm or None")
         if foreach and fused:
             raise ValueError("foreach=True and fused=True: pick one AdamW implementation (or neither: the default)")
         if master_weights and stochastic_rounding:
@@ -142,27 +138,22 @@ class BackwardAdamW(Optimizer):
             "master_weights": master_weights,
             "stochastic_rounding": stochastic_rounding,
         }
-        super().__init__(params, defaults)
-        self.max_grad_norm = max_grad_norm
-        self.pin_memory = pin_memory
-        self.update_when = update_when
-        self.defer_to_step = defer_to_step
+        if copy_window_bytes is None:
+            precision = "fp32_master" if master_weights else "params"
+            copy_window_bytes = OPTIMIZER_COPY_WINDOW_BYTES[precision]
         self.seed = seed
         self.chunk_elements = chunk_elements
         self._generators: dict[torch.device, torch.Generator] = {}
         self._rng_restored: dict[str, torch.Tensor] = {}  # device type -> a checkpoint's state
-        self._accumulating = False
-        if copy_window_bytes is None:
-            precision = "fp32_master" if master_weights else "params"
-            copy_window_bytes = OPTIMIZER_COPY_WINDOW_BYTES[precision]
-        self._copies = StateCopies(self._travelling, copy_window_bytes)
-        self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.requires_grad
-        ]
+        super().__init__(
+            params,
+            defaults,
+            max_grad_norm=max_grad_norm,
+            pin_memory=pin_memory,
+            update_when=update_when,
+            defer_to_step=defer_to_step,
+            copy_window_bytes=copy_window_bytes,
+        )
 
     @classmethod
     def for_precision(cls, params: Iterable, precision: str = "params", **kwargs) -> "BackwardAdamW":
@@ -183,31 +174,20 @@ class BackwardAdamW(Optimizer):
             params, master_weights=precision == "fp32_master", stochastic_rounding=precision == "compact", **kwargs
         )
 
-    def _group(self, p: torch.Tensor) -> dict:
-        """``p``'s parameter group as it is now: ``load_state_dict`` (Accelerate's device
-        placement calls it) replaces the group dicts that schedulers then change."""
-        seen, by_param = self._groups_seen
-        if seen != id(self.param_groups) or id(p) not in by_param:
-            by_param = {id(q): group for group in self.param_groups for q in group["params"]}
-            self._groups_seen = (id(self.param_groups), by_param)
-        return by_param[id(p)]
-
     # -- the update --------------------------------------------------------------------
-    def _host_state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if not state:
-            group = self._group(p)
-            pin = self.pin_memory and p.is_cuda
-            # The fused kernel counts steps on the parameter's device (a host count would make
-            # every update wait for a copy back); the others read the count on the host.
-            step_device = p.device if group["fused"] else "cpu"
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
-            if self._keeps_master(p, group):
-                state["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach())
-            dtype = self._moment_dtype(p, group)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
-        return state
+    STATE_KEYS = STATE_KEYS
+
+    def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
+        pin = self._pin(p)
+        # The fused kernel counts steps on the parameter's device (a host count would make
+        # every update wait for a copy back); the others read the count on the host.
+        step_device = p.device if group["fused"] else "cpu"
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
+        if self._keeps_master(p, group):
+            state["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach())
+        dtype = self._moment_dtype(p, group)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
 
     @staticmethod
     def _keeps_master(p: torch.Tensor, group: dict) -> bool:
@@ -229,35 +209,16 @@ class BackwardAdamW(Optimizer):
             self._generators[device] = gen
         return self._generators[device]
 
-    def _travelling(self, p: torch.Tensor):
-        """``p``'s host state and the keys of its tensors that visit the GPU (None: no state)."""
-        state = self.state.get(p)
-        if not state:
-            return None
-        return state, tuple(k for k in STATE_KEYS if k in state)
-
-    @torch.no_grad()
-    def _update(self, p: torch.Tensor) -> None:
-        group = self._group(p)
-        state = self._host_state(p)
-        master = "master" in state
-        if p.is_cuda:
-            # In on the copy stream (fetched ahead when the order is known), updated here,
-            # back on the other copy stream while backward goes on.
-            local = self._copies.fetch(p)
-        else:
-            local = {k: state[k] for k in STATE_KEYS if k in state}
+    def _apply(self, p: torch.Tensor, local: dict, state: dict, group: dict) -> None:
         if group.get("stochastic_rounding"):
             self._compact_update(p, local, state["step"], group)
-        else:
-            weight = local["master"] if master else p
-            grad = p.grad.float() if master else p.grad
-            self._adamw(weight, grad, local["exp_avg"], local["exp_avg_sq"], state["step"], group, p.is_cuda)
-            if master:
-                p.copy_(weight)  # rounded to the parameter's dtype
-        if p.is_cuda:
-            self._copies.store(p, local)
-        p.grad = None  # its memory goes back now, not at zero_grad()
+            return
+        master = "master" in state
+        weight = local["master"] if master else p
+        grad = p.grad.float() if master else p.grad
+        self._adamw(weight, grad, local["exp_avg"], local["exp_avg_sq"], state["step"], group, p.is_cuda)
+        if master:
+            p.copy_(weight)  # rounded to the parameter's dtype
 
     @staticmethod
     def _adamw(weight, grad, exp_avg, exp_avg_sq, step, group: dict, on_cuda: bool) -> None:
@@ -312,52 +273,8 @@ class BackwardAdamW(Optimizer):
             exp_avg_sq[part].copy_(stochastic_round_to_bf16(v32, gen))
         step.add_(1)
 
-    @property
-    def updates_in_backward(self) -> bool:
-        """Whether parameters are updated in backward (no clipping to wait for)."""
-        return self.max_grad_norm is None and not self.defer_to_step
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.updates_in_backward or self._accumulating:
-            return  # clipping needs every gradient first, or accumulating: step() updates
-        if self.update_when is not None and not self.update_when():
-            return
-        self._update(p)
-
     # -- the Optimizer interface -------------------------------------------------------------
-    @contextlib.contextmanager
-    def accumulating(self):
-        """Backward passes inside only accumulate gradients (gradient accumulation)."""
-        previous, self._accumulating = self._accumulating, True
-        try:
-            yield self
-        finally:
-            self._accumulating = previous
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Update the parameters whose gradients are still waiting (clipping first when
-        ``max_grad_norm`` is set); those updated in backward have none left."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        waiting = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if waiting and self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(waiting, self.max_grad_norm)
-        for p in waiting:
-            self._update(p)
-        self._copies.end_pass()
-        return loss
-
-    def _synchronize(self) -> None:
-        """Host reads and writes of the state wait for its copies to and from the device."""
-        if any(p.is_cuda for g in self.param_groups for p in g["params"]):
-            torch.cuda.synchronize()
-        self._copies.wait_all()
-
     def state_dict(self):
-        self._synchronize()
         saved = super().state_dict()
         if self._generators:
             # The compact option's random streams: a resumed run rounds as the uninterrupted one.
@@ -377,8 +294,7 @@ class BackwardAdamW(Optimizer):
         saved under another precision is converted (a master copy made from the parameter,
         or dropped, the parameter being its rounding; moments cast to this precision's dtype).
         """
-        self._synchronize()  # no copy may still write the state being replaced
-        self._copies.reset()
+        loaded = self._load_groups(state_dict, keep=_PRECISION_KEYS)
         for key, rng in state_dict.get(_RNG_KEY, {}).items():
             kind = torch.device(key).type  # older checkpoints name a device ("cuda:0")
             # set_state takes a CPU byte tensor; the Trainer may have loaded it onto the GPU.
@@ -386,16 +302,7 @@ class BackwardAdamW(Optimizer):
             for device, gen in self._generators.items():
                 if device.type == kind:
                     gen.set_state(self._rng_restored[kind])
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        ours = [p for g in self.param_groups for p in g["params"]]
-        asked = [{k: g[k] for k in _PRECISION_KEYS if k in g} for g in self.param_groups]
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        for group, mine in zip(self.param_groups, asked):
-            group.update(mine)
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)  # a torch.optim.AdamW checkpoint lacks ours
-        for i, p in zip(saved_ids, ours):
-            saved = state_dict["state"].get(i)
+        for p, saved in loaded:
             if saved:
                 self.state[p] = self._converted(p, saved)
 
@@ -403,7 +310,7 @@ class BackwardAdamW(Optimizer):
         """A checkpoint's state of ``p`` in host memory, in this optimizer's precision."""
         group = self._group(p)
         moment_dtype = self._moment_dtype(p, group)
-        pin = self.pin_memory and p.is_cuda
+        pin = self._pin(p)
         entry = {}
         for key, value in saved.items():
             if key == "step":
@@ -419,9 +326,3 @@ class BackwardAdamW(Optimizer):
         if self._keeps_master(p, group) and "master" not in entry:
             entry["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach())
         return entry
-
-    def remove(self) -> None:
-        """Detach the backward hooks (the optimizer then updates only in :meth:`step`)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []

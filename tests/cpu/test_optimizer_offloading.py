@@ -192,9 +192,9 @@ def test_optimizer_precision_is_checked():
         OffloadConfig(optimizer_precision="fp32_master").validate()
 
 
-def test_an_optimizer_that_is_not_adamw_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="optimizer_offloading replaces the Trainer's AdamW, but optim='sgd'"):
-        _train(OffloadTrainer, tmp_path, optim="sgd")
+def test_an_optimizer_that_is_not_adamw_or_sgd_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="replaces the Trainer's AdamW or SGD, but optim='adagrad'"):
+        _train(OffloadTrainer, tmp_path, optim="adagrad")
 
 
 @pytest.mark.parametrize("precision", ["params", "compact"])
@@ -252,3 +252,25 @@ def test_fp16_loss_scaling_defers_the_updates_to_the_scalers_step():
     args.fp16 = True
     optimizer, note = backward_adamw_for(trainer)
     assert not optimizer.updates_in_backward and "fp16 loss scaler" in note
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_the_trainers_sgd_is_replaced_by_backward_sgd(tmp_path, max_grad_norm):
+    from offloadkit.optim import BackwardSGD
+
+    kw = {
+        "optim": "sgd",
+        "optim_args": "momentum=0.9,nesterov=True",
+        "learning_rate": 3e-2,
+        "max_grad_norm": max_grad_norm,
+    }
+    _, ref_losses, ref_weights = _train(transformers.Trainer, tmp_path / "plain", **kw)
+    trainer, losses, weights = _train(OffloadTrainer, tmp_path / "ours", **kw)
+    optimizer = trainer.optimizer.optimizer
+    assert isinstance(optimizer, BackwardSGD) and optimizer.updates_in_backward == (max_grad_norm == 0.0)
+    assert optimizer.param_groups[0]["momentum"] == 0.9 and optimizer.param_groups[0]["nesterov"]
+    assert any("replaced by BackwardSGD" in n for n in trainer.offload_report["notes"])
+    assert losses == ref_losses and len(losses) == 4
+    assert_bitwise_equal(ref_weights, weights, "weights after training")
+    with pytest.raises(ConfigError, match="optimizer_precision='compact' applies to AdamW"):
+        _train(OffloadTrainer, tmp_path / "compact", offload={**OFFLOAD, "optimizer_precision": "compact"}, **kw)

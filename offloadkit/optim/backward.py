@@ -1,0 +1,199 @@
+"""What every optimizer that updates in backward shares: a hook per parameter that runs its
+update as soon as its gradient is complete, the state in (pinned) host memory and its trips to
+the GPU (:mod:`.state_copies`), and the rules for when the update waits.
+
+When it waits: gradient clipping by global norm needs every gradient before any update, so
+with ``max_grad_norm`` the updates are deferred to :meth:`BackwardOptimizer.step`, which clips
+exactly as ``torch.nn.utils.clip_grad_norm_`` and then updates parameter by parameter (the
+gradients are held until then). Inside ``with optimizer.accumulating():`` backward only
+accumulates; the update happens in the backward after it. With a loss scaler (fp16) or a
+Trainer that clips between backward and ``step()``, ``defer_to_step=True``.
+
+A subclass says what state a parameter has (:meth:`_init_state`, :data:`STATE_KEYS`) and how
+one parameter is updated from it (:meth:`_apply`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from offloadkit.optim.state_copies import StateCopies
+
+__all__ = ["BackwardOptimizer"]
+
+
+class BackwardOptimizer(Optimizer):
+    """Base of the optimizers that update each parameter in backward.
+
+    Args:
+        params, defaults: as for ``torch.optim.Optimizer``.
+        max_grad_norm: clip gradients by their global norm first (updates then wait for
+            :meth:`step`); None: update in backward.
+        pin_memory: page-lock the host state of CUDA parameters (asynchronous copies).
+        update_when: asked in backward before updating; False leaves the gradient to
+            accumulate (the Trainer passes whether this micro-step synchronizes gradients).
+        defer_to_step: update only in :meth:`step`.
+        copy_window_bytes: GPU memory for state fetched ahead, and for state still being
+            copied back, each.
+    """
+
+    # A parameter's host-resident state tensors that travel to the GPU for its update.
+    STATE_KEYS: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict,
+        *,
+        max_grad_norm: float | None,
+        pin_memory: bool,
+        update_when: Callable[[], bool] | None,
+        defer_to_step: bool,
+        copy_window_bytes: int,
+    ) -> None:
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid; pass a positive norm or None")
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.pin_memory = pin_memory
+        self.update_when = update_when
+        self.defer_to_step = defer_to_step
+        self._accumulating = False
+        self._copies = StateCopies(self._travelling, copy_window_bytes)
+        self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        ]
+
+    # -- what a subclass provides ---------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
+        """Fill ``p``'s empty ``state`` (host tensors, pinned when ``_pin(p)``)."""
+        raise NotImplementedError
+
+    def _apply(self, p: torch.Tensor, local: dict, state: dict, group: dict) -> None:
+        """Update ``p`` from its gradient; ``local`` holds the travelling state where the
+        update runs (device copies for a CUDA parameter), ``state`` the host-side entry."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------
+    def _pin(self, p: torch.Tensor) -> bool:
+        return self.pin_memory and p.is_cuda
+
+    def _group(self, p: torch.Tensor) -> dict:
+        """``p``'s parameter group as it is now: ``load_state_dict`` (Accelerate's device
+        placement calls it) replaces the group dicts that schedulers then change."""
+        seen, by_param = self._groups_seen
+        if seen != id(self.param_groups) or id(p) not in by_param:
+            by_param = {id(q): group for group in self.param_groups for q in group["params"]}
+            self._groups_seen = (id(self.param_groups), by_param)
+        return by_param[id(p)]
+
+    def _host_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            self._init_state(p, self._group(p), state)
+        return state
+
+    def _travelling(self, p: torch.Tensor):
+        """``p``'s host state and the keys of its tensors that visit the GPU (None: none)."""
+        state = self.state.get(p)
+        if not state:
+            return None
+        keys = tuple(k for k in self.STATE_KEYS if k in state)
+        return (state, keys) if keys else None
+
+    @torch.no_grad()
+    def _update(self, p: torch.Tensor) -> None:
+        group = self._group(p)
+        state = self._host_state(p)
+        travels = p.is_cuda and self._travelling(p) is not None
+        if travels:
+            # In on the copy stream (fetched ahead when the order is known), updated here,
+            # back on the other copy stream while backward goes on.
+            local = self._copies.fetch(p)
+        else:
+            local = {k: state[k] for k in self.STATE_KEYS if k in state}
+        self._apply(p, local, state, group)
+        if travels:
+            self._copies.store(p, local)
+        p.grad = None  # its memory goes back now, not at zero_grad()
+
+    @property
+    def updates_in_backward(self) -> bool:
+        """Whether parameters are updated in backward (no clipping to wait for)."""
+        return self.max_grad_norm is None and not self.defer_to_step
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.updates_in_backward or self._accumulating:
+            return  # clipping needs every gradient first, or accumulating: step() updates
+        if self.update_when is not None and not self.update_when():
+            return
+        self._update(p)
+
+    # -- the Optimizer interface -------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward passes inside only accumulate gradients (gradient accumulation)."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield self
+        finally:
+            self._accumulating = previous
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update the parameters whose gradients are still waiting (clipping first when
+        ``max_grad_norm`` is set); those updated in backward have none left."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        waiting = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if waiting and self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(waiting, self.max_grad_norm)
+        for p in waiting:
+            self._update(p)
+        self._copies.end_pass()
+        return loss
+
+    def _synchronize(self) -> None:
+        """Host reads and writes of the state wait for its copies to and from the device."""
+        if any(p.is_cuda for g in self.param_groups for p in g["params"]):
+            torch.cuda.synchronize()
+        self._copies.wait_all()
+
+    def state_dict(self):
+        self._synchronize()
+        return super().state_dict()
+
+    def _load_groups(self, state_dict, keep: tuple[str, ...] = ()) -> list[tuple[torch.Tensor, dict | None]]:
+        """Load a checkpoint's parameter groups (keeping this optimizer's ``keep`` keys) and
+        return each parameter with its saved state, for the subclass to place on the host.
+
+        PyTorch's loader would first move every state tensor next to its parameter (the whole
+        state on the GPU at once); here only the groups go through it.
+        """
+        self._synchronize()  # no copy may still write the state being replaced
+        self._copies.reset()
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        ours = [p for g in self.param_groups for p in g["params"]]
+        asked = [{k: g[k] for k in keep if k in g} for g in self.param_groups]
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        for group, mine in zip(self.param_groups, asked):
+            group.update(mine)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)  # a torch.optim checkpoint lacks ours
+        return [(p, state_dict["state"].get(i)) for i, p in zip(saved_ids, ours)]
+
+    def remove(self) -> None:
+        """Detach the backward hooks (the optimizer then updates only in :meth:`step`)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
