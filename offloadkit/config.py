@@ -220,6 +220,9 @@ class OffloadConfig:
             rounded stochastically to bf16: 4 bytes a parameter, closer to fp32 than pure
             bf16) or "fp32_master" (fp32 master weights and
             moments for bf16/fp16 parameters, in host memory).
+        optimizer_state_dir: keep that state in memory-mapped files in this directory, paged
+            to disk by the OS past what RAM holds (for hosts whose RAM cannot hold it; its
+            copies then wait for the host); None: pinned host memory.
         layer_offloading_depth: layers of streamed weights resident at once.
         chunked_cross_entropy: compute the loss over token chunks, never holding the
             full-vocabulary logits (Hugging Face causal LMs).
@@ -262,6 +265,7 @@ class OffloadConfig:
     layer_offloading: bool = False
     optimizer_offloading: bool = False
     optimizer_precision: str = "params"
+    optimizer_state_dir: str | None = None
     layer_offloading_depth: int = STREAM_DEPTH
     chunked_cross_entropy: bool = False
     chunked_cross_entropy_num_chunks: int | None = None
@@ -320,6 +324,13 @@ class OffloadConfig:
             self._warn(
                 "optimizer_precision only applies with optimizer_offloading: true; the Trainer's own optimizer runs"
             )
+        if self.optimizer_state_dir is not None:
+            _expect("optimizer_state_dir", self.optimizer_state_dir, (str,), "a directory path")
+            if not self.optimizer_offloading:
+                self._warn(
+                    "optimizer_state_dir only applies with optimizer_offloading: true; the Trainer's own optimizer "
+                    "keeps its state on the GPU"
+                )
         if self.activation_offloading not in _ACTIVATION_MODES:
             raise ConfigError(
                 f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "

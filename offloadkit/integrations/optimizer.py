@@ -53,7 +53,8 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
     # update in backward would apply scaled gradients and bypass that check.
     scaled = bool(getattr(args, "fp16", False))
     accelerator = trainer.accelerator
-    precision = (config or trainer.offload_config).optimizer_precision
+    config = config or trainer.offload_config
+    precision, state_dir = config.optimizer_precision, config.optimizer_state_dir
     optimizer: BackwardOptimizer
     if optim in _SGD:
         if precision != "params":
@@ -67,6 +68,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
             **{k: kwargs[k] for k in _SGD_KEYS if k in kwargs},
             defer_to_step=clipping or scaled,
             update_when=lambda: accelerator.sync_gradients,
+            state_dir=state_dir,
         )
         return optimizer, _note(trainer, optim, "BackwardSGD (the same kernel)", "momentum", clipping, scaled, args)
     optimizer = BackwardAdamW.for_precision(
@@ -81,6 +83,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
         update_when=lambda: accelerator.sync_gradients,
         # The kernel the Trainer's own AdamW would run, so the updates are bitwise its own.
         fused=optim == "adamw_torch_fused",
+        state_dir=state_dir,
     )
     state = {
         "fp32_master": "fp32 master weights and moments",
@@ -101,7 +104,9 @@ def _note(trainer: Any, optim: str, by: str, state: str, clipping: bool, scaled:
         )
     else:
         when = "each parameter updated in backward"
-    note = f"optimizer_offloading: the Trainer's {optim} is replaced by {by}, {state} in host memory, {when}"
+    state_dir = getattr(getattr(trainer, "offload_config", None), "optimizer_state_dir", None)
+    where = f"memory-mapped files in {state_dir} (paged to disk past RAM)" if state_dir else "host memory"
+    note = f"optimizer_offloading: the Trainer's {optim} is replaced by {by}, {state} in {where}, {when}"
     runtime = getattr(trainer, "offload_runtime", None)
     streamer = getattr(runtime, "streamer", None)
     if getattr(streamer, "trainable", False) and (clipping or scaled):

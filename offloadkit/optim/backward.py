@@ -9,6 +9,12 @@ gradients are held until then). Inside ``with optimizer.accumulating():`` backwa
 accumulates; the update happens in the backward after it. With a loss scaler (fp16) or a
 Trainer that clips between backward and ``step()``, ``defer_to_step=True``.
 
+Where the state rests: pinned host memory by default. With ``state_dir`` each state tensor is
+a file in that directory mapped into memory (the file is unlinked at once, so nothing is left
+behind): the OS keeps in RAM what fits and pages the rest to disk, for hosts whose RAM cannot
+hold the state. Such memory is not page-locked, so its copies to and from the GPU wait for
+the host.
+
 A subclass says what state a parameter has (:meth:`_init_state`, :data:`STATE_KEYS`) and how
 one parameter is updated from it (:meth:`_apply`).
 """
@@ -16,6 +22,8 @@ one parameter is updated from it (:meth:`_apply`).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 from typing import Callable, Iterable
 
 import torch
@@ -39,6 +47,8 @@ class BackwardOptimizer(Optimizer):
         defer_to_step: update only in :meth:`step`.
         copy_window_bytes: GPU memory for state fetched ahead, and for state still being
             copied back, each.
+        state_dir: keep the state in memory-mapped files in this directory (created if
+            missing) instead of pinned memory; None: pinned host memory.
     """
 
     # A parameter's host-resident state tensors that travel to the GPU for its update.
@@ -54,9 +64,17 @@ class BackwardOptimizer(Optimizer):
         update_when: Callable[[], bool] | None,
         defer_to_step: bool,
         copy_window_bytes: int,
+        state_dir: str | None = None,
     ) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid; pass a positive norm or None")
+        if state_dir is not None:
+            try:
+                os.makedirs(state_dir, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"state_dir={state_dir!r} cannot hold the optimizer's state: {exc}") from exc
+        self.state_dir = state_dir
+        self._files = itertools.count()
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.pin_memory = pin_memory
@@ -84,7 +102,21 @@ class BackwardOptimizer(Optimizer):
 
     # -- shared ------------------------------------------------------------------------------
     def _pin(self, p: torch.Tensor) -> bool:
-        return self.pin_memory and p.is_cuda
+        return self.pin_memory and p.is_cuda and self.state_dir is None
+
+    def _host_zeros(self, p: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled host tensor for ``p``'s state: pinned, or a mapped file in ``state_dir``."""
+        if self.state_dir is None:
+            return torch.zeros(shape, dtype=dtype, pin_memory=self._pin(p))
+        path = os.path.join(self.state_dir, f"offloadkit-state-{os.getpid()}-{next(self._files)}.bin")
+        numel = max(1, int(torch.Size(shape).numel()))
+        try:
+            # A new sparse file reads as zeros; the mapping outlives its name.
+            mapped = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        return mapped[: torch.Size(shape).numel()].view(shape)
 
     def _group(self, p: torch.Tensor) -> dict:
         """``p``'s parameter group as it is now: ``load_state_dict`` (Accelerate's device

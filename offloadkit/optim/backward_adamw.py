@@ -86,6 +86,8 @@ class BackwardAdamW(BackwardOptimizer):
             for the state still being copied back, each (at least one parameter's). None: 4 GiB
             with fp32 master weights, 1 GiB otherwise (about one 8B layer's state; measured in
             ``benchmarks/results/full-ft/window/``).
+        state_dir: keep the state in memory-mapped files there, paged to disk past the RAM
+            (see :class:`~offloadkit.optim.backward.BackwardOptimizer`); None: pinned memory.
 
     Raises:
         ValueError: a negative ``lr``, a non-positive ``max_grad_norm``, both ``foreach``
@@ -116,6 +118,7 @@ class BackwardAdamW(BackwardOptimizer):
         seed: int = 0,
         chunk_elements: int = COMPACT_CHUNK_ELEMENTS,
         copy_window_bytes: int | None = None,
+        state_dir: str | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is invalid; it must be >= 0")
@@ -152,6 +155,7 @@ class BackwardAdamW(BackwardOptimizer):
             pin_memory=pin_memory,
             update_when=update_when,
             defer_to_step=defer_to_step,
+            state_dir=state_dir,
             copy_window_bytes=copy_window_bytes,
         )
 
@@ -178,16 +182,15 @@ class BackwardAdamW(BackwardOptimizer):
     STATE_KEYS = STATE_KEYS
 
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
-        pin = self._pin(p)
         # The fused kernel counts steps on the parameter's device (a host count would make
         # every update wait for a copy back); the others read the count on the host.
         step_device = p.device if group["fused"] else "cpu"
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
         if self._keeps_master(p, group):
-            state["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach())
+            state["master"] = self._host_zeros(p, p.shape, torch.float32).copy_(p.detach())
         dtype = self._moment_dtype(p, group)
-        state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
-        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype, pin_memory=pin)
+        state["exp_avg"] = self._host_zeros(p, p.shape, dtype)
+        state["exp_avg_sq"] = self._host_zeros(p, p.shape, dtype)
 
     @staticmethod
     def _keeps_master(p: torch.Tensor, group: dict) -> bool:
@@ -310,7 +313,6 @@ class BackwardAdamW(BackwardOptimizer):
         """A checkpoint's state of ``p`` in host memory, in this optimizer's precision."""
         group = self._group(p)
         moment_dtype = self._moment_dtype(p, group)
-        pin = self._pin(p)
         entry = {}
         for key, value in saved.items():
             if key == "step":
@@ -318,11 +320,11 @@ class BackwardAdamW(BackwardOptimizer):
                 entry[key] = torch.as_tensor(value).detach().to(where, torch.float32)
             elif key == "master":
                 if self._keeps_master(p, group):
-                    entry[key] = torch.empty(value.shape, dtype=torch.float32, pin_memory=pin).copy_(value)
+                    entry[key] = self._host_zeros(p, value.shape, torch.float32).copy_(value)
             elif isinstance(value, torch.Tensor):
-                entry[key] = torch.empty(value.shape, dtype=moment_dtype, pin_memory=pin).copy_(value)
+                entry[key] = self._host_zeros(p, value.shape, moment_dtype).copy_(value)
             else:
                 entry[key] = value
         if self._keeps_master(p, group) and "master" not in entry:
-            entry["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin).copy_(p.detach())
+            entry["master"] = self._host_zeros(p, p.shape, torch.float32).copy_(p.detach())
         return entry

@@ -35,6 +35,7 @@ class BackwardSGD(BackwardOptimizer):
             :class:`~offloadkit.optim.backward.BackwardOptimizer`.
         foreach, fused: as for ``torch.optim.SGD``.
         copy_window_bytes: GPU memory for momentum buffers in flight, each way (None: 1 GiB).
+        state_dir: keep the momentum buffers in memory-mapped files there (None: pinned memory).
 
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; Nesterov without
@@ -65,6 +66,7 @@ class BackwardSGD(BackwardOptimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
         copy_window_bytes: int | None = None,
+        state_dir: str | None = None,
     ) -> None:
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if not value >= 0.0:
@@ -90,6 +92,7 @@ class BackwardSGD(BackwardOptimizer):
             pin_memory=pin_memory,
             update_when=update_when,
             defer_to_step=defer_to_step,
+            state_dir=state_dir,
             copy_window_bytes=copy_window_bytes or OPTIMIZER_COPY_WINDOW_BYTES["params"],
         )
 
@@ -118,7 +121,7 @@ class BackwardSGD(BackwardOptimizer):
         )
         if group["momentum"] != 0 and "momentum_buffer" not in local:
             created = buffers[0]
-            host = torch.empty(created.shape, dtype=created.dtype, pin_memory=self._pin(p))
+            host = self._host_zeros(p, created.shape, created.dtype)
             if on_cuda:
                 # Its first trip home: queued after the update on the copy stream, as every
                 # later one is (the device tensor lives until the copy has read it).
@@ -133,5 +136,5 @@ class BackwardSGD(BackwardOptimizer):
         for p, saved in self._load_groups(state_dict, keep=_KERNEL_KEYS):
             buf = (saved or {}).get("momentum_buffer")
             if buf is not None:
-                host = torch.empty(buf.shape, dtype=p.dtype, pin_memory=self._pin(p))
+                host = self._host_zeros(p, buf.shape, p.dtype)
                 self.state[p] = {"momentum_buffer": host.copy_(buf)}

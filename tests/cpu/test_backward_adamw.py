@@ -4,6 +4,7 @@ schedule, gradient clipping, gradient accumulation, a state_dict round trip), gr
 gone after backward, moments on the host."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -193,3 +194,33 @@ def test_a_torch_adamw_checkpoint_loads_and_continues_bitwise():
     assert_bitwise_equal(_params(ref), _params(ours), "after loading torch's checkpoint")
     state = opt.state[next(ours.parameters())]
     assert state["exp_avg"].device.type == "cpu" and state["step"].item() == 4.0
+
+
+@pytest.mark.parametrize("precision", ["params", "fp32_master"])
+def test_state_in_memory_mapped_files_is_bitwise_the_same_and_leaves_no_file(tmp_path, precision):
+    """``state_dir``: the state rests in files mapped into memory (paged to disk past RAM),
+    unlinked at once; the updates and a checkpoint round trip are exactly those of host memory."""
+    ref, ours = _model(torch.bfloat16), _model(torch.bfloat16)
+    ours.load_state_dict(ref.state_dict())
+    opt_ref = BackwardAdamW.for_precision(ref.parameters(), precision, lr=1e-2)
+    opt = BackwardAdamW.for_precision(ours.parameters(), precision, lr=1e-2, state_dir=str(tmp_path / "state"))
+    for batch in _batches(torch.bfloat16, 3):
+        _loss(ref, batch).backward()
+        opt_ref.step()
+        _loss(ours, batch).backward()
+        opt.step()
+    assert_bitwise_equal(_params(ref), _params(ours), "weights")
+    assert os.listdir(tmp_path / "state") == [], "the files are unlinked once mapped"
+    state = opt.state[next(ours.parameters())]
+    assert not state["exp_avg"].is_pinned() and state["exp_avg"].untyped_storage().filename is not None
+    again = BackwardAdamW.for_precision(ours.parameters(), precision, lr=1e-2, state_dir=str(tmp_path / "state"))
+    again.load_state_dict(opt.state_dict())
+    assert_bitwise_equal(
+        {k: v for k, v in opt.state[next(ours.parameters())].items() if k != "step"},
+        {k: v for k, v in again.state[next(ours.parameters())].items() if k != "step"},
+        "state after a round trip",
+    )
+    again.remove()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="state_dir=.*cannot hold the optimizer's state"):
+        BackwardAdamW(ours.parameters(), state_dir=str(tmp_path / "a-file" / "state"))

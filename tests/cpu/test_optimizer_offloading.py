@@ -274,3 +274,17 @@ def test_the_trainers_sgd_is_replaced_by_backward_sgd(tmp_path, max_grad_norm):
     assert_bitwise_equal(ref_weights, weights, "weights after training")
     with pytest.raises(ConfigError, match="optimizer_precision='compact' applies to AdamW"):
         _train(OffloadTrainer, tmp_path / "compact", offload={**OFFLOAD, "optimizer_precision": "compact"}, **kw)
+
+
+def test_optimizer_state_dir_keeps_the_state_in_mapped_files(tmp_path):
+    kw = {"max_grad_norm": 0.0}
+    _, ref_losses, ref_weights = _train(transformers.Trainer, tmp_path / "plain", **kw)
+    offload = {**OFFLOAD, "optimizer_state_dir": str(tmp_path / "state")}
+    trainer, losses, weights = _train(OffloadTrainer, tmp_path / "ours", offload=offload, **kw)
+    optimizer = trainer.optimizer.optimizer
+    assert optimizer.state_dir == str(tmp_path / "state")
+    state = next(iter(optimizer.state.values()))
+    assert state["exp_avg"].untyped_storage().filename is not None
+    assert any("memory-mapped files in" in n for n in trainer.offload_report["notes"])
+    assert losses == ref_losses
+    assert_bitwise_equal(ref_weights, weights, "weights after training")

@@ -166,3 +166,21 @@ def test_through_the_trainer_bitwise_and_resumed(tmp_path, max_grad_norm):
     )
     assert resumed_losses[-2:] == ref_losses[2:]
     assert_bitwise_equal(ref_weights, resumed_weights, "weights after resuming")
+
+
+def test_state_in_memory_mapped_files(tmp_path):
+    """``state_dir``: the moments rest in mapped files (pageable memory, copies that wait for
+    the host) and the run stays bitwise the pinned one, with the weights streamed too."""
+    ref = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    batches = _batches(ref.config.vocab_size)
+    expected = _run(ref, BackwardAdamW(ref.parameters(), lr=1e-3), batches)
+    streamer = apply_layer_streaming(ours, trainable=True)
+    opt = BackwardAdamW(ours.parameters(), lr=1e-3, state_dir=str(tmp_path))
+    with slow_copies(SLOW):
+        got = _run(ours, opt, batches)
+    assert_bitwise_equal(expected, got, "losses")
+    assert_bitwise_equal(_weights(ref), _weights(ours), "weights")
+    state = opt.state[ours.lm_head.weight]
+    assert not state["exp_avg"].is_pinned() and state["exp_avg"].untyped_storage().filename is not None
+    streamer.remove()
