@@ -17,7 +17,10 @@ changes reach it through :meth:`FlatWeights.write_back`.
 Trainable weights stream the same way. Whatever changed a resident weight in place (an
 optimizer updating it during backward) moves its version counter; eviction then queues the
 block's bytes back into the host copy on the device->host stream before the device memory is
-released, and the next load of the block is ordered after that copy.
+released, and the next load of the block is ordered after that copy. A kernel that writes a
+weight without moving the counter (PyTorch's fused optimizer kernels) must be followed by
+``torch.autograd.graph.increment_version``, as offloadkit's optimizers do; otherwise its change
+stays on the GPU and is lost at eviction.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import os
 from typing import Callable, Iterable
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
 from offloadkit.optim.state_copies import StateCopies
@@ -153,6 +154,9 @@ class BackwardOptimizer(Optimizer):
         else:
             local = {k: state[k] for k in self.STATE_KEYS if k in state}
         self._apply(p, local, state, group)
+        # The fused kernels write the parameter without moving its version counter; streamed
+        # layers read that counter to know the weights changed and must be written back.
+        increment_version(p)
         if travels:
             self._copies.store(p, local)
         p.grad = None  # its memory goes back now, not at zero_grad()

@@ -119,15 +119,16 @@ def test_with_accumulating_context():
         assert_bitwise_equal(_params(ref), _params(ours), f"window {i}")
 
 
-def test_with_streamed_layers():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_with_streamed_layers(kernel):
     pytest.importorskip("transformers")
     from offloadkit.testing import build_llama, make_batch
     from offloadkit.testing.cpu_streaming import stream_layers_on_cpu
 
     ref, ours = build_llama("tiny"), build_llama("tiny")
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9, **KERNELS[kernel])
     streamer = stream_layers_on_cpu(ours, trainable=True)
-    opt = BackwardSGD(ours.parameters(), lr=1e-2, momentum=0.9)
+    opt = BackwardSGD(ours.parameters(), lr=1e-2, momentum=0.9, **KERNELS[kernel])
     for s in range(3):
         batch = make_batch(ref.config.vocab_size, 2, 16, seed=s)
         ref(**batch).loss.backward()

@@ -50,14 +50,17 @@ def _train(model, opt, batches, clip=None, accumulate=1):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("precision", ["params", "fp32_master"])
-def test_updates_in_backward_are_bitwise_the_unstreamed_run(dtype, precision):
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "fused"])
+def test_updates_in_backward_are_bitwise_the_unstreamed_run(dtype, precision, fused):
+    """The fused kernels write the weights without moving their version counters: the
+    optimizer announces its updates, or they would stay behind at eviction."""
     if precision == "fp32_master" and dtype == torch.float32:
         pytest.skip("fp32 parameters keep no master copy")
     ref, ours = _pair(dtype)
     batches = _batches(STEPS, ref.config.vocab_size)
-    opt_ref = BackwardAdamW.for_precision(ref.parameters(), precision, lr=1e-3)
+    opt_ref = BackwardAdamW.for_precision(ref.parameters(), precision, lr=1e-3, fused=fused)
     streamer = stream_layers_on_cpu(ours, trainable=True)
-    opt = BackwardAdamW.for_precision(ours.parameters(), precision, lr=1e-3)
+    opt = BackwardAdamW.for_precision(ours.parameters(), precision, lr=1e-3, fused=fused)
     layers = ours.config.num_hidden_layers
     assert len(streamer.layers) == layers and streamer.stats.skipped_params == {}
     assert_bitwise_equal(_train(ref, opt_ref, batches), _train(ours, opt, batches), "losses")
