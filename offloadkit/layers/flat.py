@@ -31,14 +31,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offloadkit.runtime.autograd import version_of
+from offloadkit.runtime.autograd import in_backward, version_of
 from offloadkit.runtime.device import device_alias_of_host, host_alias
 from offloadkit.storage.pool import HostBufferPool
 from offloadkit.transfer import copy_stream, queue_copy
 
-__all__ = ["FlatWeights", "STREAMED_STORAGE", "streamable_reason"]
+__all__ = ["FlatWeights", "STREAMED_STORAGE", "order_after_write_back", "streamable_reason"]
 
 STREAMED_STORAGE = "_offloadkit_streamed_storage"  # parameter attribute: its flat device storage
+_STREAMED_BY = "_offloadkit_streamed_by"  # parameter attribute: its FlatWeights (a weak reference)
+
+
+def order_after_write_back(param: torch.Tensor) -> None:
+    """Make the current stream wait for a write-back still copying ``param``'s block to its
+    host copy, before the caller writes ``param`` where it rests (through the GPU's mapping of
+    the host copy, while evicted): otherwise the late write-back could overwrite the change."""
+    ref = param.__dict__.get(_STREAMED_BY)
+    layer = ref() if ref is not None else None
+    if layer is None or layer.resident or layer.written is None:
+        return
+    if param.is_cuda:
+        torch.cuda.current_stream(param.device).wait_event(layer.written)
+
 
 _ALIGN = 512
 _RAW_DATA_PARAMS = {"Params4bit", "Int8Params"}  # bitsandbytes: quantized bytes live in .data
@@ -155,12 +169,13 @@ class FlatWeights:
                 )
             self._host_views.append(alias if alias is not None else host_alias(host_view, self._lease))
         del flat
+        self._self_ref = weakref.ref(self)
+        self.written: torch.cuda.Event | None = None  # the last write-back queued at eviction
         self._point_params(resident=True)
         self.resident = True
         self.ready: torch.cuda.Event | None = None  # the load has landed
         self.alloc_stream: torch.cuda.Stream | None = None  # stream the resident memory belongs to
         self.consumed = True
-        self.written: torch.cuda.Event | None = None  # the last write-back queued at eviction
         self._versions = self._current_versions()  # as loaded: a change means written in place
 
     # -- residency -----------------------------------------------------------------------
@@ -211,6 +226,10 @@ class FlatWeights:
         dirty = self.dirty
         if dirty:
             self._queue_write_back()
+            if not in_backward() and self.written is not None:
+                # Outside backward (a forward after a failed backward, an eval pass): no end of
+                # backward will order later reads and writes of the host copy after this copy.
+                torch.cuda.current_stream(self.device).wait_event(self.written)
         self.storage.resize_(0)
         self._point_params(resident=False)
         self.resident = False
@@ -224,6 +243,7 @@ class FlatWeights:
             # Evicted parameters point at their host alias; the engine's policy must still
             # recognise the flat device storage (``.detach()``/``.data`` aliases saved in forward).
             slot.param.__dict__[STREAMED_STORAGE] = self.storage
+            slot.param.__dict__[_STREAMED_BY] = self._self_ref
 
     def check_params(self) -> None:
         """Raise if something replaced a streamed parameter's data (e.g. ``model.to()``)."""
@@ -304,6 +324,7 @@ class FlatWeights:
         self._point_params(resident=True)
         for slot in self.slots:
             slot.param.__dict__.pop(STREAMED_STORAGE, None)
+            slot.param.__dict__.pop(_STREAMED_BY, None)
         # Aliases of the host copy handed out while evicted (state_dict values, detached
         # weights) may outlive this call: the block goes back when the last of them is gone.
         self._lease = None

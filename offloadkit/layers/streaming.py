@@ -41,7 +41,7 @@ from torch import nn
 
 from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.engine.stats import OffloadStats, WaitClock
-from offloadkit.layers.flat import FlatWeights, streamable_reason
+from offloadkit.layers.flat import FlatWeights, order_after_write_back, streamable_reason
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import current_graph_task, first_grad_fn, in_backward, queue_engine_callback
@@ -161,6 +161,17 @@ class LayerStreamer:
 
         self._handles.append(block.register_forward_pre_hook(pre))
         self._handles.append(block.register_forward_hook(post, always_call=True))
+        # Reading or loading the weights where they rest waits for write-backs a failed
+        # backward left in flight (a finished one ordered them already).
+        self._handles.append(block.register_state_dict_pre_hook(lambda *_: self._order_after_write_backs()))
+        self._handles.append(block.register_load_state_dict_pre_hook(lambda *_: self._order_after_write_backs()))
+        if self.trainable:
+            for slot in self.layers[index].slots:
+                if slot.param.requires_grad:
+                    # A gradient that completes after its block left (a weight also used outside
+                    # the block) is followed by an update of the host copy: order it after the
+                    # block's write-back. Optimizers created later hook in after this one.
+                    self._handles.append(slot.param.register_post_accumulate_grad_hook(order_after_write_back))
         # Loading into a resident block writes the device bytes: keep the host copy in step.
         self._handles.append(
             block.register_load_state_dict_post_hook(lambda module, keys: self.layers[index].write_back())

@@ -22,14 +22,15 @@ one parameter is updated from it (:meth:`_apply`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
+import tempfile
 from typing import Callable, Iterable
 
 import torch
 from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
+from offloadkit.layers.flat import order_after_write_back
 from offloadkit.optim.state_copies import StateCopies
 
 __all__ = ["BackwardOptimizer"]
@@ -75,7 +76,6 @@ class BackwardOptimizer(Optimizer):
             except OSError as exc:
                 raise ValueError(f"state_dir={state_dir!r} cannot hold the optimizer's state: {exc}") from exc
         self.state_dir = state_dir
-        self._files = itertools.count()
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.pin_memory = pin_memory
@@ -109,14 +109,16 @@ class BackwardOptimizer(Optimizer):
         """A zero-filled host tensor for ``p``'s state: pinned, or a mapped file in ``state_dir``."""
         if self.state_dir is None:
             return torch.zeros(shape, dtype=dtype, pin_memory=self._pin(p))
-        path = os.path.join(self.state_dir, f"offloadkit-state-{os.getpid()}-{next(self._files)}.bin")
         numel = max(1, int(torch.Size(shape).numel()))
+        # A name no other process or optimizer holds (ranks may share the directory), and the
+        # space reserved now: a full disk is an error here, not a SIGBUS at the first write.
+        fd, path = tempfile.mkstemp(prefix="offloadkit-state-", suffix=".bin", dir=self.state_dir)
         try:
-            # A new sparse file reads as zeros; the mapping outlives its name.
-            mapped = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+            os.posix_fallocate(fd, 0, numel * torch.empty((), dtype=dtype).element_size())
+            mapped = torch.from_file(path, shared=True, size=numel, dtype=dtype)  # reads as zeros
         finally:
-            if os.path.exists(path):
-                os.unlink(path)
+            os.close(fd)
+            os.unlink(path)  # the mapping outlives its name
         return mapped[: torch.Size(shape).numel()].view(shape)
 
     def _group(self, p: torch.Tensor) -> dict:
@@ -129,9 +131,13 @@ class BackwardOptimizer(Optimizer):
         return by_param[id(p)]
 
     def _host_state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
+        state = self.state.get(p)
         if not state:
+            # Kept only once it holds something (SGD without momentum keeps nothing, as torch's).
+            state = {}
             self._init_state(p, self._group(p), state)
+            if state:
+                self.state[p] = state
         return state
 
     def _travelling(self, p: torch.Tensor):
@@ -153,10 +159,14 @@ class BackwardOptimizer(Optimizer):
             local = self._copies.fetch(p)
         else:
             local = {k: state[k] for k in self.STATE_KEYS if k in state}
-        self._apply(p, local, state, group)
+        # A streamed weight being written where it rests waits for its block's write-back.
+        order_after_write_back(p)
         # The fused kernels write the parameter without moving its version counter; streamed
         # layers read that counter to know the weights changed and must be written back.
         increment_version(p)
+        self._apply(p, local, state, group)
+        if state and p not in self.state:
+            self.state[p] = state  # created by the update itself (SGD's momentum buffer)
         if travels:
             self._copies.store(p, local)
         p.grad = None  # its memory goes back now, not at zero_grad()

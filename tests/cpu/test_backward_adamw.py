@@ -224,3 +224,17 @@ def test_state_in_memory_mapped_files_is_bitwise_the_same_and_leaves_no_file(tmp
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ValueError, match="state_dir=.*cannot hold the optimizer's state"):
         BackwardAdamW(ours.parameters(), state_dir=str(tmp_path / "a-file" / "state"))
+
+
+def test_two_optimizers_sharing_a_state_dir_never_share_a_file(tmp_path):
+    a, b = _model(torch.float32), _model(torch.float32)
+    opt_a = BackwardAdamW(a.parameters(), lr=1e-2, state_dir=str(tmp_path))
+    opt_b = BackwardAdamW(b.parameters(), lr=1e-3, state_dir=str(tmp_path))
+    batch = _batches(torch.float32, 1)[0]
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        _loss(model, batch).backward()
+        opt.step()
+    pa, pb = next(a.parameters()), next(b.parameters())
+    assert opt_a.state[pa]["exp_avg"].data_ptr() != opt_b.state[pb]["exp_avg"].data_ptr()
+    assert not torch.equal(opt_a.state[pa]["exp_avg_sq"], torch.zeros_like(pa))
+    assert os.listdir(tmp_path) == []

@@ -149,3 +149,11 @@ def test_arguments_are_checked():
         BackwardSGD(params, nesterov=True)
     with pytest.raises(ValueError, match="max_grad_norm=0"):
         BackwardSGD(params, max_grad_norm=0)
+
+
+def test_without_momentum_no_state_is_kept():
+    model = _model(torch.float32)
+    opt = BackwardSGD(model.parameters(), lr=1e-2)
+    _loss(model, _batches(torch.float32, 1)[0]).backward()
+    opt.step()
+    assert dict(opt.state) == {} and opt.state_dict()["state"] == {}

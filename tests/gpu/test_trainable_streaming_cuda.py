@@ -187,3 +187,58 @@ def test_state_in_memory_mapped_files(tmp_path):
     state = opt.state[ours.lm_head.weight]
     assert not state["exp_avg"].is_pinned() and state["exp_avg"].untyped_storage().filename is not None
     streamer.remove()
+
+
+def _use_a_layer_weight_before_its_block(model):
+    """A streamed weight also used before its block: its gradient completes after the block
+    has left, and its update then writes the host copy while the block's write-back may still
+    be in flight."""
+    weight = model.model.layers[1].mlp.down_proj.weight
+
+    def hook(module, args, output):
+        return output + 1e-3 * weight.float().mean().to(output.dtype)
+
+    return model.model.embed_tokens.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "fused"])
+def test_an_update_after_the_block_left_waits_for_its_write_back(fused):
+    ref = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    for model in (ref, ours):
+        _use_a_layer_weight_before_its_block(model)
+    batches = _batches(ref.config.vocab_size)
+    expected = _run(ref, BackwardAdamW(ref.parameters(), lr=1e-3, fused=fused), batches)
+    streamer = apply_layer_streaming(ours, trainable=True)
+    opt = BackwardAdamW(ours.parameters(), lr=1e-3, fused=fused)
+    with slow_copies(20 * SLOW, kinds=("d2h",)):  # write-backs land long after the late update
+        got = _run(ours, opt, batches)
+    assert_bitwise_equal(expected, got, "losses")
+    assert_bitwise_equal(_weights(ref), _weights(ours), "weights")
+    streamer.remove()
+
+
+def test_reading_the_weights_after_a_failed_backward_waits_for_write_backs():
+    """A backward that raises never reaches its end: the write-backs it queued are still
+    ordered before ``state_dict()`` reads the host copies."""
+    ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    streamer = apply_layer_streaming(ours, trainable=True)
+    opt = BackwardAdamW(ours.parameters(), lr=1e-3)
+    batch = make_batch(ours.config.vocab_size, 2, 256, device=DEV)
+    calls = {"n": 0}
+
+    def fail_late(grad):
+        calls["n"] += 1
+        raise RuntimeError("injected")
+
+    handle = ours.model.embed_tokens.weight.register_hook(fail_late)
+    with slow_copies(20 * SLOW, kinds=("d2h",)):
+        with pytest.raises(RuntimeError, match="injected"):
+            ours(**batch).loss.backward()
+        saved = {k: v.clone() for k, v in ours.state_dict().items()}
+    handle.remove()
+    torch.cuda.synchronize()
+    assert calls["n"] == 1 and streamer.collect_stats().write_backs > 0
+    assert_bitwise_equal(saved, {k: v.clone() for k, v in ours.state_dict().items()}, "weights read before and after")
+    streamer.remove()
+    del opt
