@@ -198,18 +198,32 @@ class FlatWeights:
             stream = copy_stream(self.device, "h2d")
             self.ready = queue_copy(dst, src, stream=stream, block=self.host, after=compute)
             self.alloc_stream = compute
-        self._point_params(resident=True)
+        # The parameters keep pointing at the host copy until a consumer has waited for the
+        # copy (:meth:`consume`): code that reads a weight outside its block meanwhile (a weight
+        # also used elsewhere) must not see bytes still in flight.
         self.resident = True
         self.consumed = False
+
+    def consume(self, stream: torch.cuda.Stream | None) -> None:
+        """Make the loaded bytes usable on ``stream`` (None: no streams, the CPU stand-in) and
+        point the parameters at them."""
+        if self.consumed:
+            return
+        if self.ready is not None and stream is not None:
+            stream.wait_event(self.ready)
+            if stream != self.alloc_stream:
+                self.byte_view().record_stream(stream)
+        self._point_params(resident=True)
         self._versions = self._current_versions()
+        self.consumed = True
 
     def _current_versions(self) -> list[int]:
         return [version_of(slot.param) for slot in self.slots]
 
     @property
     def dirty(self) -> bool:
-        """Whether a resident weight was changed in place since the block was loaded."""
-        return self.resident and self._versions != self._current_versions()
+        """Whether a weight was changed in place on the device since the block was consumed."""
+        return self.resident and self.consumed and self._versions != self._current_versions()
 
     def evict(self) -> bool:
         """Release the device bytes, writing them back to the host copy first when a weight
@@ -247,9 +261,10 @@ class FlatWeights:
 
     def check_params(self) -> None:
         """Raise if something replaced a streamed parameter's data (e.g. ``model.to()``)."""
+        pointed = self.resident and self.consumed
         for slot, dev, host in zip(self.slots, self._device_views, self._host_views):
             ptr = slot.param.data_ptr() if slot.param.numel() else None
-            if ptr is not None and ptr not in (dev.data_ptr() if self.resident else None, host.data_ptr()):
+            if ptr is not None and ptr not in (dev.data_ptr() if pointed else None, host.data_ptr()):
                 raise RuntimeError(
                     f"offloadkit: {self.name}.{slot.name} no longer points at its streamed storage (was the "
                     "model moved or cast with .to()/.half()?); call streamer.remove() before changing weights' "
@@ -259,7 +274,7 @@ class FlatWeights:
     def adopt_replaced(self) -> None:
         """Bring back into the flat storage any resident parameter whose ``.data`` was replaced
         (PEFT's ``safe_merge``, DoRA and ``unmerge`` assign a new tensor instead of writing in place)."""
-        if not self.resident:
+        if not (self.resident and self.consumed):
             return
         for slot, view in zip(self.slots, self._device_views):
             data = slot.param.data
@@ -275,8 +290,8 @@ class FlatWeights:
 
     def write_back(self) -> None:
         """Copy the resident device bytes into the host copy (after weights were changed in place)."""
-        if not self.resident:
-            return
+        if not (self.resident and self.consumed):
+            return  # the parameters point at the host copy: changes went there
         self.adopt_replaced()
         if self.ready is not None:
             self.ready.synchronize()

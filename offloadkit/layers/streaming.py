@@ -295,11 +295,9 @@ class LayerStreamer:
             self._load(layer)
             self.stats.misses += 1
         consumer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if layer.ready is not None and consumer is not None:
+        if not layer.consumed and layer.ready is not None and consumer is not None:
             self._clock.wait(consumer, layer.ready, "backward" if in_backward() else "forward", self._clock_stats)
-            if consumer != layer.alloc_stream:
-                layer.byte_view().record_stream(consumer)
-        layer.consumed = True
+        layer.consume(consumer)
 
     def _load(self, layer: FlatWeights) -> None:
         layer.load()

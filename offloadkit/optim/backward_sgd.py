@@ -126,6 +126,7 @@ class BackwardSGD(BackwardOptimizer):
                 # Its first trip home: queued after the update on the copy stream, as every
                 # later one is (the device tensor lives until the copy has read it).
                 state["momentum_buffer"] = host
+                self.state[p] = state  # where the copies look it up
                 self._copies.store(p, {"momentum_buffer": created})
             else:
                 state["momentum_buffer"] = host.copy_(created)
