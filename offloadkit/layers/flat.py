@@ -205,14 +205,12 @@ class FlatWeights:
         self.consumed = False
 
     def consume(self, stream: torch.cuda.Stream | None) -> None:
-        """Make the loaded bytes usable on ``stream`` (None: no streams, the CPU stand-in) and
-        point the parameters at them."""
+        """Point the parameters at the loaded bytes, used on ``stream`` (None: no streams, the
+        CPU stand-in). The caller has made ``stream`` wait for :attr:`ready` (and timed it)."""
         if self.consumed:
             return
-        if self.ready is not None and stream is not None:
-            stream.wait_event(self.ready)
-            if stream != self.alloc_stream:
-                self.byte_view().record_stream(stream)
+        if stream is not None and stream != self.alloc_stream:
+            self.byte_view().record_stream(stream)  # freed later on the allocating stream
         self._point_params(resident=True)
         self._versions = self._current_versions()
         self.consumed = True

@@ -48,8 +48,22 @@ def test_the_optimizer_precision_curve_runs_and_reports_each_precision(tmp_path)
     from benchmarks import optimizer_precision as op
 
     args = argparse.Namespace(
-        shape="tiny", steps=6, batch=2, seq_len=64, lr=3e-3, warmup=2, device="cpu", device_name="cpu"
+        shape="tiny",
+        steps=6,
+        batch=2,
+        seq_len=64,
+        lr=3e-3,
+        warmup=2,
+        device="cpu",
+        device_name="cpu",
+        corpus="stdlib",
+        corpus_bytes=200_000,
+        corpus_tokens=200_000,
+        corpus_blocks=3000,
     )
+    # A corpus the run does not repeat: Python's own sources, as on the GPU.
+    texts = op.corpus(args)
+    assert sum(len(t) for t in texts) >= 200_000 and all(isinstance(t, str) for t in texts)
     records = [op.run(name, args) for name in op.PRECISIONS]
     bytes_per_param = {r["precision"]: r["host_state_bytes_per_param"] for r in records}
     assert bytes_per_param == {"params": 4.0, "compact": 4.0, "fp32_master": 12.0}
@@ -58,6 +72,7 @@ def test_the_optimizer_precision_curve_runs_and_reports_each_precision(tmp_path)
     assert all(len(r["losses"]) == 6 and r["losses"][-1] < r["losses"][0] for r in records)
     text = op.report(records, args)
     assert "| fp32_master | 12.0 |" in text and "+0.0000 | +0.0000 |" in text
+    assert "Corpus: stdlib (200,000 tokens" in text
 
 
 def test_the_full_fine_tune_comparison_does_not_start_a_peer_the_host_cannot_hold(monkeypatch):
