@@ -6,12 +6,19 @@ they do not run again during recompute. With ``offload_inputs``, only the tensor
 checkpoint saves (the block's positional inputs) pass through an
 :class:`~offloadkit.OffloadActivations`: everything inside a block is recomputed as
 usual. The last block's input stays on the device, since backward needs it first.
+
+With ``recompute_inputs``, the inputs of the blocks named there are not kept at all: a run of
+such blocks shares one checkpoint region with the kept block before it, whose input is the
+only one saved. In backward the region replays those blocks' forward from that input (each
+block still checkpointed inside it), so each dropped input costs one more forward of the
+blocks before it in its run, and no storage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -24,6 +31,7 @@ from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
 from offloadkit.runtime.autograd import first_grad_fn
 from offloadkit.runtime.compiled import compiled_as_a_whole
+from offloadkit.runtime.regions import checkpoint_region
 
 __all__ = ["apply_activation_checkpointing", "CheckpointedBlocks"]
 
@@ -38,9 +46,20 @@ class CheckpointedBlocks:
         offloader: the manager holding offloaded block inputs, or None.
     """
 
-    def __init__(self, model, blocks, context_fn, offloader, owns_offloader, keep_last_input):
+    def __init__(self, model, blocks, context_fn, offloader, owns_offloader, keep_last_input, recompute_inputs=()):
         self.model = model
         self.blocks = blocks
+        self.recompute_inputs = frozenset(recompute_inputs)
+        # First block of each run -> its last dropped block: the span of one checkpoint region.
+        self._region_end: dict[int, int] = {}
+        for index in range(len(blocks)):
+            if index not in self.recompute_inputs and index + 1 in self.recompute_inputs:
+                end = index + 1
+                while end + 1 in self.recompute_inputs:
+                    end += 1
+                self._region_end[index] = end
+        self._region = None  # the open region: (context manager, its last block, recorded calls)
+        self._forward_hook = None
         self.offloader = offloader
         self._owns_offloader = owns_offloader
         self._context_fn = context_fn
@@ -65,6 +84,12 @@ class CheckpointedBlocks:
             wrapper = functools.partial(self._run, index, block, original)
             block.forward = wrapper
             block.__dict__[_MARK] = wrapper
+        if self._region_end:
+            # Also when the forward raises: a region left open would keep its saved-tensor hooks
+            # on this thread, and any other model's forward would save into it.
+            self._forward_hook = self.model.register_forward_hook(
+                lambda *_: self._close_stale_region(), always_call=True
+            )
         config = getattr(unwrap_model(self.model), "config", None)
         if getattr(config, "use_cache", False):
             # A cache written during forward would be written again by the recompute.
@@ -72,10 +97,23 @@ class CheckpointedBlocks:
             config.use_cache = False
         self._attached = True
 
+    def _close_stale_region(self) -> None:
+        """A forward that raised between a region's first and last block (in a hook, say) left
+        its saved-tensor hooks installed: remove them."""
+        if self._region is not None:
+            (stale, _, _, capture), self._region = self._region, None
+            abandoned = RuntimeError("forward abandoned")
+            stale.__exit__(RuntimeError, abandoned, None)
+            capture.__exit__(RuntimeError, abandoned, None)
+
     def remove(self) -> None:
         """Restore every block's forward (and the model's ``use_cache``); close our offloader."""
         if not self._attached:
             return
+        self._close_stale_region()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         for _, block in self.blocks:
             if block.__dict__.get(_MARK) is not None and block.__dict__.get("forward") is block.__dict__[_MARK]:
                 del block.forward
@@ -127,7 +165,79 @@ class CheckpointedBlocks:
                     kwargs[key] = None
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
-        last = index == len(self.blocks) - 1
+        if self._region_end.get(index) is not None or self._region is not None:
+            return self._run_in_region(index, block, original, args, kwargs)
+        return self._run_block(index, block, original, args, kwargs)
+
+    def _selective(self) -> dict:
+        # The default context is left implicit: torch.compile traces checkpoint() only with a
+        # context function it knows (per-layer compile of checkpointed layers).
+        return {} if self._context_fn is noop_context_fn else {"context_fn": self._context_fn}
+
+    def _run_in_region(self, index: int, block: nn.Module, original: Callable, args: tuple, kwargs: dict):
+        """A block in a run whose inputs are dropped: the run's first block opens the region
+        (saving its own input, offloaded like any block input), the last one closes it."""
+        if self._region is None:
+            end = self._region_end[index]
+            fn, flat, rest = _keywords_as_positions(original, args, kwargs)
+            calls: list = []
+            region = checkpoint_region(functools.partial(self._replay, calls), *flat, **rest)
+            capture = self.offloader.capture() if self.offloader is not None else contextlib.nullcontext()
+            if index == 0 and self.offloader is not None:
+                self.offloader.policy.refresh()
+            # Saved-tensor hooks form a stack: the offloader's (which takes the region's inputs)
+            # stays under the region's until the region closes, inert while it is covered.
+            capture.__enter__()
+            try:
+                region.__enter__()
+            except BaseException as exc:
+                capture.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            self._region = (region, end, calls, capture)
+            args, kwargs, original = flat, rest, fn
+        region, end, calls, capture = self._region
+        try:
+            chained = calls and args and isinstance(args[0], torch.Tensor) and args[0] is calls[-1][-1]()
+            if calls and not chained:
+                raise RuntimeError(
+                    f"recompute_inputs: block {index} was not called with the previous block's output as its first "
+                    "argument; a dropped input is replayed from the block before it, so blocks must be chained"
+                )
+            out = checkpoint(original, *args, use_reentrant=False, **self._selective(), **kwargs)
+            # The output by weak reference: holding it would keep the dropped input alive.
+            calls.append((index, original, args[1:], kwargs, weakref.ref(_first_tensor(out))))
+        except BaseException as exc:
+            self._region = None
+            region.__exit__(type(exc), exc, exc.__traceback__)
+            capture.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        if index == end:
+            self._region = None
+            region.__exit__(None, None, None)
+            capture.__exit__(None, None, None)
+        self._after_block(index, out)
+        return out
+
+    def _replay(self, calls: list, *flat, **rest) -> None:
+        """Recompute a region in backward: its blocks' forward again, each checkpointed as in
+        forward, from the region's saved input (module hooks do not run again)."""
+        hidden = None
+        for n, (_, original, more, kwargs, _) in enumerate(calls):
+            args, kw = (flat, rest) if n == 0 else ((hidden, *more), kwargs)
+            hidden = _first_tensor(checkpoint(original, *args, use_reentrant=False, **self._selective(), **kw))
+
+    def _after_block(self, index: int, out) -> None:
+        if self.offloader is None:
+            return
+        grad_fn = first_grad_fn(out)
+        step = self.offloader.current_step()
+        if grad_fn is not None and step is not None:
+            # When backward reaches this block, the inputs of the blocks before it start coming back.
+            grad_fn.register_prehook(lambda grad_outputs: self.offloader.begin_backward(step))
+        if index == len(self.blocks) - 1:
+            self.offloader.flush()  # nothing of ours stays in flight into the loss
+
+    def _run_block(self, index: int, block: nn.Module, original: Callable, args: tuple, kwargs: dict):
         if index == 0 and self.offloader is not None:
             self.offloader.policy.refresh()  # once per forward: parameters may have moved
         kept = index >= len(self.blocks) - self._keep_last
@@ -146,22 +256,22 @@ class CheckpointedBlocks:
             outer.keep_enter()
         try:
             with capture:
-                # The default context is left implicit: torch.compile traces checkpoint() only
-                # with a context function it knows (per-layer compile of checkpointed layers).
-                selective = {} if self._context_fn is noop_context_fn else {"context_fn": self._context_fn}
-                out = checkpoint(fn, *flat, use_reentrant=False, **selective, **kwargs)
+                out = checkpoint(fn, *flat, use_reentrant=False, **self._selective(), **kwargs)
         finally:
             if outer is not None:
                 outer.keep_exit()
-        if self.offloader is not None:
-            grad_fn = first_grad_fn(out)
-            step = self.offloader.current_step()
-            if grad_fn is not None and step is not None:
-                # When backward reaches this block, the inputs of the blocks before it start coming back.
-                grad_fn.register_prehook(lambda grad_outputs: self.offloader.begin_backward(step))
-            if last:
-                self.offloader.flush()  # nothing of ours stays in flight into the loss
+        self._after_block(index, out)
         return out
+
+
+def _first_tensor(out):
+    """A block's hidden state: its output, or the output's first tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for item in out if isinstance(out, (tuple, list)) else ():
+        if isinstance(item, torch.Tensor):
+            return item
+    raise TypeError(f"a block returned {type(out).__name__} without a tensor; recompute_inputs cannot chain it")
 
 
 # Names a decoder layer's cache argument has had across transformers releases.
@@ -226,6 +336,7 @@ def apply_activation_checkpointing(
     offload_inputs: bool | OffloadActivations = False,
     prefetch: int | None = None,
     keep_last_input: bool | int = True,
+    recompute_inputs: Iterable[int] = (),
     **offload_kwargs,
 ) -> CheckpointedBlocks:
     """Checkpoint every repeated block of ``model`` (non-reentrant).
@@ -241,6 +352,10 @@ def apply_activation_checkpointing(
             None: 2 from RAM, 4 from disk).
         keep_last_input: keep the last block's input on the device (needed first); an int
             keeps that many of the last blocks' inputs (a GPU with room to spare).
+        recompute_inputs: indices of blocks whose inputs are not kept anywhere: backward
+            recomputes each from the nearest kept input before it, running the blocks in
+            between forward again (exact: the same kernels on the same values). Block 0's
+            input cannot be dropped.
         **offload_kwargs: forwarded to :class:`OffloadActivations` when one is created.
 
     Returns:
@@ -257,6 +372,12 @@ def apply_activation_checkpointing(
             "blocks keep their inputs on the device (an int >= 0)"
         )
     blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
+    dropped = sorted(set(recompute_inputs))
+    if any(not isinstance(i, int) or i < 1 or i >= len(blocks) for i in dropped):
+        raise ValueError(
+            f"recompute_inputs={dropped!r} is invalid; name blocks by index, 1 to {len(blocks) - 1} "
+            "(block 0's input has nothing before it to be recomputed from)"
+        )
     context_fn = noop_context_fn if selective is None else selective_context_fn(selective)
     owns = False
     offloader = None
@@ -270,6 +391,6 @@ def apply_activation_checkpointing(
         raise ValueError(f"{sorted(offload_kwargs)} only apply with offload_inputs=True")
     if offloader is not None:
         offloader.track(model)
-    handle = CheckpointedBlocks(model, blocks, context_fn, offloader, owns, keep_last_input)
+    handle = CheckpointedBlocks(model, blocks, context_fn, offloader, owns, keep_last_input, dropped)
     handle._attach()
     return handle

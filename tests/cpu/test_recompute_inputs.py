@@ -1,0 +1,114 @@
+"""Drop-and-recompute placement of block inputs (``recompute_inputs``): the dropped inputs are
+not kept anywhere and backward recomputes them from the nearest kept one. Losses and
+gradients bitwise those of per-block checkpointing; only the kept inputs are saved outside
+the blocks; errors are clear."""
+
+import pytest
+import torch
+
+from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch
+
+pytest.importorskip("transformers")
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _saved_outside_blocks(model, batch):
+    """Hidden states autograd keeps at the outermost level during forward: with checkpointing,
+    the block inputs (and the final norm's input)."""
+    kept = []
+    hidden = (*batch["input_ids"].shape, model.config.hidden_size)
+
+    def pack(t):
+        if tuple(t.shape) == hidden:
+            kept.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    loss.backward()
+    return len(set(kept))
+
+
+@pytest.mark.parametrize("dropped", [[1], [1, 2], [2, 3], [1, 3]])
+def test_losses_and_gradients_bitwise_per_block_checkpointing(dropped):
+    shape = {"num_hidden_layers": 4}
+    ref, ours = build_llama("tiny", **shape), build_llama("tiny", **shape)
+    apply_activation_checkpointing(ref)
+    handle = apply_activation_checkpointing(ours, recompute_inputs=dropped)
+    for seed in range(2):
+        batch = make_batch(ref.config.vocab_size, 2, 32, seed=seed)
+        expected, got = _step(ref, batch), _step(ours, batch)
+        assert_bitwise_equal(expected[0], got[0], "loss")
+        assert_bitwise_equal(expected[1], got[1], "grads")
+    handle.remove()
+
+
+def test_dropped_inputs_are_not_kept():
+    shape = {"num_hidden_layers": 4}
+    batch = make_batch(256, 2, 64)
+    plain = build_llama("tiny", **shape)
+    apply_activation_checkpointing(plain)
+    dropping = build_llama("tiny", **shape)
+    apply_activation_checkpointing(dropping, recompute_inputs=[1, 2, 3])
+    # Three distinct block inputs fewer are kept: only block 0's input stands for all four.
+    assert _saved_outside_blocks(plain, batch) - _saved_outside_blocks(dropping, batch) == 3
+
+
+def test_with_bf16_and_offloaded_inputs():
+    shape = {"num_hidden_layers": 4}
+    ref = build_llama("tiny", dtype=torch.bfloat16, **shape)
+    ours = build_llama("tiny", dtype=torch.bfloat16, **shape)
+    h_ref = apply_activation_checkpointing(ref, offload_inputs=True, offload_cpu_tensors=True)
+    handle = apply_activation_checkpointing(
+        ours, offload_inputs=True, offload_cpu_tensors=True, recompute_inputs=[2, 3]
+    )
+    batch = make_batch(ref.config.vocab_size, 2, 32)
+    expected, got = _step(ref, batch), _step(ours, batch)
+    assert_bitwise_equal(expected[0], got[0], "loss")
+    assert_bitwise_equal(expected[1], got[1], "grads")
+    # The dropped inputs never reach the offloader. Block 3's input is not offloaded either
+    # way (the last block keeps its input on the device): block 2's is the one fewer sent.
+    block_input = 2 * 32 * ref.config.hidden_size * 2
+    sent = [h.offloader.collect_stats().offloaded_bytes for h in (h_ref, handle)]
+    assert sent[0] - sent[1] == block_input, sent
+    handle.remove()
+
+
+def test_errors_are_clear():
+    model = build_llama("tiny", num_hidden_layers=3)
+    with pytest.raises(ValueError, match="block 0's input has nothing before it"):
+        apply_activation_checkpointing(model, recompute_inputs=[0])
+    with pytest.raises(ValueError, match="recompute_inputs=\\[5\\] is invalid"):
+        apply_activation_checkpointing(model, recompute_inputs=[5])
+
+
+def test_a_forward_that_fails_inside_a_region_leaves_the_next_step_exact():
+    shape = {"num_hidden_layers": 4}
+    ref, ours = build_llama("tiny", **shape), build_llama("tiny", **shape)
+    apply_activation_checkpointing(ref)
+    apply_activation_checkpointing(ours, recompute_inputs=[2, 3])
+    batch = make_batch(ref.config.vocab_size, 2, 32)
+
+    def fail(module, args):
+        raise RuntimeError("injected")
+
+    hook = ours.model.layers[2].register_forward_pre_hook(fail)  # the region opened at block 1
+    with pytest.raises(RuntimeError, match="injected"):
+        ours(**batch)
+    hook.remove()
+    # Nothing of the abandoned region stays installed on this thread (the reference runs first).
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    expected, got = _step(ref, batch), _step(ours, batch)
+    assert_bitwise_equal(expected[0], got[0], "loss")
+    assert_bitwise_equal(expected[1], got[1], "grads")
