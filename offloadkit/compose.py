@@ -260,14 +260,18 @@ def prepare(
 
     if config.gradient_checkpointing:
         if _hf_checkpointing_on(model):
-            if config.selective_checkpointing:
-                runtime._note(
-                    "selective_checkpointing has no effect: Hugging Face gradient checkpointing is "
-                    "already on (turn it off to use offloadkit's)"
-                )
+            for key in ("selective_checkpointing", "recompute_block_inputs"):
+                if getattr(config, key):
+                    runtime._note(
+                        f"{key} has no effect: Hugging Face gradient checkpointing is already on (turn it off "
+                        "to use offloadkit's)"
+                    )
         else:
             runtime.checkpointing = apply_activation_checkpointing(
-                model, selective=config.selective_checkpointing, keep_last_input=1 + config.gpu_block_inputs
+                model,
+                selective=config.selective_checkpointing,
+                keep_last_input=1 + config.gpu_block_inputs,
+                recompute_inputs=config.recompute_block_inputs,
             )
 
     budget = HostMemoryBudget(config.host_budget_bytes, config.host_min_free_bytes)

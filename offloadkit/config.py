@@ -200,6 +200,10 @@ class OffloadConfig:
         gpu_block_inputs: with checkpointing and offloading, block inputs kept on the GPU
             besides the last block's (the newest ones, needed first in backward): for a GPU
             with room to spare where RAM and disk are short (``offload_plan: auto`` sets it).
+        recompute_block_inputs: indices of decoder layers whose inputs are kept nowhere (not on
+            the GPU, in RAM or on disk): backward recomputes each from the nearest kept input
+            before it, running the layers in between forward again (needs offloadkit's
+            checkpointing: ``gradient_checkpointing`` without the Trainer's own).
         use_pin_memory: page-lock host buffers.
         host_budget_bytes: cap on host RAM for offloaded bytes (int or "16GiB").
         gpu_budget_bytes: cap on this process's GPU memory (int or "24GiB"), enforced by the
@@ -254,6 +258,7 @@ class OffloadConfig:
     min_offload_size: int = MIN_OFFLOAD_SIZE
     max_fwd_stash_size: int = MAX_FWD_STASH_SIZE
     gpu_block_inputs: int = 0
+    recompute_block_inputs: tuple[int, ...] = ()
     use_pin_memory: bool = True
     host_budget_bytes: int | None = None
     host_min_free_bytes: int | None = None
@@ -353,6 +358,16 @@ class OffloadConfig:
             _expect(key, value, (int,), f"an integer >= {low}")
             if value < low:
                 raise ConfigError(f"{key}={value!r} is too small; it must be >= {low}")
+        dropped = self.recompute_block_inputs
+        if isinstance(dropped, list):
+            self.recompute_block_inputs = dropped = tuple(dropped)  # YAML gives a list
+        if not isinstance(dropped, tuple) or any(type(i) is not int or i < 1 for i in dropped):
+            raise ConfigError(
+                f"recompute_block_inputs={dropped!r} is invalid; give layer indices >= 1 (layer 0's input has "
+                "nothing before it to be recomputed from), e.g. [2, 4, 6]"
+            )
+        if dropped and not self.gradient_checkpointing:
+            self._warn("recompute_block_inputs needs gradient_checkpointing: true; it has no effect")
         for key, on in (
             ("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
             ("tiled_mlp_num_shards", "tiled_mlp"),

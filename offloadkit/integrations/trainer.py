@@ -76,14 +76,16 @@ def resolve_config(offload_config: Any, args=None, defaults: dict | None = None)
 
 
 def _use_hf_checkpointing(args, config: OffloadConfig):
-    """Hand plain checkpointing to the Trainer (non-reentrant); selective stays offloadkit's.
+    """Hand plain checkpointing to the Trainer (non-reentrant); selective checkpointing and
+    dropped block inputs stay offloadkit's.
 
     Returns:
         ``(config for prepare(), restore)``: ``restore()`` puts the arguments back.
     """
     if not config.gradient_checkpointing:
         return config, lambda: None
-    if config.selective_checkpointing:
+    if config.selective_checkpointing or config.recompute_block_inputs:
+        # Only offloadkit's checkpointing saves selectively or drops block inputs.
         return config, set_checkpointing(args, False)
     kwargs = checkpointing_kwargs(args)
     # Either kind works: reentrant checkpointing saves its inputs through the same hooks

@@ -112,3 +112,55 @@ def test_a_forward_that_fails_inside_a_region_leaves_the_next_step_exact():
     expected, got = _step(ref, batch), _step(ours, batch)
     assert_bitwise_equal(expected[0], got[0], "loss")
     assert_bitwise_equal(expected[1], got[1], "grads")
+
+
+def test_through_the_config_and_the_trainer(tmp_path, monkeypatch):
+    """``recompute_block_inputs`` in a config: the Trainer keeps offloadkit's checkpointing
+    (its own cannot drop inputs), and the losses and weights are those of plain checkpointing."""
+    transformers = pytest.importorskip("transformers")
+    from offloadkit.config import ConfigError, OffloadConfig
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    def train(offload):
+        torch.manual_seed(0)
+        model = build_llama("tiny", vocab_size=259, num_hidden_layers=4, attn_implementation="sdpa")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=2,
+            max_steps=3,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=0,
+            remove_unused_columns=False,
+        )
+        data = TokenBlocks(byte_tokenizer(), load_texts(), 32)
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=data, offload_config=offload)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    from offloadkit.checkpointing.apply import CheckpointedBlocks
+
+    replays = []
+    original_replay = CheckpointedBlocks._replay
+    monkeypatch.setattr(
+        CheckpointedBlocks, "_replay", lambda self, *a, **k: (replays.append(1), original_replay(self, *a, **k))[1]
+    )
+    base = {"gradient_checkpointing": True, "activation_offloading": False}
+    ref_losses, ref_weights = train(base)
+    assert replays == []
+    losses, weights = train({**base, "recompute_block_inputs": [2, 3]})
+    assert len(replays) == 3, "one region replayed in each step's backward"
+    assert losses == ref_losses and len(losses) == 3
+    assert_bitwise_equal(ref_weights, weights, "weights")
+    assert OffloadConfig.from_dict({"recompute_block_inputs": [1, 2]}).recompute_block_inputs == (1, 2)
+    with pytest.raises(ConfigError, match="recompute_block_inputs=\\(0,\\) is invalid"):
+        OffloadConfig.from_dict({"recompute_block_inputs": [0]})
