@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
+from offloadkit.checkpointing.arguments import CACHE_KEYS, first_tensor, is_cache, keywords_as_positions
 from offloadkit.checkpointing.selective import selective_context_fn
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.blocks import find_blocks
@@ -161,7 +162,7 @@ class CheckpointedBlocks:
             # A cache written in forward would be read (or written again) by the recompute,
             # which then saves different tensors: blocks run without one when checkpointed.
             for key, value in kwargs.items():
-                if value is not None and (key in _CACHE_KEYS or _is_cache(value)):
+                if value is not None and (key in CACHE_KEYS or is_cache(value)):
                     kwargs[key] = None
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
@@ -179,7 +180,7 @@ class CheckpointedBlocks:
         (saving its own input, offloaded like any block input), the last one closes it."""
         if self._region is None:
             end = self._region_end[index]
-            fn, flat, rest = _keywords_as_positions(original, args, kwargs)
+            fn, flat, rest = keywords_as_positions(original, args, kwargs)
             calls: list = []
             region = checkpoint_region(functools.partial(self._replay, calls), *flat, **rest)
             capture = self.offloader.capture() if self.offloader is not None else contextlib.nullcontext()
@@ -205,7 +206,7 @@ class CheckpointedBlocks:
                 )
             out = checkpoint(original, *args, use_reentrant=False, **self._selective(), **kwargs)
             # The output by weak reference: holding it would keep the dropped input alive.
-            calls.append((index, original, args[1:], kwargs, weakref.ref(_first_tensor(out))))
+            calls.append((index, original, args[1:], kwargs, weakref.ref(first_tensor(out))))
         except BaseException as exc:
             self._region = None
             region.__exit__(type(exc), exc, exc.__traceback__)
@@ -224,7 +225,7 @@ class CheckpointedBlocks:
         hidden = None
         for n, (_, original, more, kwargs, _) in enumerate(calls):
             args, kw = (flat, rest) if n == 0 else ((hidden, *more), kwargs)
-            hidden = _first_tensor(checkpoint(original, *args, use_reentrant=False, **self._selective(), **kw))
+            hidden = first_tensor(checkpoint(original, *args, use_reentrant=False, **self._selective(), **kw))
 
     def _after_block(self, index: int, out) -> None:
         if self.offloader is None:
@@ -248,7 +249,7 @@ class CheckpointedBlocks:
             # The checkpoint saves positional tensors through the saved-tensor hooks but keeps
             # keyword arguments as plain Python objects: move keyword tensors to positions so
             # they are offloaded like the rest (``hidden_states=`` callers).
-            fn, flat, kwargs = _keywords_as_positions(original, args, kwargs)
+            fn, flat, kwargs = keywords_as_positions(original, args, kwargs)
         # Only the checkpoint's own input saves happen in this call (the block's inner saves
         # are discarded and recomputed), so the outer manager's keep region covers exactly them.
         outer = self._outer if kept and self.offloader is None else None
@@ -262,69 +263,6 @@ class CheckpointedBlocks:
                 outer.keep_exit()
         self._after_block(index, out)
         return out
-
-
-def _first_tensor(out):
-    """A block's hidden state: its output, or the output's first tensor."""
-    if isinstance(out, torch.Tensor):
-        return out
-    for item in out if isinstance(out, (tuple, list)) else ():
-        if isinstance(item, torch.Tensor):
-            return item
-    raise TypeError(f"a block returned {type(out).__name__} without a tensor; recompute_inputs cannot chain it")
-
-
-# Names a decoder layer's cache argument has had across transformers releases.
-_CACHE_KEYS = frozenset({"past_key_values", "past_key_value", "layer_past", "cache"})
-
-
-def _is_cache(value) -> bool:
-    """A transformers cache object, whatever the argument is called (read by type, so a
-    renamed keyword in a later release is still caught)."""
-    return any(cls.__module__.startswith("transformers.cache_utils") for cls in type(value).__mro__)
-
-
-def _tensor_leaves(value, out: list) -> object:
-    """``value`` with each tensor replaced by its index in ``out`` (tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-        return _Slot(len(out) - 1)
-    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
-        return type(value)(_tensor_leaves(v, out) for v in value)
-    if type(value) is dict:
-        return {k: _tensor_leaves(v, out) for k, v in value.items()}
-    return value
-
-
-def _rebuild(value, tensors):
-    if isinstance(value, _Slot):
-        return tensors[value.index]
-    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
-        return type(value)(_rebuild(v, tensors) for v in value)
-    if type(value) is dict:
-        return {k: _rebuild(v, tensors) for k, v in value.items()}
-    return value
-
-
-class _Slot:
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-def _keywords_as_positions(original: Callable, args: tuple, kwargs: dict):
-    """A function taking ``(*args, *keyword_tensors)`` that calls ``original`` as before."""
-    tensors: list = []
-    structure = {k: _tensor_leaves(v, tensors) for k, v in kwargs.items()}
-    if not tensors:
-        return original, args, kwargs
-    n = len(args)
-
-    def call(*flat):
-        return original(*flat[:n], **_rebuild(structure, flat[n:]))
-
-    return call, (*args, *tensors), {}
 
 
 def apply_activation_checkpointing(
