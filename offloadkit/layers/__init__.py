@@ -1,5 +1,6 @@
-"""Frozen-layer streaming (``layer_offloading``): block weights in pinned host memory,
-visiting the GPU one layer at a time."""
+"""Layer streaming (``layer_offloading``): block weights (a LoRA model's frozen base, or a full
+fine-tune's trainable weights updated in backward) in pinned host memory, visiting the GPU one
+layer at a time."""
 
 from offloadkit.layers.flat import FlatWeights
 from offloadkit.layers.streaming import (
