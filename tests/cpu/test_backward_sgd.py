@@ -11,30 +11,13 @@ from torch import nn
 from offloadkit.optim import BackwardSGD
 from offloadkit.testing import assert_bitwise_equal
 
-
-def _model(dtype):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(dtype)
+from .test_backward_adamw import _batches, _loss, _model, _params  # the same model, data and loss
 
 
 def _groups(model, lr, **kw):
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     return [{"params": decay, "weight_decay": 0.01, **kw}, {"params": rest, "weight_decay": 0.0, "lr": lr * 2}]
-
-
-def _batches(dtype, n):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 32, generator=g).to(dtype), torch.randn(16, 8, generator=g).to(dtype)) for _ in range(n)]
-
-
-def _loss(model, batch):
-    x, y = batch
-    return (model(x) - y).float().square().mean()
-
-
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 SETTINGS = {
