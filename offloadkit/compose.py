@@ -325,6 +325,9 @@ def prepare(
                     budget=budget,
                     trainable=config.optimizer_offloading,
                 )
+                if runtime.checkpointing is not None and config.recompute_block_inputs:
+                    # A replayed region runs blocks backward has not reached yet: load them first.
+                    runtime.checkpointing.register_replay_hook(runtime.streamer.make_resident)
             except ValueError as exc:
                 if "layer streaming found no" not in str(exc):
                     raise

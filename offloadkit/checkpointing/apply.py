@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import OrderedDict
 import weakref
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.hooks import RemovableHandle
 
 from offloadkit.checkpointing.arguments import CACHE_KEYS, first_tensor, is_cache, keywords_as_positions
 from offloadkit.checkpointing.selective import selective_context_fn
@@ -70,6 +72,7 @@ class CheckpointedBlocks:
         self._restore_use_cache = None
         self._attached = False
         self._compiled: dict[int, Callable] = {}  # block index -> its forward compiled, for compiled blocks
+        self._replay_hooks: OrderedDict[int, Callable[[nn.Module], None]] = OrderedDict()  # weakref-able
 
     # -- wiring ------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -219,11 +222,27 @@ class CheckpointedBlocks:
         self._after_block(index, out)
         return out
 
+    def register_replay_hook(self, hook: Callable[[nn.Module], None]) -> RemovableHandle:
+        """Call ``hook(block)`` before each block a region replays in backward.
+
+        A replay runs blocks' forward outside their module hooks (those ran in forward), at a
+        time when backward has only reached the region's last block: whatever a block needs in
+        place to run (its streamed weights, say) must be put there by such a hook.
+
+        Returns:
+            A handle whose ``remove()`` detaches the hook.
+        """
+        handle = RemovableHandle(self._replay_hooks)
+        self._replay_hooks[handle.id] = hook
+        return handle
+
     def _replay(self, calls: list, *flat, **rest) -> None:
         """Recompute a region in backward: its blocks' forward again, each checkpointed as in
-        forward, from the region's saved input (module hooks do not run again)."""
+        forward, from the region's saved input (module hooks do not run again; replay hooks do)."""
         hidden = None
-        for n, (_, original, more, kwargs, _) in enumerate(calls):
+        for n, (index, original, more, kwargs, _) in enumerate(calls):
+            for hook in tuple(self._replay_hooks.values()):
+                hook(self.blocks[index][1])
             args, kw = (flat, rest) if n == 0 else ((hidden, *more), kwargs)
             hidden = first_tensor(checkpoint(original, *args, use_reentrant=False, **self._selective(), **kw))
 
@@ -293,7 +312,8 @@ def apply_activation_checkpointing(
         recompute_inputs: indices of blocks whose inputs are not kept anywhere: backward
             recomputes each from the nearest kept input before it, running the blocks in
             between forward again (exact: the same kernels on the same values). Block 0's
-            input cannot be dropped.
+            input cannot be dropped. With layer streaming, pass the streamer's loads in:
+            ``handle.register_replay_hook(streamer.make_resident)`` (the config route does).
         **offload_kwargs: forwarded to :class:`OffloadActivations` when one is created.
 
     Returns:

@@ -110,6 +110,7 @@ class LayerStreamer:
         owners = Counter(id(p) for _, p in unwrap_model(model).named_parameters(remove_duplicate=False))
         self.layers: list[FlatWeights] = []
         self.block_names: list[str] = []
+        self._index_of: dict[int, int] = {}  # id(block) -> its index in self.layers
         for name, block in blocks:
             params = []
             for mod_name, module in block.named_modules():
@@ -124,6 +125,7 @@ class LayerStreamer:
             if params:
                 self.layers.append(FlatWeights(name, params, self.pool, self.device))
                 self.block_names.append(name)
+                self._index_of[id(block)] = len(self.layers) - 1
                 self._hook_block(len(self.layers) - 1, block)
         if not self.layers:
             what = "parameters it can stream" if trainable else "frozen parameters"
@@ -249,6 +251,16 @@ class LayerStreamer:
             self._ensure(index)
             for j in range(index - 1, max(index - self.depth, -1), -1):
                 self._prefetch(j)
+
+    def make_resident(self, block: nn.Module) -> None:
+        """Make ``block``'s weights resident now, for a call the block hooks do not see (a
+        checkpoint region replaying dropped block inputs in backward runs the blocks before
+        the one backward has reached). It stays resident until backward passes it."""
+        index = self._index_of.get(id(block))
+        if index is None:
+            return  # nothing of this block is streamed
+        with self._lock:
+            self._ensure(index)
 
     def _queue_end_callback(self) -> None:
         # Keyed by graph task, not a flag: a backward that raised never runs its callback,

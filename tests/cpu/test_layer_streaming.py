@@ -88,6 +88,45 @@ def test_streaming_with_checkpointing_shares_one_load_per_layer():
     ckpt.remove()
 
 
+def _residency_at_each_call(model, streamer):
+    """Per call of a block's MLP (forward, recompute and region replays alike): whether the
+    block's streamed weights were resident and loaded."""
+    seen = []
+    for i, layer in enumerate(streamer.layers):
+        block = model.get_base_model().model.layers[i]
+        block.mlp.register_forward_pre_hook(lambda m, a, layer=layer: seen.append(layer.resident and layer.consumed))
+    return seen
+
+
+@pytest.mark.parametrize("wired", [True, False])
+def test_recompute_regions_replay_with_the_blocks_resident(wired):
+    """A region replaying dropped block inputs runs blocks backward has not reached: the replay
+    hook loads them (without it they would run on weights that are not there)."""
+    model = lora_llama()
+    model.train()
+    batch = make_batch(2048, 2, 32)
+    ref = run_step(model, batch)
+    ckpt = apply_activation_checkpointing(
+        model, offload_inputs=True, offload_cpu_tensors=True, recompute_inputs=[1, 3]
+    )
+    streamer = stream_layers_on_cpu(model)
+    if wired:
+        ckpt.register_replay_hook(streamer.make_resident)
+    seen = _residency_at_each_call(model, streamer)
+    got = run_step(model, batch)
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 2 * layers + 2  # forward, recompute, and blocks 0 and 2 replayed
+    if wired:
+        assert all(seen)
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "grads")
+        assert streamer.stats.max_resident <= 2, "a region of two blocks fits the two resident layers"
+    else:
+        assert not all(seen)
+    streamer.remove()
+    ckpt.remove()
+
+
 def test_hf_checkpointing_with_streaming():
     model = lora_llama()
     batch = make_batch(2048, 2, 32)
