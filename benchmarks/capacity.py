@@ -43,6 +43,11 @@ MODES = ("hf_ckpt", "everything", "in_gpu", "auto")
 
 
 # --------------------------------------------------------------------------- planning side
+def placement_code(placement: list[str]) -> str:
+    """One letter per block input: g(pu), r(am), d(isk), x (dropped, recomputed)."""
+    return "".join("x" if where == "recompute" else where[0] for where in placement)
+
+
 def _features(mode: str, workload, host_budget: int):
     from offloadkit.planning.memory import Features, auto_loss_chunks, auto_mlp_shards
     from offloadkit.storage.pool import size_class
@@ -75,6 +80,7 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
     from dataclasses import replace
 
     from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, plan, resolve_shape
+    from offloadkit.planning.memory import region_length
 
     budgets = budgets or Budgets.detect(host_bytes=host_budget)
     if mode == "auto":
@@ -84,13 +90,18 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
         w = Workload(resolve_shape(shape, layers), seq, 1, lora_rank)
         f = _features(mode, w, host_budget)
         if mode in ("everything", "in_gpu"):
-            full = plan(shape, seq, lora_rank=lora_rank, budgets=budgets).features
+            full_plan = plan(shape, seq, lora_rank=lora_rank, budgets=budgets)
+            full = full_plan.features
             f = replace(
                 f,
                 horizon=full.horizon,
                 tiled_projections=full.tiled_projections,
                 ram_blocks=full.ram_blocks if mode == "everything" else f.ram_blocks,
             )
+            replayed = region_length(full_plan.placement)
+            if mode == "everything" and replayed > 1 and layers > replayed:
+                # The full plan drops block inputs: the probe holds its longest replayed run.
+                f = replace(f, recompute_blocks=replayed - 1)
         m = estimate_memory(w, f)
         t = estimate_time(w, f, budgets.rates, m.block_placement)
     return {
@@ -101,7 +112,7 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
         "step_s": t.seconds,
         "bound": t.bound,
         "flops": t.flops,
-        "placement": "".join(p[0] for p in m.block_placement),
+        "placement": placement_code(m.block_placement),
         "loss_chunks": f.loss_chunks,
         "mlp_shards": f.mlp_shards,
         "tiled_projections": f.tiled_projections,
@@ -164,6 +175,9 @@ def run_probe(spec: dict) -> dict:
                 "tiled_mlp": p["mlp_shards"] > 1,
                 "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None,
             }
+            dropped = tuple(i for i, c in enumerate(p["placement"]) if c == "x")
+            if dropped:
+                config["recompute_block_inputs"] = dropped
             if spec.get("disk_dir"):
                 config["disk_dir"] = spec["disk_dir"]
         elif mode == "in_gpu":

@@ -110,7 +110,8 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
         "seq_len": seq,
         "fits": p.fits,
         "plan": p.name,
-        "placement": "".join(x[0] for x in p.placement),
+        "placement": "".join("x" if x == "recompute" else x[0] for x in p.placement),  # x: recomputed
+        "recomputed_inputs": p.placement.count("recompute"),
         "config": config,
         "budgets_gib": {
             "gpu": budgets.gpu_bytes / GiB,

@@ -183,7 +183,12 @@ class CheckpointedBlocks:
         (saving its own input, offloaded like any block input), the last one closes it."""
         if self._region is None:
             end = self._region_end[index]
-            fn, flat, rest = keywords_as_positions(original, args, kwargs)
+            fn, flat, rest = original, args, kwargs
+            if self.offloader is not None or not args:
+                # As for a single block: keyword tensors become positions so that our offloader
+                # takes them (a whole-model manager around us keeps them by reference, as it
+                # does the other blocks' keyword tensors).
+                fn, flat, rest = keywords_as_positions(original, args, kwargs)
             calls: list = []
             region = checkpoint_region(functools.partial(self._replay, calls), *flat, **rest)
             capture = self.offloader.capture() if self.offloader is not None else contextlib.nullcontext()

@@ -44,6 +44,7 @@ __all__ = [
     "TIERED_RESERVE_BYTES",
     "auto_mlp_shards",
     "tiles_projections",
+    "region_length",
 ]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
@@ -147,6 +148,9 @@ class Features:
             one parameter's and the copy window.
         copy_window_bytes: GPU bytes of optimizer state in flight, each way (None: BackwardAdamW's
             default for the precision).
+        recompute_blocks: offloaded block inputs dropped instead (kept nowhere, recomputed in
+            backward from the kept input before them), spread evenly so that the runs between
+            kept inputs are as short as possible.
     """
 
     checkpointing: bool = True
@@ -161,6 +165,7 @@ class Features:
     horizon: int | None = None
     optimizer_offloading: bool = False
     copy_window_bytes: int | None = None
+    recompute_blocks: int = 0
 
 
 @dataclass
@@ -173,7 +178,8 @@ class MemoryEstimate:
             this is what must fit in the GPU budget.
         host: host RAM (pinned block inputs, streamed weights, disk staging, process baseline).
         disk: bytes of block inputs on disk.
-        block_placement: per layer, where its input lives in backward: gpu, ram or disk.
+        block_placement: per layer, where its input lives in backward: gpu, ram, disk, or
+            recompute (kept nowhere: replayed from the kept input before it).
         gpu_parts: named parts of the peak.
         phase: "loss" or "layer backward", whichever is larger.
     """
@@ -273,9 +279,24 @@ def _placement(w: Workload, f: Features) -> list[str]:
     # ``gpu_blocks`` before it.
     kept = max(0, min(layers - 1, f.gpu_blocks))
     offloaded = layers - 1 - kept
-    in_ram = offloaded if f.ram_blocks is None else max(0, min(offloaded, f.ram_blocks))
+    # Dropped inputs spread evenly over the offloaded ones (block 0's is always kept: there
+    # is nothing before it to replay from), so each run replays as few blocks as possible.
+    stored = offloaded - max(0, min(f.recompute_blocks, offloaded - 1))
+    heads = {j * offloaded // stored for j in range(stored)} if stored else set()
+    in_ram = stored if f.ram_blocks is None else max(0, min(stored, f.ram_blocks))
     # The tiered store keeps the newest entries in RAM and demotes the oldest to disk.
-    return ["disk"] * (offloaded - in_ram) + ["ram"] * in_ram + ["gpu"] * (kept + 1)
+    tiers = iter(["disk"] * (stored - in_ram) + ["ram"] * in_ram)
+    prefix = [next(tiers) if i in heads else "recompute" for i in range(offloaded)]
+    return prefix + ["gpu"] * (kept + 1)
+
+
+def region_length(placement: list[str]) -> int:
+    """Blocks in the longest run that one kept input replays (1: nothing is dropped)."""
+    longest = run = 1
+    for where in placement[1:]:
+        run = run + 1 if where == "recompute" else 1
+        longest = max(longest, run)
+    return longest
 
 
 def streams_weights(w: Workload, f: Features) -> bool:
@@ -305,8 +326,12 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     h = s.hidden
     parts: dict[str, int] = {}
     edge = (s.embed_params + s.head_params + h) * b
+    placement = _placement(w, f)
+    replayed = region_length(placement)
     if streams_weights(w, f):
-        parts["weights"] = edge + min(f.stream_depth, s.layers) * s.layer_params * b
+        # A replayed run holds its blocks resident together (longer runs than the depth cost more).
+        resident = min(max(f.stream_depth, replayed), s.layers)
+        parts["weights"] = edge + resident * s.layer_params * b
     else:
         parts["weights"] = s.params * b
     if w.lora_rank:
@@ -328,7 +353,6 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         parts["trainable state"] = grad + in_flight
     else:
         parts["trainable state"] = s.params * (b + w.optimizer_state_bytes)  # gradients and AdamW state
-    placement = _placement(w, f)
     block = w.block_input_bytes
     if f.checkpointing:
         on_gpu = placement.count("gpu")
@@ -358,6 +382,9 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     layer: dict[str, int] = {}
     if f.checkpointing:
         layer["layer recompute"] = layer_saved_bytes(w, f.mlp_shards, f.tiled_projections)
+        if replayed > 1:
+            # A run's replay holds the dropped inputs it recomputed until backward passes them.
+            layer["replayed block inputs"] = (replayed - 1) * block
     layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections)
     loss_bytes, layer_bytes = sum(loss.values()), sum(layer.values())
     if loss_bytes >= layer_bytes:

@@ -73,8 +73,9 @@ class Plan:
 
     @property
     def placement(self) -> list[str]:
-        """Per layer: where its input waits for backward ("gpu", "ram" or "disk"); every
-        layer is recomputed."""
+        """Per layer: where its input waits for backward ("gpu", "ram" or "disk"), or
+        "recompute" (kept nowhere, replayed from the kept input before it); every layer's
+        inner activations are recomputed."""
         return self.memory.block_placement
 
     def host_budget_bytes(self) -> int | None:
@@ -116,6 +117,9 @@ class Plan:
             out["activation_loading_horizon"] = f.horizon
         if f.offload_inputs and f.gpu_blocks:
             out["gpu_block_inputs"] = f.gpu_blocks
+        dropped = tuple(i for i, where in enumerate(self.placement) if where == "recompute")
+        if dropped:
+            out["recompute_block_inputs"] = dropped
         if not f.offload_inputs:
             out["activation_offloading"] = False
         elif "disk" not in self.placement:
@@ -136,11 +140,13 @@ class Plan:
             f"plan for {w.shape.name} ({w.shape.layers} layers), {w.seq_len} tokens x {w.batch}, {lora}: {self.name}"
             + ("" if self.fits else "  ** DOES NOT FIT: " + "; ".join(self.reasons) + " **"),
             "",
-            "| layers | block input | where | backward |",
-            "|---|---|---|---|",
+            "| layers | block input | kept in |",
+            "|---|---|---|",
         ]
         for (lo, hi), where in runs:
-            lines.append(f"| {lo}-{hi} | {w.block_input_bytes / GiB:.2f} GiB each | {where} | recompute |")
+            if where == "recompute":
+                where = "nowhere: replayed from the kept input before it"
+            lines.append(f"| {lo}-{hi} | {w.block_input_bytes / GiB:.2f} GiB each | {where} |")
         f = self.features
         lines += [
             "",
@@ -220,7 +226,7 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     streamed, state = _streamed_host_bytes(w, f), _held_host_bytes(w, f) - _streamed_host_bytes(w, f)
     room = b.host_bytes - streamed - state
     per = size_class(w.block_input_bytes)
-    if room // per >= w.shape.layers - 1 - f.gpu_blocks:
+    if room // per >= w.shape.layers - 1 - f.gpu_blocks - f.recompute_blocks:
         return max(0, room // per)  # nothing spills: no staging, no demotion
     horizon = f.horizon if f.horizon is not None else HORIZON_DISK
     staging = (horizon + 1) * per
@@ -382,6 +388,12 @@ def plan(
             t = estimate_time(w, f, b.rates, m.block_placement)
             reasons = _check(w, m, b)
             name += f", {held} block inputs on the GPU"
+        if f.offload_inputs and f.checkpointing and (reasons or "disk" in m.block_placement):
+            dropped = _drop_inputs(w, f, b, m, t)
+            if dropped is not None:
+                f, m, t = dropped
+                reasons = _check(w, m, b)
+                name += f", {f.recompute_blocks} block inputs recomputed"
         results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
     fitting = [p for p in results if p.fits]
     if fitting:
@@ -410,6 +422,39 @@ def plan(
         if p is not best and (not p.fits or p.time.seconds < best.time.seconds)
     ]
     return best
+
+
+def _drop_inputs(w: Workload, f: Features, b: Budgets, m: MemoryEstimate, t: StepTime):
+    """The recompute placement: the fewest block inputs dropped (kept nowhere, replayed in
+    backward from the kept input before them) that let RAM and disk hold the rest, and, where
+    replaying a block costs less than reading its input from disk, every disk-bound one
+    dropped too. Block inputs the GPU holds come first (they cost nothing); each one the
+    replay's transient pushes off the GPU is dropped instead.
+
+    Returns:
+        ``(features, memory, time)`` of the fastest variant that fits, or None (the plan as it
+        is, when it fits and no drop is faster, or when no number of drops fits).
+    """
+    best = None if _check(w, m, b) else (t.seconds, f, m, t)
+    for held in range(f.gpu_blocks, -1, -1):
+        offloaded = w.shape.layers - 1 - held
+        for drops in range(1, offloaded):
+            g = replace(f, gpu_blocks=held, recompute_blocks=drops)
+            g = replace(g, ram_blocks=_ram_blocks(w, g, b))
+            gm = estimate_memory(w, g)
+            reasons = _check(w, gm, b)
+            if any("GPU" in r for r in reasons):
+                break  # more drops only lengthen the replayed runs
+            if reasons:
+                continue
+            gt = estimate_time(w, g, b.rates, gm.block_placement)
+            if best is None or gt.seconds < best[0]:
+                best = (gt.seconds, g, gm, gt)
+            if "disk" not in gm.block_placement:
+                break  # the rest rest in RAM: more drops only cost replays
+        if best is not None and best[1] is not f:
+            return best[1], best[2], best[3]
+    return None
 
 
 def _gpu_blocks(w: Workload, f: Features, m: MemoryEstimate, b: Budgets) -> int:
@@ -494,9 +539,12 @@ def physical_limit(
     Two conditions. The working set of the GPU's largest moment (one layer's recompute and
     backward with one-token tiles, the resident weights, the last block input, nothing
     fetched ahead, no allocator overhead) must fit the GPU alone ("gpu"). And everything
-    alive at that moment, the working set plus the other block inputs and the streamed
+    alive at that moment, the working set plus the other kept block inputs and the streamed
     weights, must fit GPU, RAM and disk together ("storage"): a byte held on the GPU is not
-    also free for block inputs.
+    also free for block inputs. Block inputs may be dropped and recomputed (one kept input
+    replays the run after it): each drop frees storage and lengthens a run, whose replayed
+    inputs the GPU holds beside the working set; storage is short only when no number of
+    drops fits both.
     """
     w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes, optimizer_precision)
     pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
@@ -508,7 +556,7 @@ def physical_limit(
     streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes
     streaming = (bool(lora_rank) or state_on_host) and streamed + (state if state_on_host else 0) <= budgets.host_bytes
 
-    def working_set(seq: int):
+    def working_set(seq: int, drops: int = 0):
         w = replace(w0, seq_len=seq)
         f = Features(
             checkpointing=True,
@@ -519,16 +567,24 @@ def physical_limit(
             mlp_shards=max(1, w.tokens),
             tiled_projections=True,
             optimizer_offloading=state_on_host,
+            recompute_blocks=drops,
         )
         return w, estimate_memory(w, f).gpu_peak
 
     def gpu_ok(seq: int) -> bool:
         return working_set(seq)[1] <= budgets.gpu_bytes
 
+    off_gpu = (streamed if streaming else 0) + (state if state_on_host else 0)
+
     def storage_ok(seq: int) -> bool:
-        w, gpu = working_set(seq)
-        off_gpu = (streamed if streaming else 0) + (state if state_on_host else 0)
-        return gpu + (w.shape.layers - 1) * w.block_input_bytes + off_gpu <= pooled
+        # Dropped block inputs take no storage; the runs they lengthen are replayed on the GPU.
+        for drops in range(w0.shape.layers - 1):
+            w, gpu = working_set(seq, drops)
+            if gpu > budgets.gpu_bytes:
+                return False
+            if gpu + (w.shape.layers - 1 - drops) * w.block_input_bytes + off_gpu <= pooled:
+                return True
+        return False
 
     by_gpu = _search(gpu_ok, 1 << 16)
     by_storage = _search(storage_ok, 1 << 16)

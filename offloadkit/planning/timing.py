@@ -7,7 +7,8 @@ FLOPs counted (per token, P = a decoder layer's linear weights x layers):
   tiled;
 - the head: forward and input gradient 2VH each (and 2VH for its weight in a full fine-tune);
 - causal attention: 2 S^2 (heads x head_dim) per layer and row forward (half of the
-  full square's 4 S^2 d), backward twice that, recompute once more: 8 S^2 d per layer.
+  full square's 4 S^2 d), backward twice that, recompute once more: 8 S^2 d per layer;
+- each dropped block input (recompute placement): one more forward of the block before it.
 
 Executed work is counted (the recompute included): achieved TFLOP/s reported by the
 capacity benchmark is hardware FLOPs, not "model FLOPs".
@@ -117,6 +118,12 @@ def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
             bwd += 2 * (layer_linear - mlp_linear) * s.layers * t
     attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers
     attn_bwd = 2 * attn_fwd + (attn_fwd if f.checkpointing else 0)
+    if f.checkpointing and f.offload_inputs and f.recompute_blocks:
+        # A dropped input is the output of the block before it, run forward once more.
+        offloaded = s.layers - 1 - max(0, min(s.layers - 1, f.gpu_blocks))
+        replays = max(0, min(f.recompute_blocks, offloaded - 1))  # as many as the placement drops
+        bwd += replays * t * (2 * layer_linear + (2 * adapters // s.layers if w.lora_rank else 0))
+        attn_bwd += replays * attn_fwd / s.layers
     return float(fwd), float(bwd), attn_fwd, attn_bwd
 
 
@@ -126,7 +133,7 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     Args:
         w, f: the workload and features.
         rates: throughputs.
-        placement: per layer, where its input lives ("gpu", "ram", "disk").
+        placement: per layer, where its input lives ("gpu", "ram", "disk", "recompute").
 
     Returns:
         A :class:`StepTime`.
@@ -135,7 +142,7 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     fwd_compute = lf / rates.matmul_flops_per_s + af / rates.attention_flops_per_s
     bwd_compute = lb / rates.matmul_flops_per_s + ab / rates.attention_flops_per_s
     block = w.block_input_bytes
-    moved = sum(1 for p in placement if p != "gpu") * block  # each way
+    moved = sum(1 for p in placement if p in ("ram", "disk")) * block  # each way
     streamed = 0
     if streams_weights(w, f):
         # Per pass: forward, then backward. A full fine-tune's updated weights go back on the

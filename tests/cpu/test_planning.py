@@ -153,8 +153,9 @@ def test_nine_tenths_of_the_physical_limit_at_every_gpu_size(gpu_gib):
     assert cap.ratio >= 0.9, cap.summary()
     p = cap.plan
     assert p.fits and OffloadConfig.from_dict(p.to_config()).layer_offloading_depth == p.features.stream_depth
-    if gpu_gib == 141:
-        assert p.features.gpu_blocks > 0 and "disk" in p.placement
+    if gpu_gib >= 80:
+        # Past what storage holds, block inputs are dropped and replayed instead.
+        assert "recompute" in p.placement and "disk" in p.placement
 
 
 def test_one_streamed_layer_resident_is_chosen_only_when_needed():
@@ -312,6 +313,51 @@ def test_prepare_applies_the_plan():
         runtime.close()
 
 
+def test_a_plan_that_drops_block_inputs_runs_bitwise_through_prepare(tmp_path):
+    """The recompute placement as prepare() realises it from the plan's config keys: the
+    dropped inputs reach checkpointing, the kept ones the disk tier, and the step is bitwise
+    per-block checkpointing."""
+    from offloadkit.planning import estimate_time
+    from offloadkit.planning.planner import Plan
+
+    shape = {"num_hidden_layers": 6}
+    ref, ours = build_llama("tiny", **shape), build_llama("tiny", **shape)
+    w = Workload(resolve_shape(ours), 64, batch=2, lora_rank=0, dtype_bytes=4)
+    f = Features(offload_inputs=True, recompute_blocks=2, loss_chunks=1)
+    m = estimate_memory(w, f)
+    p = Plan(w, f, BIG, "drops", m, estimate_time(w, f, BIG.rates, m.block_placement), True)
+    assert p.placement == ["ram", "ram", "recompute", "ram", "recompute", "gpu"]
+    config = dict(p.to_config(), activation_offloading="disk", disk_dir=str(tmp_path), chunked_cross_entropy=False)
+    assert config["recompute_block_inputs"] == (2, 4)
+    apply_activation_checkpointing(ref)
+    runtime = prepare(ours, config)
+    try:
+        assert runtime.checkpointing.recompute_inputs == {2, 4}
+        ids = torch.randint(0, 256, (2, 64))
+        expected = ref(input_ids=ids, labels=ids).loss
+        expected.backward()
+        with runtime.context():
+            got = ours(input_ids=ids, labels=ids).loss
+        got.backward()
+        assert torch.equal(expected, got)
+        for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+        written = runtime.report()["storage"]["disk"]["bytes_written"]
+    finally:
+        runtime.close()
+    # Against the same config keeping every input: the two dropped inputs are not on disk.
+    keeping = build_llama("tiny", **shape)
+    runtime = prepare(keeping, dict(config, recompute_block_inputs=()))
+    try:
+        with runtime.context():
+            loss = keeping(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.equal(expected, loss)
+        assert runtime.report()["storage"]["disk"]["bytes_written"] - written == 2 * w.block_input_bytes
+    finally:
+        runtime.close()
+
+
 def test_gpu_budget_is_planned_for_and_noted_without_cuda():
     from offloadkit.integrations.peft_utils import apply_lora
 
@@ -344,7 +390,7 @@ def _cli(*args):
 def test_cli_plan_prints_the_table_and_the_longest_sequence():
     r = _cli("--shape", "llama-3-8b", "--seq-len", "131072", "--gpu-gib", "79", "--host-gib", "110", "--disk-gib", "60")
     assert r.returncode == 0, r.stderr
-    assert "| layers | block input | where | backward |" in r.stdout
+    assert "| layers | block input | kept in |" in r.stdout
     assert "longest sequence that fits" in r.stdout and "physically allowed" in r.stdout
     assert "Traceback" not in r.stderr
 
@@ -393,7 +439,7 @@ def test_physical_limit_holds_everything_alive_at_once():
     physical, limit = physical_limit("llama-3-8b", budgets=H100)
     shape = resolve_shape("llama-3-8b")
 
-    def alive(seq):
+    def alive(seq, drops=0):
         w = Workload(shape, seq)
         f = Features(
             offload_inputs=True,
@@ -402,18 +448,75 @@ def test_physical_limit_holds_everything_alive_at_once():
             loss_chunks=seq,
             mlp_shards=seq,
             tiled_projections=True,
+            recompute_blocks=drops,
         )
         gpu = estimate_memory(w, f).gpu_peak
-        return gpu, gpu + (shape.layers - 1) * w.block_input_bytes + shape.layers * shape.layer_params * 2
+        kept = shape.layers - 1 - drops
+        return gpu, gpu + kept * w.block_input_bytes + shape.layers * shape.layer_params * 2
 
     pooled = H100.gpu_bytes + H100.host_bytes + H100.disk_bytes
+
+    def fits(seq):
+        return any(
+            gpu <= H100.gpu_bytes and total <= pooled
+            for gpu, total in (alive(seq, d) for d in range(shape.layers - 1))
+        )
+
+    assert fits(physical) and not fits(physical + SEQ_STEP)
+    # Without drops, storage stops the step earlier: recompute is what takes it further.
     gpu, total = alive(physical)
-    assert gpu <= H100.gpu_bytes and total <= pooled
-    gpu, total = alive(physical + SEQ_STEP)
-    assert gpu > H100.gpu_bytes or total > pooled
-    # GPU bytes are not counted twice: the working set and the block inputs share the pool,
-    # so on these budgets storage stops the step while the GPU alone would take more tokens.
+    assert gpu <= H100.gpu_bytes and total > pooled
     assert limit == "storage" and alive(physical + 8 * SEQ_STEP)[0] <= H100.gpu_bytes
+
+
+def test_recompute_placement_drops_what_storage_cannot_hold():
+    """Past what GPU, RAM and disk hold, block inputs are dropped and replayed from the kept
+    input before them: evenly spread (runs of two), never block 0's or the last, counted in
+    no storage, one more block forward each, and the replayed input on the GPU."""
+    from offloadkit.planning import estimate_time
+    from offloadkit.planning.memory import region_length
+
+    budgets = Budgets(141 * GiB, 108 * GiB, 55 * GiB)
+    p = plan("llama-3-8b", 1 << 20, lora_rank=16, budgets=budgets)
+    assert p.fits, p.reasons
+    dropped = [i for i, where in enumerate(p.placement) if where == "recompute"]
+    assert dropped and 0 not in dropped and p.placement[-1] == "gpu"
+    assert region_length(p.placement) == 2 and all(p.placement[i - 1] != "recompute" for i in dropped)
+    assert p.to_config()["recompute_block_inputs"] == tuple(dropped)
+    assert OffloadConfig.from_dict(p.to_config()).recompute_block_inputs == tuple(dropped)
+    w, f = p.workload, p.features
+    block = w.block_input_bytes
+    assert p.memory.disk == p.placement.count("disk") * block
+    assert p.memory.gpu_parts["replayed block inputs"] == block
+    # Dropping fewer does not fit; the cost is one forward of the block before each drop.
+    fewer = replace(f, recompute_blocks=f.recompute_blocks - 1)
+    from offloadkit.planning.planner import _check, _ram_blocks
+
+    fewer = replace(fewer, ram_blocks=_ram_blocks(w, fewer, budgets))
+    assert _check(w, estimate_memory(w, fewer), budgets)
+    kept = estimate_time(w, replace(f, recompute_blocks=0), budgets.rates, p.placement)
+    s = w.shape
+    one_forward = 2 * w.tokens * sum(a * b for a, b in s.linears) + 2 * w.tokens * s.lora_params(16) // s.layers
+    attention = 2.0 * w.seq_len**2 * s.heads * s.head_dim
+    assert p.time.flops - kept.flops == pytest.approx(len(dropped) * (one_forward + attention))
+    # Where storage holds everything, nothing is dropped.
+    assert "recompute" not in plan("llama-3-8b", 1 << 18, lora_rank=16, budgets=budgets).placement
+
+
+def test_recompute_replaces_the_disk_where_a_replay_is_faster_than_a_read():
+    from offloadkit.planning.timing import Rates
+
+    slow = Budgets(40 * GiB, 20 * GiB, 200 * GiB, rates=Rates(disk_read_bytes_per_s=1e7, disk_write_bytes_per_s=1e7))
+    p = plan("llama-3-8b", 1 << 17, lora_rank=16, budgets=slow)
+    assert p.fits and "recompute" in p.placement and "disk" not in p.placement
+    fast = Budgets(40 * GiB, 20 * GiB, 200 * GiB)
+    q = plan("llama-3-8b", 1 << 17, lora_rank=16, budgets=fast)
+    assert q.fits and "recompute" not in q.placement and "disk" in q.placement
+
+
+def test_the_plan_table_names_the_dropped_inputs():
+    p = plan("llama-3-8b", 1 << 20, lora_rank=16, budgets=Budgets(141 * GiB, 108 * GiB, 55 * GiB))
+    assert "nowhere: replayed from the kept input before it" in p.table()
 
 
 def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets():

@@ -24,8 +24,8 @@ def _step(model, batch):
 
 @pytest.mark.parametrize("dropped", [[1, 2], [2, 3, 5]])
 def test_bitwise_and_fewer_bytes_offloaded(dropped):
-    ref = build_llama("small", dtype=torch.bfloat16, device=DEV)
-    ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    ref = build_llama("small", dtype=torch.bfloat16, device=DEV, num_hidden_layers=6)
+    ours = build_llama("small", dtype=torch.bfloat16, device=DEV, num_hidden_layers=6)
     h_ref = apply_activation_checkpointing(ref, offload_inputs=True)
     h_ours = apply_activation_checkpointing(ours, offload_inputs=True, recompute_inputs=dropped)
     batch = make_batch(ref.config.vocab_size, 2, 512, device=DEV)
