@@ -80,6 +80,26 @@ def test_races_slow_copies_and_non_default_stream(slow):
     ckpt.remove()
 
 
+def test_recompute_regions_with_streaming_and_slow_copies(slow):
+    """Dropped block inputs replayed in backward run blocks backward has not reached yet: the
+    replay hook loads their weights (and waits for the copy) first. Bitwise, with every copy
+    slowed, on a side stream; the two-block regions fit the two resident layers."""
+    model, batch = lora_llama()
+    ref = reference(model, batch)
+    ckpt = apply_activation_checkpointing(model, offload_inputs=True, recompute_inputs=[1, 3])
+    slow(SLOW)
+    streamer = apply_layer_streaming(model)
+    ckpt.register_replay_hook(streamer.make_resident)
+    for _ in range(2):
+        got = step_on_side_stream(run_step, model, batch)
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "lora grads")
+    stats = streamer.collect_stats()
+    assert stats.max_resident <= 2 and streamer.resident_layers == 0 and stats.wait_seconds > 0
+    streamer.remove()
+    ckpt.remove()
+
+
 def test_streaming_race_detector_catches_a_missing_wait(monkeypatch, slow):
     """Negative control: without the compute stream's wait on weight copies, numbers break."""
     model, batch = lora_llama()
