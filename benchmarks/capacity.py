@@ -277,13 +277,13 @@ def _setup_s(layers: int, full: int) -> float:
 
 
 def _detect_budgets(args) -> dict:
-    from offloadkit.planning import Budgets
+    from offloadkit.planning import Budgets, resolve_shape
 
     budgets = Budgets.detect(
         host_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib else None, disk_dir=args.disk_dir
     )
     try:
-        budgets = budgets.measure(disk_dir=args.disk_dir)
+        budgets = budgets.measure(disk_dir=args.disk_dir, shape=resolve_shape(args.shape))
     except Exception as exc:  # keep the defaults where timing is impossible
         print(f"capacity: rates not measured ({exc}); using defaults", file=sys.stderr, flush=True)
     return {

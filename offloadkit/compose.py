@@ -215,7 +215,8 @@ def prepare(
     With ``offload_plan: auto`` the planner decides checkpointing, activation offloading,
     layer streaming, loss chunks and MLP shards for ``seq_len`` (else ``config.seq_len``);
     its choice replaces those keys (``runtime.plan`` holds the plan, ``runtime.config`` the
-    config applied).
+    config applied). Such a run (and one with ``gpu_budget_bytes``) switches the CUDA caching
+    allocator to expandable segments, unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
 
     Raises:
         ConfigError: the disk tier's directory is a file or cannot be written.
@@ -231,6 +232,9 @@ def prepare(
     if config.offload_plan == "auto":
         chosen = plan_for(model, config, seq_len)
         config = config.replace(**chosen.to_config())
+        # The plan's reservation assumes segments that grow in place: fixed-size ones reserved
+        # 1.66x the allocated bytes at 512K tokens, and left no room for SDPA's one large request.
+        use_expandable_segments()
     runtime = OffloadRuntime(model, config)
     runtime._gpu_cap = gpu_cap
     if config.gpu_budget_bytes is not None and gpu_cap is None:

@@ -10,6 +10,8 @@
 # Long: run it in the background (setsid) and read $OUT/progress.txt.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# The probe sets its features explicitly (no plan): segments that grow in place, as a planned run gets.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LAYERS=${LAYERS:-3}
 start=$(date +%s)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections import OrderedDict
 import weakref
+from collections import OrderedDict
 from typing import Callable, Iterable
 
 import torch

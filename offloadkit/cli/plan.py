@@ -43,7 +43,11 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--disk-gib", type=float, default=None, help="disk budget (default: free space in --disk-dir)")
     p.add_argument("--disk-dir", default=None, help="spill directory whose free space is the disk budget")
-    p.add_argument("--measure", action="store_true", help="time PCIe copies and disk I/O here instead of the defaults")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="time PCIe copies, disk I/O and the model's attention here instead of the defaults",
+    )
     p.add_argument("--no-search", action="store_true", help="skip the longest-sequence search")
     return p
 
@@ -67,9 +71,11 @@ def run_plan(args, log=print) -> int:
         disk_bytes=_gib(args.disk_gib, "disk-gib"),
         disk_dir=args.disk_dir,
     )
-    if args.measure:
-        budgets = budgets.measure(disk_dir=args.disk_dir)
     model = args.model or args.shape
+    if args.measure:
+        from offloadkit.planning import resolve_shape
+
+        budgets = budgets.measure(disk_dir=args.disk_dir, shape=resolve_shape(model, args.layers))
     common = {
         "batch": args.batch,
         "lora_rank": args.lora_rank,

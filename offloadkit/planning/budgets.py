@@ -4,7 +4,8 @@ Read from the machine (free GPU memory, the host budget's headroom through
 :class:`offloadkit.storage.HostMemoryBudget`, which honours cgroup limits, free space in the
 spill directory), each overridable; throughputs default to the constants of
 :mod:`offloadkit.planning.timing` and :meth:`Budgets.measure` replaces them with timings of
-this machine (a pinned copy each way, an O_DIRECT file write and read).
+this machine (a pinned copy each way, an O_DIRECT file write and read, and the model's
+causal attention forward and backward through SDPA's default kernel).
 """
 
 from __future__ import annotations
@@ -97,15 +98,25 @@ class Budgets:
     def with_rates(self, rates: Rates) -> "Budgets":
         return dataclasses.replace(self, rates=rates)
 
-    def measure(self, nbytes: int = 256 << 20, disk_dir: str | None = None) -> "Budgets":
+    def measure(self, nbytes: int = 256 << 20, disk_dir: str | None = None, shape=None) -> "Budgets":
         """These budgets with the copy and disk rates timed on this machine (GPU figures only
-        with CUDA). Takes a second or two.
+        with CUDA), and with ``shape`` (a :class:`~offloadkit.planning.ModelShape`) its
+        attention rate too. Takes a few seconds.
+
+        The attention rate is what bounds a long step: SDPA's default kernel runs 1.5x the
+        default constant on an H200 (451-475 TFLOP/s forward and backward from 64K to 512K
+        tokens, cuDNN). The matmul rate stays the whole-step figure of
+        :mod:`~offloadkit.planning.timing`: one large GEMM runs twice as fast as a step's
+        linear work (norms, activations, small adapter matmuls and casts ride on it).
 
         Returns:
             New budgets; ``rates.source`` says what was measured.
         """
         rates = self.rates
         measured = []
+        if torch.cuda.is_available() and shape is not None:
+            rates = dataclasses.replace(rates, attention_flops_per_s=_attention_rate(shape))
+            measured.append("attention")
         if torch.cuda.is_available():
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -130,6 +141,37 @@ class Budgets:
             source="measured: " + ", ".join(measured + ["disk"]),
         )
         return self.with_rates(rates)
+
+
+# Tokens of the attention timing: long enough for the kernel's long-context rate (64K is
+# within 5% of 512K on an H200), short enough to take a fraction of a second.
+ATTENTION_PROBE_TOKENS = 1 << 16
+
+
+def _attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> float:
+    """Causal SDPA forward and backward with the model's heads (key/value heads as they are,
+    as transformers calls it without a mask), in executed FLOP/s: 2 S^2 heads x head_dim
+    forward, twice that backward."""
+    import torch.nn.functional as F
+
+    gqa = shape.kv_heads != shape.heads
+
+    def tensor(heads: int) -> torch.Tensor:
+        size = (1, heads, tokens, shape.head_dim)
+        return torch.randn(size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    q, k, v = tensor(shape.heads), tensor(shape.kv_heads), tensor(shape.kv_heads)
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del q, k, v, out
+    flops = 3 * 2.0 * tokens * tokens * shape.heads * shape.head_dim
+    return flops / statistics.median(times[1:])
 
 
 def _disk_rates(nbytes: int, disk_dir: str | None) -> tuple[float, float]:

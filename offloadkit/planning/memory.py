@@ -48,7 +48,10 @@ __all__ = [
 ]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
-# cannot be merged): reserved ~= allocated x this. Assumed; the capacity runs print both.
+# cannot be merged): reserved ~= allocated x this with expandable segments (1.13-1.14x
+# measured at the 16 and 24 GiB caps), which offloadkit switches on for planned runs. With
+# the default fixed-size segments the same 512K step reserved 1.66x what it allocated, and
+# at 1.13M tokens SDPA's 34.7 GiB backward workspace found no room on a 141 GB H200.
 FRAGMENTATION = 1.10
 # Bytes per logit element of the unchunked Hugging Face loss at its peak (bf16 logits, fp32
 # log-softmax and its gradient, part of the fp32 upcast). Derived from the 8B LoRA 16K
@@ -233,7 +236,13 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     and gradients (two bf16 and one fp32 tensor of the intermediate width per token, plus
     the shard's saved set), or attention's input gradients with the fp32 norm gradient
     (tiled norms: two bf16 ``[S, H]`` gradients instead; with this the 8B LoRA probes at
-    384K and 512K tokens on an H100 peaked at 0.98x and 0.92x the prediction)."""
+    384K and 512K tokens on an H100 peaked at 0.98x and 0.92x the prediction). SDPA's
+    backward (cuDNN, the default on H100/H200 with torch 2.11) also takes 32,896 bytes a
+    token of workspace for Llama-3-8B's heads, in one allocation; 3-layer probes at 64K,
+    256K and 512K on an H200 peaked at 0.99x, 0.98x and 0.99x of this estimate all the same
+    (benchmarks/results/longctx/recompute/), so it is not counted again. That one request
+    is what fixed-size allocator segments cannot place at long context: see
+    :data:`FRAGMENTATION`."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
     shard_tokens = math.ceil(t / max(1, mlp_shards))

@@ -106,9 +106,7 @@ def test_recompute_regions_replay_with_the_blocks_resident(wired):
     model.train()
     batch = make_batch(2048, 2, 32)
     ref = run_step(model, batch)
-    ckpt = apply_activation_checkpointing(
-        model, offload_inputs=True, offload_cpu_tensors=True, recompute_inputs=[1, 3]
-    )
+    ckpt = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True, recompute_inputs=[1, 3])
     streamer = stream_layers_on_cpu(model)
     if wired:
         ckpt.register_replay_hook(streamer.make_resident)

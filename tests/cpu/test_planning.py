@@ -290,13 +290,17 @@ def test_offload_plan_config_validation():
         OffloadConfig.from_dict({"offload_plans": "auto"})
 
 
-def test_prepare_applies_the_plan():
+def test_prepare_applies_the_plan(monkeypatch):
+    import offloadkit.compose as compose
     from offloadkit.integrations.peft_utils import apply_lora
 
+    switched = []
+    monkeypatch.setattr(compose, "use_expandable_segments", lambda: switched.append(True))
     model = apply_lora(build_llama("tiny", attn_implementation="sdpa"), rank=4)
     with pytest.raises(ConfigError, match="needs the sequence length"):
         prepare(model, {"offload_plan": "auto"})
     runtime = prepare(model, {"offload_plan": "auto", "host_budget_bytes": "2GiB"}, seq_len=4096)
+    assert switched, "a planned run gets the allocator its reservation figure assumes"
     try:
         assert runtime.plan is not None and runtime.plan.workload.lora_rank == 4
         assert runtime.plan.workload.shape.layers == 2
@@ -458,8 +462,7 @@ def test_physical_limit_holds_everything_alive_at_once():
 
     def fits(seq):
         return any(
-            gpu <= H100.gpu_bytes and total <= pooled
-            for gpu, total in (alive(seq, d) for d in range(shape.layers - 1))
+            gpu <= H100.gpu_bytes and total <= pooled for gpu, total in (alive(seq, d) for d in range(shape.layers - 1))
         )
 
     assert fits(physical) and not fits(physical + SEQ_STEP)

@@ -52,3 +52,16 @@ def test_cli_default_run_saves_gpu_memory_and_learns(tmp_path):
     assert report["final_loss"] < 0.5 * report["first_loss"]
     assert report["checkpointing_active"]
     assert report["offloaded"]["activations_to_ram_bytes_per_step"] > 0
+
+
+def test_measured_rates_time_the_models_attention():
+    """``offloadkit plan --measure`` (``Budgets.measure(shape=...)``) replaces the default
+    attention rate by SDPA's own, timed with the model's heads: a long step's bound."""
+    from offloadkit.planning import Budgets, resolve_shape
+
+    budgets = Budgets(8 << 30, 8 << 30, 1 << 30)
+    measured = budgets.measure(nbytes=64 << 20, shape=resolve_shape("llama-3-8b"))
+    assert "attention" in measured.rates.source and "pcie" in measured.rates.source
+    # A fused SDPA kernel on a current GPU: tens to hundreds of TFLOP/s, not the default by chance.
+    assert 1e13 < measured.rates.attention_flops_per_s < 3e15
+    assert measured.rates.attention_flops_per_s != budgets.rates.attention_flops_per_s
