@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,32 +41,13 @@ from torch import nn
 from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.layers.flat import FlatWeights, order_after_write_back, streamable_reason
-from offloadkit.models.blocks import find_blocks
+from offloadkit.layers.stats import StreamStats
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import current_graph_task, first_grad_fn, in_backward, queue_engine_callback
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
 
-__all__ = ["LayerStreamer", "StreamStats", "apply_layer_streaming"]
-
-
-@dataclass
-class StreamStats:
-    loads: int = 0
-    loaded_bytes: int = 0
-    prefetched: int = 0
-    misses: int = 0  # a block was needed and its load had not been issued
-    write_backs: int = 0  # evictions that copied updated weights back to the host
-    max_resident: int = 0
-    wait_seconds: float = 0.0
-    skipped_params: Counter = field(default_factory=Counter)
-
-    def summary(self) -> str:
-        return (
-            f"layer streaming: {self.loads} loads ({self.loaded_bytes / 2**30:.2f} GiB), "
-            f"{self.misses} misses, {self.write_backs} write-backs, at most {self.max_resident} layers resident, "
-            f"compute waited {self.wait_seconds:.4f} s"
-        )
+__all__ = ["LayerStreamer"]
 
 
 class LayerStreamer:
@@ -344,22 +324,6 @@ class LayerStreamer:
             self.pool.close()
 
 
-def _refuse_fsdp2(model: nn.Module) -> None:
-    """FSDP2 owns the storage of the parameters it shards (it swaps them in and out itself):
-    two owners of one storage cannot coexist."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a build without distributed
-        return
-    sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if sharded:
-        raise ValueError(
-            f"layer_offloading cannot stream weights that FSDP2 shards ({sharded[0] or 'the model'} is "
-            "fully_shard-ed); keep frozen shards in host memory with FSDP2's own offloading instead: "
-            "fully_shard(module, offload_policy=CPUOffloadPolicy()), or apply layer streaming without FSDP2"
-        )
-
-
 class _AttrHandle:
     """Removes an instance attribute set by the streamer, if it is still ours."""
 
@@ -369,61 +333,6 @@ class _AttrHandle:
     def remove(self) -> None:
         if self.module.__dict__.get(self.name) is self.value:
             del self.module.__dict__[self.name]
-
-
-def apply_layer_streaming(
-    model: nn.Module,
-    *,
-    block_types=None,
-    predicate=None,
-    depth: int = STREAM_DEPTH,
-    use_pin_memory: bool = True,
-    host_budget_bytes: int | None = None,
-    budget: HostMemoryBudget | None = None,
-    head: nn.Module | None = None,
-    device: torch.device | str | None = None,
-    trainable: bool = False,
-) -> LayerStreamer:
-    """Stream the weights of ``model``'s blocks (decoder layers) from pinned host memory.
-
-    Args:
-        model: a model whose blocks hold frozen weights (LoRA/QLoRA base models), or
-            trainable ones with ``trainable=True``.
-        block_types / predicate: name the blocks explicitly (see :func:`find_blocks`).
-        depth: layers of frozen weights resident at once (2 = double buffering).
-        use_pin_memory: page-lock the host copies (needed for asynchronous copies).
-        host_budget_bytes / budget: host-memory budget for the copies.
-        head: the output head (auto-detected) whose backward starts the reverse prefetch.
-        device: where the weights are streamed to; the current CUDA device by default.
-            ``"cpu"`` keeps the whole bookkeeping (loads, evictions, prefetch order) with CPU
-            memory standing in for the device and no copy overlap: it saves nothing, and is
-            there to check a setup on a machine without a GPU.
-        trainable: stream the blocks' trainable weights too (a full fine-tune). Pair it with
-            an optimizer that updates in backward (:class:`~offloadkit.optim.BackwardAdamW`):
-            the update then runs while the block is resident and is written back to the host
-            as the block leaves. Shared (tied) weights stay on the GPU.
-
-    Returns:
-        The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.
-
-    Example:
-        >>> streamer = apply_layer_streaming(peft_model)
-        >>> loss = peft_model(**batch).loss; loss.backward()
-    """
-    _refuse_fsdp2(model)
-    blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
-    if budget is None:
-        budget = HostMemoryBudget(host_budget_bytes)
-    return LayerStreamer(
-        model,
-        blocks,
-        depth=depth,
-        use_pin_memory=use_pin_memory,
-        budget=budget,
-        head=head,
-        device=device,
-        trainable=trainable,
-    )
 
 
 def _streaming_device(device: torch.device | str | None) -> torch.device:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from offloadkit.layers.streaming import LayerStreamer, apply_layer_streaming
+from offloadkit.layers import LayerStreamer, apply_layer_streaming
 
 __all__ = ["stream_layers_on_cpu"]
 

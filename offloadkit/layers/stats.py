@@ -1,0 +1,27 @@
+"""What layer streaming did: loads, prefetches, misses, write-backs, residency, waits."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["StreamStats"]
+
+
+@dataclass
+class StreamStats:
+    loads: int = 0
+    loaded_bytes: int = 0
+    prefetched: int = 0
+    misses: int = 0  # a block was needed and its load had not been issued
+    write_backs: int = 0  # evictions that copied updated weights back to the host
+    max_resident: int = 0
+    wait_seconds: float = 0.0
+    skipped_params: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        return (
+            f"layer streaming: {self.loads} loads ({self.loaded_bytes / 2**30:.2f} GiB), "
+            f"{self.misses} misses, {self.write_backs} write-backs, at most {self.max_resident} layers resident, "
+            f"compute waited {self.wait_seconds:.4f} s"
+        )
