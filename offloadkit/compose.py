@@ -264,18 +264,20 @@ def prepare(
 
     if config.gradient_checkpointing:
         if _hf_checkpointing_on(model):
-            for key in ("selective_checkpointing", "recompute_block_inputs"):
+            for key in ("selective_checkpointing", "recompute_block_inputs", "block_input_placement"):
                 if getattr(config, key):
                     runtime._note(
                         f"{key} has no effect: Hugging Face gradient checkpointing is already on (turn it off "
                         "to use offloadkit's)"
                     )
         else:
+            placement = config.block_input_placement or None
             runtime.checkpointing = apply_activation_checkpointing(
                 model,
                 selective=config.selective_checkpointing,
                 keep_last_input=1 + config.gpu_block_inputs,
                 recompute_inputs=config.recompute_block_inputs,
+                placement=placement,
             )
 
     budget = HostMemoryBudget(config.host_budget_bytes, config.host_min_free_bytes)
@@ -329,7 +331,7 @@ def prepare(
                     budget=budget,
                     trainable=config.optimizer_offloading,
                 )
-                if runtime.checkpointing is not None and config.recompute_block_inputs:
+                if runtime.checkpointing is not None and runtime.checkpointing.recompute_inputs:
                     # A replayed region runs blocks backward has not reached yet: load them first.
                     runtime.checkpointing.register_replay_hook(runtime.streamer.make_resident)
             except ValueError as exc:

@@ -204,6 +204,10 @@ class OffloadConfig:
             the GPU, in RAM or on disk): backward recomputes each from the nearest kept input
             before it, running the layers in between forward again (needs offloadkit's
             checkpointing: ``gradient_checkpointing`` without the Trainer's own).
+        block_input_placement: per decoder layer, where its input waits for backward: "gpu",
+            "ram", "disk" or "recompute" (kept nowhere). Exactly what a plan chose
+            (``offload_plan: auto`` sets it); replaces ``gpu_block_inputs`` and
+            ``recompute_block_inputs``. "disk" needs ``activation_offloading: disk``.
         use_pin_memory: page-lock host buffers.
         host_budget_bytes: cap on host RAM for offloaded bytes (int or "16GiB").
         gpu_budget_bytes: cap on this process's GPU memory (int or "24GiB"), enforced by the
@@ -259,6 +263,7 @@ class OffloadConfig:
     max_fwd_stash_size: int = MAX_FWD_STASH_SIZE
     gpu_block_inputs: int = 0
     recompute_block_inputs: tuple[int, ...] = ()
+    block_input_placement: tuple[str, ...] = ()
     use_pin_memory: bool = True
     host_budget_bytes: int | None = None
     host_min_free_bytes: int | None = None
@@ -368,6 +373,7 @@ class OffloadConfig:
             )
         if dropped and not self.gradient_checkpointing:
             self._warn("recompute_block_inputs needs gradient_checkpointing: true; it has no effect")
+        self._validate_placement()
         for key, on in (
             ("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
             ("tiled_mlp_num_shards", "tiled_mlp"),
@@ -414,7 +420,8 @@ class OffloadConfig:
                 raise ConfigError(f"selective_checkpointing has unknown op groups {bad}; use {sorted(OP_GROUPS)}")
             if not self.gradient_checkpointing:
                 raise ConfigError("selective_checkpointing needs gradient_checkpointing: true")
-        if self.disk_tiering and self.host_budget_bytes is None:
+        if self.disk_tiering and self.host_budget_bytes is None and "disk" not in self.block_input_placement:
+            # (With a placement that names the disk, the place of each block input is given.)
             raise ConfigError(
                 "disk_tiering: true needs host_budget_bytes (the RAM share before spilling to disk), "
                 "e.g. host_budget_bytes: 16GiB"
@@ -446,6 +453,38 @@ class OffloadConfig:
             if changed:
                 self._warn(f"{', '.join(changed)} only apply with activation_offloading on; they have no effect")
         return self
+
+    def _validate_placement(self) -> None:
+        places = self.block_input_placement
+        if isinstance(places, list):
+            self.block_input_placement = places = tuple(places)  # YAML gives a list
+        allowed = ("gpu", "ram", "disk", "recompute")
+        if not isinstance(places, tuple) or any(p not in allowed for p in places):
+            raise ConfigError(
+                f"block_input_placement={places!r} is invalid; give one place per decoder layer, each one of "
+                f"{', '.join(allowed)}, e.g. [ram, recompute, ram, gpu]"
+            )
+        if not places:
+            return
+        if places[0] == "recompute":
+            raise ConfigError(
+                "block_input_placement: layer 0's input cannot be recomputed (nothing comes before it); "
+                "place it on the gpu, in ram or on disk"
+            )
+        for key in ("gpu_block_inputs", "recompute_block_inputs"):
+            if getattr(self, key) != getattr(OffloadConfig, key):
+                raise ConfigError(
+                    f"{key} and block_input_placement both place block inputs; give only block_input_placement"
+                )
+        if "disk" in places and self.activation_offloading != "disk":
+            raise ConfigError(
+                f"block_input_placement puts inputs on disk but activation_offloading={self.activation_offloading!r}; "
+                "set activation_offloading: disk (with disk_tiering: true to keep the others in RAM)"
+            )
+        if "ram" in places and self.activation_offloading == "disk" and not self.disk_tiering:
+            self._warn("block_input_placement puts inputs in ram, but without disk_tiering: true they go to disk")
+        if not self.gradient_checkpointing:
+            self._warn("block_input_placement needs gradient_checkpointing: true; it has no effect")
 
     def check_paths(self) -> None:
         """Machine-dependent checks, run before anything loads: the disk tier's directory

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -49,10 +50,15 @@ class CheckpointedBlocks:
         offloader: the manager holding offloaded block inputs, or None.
     """
 
-    def __init__(self, model, blocks, context_fn, offloader, owns_offloader, keep_last_input, recompute_inputs=()):
+    def __init__(
+        self, model, blocks, context_fn, offloader, owns_offloader, keep_last_input, recompute_inputs=(), places=None
+    ):
         self.model = model
         self.blocks = blocks
         self.recompute_inputs = frozenset(recompute_inputs)
+        # Per block: where its input goes when offloaded ("gpu", "ram", "disk"), or None (the
+        # storage tier's choice); from a plan's block_input_placement.
+        self.places: list[str | None] = list(places) if places is not None else [None] * len(blocks)
         # First block of each run -> its last dropped block: the span of one checkpoint region.
         self._region_end: dict[int, int] = {}
         for index in range(len(blocks)):
@@ -173,6 +179,14 @@ class CheckpointedBlocks:
             return self._run_in_region(index, block, original, args, kwargs)
         return self._run_block(index, block, original, args, kwargs)
 
+    def _placed(self, index: int):
+        """The planned place of block ``index``'s input, for the manager that takes it."""
+        where = self.places[index]
+        manager = self.offloader if self.offloader is not None else self._outer
+        if where is None or manager is None:
+            return contextlib.nullcontext()
+        return manager.placed(where)
+
     def _selective(self) -> dict:
         # The default context is left implicit: torch.compile traces checkpoint() only with a
         # context function it knows (per-layer compile of checkpointed layers).
@@ -198,7 +212,8 @@ class CheckpointedBlocks:
             # stays under the region's until the region closes, inert while it is covered.
             capture.__enter__()
             try:
-                region.__enter__()
+                with self._placed(index):  # the region saves its input as it opens
+                    region.__enter__()
             except BaseException as exc:
                 capture.__exit__(type(exc), exc, exc.__traceback__)
                 raise
@@ -280,7 +295,7 @@ class CheckpointedBlocks:
         if outer is not None:
             outer.keep_enter()
         try:
-            with capture:
+            with capture, self._placed(index) if not kept else contextlib.nullcontext():
                 out = checkpoint(fn, *flat, use_reentrant=False, **self._selective(), **kwargs)
         finally:
             if outer is not None:
@@ -299,6 +314,7 @@ def apply_activation_checkpointing(
     prefetch: int | None = None,
     keep_last_input: bool | int = True,
     recompute_inputs: Iterable[int] = (),
+    placement: Sequence[str] | None = None,
     **offload_kwargs,
 ) -> CheckpointedBlocks:
     """Checkpoint every repeated block of ``model`` (non-reentrant).
@@ -319,6 +335,11 @@ def apply_activation_checkpointing(
             between forward again (exact: the same kernels on the same values). Block 0's
             input cannot be dropped. With layer streaming, pass the streamer's loads in:
             ``handle.register_replay_hook(streamer.make_resident)`` (the config route does).
+        placement: per block, where its input waits for backward: "gpu", "ram", "disk" or
+            "recompute" (a plan's ``block_input_placement``). Replaces ``keep_last_input``
+            (the trailing "gpu" blocks are the kept ones) and ``recompute_inputs``; "ram" and
+            "disk" are honoured by a tiered store (``activation_offloading: disk`` with
+            ``disk_tiering``), where they override its oldest-to-disk order.
         **offload_kwargs: forwarded to :class:`OffloadActivations` when one is created.
 
     Returns:
@@ -335,6 +356,9 @@ def apply_activation_checkpointing(
             "blocks keep their inputs on the device (an int >= 0)"
         )
     blocks = find_blocks(model, tuple(block_types) if block_types is not None else None, predicate)
+    places = None
+    if placement is not None:
+        places, keep_last_input, recompute_inputs = _from_placement(placement, len(blocks), recompute_inputs)
     dropped = sorted(set(recompute_inputs))
     if any(not isinstance(i, int) or i < 1 or i >= len(blocks) for i in dropped):
         raise ValueError(
@@ -354,6 +378,22 @@ def apply_activation_checkpointing(
         raise ValueError(f"{sorted(offload_kwargs)} only apply with offload_inputs=True")
     if offloader is not None:
         offloader.track(model)
-    handle = CheckpointedBlocks(model, blocks, context_fn, offloader, owns, keep_last_input, dropped)
+    handle = CheckpointedBlocks(model, blocks, context_fn, offloader, owns, keep_last_input, dropped, places)
     handle._attach()
     return handle
+
+
+def _from_placement(placement: Sequence[str], blocks: int, recompute_inputs: Iterable[int]):
+    """``(places, keep_last_input, recompute_inputs)`` that realise a per-block placement."""
+    placement = list(placement)
+    allowed = ("gpu", "ram", "disk", "recompute")
+    if len(placement) != blocks or any(p not in allowed for p in placement) or placement[:1] == ["recompute"]:
+        raise ValueError(
+            f"placement={placement!r} is invalid; give one place per block ({blocks} blocks), each one of "
+            f"{', '.join(allowed)}, block 0's not recompute"
+        )
+    if list(recompute_inputs):
+        raise ValueError("recompute_inputs and placement both drop block inputs; give only placement")
+    kept_last = len(list(itertools.takewhile(lambda p: p == "gpu", reversed(placement))))
+    places = [p if p != "recompute" else None for p in placement]
+    return places, kept_last, [i for i, p in enumerate(placement) if p == "recompute"]

@@ -19,10 +19,13 @@ The rules, in the order they are asked (the first that keeps a tensor names the 
   that cannot be resized).
 * ``parameter``: parameter or buffer storage (recognised by storage, not only by type: a
   matmul saves ``weight.t()``, FSDP2 saves views of all-gathered parameters).
+* ``placed``: a planned place says "the GPU" (a checkpointed block's input the plan keeps
+  on the device, ``block_input_placement``).
 * ``budget``: the storage tier refused the bytes (host budget, disk full): the tensor stays
   on the device, with one warning.
 
-Everything else is offloaded.
+Everything else is offloaded, to the planned place when there is one ("ram" or "disk",
+which the decision carries to the storage tier), else where the tier puts it.
 """
 
 from __future__ import annotations
@@ -32,16 +35,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["KEEP_REASONS", "Decision", "OFFLOAD", "REFUSED_BY_STORAGE", "decide", "tensor_rule"]
+__all__ = ["KEEP_REASONS", "PLACES", "Decision", "OFFLOAD", "REFUSED_BY_STORAGE", "decide", "tensor_rule"]
 
-KEEP_REASONS = ("closed", "backward", "excluded", "unsupported", "device", "small", "parameter", "budget")
+KEEP_REASONS = ("closed", "backward", "excluded", "unsupported", "device", "small", "parameter", "placed", "budget")
+PLACES = ("gpu", "ram", "disk")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """Keep a saved tensor where it is (``reason`` says why) or offload it (``reason`` None)."""
+    """Keep a saved tensor where it is (``reason`` says why) or offload it (``reason`` None),
+    to ``where`` ("ram" or "disk") when a plan placed it, else where the storage tier puts it."""
 
     reason: str | None = None
+    where: str | None = None
 
     @property
     def offload(self) -> bool:
@@ -51,6 +57,7 @@ class Decision:
 OFFLOAD = Decision()
 REFUSED_BY_STORAGE = Decision("budget")
 _KEEP = {reason: Decision(reason) for reason in KEEP_REASONS}
+_PLACED = {"ram": Decision(where="ram"), "disk": Decision(where="disk"), "gpu": _KEEP["placed"], None: OFFLOAD}
 
 
 def tensor_rule(t: torch.Tensor, device_types: tuple[str, ...], min_offload_size: int, is_parameter) -> str | None:
@@ -75,7 +82,9 @@ def tensor_rule(t: torch.Tensor, device_types: tuple[str, ...], min_offload_size
     return None
 
 
-def decide(t: torch.Tensor, policy, *, closed: bool, in_backward: bool, excluded: bool) -> Decision:
+def decide(
+    t: torch.Tensor, policy, *, closed: bool, in_backward: bool, excluded: bool, placed: str | None = None
+) -> Decision:
     """Where the saved tensor ``t`` goes.
 
     Args:
@@ -85,6 +94,7 @@ def decide(t: torch.Tensor, policy, *, closed: bool, in_backward: bool, excluded
         closed: the manager is closed.
         in_backward: the save happens while a backward runs on this thread.
         excluded: the save happens inside a keep region (see the module docstring).
+        placed: the planned place of the save ("gpu", "ram", "disk"), or None.
 
     Returns:
         The decision; ``decision.offload`` or ``decision.reason``.
@@ -96,4 +106,4 @@ def decide(t: torch.Tensor, policy, *, closed: bool, in_backward: bool, excluded
     if excluded:
         return _KEEP["excluded"]
     reason = tensor_rule(t, policy.device_types, policy.min_offload_size, policy.is_parameter_storage)
-    return OFFLOAD if reason is None else _KEEP[reason]
+    return _PLACED[placed] if reason is None else _KEEP[reason]

@@ -70,6 +70,7 @@ class ForwardPath:
             closed=self._closed,
             in_backward=in_backward(),
             excluded=bool(state.keep_depth or state.tail),
+            placed=state.placed,
         )
         if not decision.offload:
             with self._lock:
@@ -103,9 +104,10 @@ class ForwardPath:
                     lo, hi = 0, whole
                 for e in overlapping:
                     lo, hi = min(lo, e.start), max(hi, e.end)
-                entry = self._offload(step, storage, lo, hi, t.device, version)
+                entry = self._offload(step, storage, lo, hi, t.device, version, decision.where)
                 if entry is None and (lo, hi) != (start, end) and not overlapping:
-                    entry = self._offload(step, storage, start, end, t.device, version)  # the view alone may fit
+                    # The view alone may fit.
+                    entry = self._offload(step, storage, start, end, t.device, version, decision.where)
                 if entry is None:
                     self._warn_budget()
                     self.stats.note_kept(REFUSED_BY_STORAGE.reason, nbytes)
@@ -168,9 +170,11 @@ class ForwardPath:
         self._planner.on_released(old)
         old.stored.tier.free(old.stored)  # its pending copy is remembered by the tier
 
-    def _offload(self, step: Step, storage, start: int, end: int, device: torch.device, version: int):
+    def _offload(
+        self, step: Step, storage, start: int, end: int, device: torch.device, version: int, where: str | None
+    ):
         src = span_view(storage, start, end, device)
-        stored = self.tier.store(src)
+        stored = self.tier.store(src, where)
         if stored is None:
             return None
         entry = Entry(

@@ -23,6 +23,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE
 from offloadkit.engine.backward import BackwardPath
+from offloadkit.engine.decide import PLACES
 from offloadkit.engine.forward import ForwardPath
 from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.engine.prefetch import PrefetchPlanner, Step
@@ -185,7 +186,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
                 self._release_follow()
             self._entered_threads.discard(threading.get_ident())
             state = self._state()
-            state.tail, state.keep_depth = False, 0
+            state.tail, state.keep_depth, state.placed = False, 0, None
             if exc_type is not None:
                 # The graph of a failed forward is about to be dropped; do not pin device memory for it.
                 self._flush_stash()
@@ -207,12 +208,13 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         local = self._local
         if not hasattr(local, "step"):
             local.step, local.tail, local.keep_depth, local.pushed, local.group = None, False, 0, [], None
+            local.placed = None  # the planned place of the saves now being made ("gpu", "ram", "disk")
             local.saves = 0  # tensors packed on this thread
         return local
 
     def _reset_forward(self) -> None:
         state = self._state()
-        state.step, state.tail, state.keep_depth = None, False, 0
+        state.step, state.tail, state.keep_depth, state.placed = None, False, 0, None
 
     def current_step(self) -> Step | None:
         """The step (graph) this thread's forward is saving into, if any."""
@@ -234,6 +236,20 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
     def keep_exit(self) -> None:
         state = self._state()
         state.keep_depth = max(0, state.keep_depth - 1)
+
+    @contextlib.contextmanager
+    def placed(self, where: str | None):
+        """Saves made in the ``with`` body go to ``where``: "gpu" (kept), "ram" or "disk" (a
+        planned place the storage tier honours), or None (the tier's own choice). Used around
+        a checkpointed block's inputs when a plan placed them."""
+        if where not in (None, *PLACES):
+            raise ValueError(f"where={where!r} is not a place; use one of {PLACES} or None")
+        state = self._state()
+        previous, state.placed = state.placed, where
+        try:
+            yield self
+        finally:
+            state.placed = previous
 
     def update_model_params(self, model: torch.nn.Module) -> None:
         """Never offload ``model``'s parameters (re-read now; call again after they change).

@@ -84,8 +84,8 @@ def _use_hf_checkpointing(args, config: OffloadConfig):
     """
     if not config.gradient_checkpointing:
         return config, lambda: None
-    if config.selective_checkpointing or config.recompute_block_inputs:
-        # Only offloadkit's checkpointing saves selectively or drops block inputs.
+    if config.selective_checkpointing or config.recompute_block_inputs or config.block_input_placement:
+        # Only offloadkit's checkpointing saves selectively, places or drops block inputs.
         return config, set_checkpointing(args, False)
     kwargs = checkpointing_kwargs(args)
     # Either kind works: reentrant checkpointing saves its inputs through the same hooks

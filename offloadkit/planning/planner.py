@@ -115,11 +115,9 @@ class Plan:
             out["optimizer_precision"] = self.workload.optimizer_precision
         if f.offload_inputs and f.horizon is not None:
             out["activation_loading_horizon"] = f.horizon
-        if f.offload_inputs and f.gpu_blocks:
-            out["gpu_block_inputs"] = f.gpu_blocks
-        dropped = tuple(i for i, where in enumerate(self.placement) if where == "recompute")
-        if dropped:
-            out["recompute_block_inputs"] = dropped
+        if f.offload_inputs and f.checkpointing:
+            # Where each block input waits, as planned: the engine realises it block by block.
+            out["block_input_placement"] = tuple(self.placement)
         if not f.offload_inputs:
             out["activation_offloading"] = False
         elif "disk" not in self.placement:

@@ -117,8 +117,10 @@ class StorageTier(Protocol):
     pools: tuple  # the HostBufferPools holding this tier's host memory (primary first)
     default_prefetch: int  # entries to fetch ahead in backward when the user sets none
 
-    def store(self, src: torch.Tensor) -> Stored | None:
-        """Start moving ``src`` (uint8, 1-D) off the device; None if this tier has no room."""
+    def store(self, src: torch.Tensor, where: str | None = None) -> Stored | None:
+        """Start moving ``src`` (uint8, 1-D) off the device; None if this tier has no room.
+        ``where`` ("ram" or "disk") is a planned place: a tier with both honours it, a tier
+        with one place has no choice to make."""
 
     def load(self, stored: Stored) -> Loaded:
         """Start bringing ``stored`` back to its device, ordered after the current stream."""

@@ -199,7 +199,7 @@ class DiskTier:
         self._closed = False
 
     # -- StorageTier ---------------------------------------------------------------------
-    def store(self, src: torch.Tensor) -> Stored | None:
+    def store(self, src: torch.Tensor, where: str | None = None) -> Stored | None:
         if self._closed:
             raise RuntimeError("offloadkit: the disk tier was closed; create a new manager")
         nbytes = src.numel()

@@ -51,7 +51,7 @@ class HostTier:
         self.pools = (pool,)
         self.use_streams = bool(use_streams)
 
-    def store(self, src: torch.Tensor) -> Stored | None:
+    def store(self, src: torch.Tensor, where: str | None = None) -> Stored | None:
         nbytes = src.numel()
         block = self.pool.acquire(nbytes)
         if block is None:

@@ -5,6 +5,10 @@ RAM entries are demoted: their host buffers are written to disk as they are (no 
 copy) and given back once written. Demotion starts in the background as soon as the RAM
 headroom drops below a reserve, so a new entry rarely waits for it; when it must (the
 disk is slower than the forward pass), the store blocks until room is made.
+
+A planned place overrides the order: an entry placed on disk goes there directly (through
+the disk tier's staging), and one placed in RAM stays there (it is never demoted; when RAM
+has no room for it, it takes unplanned entries' room first, then the disk).
 """
 
 from __future__ import annotations
@@ -73,12 +77,14 @@ class TieredTier:
         # Idle buffers in the RAM pool are reusable room too (the budget counts them as held).
         return self.budget.headroom() + self.ram.pool.bytes_idle
 
-    def store(self, src: torch.Tensor) -> Stored | None:
+    def store(self, src: torch.Tensor, where: str | None = None) -> Stored | None:
         need = size_class(src.numel())
-        inner = self.ram.store(src)
-        if inner is None:
-            self._make_room(need, wait=True)
+        inner = None
+        if where != "disk":
             inner = self.ram.store(src)
+            if inner is None:
+                self._make_room(need, wait=True)
+                inner = self.ram.store(src)
         if inner is None:
             inner = self.disk.store(src)
             if inner is None:
@@ -101,7 +107,8 @@ class TieredTier:
             payload=_Place(inner, in_ram=True),
         )
         with self._lock:
-            self._in_ram[id(outer)] = outer
+            if where != "ram":  # a planned RAM entry is never a candidate for demotion
+                self._in_ram[id(outer)] = outer
             self.stats.ram_entries += 1
         if self._room() < self.reserve_bytes:
             self._make_room(self.reserve_bytes, wait=False)

@@ -426,3 +426,48 @@ def test_entries_larger_than_the_ram_budget_still_reach_disk(tmp_path):
     x.sin().cos().sum().backward()
     assert_bitwise_equal(x.grad, got, "grads")
     ctx.close()
+
+
+def test_planned_places_override_the_tiered_order(tmp_path):
+    """``placed("disk")`` saves go straight to disk; ``placed("ram")`` saves stay in RAM even
+    when the budget's reserve would demote the oldest entries (unplaced ones are demoted
+    instead); ``placed("gpu")`` saves are kept. Bitwise."""
+    x = torch.randn(256, 1024, requires_grad=True)  # 1 MiB saved tensors
+    mib = 1 << 20
+    ctx = OffloadActivations(
+        offload_cpu_tensors=True,
+        min_offload_size=0,
+        storage="tiered",
+        budget=HostMemoryBudget(4 * mib, min_free_bytes=0),
+        disk=DiskOptions(directory=str(tmp_path)),
+    )
+    with ctx:
+        with ctx.placed("ram"):
+            a = x.sin()  # saves x
+        with ctx.placed("ram"):
+            b = a.sin()  # saves a
+        with ctx.placed("disk"):
+            c = b.sin()  # saves b
+        d = c.sin().sin().sin()  # saves c and the next two, unplaced: they fill the RAM budget
+        with ctx.placed("gpu"):
+            e = d.sin()  # saves d, kept
+    for demotion in list(ctx.tier._demoting.values()):  # let background demotions land
+        demotion.payload.demotion.payload.write.result()
+    tiered = ctx.storage_stats()["tiered"]
+    assert tiered["disk_entries"] == 1, "the disk place went straight to disk"
+    assert tiered["demoted_entries"] >= 1, "the RAM budget's reserve demoted unplaced entries"
+    from offloadkit.runtime.storages import storage_key
+
+    where = {entry.key: entry.stored.payload.in_ram for entry in ctx._entries}
+    assert where[storage_key(x.untyped_storage())] and where[storage_key(a.untyped_storage())], "RAM places stay"
+    assert not where[storage_key(b.untyped_storage())]
+    assert ctx.stats.kept_by_reason["placed"] == 1
+    e.sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    x.sin().sin().sin().sin().sin().sin().sin().sum().backward()
+    assert_bitwise_equal(x.grad, got, "grads")
+    with pytest.raises(ValueError, match="is not a place"):
+        with ctx.placed("nvme"):
+            pass
+    ctx.close()

@@ -263,7 +263,7 @@ def test_ram_exhaustion_pushes_oldest_block_inputs_to_disk():
     assert set(p.placement[first_gpu:]) == {"gpu"}
     assert p.features.gpu_blocks == len(p.placement) - first_gpu - 1
     cfg = OffloadConfig.from_dict(p.to_config())
-    assert cfg.gpu_block_inputs == p.features.gpu_blocks
+    assert cfg.block_input_placement == tuple(p.placement)
     assert cfg.activation_offloading == "disk" and cfg.disk_tiering and cfg.host_budget_bytes <= 40 * GiB
     assert p.memory.disk == p.placement.count("disk") * p.workload.block_input_bytes
     assert p.time.disk_s > 0
@@ -332,7 +332,7 @@ def test_a_plan_that_drops_block_inputs_runs_bitwise_through_prepare(tmp_path):
     p = Plan(w, f, BIG, "drops", m, estimate_time(w, f, BIG.rates, m.block_placement), True)
     assert p.placement == ["ram", "ram", "recompute", "ram", "recompute", "gpu"]
     config = dict(p.to_config(), activation_offloading="disk", disk_dir=str(tmp_path), chunked_cross_entropy=False)
-    assert config["recompute_block_inputs"] == (2, 4)
+    assert config["block_input_placement"] == tuple(p.placement)
     apply_activation_checkpointing(ref)
     runtime = prepare(ours, config)
     try:
@@ -346,20 +346,72 @@ def test_a_plan_that_drops_block_inputs_runs_bitwise_through_prepare(tmp_path):
         assert torch.equal(expected, got)
         for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
             assert torch.equal(a.grad, b.grad), name
-        written = runtime.report()["storage"]["disk"]["bytes_written"]
     finally:
         runtime.close()
-    # Against the same config keeping every input: the two dropped inputs are not on disk.
-    keeping = build_llama("tiny", **shape)
-    runtime = prepare(keeping, dict(config, recompute_block_inputs=()))
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        ("disk", "ram", "recompute", "disk", "recompute", "gpu"),
+        ("ram", "disk", "ram", "disk", "gpu", "gpu"),
+        ("disk", "gpu", "ram", "ram", "disk", "ram"),
+    ],
+)
+def test_an_explicit_placement_puts_each_block_input_where_it_says(tmp_path, placement):
+    """``block_input_placement``: each block input goes where its place says (disk ones
+    straight to disk, RAM ones stay in RAM, never demoted; gpu ones kept; recompute ones
+    nowhere), not where the tiered store's oldest-first order would put it; bitwise."""
+    shape = {"num_hidden_layers": 6}
+    ref, ours = build_llama("tiny", **shape), build_llama("tiny", **shape)
+    apply_activation_checkpointing(ref)
+    config = {
+        "gradient_checkpointing": True,
+        "activation_offloading": "disk",
+        "disk_tiering": True,
+        "disk_dir": str(tmp_path),
+        "block_input_placement": list(placement),  # as YAML gives it
+    }
+    runtime = prepare(ours, config)
+    block = 2 * 64 * ours.config.hidden_size * 4
     try:
+        ids = torch.randint(0, 256, (2, 64))
+        expected = ref(input_ids=ids, labels=ids).loss
+        expected.backward()
         with runtime.context():
-            loss = keeping(input_ids=ids, labels=ids).loss
-        loss.backward()
-        assert torch.equal(expected, loss)
-        assert runtime.report()["storage"]["disk"]["bytes_written"] - written == 2 * w.block_input_bytes
+            got = ours(input_ids=ids, labels=ids).loss
+            on_disk = runtime.manager.storage_stats()["disk"]["bytes_on_disk"]
+        got.backward()
+        assert torch.equal(expected, got)
+        for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+        report = runtime.report()
+        tiered = report["storage"]["tiered"]
+        assert tiered["demoted_entries"] == 0 and tiered["disk_entries"] == placement.count("disk")
+        assert report["storage"]["disk"]["bytes_written"] == placement.count("disk") * block
+        assert on_disk == placement.count("disk") * block
+        kept = report["activations"]["kept_by_reason"]
+        trailing = 0
+        while trailing < len(placement) and placement[-1 - trailing] == "gpu":
+            trailing += 1
+        # The last blocks' gpu places are the kept tail; one before them is kept by its place.
+        assert kept.get("placed", 0) == placement.count("gpu") - trailing
+        assert runtime.checkpointing.recompute_inputs == {i for i, w in enumerate(placement) if w == "recompute"}
     finally:
         runtime.close()
+
+
+def test_explicit_placement_errors_are_clear():
+    with pytest.raises(ConfigError, match="block_input_placement=.*is invalid"):
+        OffloadConfig.from_dict({"block_input_placement": ["ram", "nvme"]})
+    with pytest.raises(ConfigError, match="layer 0's input cannot be recomputed"):
+        OffloadConfig.from_dict({"block_input_placement": ["recompute", "gpu"]})
+    with pytest.raises(ConfigError, match="set activation_offloading: disk"):
+        OffloadConfig.from_dict({"block_input_placement": ["disk", "gpu"]})
+    with pytest.raises(ConfigError, match="give only block_input_placement"):
+        OffloadConfig.from_dict({"block_input_placement": ["ram", "gpu"], "gpu_block_inputs": 1})
+    with pytest.raises(ValueError, match="one place per block \\(4 blocks\\)"):
+        apply_activation_checkpointing(build_llama("tiny", num_hidden_layers=4), placement=["ram", "gpu"])
 
 
 def test_gpu_budget_is_planned_for_and_noted_without_cuda():
@@ -418,7 +470,7 @@ def test_long_plans_tile_projections_and_shorten_the_horizon_only_when_needed():
     assert cfg["tiled_projections"] and cfg["tiled_mlp"] and cfg["activation_loading_horizon"] == 1
     # The last one, one fetched ahead, and those the GPU's spare room holds (disk is short).
     held = long.features.gpu_blocks
-    assert held > 0 and cfg["gpu_block_inputs"] == held
+    assert held > 0 and cfg["block_input_placement"][-1 - held :] == ("gpu",) * (1 + held)
     assert long.memory.gpu_parts["block inputs"] == (2 + held) * long.workload.block_input_bytes
     OffloadConfig.from_dict(cfg)  # a valid config
     # Without the projections tiled the same step does not fit.
@@ -485,8 +537,8 @@ def test_recompute_placement_drops_what_storage_cannot_hold():
     dropped = [i for i, where in enumerate(p.placement) if where == "recompute"]
     assert dropped and 0 not in dropped and p.placement[-1] == "gpu"
     assert region_length(p.placement) == 2 and all(p.placement[i - 1] != "recompute" for i in dropped)
-    assert p.to_config()["recompute_block_inputs"] == tuple(dropped)
-    assert OffloadConfig.from_dict(p.to_config()).recompute_block_inputs == tuple(dropped)
+    assert p.to_config()["block_input_placement"] == tuple(p.placement)
+    assert OffloadConfig.from_dict(p.to_config()).block_input_placement == tuple(p.placement)
     w, f = p.workload, p.features
     block = w.block_input_bytes
     assert p.memory.disk == p.placement.count("disk") * block
