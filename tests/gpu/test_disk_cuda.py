@@ -173,3 +173,49 @@ def test_race_detector_disk_staging_without_the_wait(tmp_path, slow, monkeypatch
         assert_bitwise_equal(ref[1], got[1], "grads")
     gc.collect()
     ctx.close()
+
+
+def test_explicit_placement_with_recompute_streaming_and_slow_copies(tmp_path, slow):
+    """A plan's placement through prepare() on CUDA: inputs straight to disk, kept in RAM,
+    dropped and replayed, kept on the GPU; frozen layers streamed; every copy slowed; on a
+    side stream. Bitwise, with exactly the disk places written."""
+    import peft
+
+    from offloadkit.compose import prepare
+    from offloadkit.testing import randomize_lora_b
+
+    def lora():
+        model = build_llama("small", dtype=torch.bfloat16, device=DEV, num_hidden_layers=6)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0))
+        randomize_lora_b(model)
+        model.train()
+        return model
+
+    ref, ours = lora(), lora()
+    ours.load_state_dict(ref.state_dict())
+    batch = make_batch(2048, 2, 512, device=DEV)
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    expected = run_step(ref, batch)
+    placement = ["disk", "ram", "recompute", "disk", "recompute", "gpu"]
+    runtime = prepare(
+        ours,
+        {
+            "gradient_checkpointing": True,
+            "activation_offloading": "disk",
+            "disk_tiering": True,
+            "disk_dir": str(tmp_path),
+            "layer_offloading": True,
+            "block_input_placement": placement,
+        },
+    )
+    slow(20_000_000)
+    for _ in range(2):
+        got = step_on_side_stream(run_step, ours, batch, runtime.context())
+        assert_bitwise_equal(expected[0], got[0], "loss")
+        assert_bitwise_equal(expected[1], got[1], "lora grads")
+    report = runtime.report()
+    block = 2 * 512 * ours.config.hidden_size * 2
+    assert report["storage"]["tiered"]["demoted_entries"] == 0
+    assert report["storage"]["disk"]["bytes_written"] == 2 * placement.count("disk") * block  # two steps
+    assert runtime.streamer.stats.max_resident <= 2
+    runtime.close()
