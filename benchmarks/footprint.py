@@ -5,7 +5,8 @@ depth); what depth does change is where the block inputs wait: at 640K tokens, 3
 5 GiB, in pinned RAM up to the host budget and on disk past it, beside 13 GiB of streamed
 frozen weights. This probe builds a model of the plan's full depth whose layers hold the
 real frozen weight bytes and pass ``[1, S, hidden]`` bf16 block inputs on, but compute only
-``x * scale`` (a trainable scalar per layer), and runs one training step through
+``x * scale`` (a trainable scalar per layer), followed by what the final norm and the head's
+input save (they leave the GPU with the block inputs), and runs one training step through
 ``prepare()`` with the plan's config: the same checkpointing, tiered storage, host budget,
 prefetch horizon and layer streaming as the real step. It measures peak RSS, pinned bytes,
 bytes written to disk and the step time, and checks every restored block input: each
@@ -67,13 +68,27 @@ class Stack(nn.Module):
         # A full fine-tune's embedding and head: trained, updated and stateful like the layers.
         edges = torch.zeros(edge_elements, dtype=torch.bfloat16, device="cuda")
         self.edges = nn.Parameter(edges) if trainable else None
+        self.trainable = trainable
+        self.norm_scales = nn.Parameter(torch.ones(3, device="cuda"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.edges is not None:
             x = _touch(x, self.edges)
         for layer in self.layers:
             x = layer(x)
-        return x
+        return x + self._final_norm_saves(x)
+
+    def _final_norm_saves(self, x: torch.Tensor) -> torch.Tensor:
+        """Zero, saving what the final norm and the head's input save after the last layer
+        (``final_norm_bytes``): the fp32 input and the bf16 output (and, training the norm, its
+        bf16 normalised value). They leave the GPU with the block inputs. Detached from ``x``,
+        so the layers' gradients stay exactly 1."""
+        x = x.detach()
+        s = self.norm_scales
+        saved = [x.float() * s[0], x * s[1].to(x.dtype)]  # each mul saves its tensor operand
+        if self.trainable:
+            saved.append(x.clone() * s[2].to(x.dtype))
+        return sum(t.sum() for t in saved).to(x.dtype) * 0
 
 
 def _sample_rss(peak: list, stop: threading.Event) -> None:
@@ -132,7 +147,7 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
         from offloadkit.optim import BackwardAdamW
 
         optimizer = BackwardAdamW.for_precision(
-            [p for n, p in model.named_parameters() if not n.endswith("scale")],
+            [p for n, p in model.named_parameters() if not n.endswith(("scale", "norm_scales"))],
             config.get("optimizer_precision", "params"),
             lr=0.0,  # the state is what is measured; the weights stay as they are
         )

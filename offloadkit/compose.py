@@ -67,6 +67,7 @@ class OffloadRuntime:
         self.tiled_mlp: TiledMLPHandle | None = None
         self._forward_attachment: Any = None
         self._gpu_cap: tuple[int, float] | None = None  # (device, fraction before) while a GPU budget is enforced
+        self._expandable = False  # this runtime switched the allocator to expandable segments
         self.plan: Plan | None = None  # the planner's Plan under offload_plan: auto
         self.notes: list[str] = list(config._warnings)
 
@@ -134,6 +135,9 @@ class OffloadRuntime:
             device, _ = self._gpu_cap
             torch.cuda.set_per_process_memory_fraction(1.0, device)
             self._gpu_cap = None
+        if self._expandable:
+            use_expandable_segments(False)  # segments mapped from now on are the default kind again
+            self._expandable = False
 
     def _note(self, message: str) -> None:
         self.notes.append(message)
@@ -152,7 +156,6 @@ def _cap_gpu_memory(budget: int | None) -> tuple[int, float] | None:
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = min(1.0, budget / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
-    use_expandable_segments()  # near a cap, fixed segments strand room no large block fits
     return device, fraction
 
 
@@ -232,11 +235,13 @@ def prepare(
     if config.offload_plan == "auto":
         chosen = plan_for(model, config, seq_len)
         config = config.replace(**chosen.to_config())
-        # The plan's reservation assumes segments that grow in place: fixed-size ones reserved
-        # 1.66x the allocated bytes at 512K tokens, and left no room for SDPA's one large request.
-        use_expandable_segments()
     runtime = OffloadRuntime(model, config)
     runtime._gpu_cap = gpu_cap
+    if gpu_cap is not None or chosen is not None:
+        # Near a cap fixed-size segments strand room no large block fits, and a plan's
+        # reservation assumes segments that grow in place (fixed ones reserved 1.66x the
+        # allocated bytes at 512K tokens, and left no room for SDPA's one large request).
+        runtime._expandable = use_expandable_segments()
     if config.gpu_budget_bytes is not None and gpu_cap is None:
         runtime._note("gpu_budget_bytes has no effect without a CUDA GPU")
     if chosen is not None:

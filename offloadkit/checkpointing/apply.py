@@ -228,8 +228,10 @@ class CheckpointedBlocks:
                     "argument; a dropped input is replayed from the block before it, so blocks must be chained"
                 )
             out = checkpoint(original, *args, use_reentrant=False, **self._selective(), **kwargs)
-            # The output by weak reference: holding it would keep the dropped input alive.
-            calls.append((index, original, args[1:], kwargs, weakref.ref(first_tensor(out))))
+            # The output by weak reference: holding it would keep the dropped input alive. The
+            # first block replays from the region's own saved arguments: nothing kept for it.
+            more, kw = (args[1:], kwargs) if calls else ((), {})
+            calls.append((index, original, more, kw, weakref.ref(first_tensor(out))))
         except BaseException as exc:
             self._region = None
             region.__exit__(type(exc), exc, exc.__traceback__)

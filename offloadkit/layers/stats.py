@@ -15,6 +15,7 @@ class StreamStats:
     prefetched: int = 0
     misses: int = 0  # a block was needed and its load had not been issued
     write_backs: int = 0  # evictions that copied updated weights back to the host
+    replay_loads: int = 0  # loads for a replayed run of blocks (dropped inputs recomputed)
     max_resident: int = 0
     wait_seconds: float = 0.0
     skipped_params: Counter = field(default_factory=Counter)

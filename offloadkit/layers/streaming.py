@@ -23,7 +23,8 @@ Triggers:
 * the head's backward pre-hook prefetches the last blocks; the end of backward evicts all
   (and the next forward evicts whatever a failed backward left resident).
 
-At most ``depth`` blocks of frozen weights are resident at any time. Outside forward and
+At most ``depth`` blocks of weights are resident at any time, or the length of a replayed
+run of blocks (dropped block inputs recomputed in backward: :meth:`LayerStreamer.make_resident`). Outside forward and
 backward the weights are read from (and written to) their host copies; PEFT's
 ``merge``/``unmerge`` of adapters inside a streamed block run with that block resident
 and write the merged weights back to the host copy.
@@ -240,6 +241,10 @@ class LayerStreamer:
         if index is None:
             return  # nothing of this block is streamed
         with self._lock:
+            self._queue_end_callback()  # the end of this backward evicts it
+            if not self.layers[index].resident:
+                self.stats.replay_loads += 1
+                self._load(self.layers[index])
             self._ensure(index)
 
     def _queue_end_callback(self) -> None:

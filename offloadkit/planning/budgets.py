@@ -115,8 +115,11 @@ class Budgets:
         rates = self.rates
         measured = []
         if torch.cuda.is_available() and shape is not None:
-            rates = dataclasses.replace(rates, attention_flops_per_s=_attention_rate(shape))
-            measured.append("attention")
+            try:
+                rates = dataclasses.replace(rates, attention_flops_per_s=_attention_rate(shape))
+                measured.append("attention")
+            except torch.cuda.OutOfMemoryError:  # no fused kernel for these heads: keep the default
+                torch.cuda.empty_cache()
         if torch.cuda.is_available():
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -161,15 +164,17 @@ def _attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> float:
         return torch.randn(size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     q, k, v = tensor(shape.heads), tensor(shape.kv_heads), tensor(shape.kv_heads)
+    grad = torch.ones(1, shape.heads, tokens, shape.head_dim, device="cuda", dtype=torch.bfloat16)
     times = []
     for _ in range(3):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        out.backward(torch.ones_like(out))
+        torch.autograd.grad(out, (q, k, v), grad)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    del q, k, v, out
+    del q, k, v, out, grad
+    torch.cuda.empty_cache()
     flops = 3 * 2.0 * tokens * tokens * shape.heads * shape.head_dim
     return flops / statistics.median(times[1:])
 

@@ -45,6 +45,8 @@ __all__ = [
     "auto_mlp_shards",
     "tiles_projections",
     "region_length",
+    "final_norm_bytes",
+    "final_norm_saves",
 ]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
@@ -308,6 +310,24 @@ def region_length(placement: list[str]) -> int:
     return longest
 
 
+def final_norm_saves(w: Workload) -> list[int]:
+    """Bytes of each tensor the final norm saves (its fp32 input and rsqrt; the normalised
+    value too in a full fine-tune, for its weight's gradient) and of the head's input: a
+    whole-model manager offloads these with the block inputs at the end of forward."""
+    t, h, b = w.tokens, w.shape.hidden, w.dtype_bytes
+    return [t * 4 * h, t * 4, t * b * h] + ([t * b * h] if not w.lora_rank else [])
+
+
+def final_norm_bytes(w: Workload) -> int:
+    """Their sum (see :func:`final_norm_saves`)."""
+    return sum(final_norm_saves(w))
+
+
+def _off_gpu_extra(w: Workload, f: Features) -> int:
+    """Bytes besides the block inputs that leave the GPU with them (see :func:`final_norm_saves`)."""
+    return final_norm_bytes(w) if f.checkpointing and f.offload_inputs else 0
+
+
 def streams_weights(w: Workload, f: Features) -> bool:
     """Whether the layers' weights stream from host memory: a LoRA model's frozen base, or a
     full fine-tune's trainable weights when the optimizer updates them in backward."""
@@ -377,7 +397,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     parts["residual stream"] = 3 * t * h * b
     fixed = sum(parts.values())
 
-    loss: dict[str, int] = {"final norm": t * (4 * h + 4 + (2 * b * h if not w.lora_rank else b * h))}
+    loss: dict[str, int] = {"final norm": final_norm_bytes(w)}
     if f.loss_chunks:
         chunk = math.ceil(t / f.loss_chunks)
         loss["loss chunk"] = chunk * s.vocab * LOSS_CHUNK_BYTES_PER_LOGIT
@@ -404,11 +424,15 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     gpu_peak = int(fixed + max(loss_bytes, layer_bytes))
 
     host = HOST_BASELINE_BYTES + placement.count("ram") * block + disk_staging_bytes(w, f, placement)
+    # The final norm's saves go where unplaced saves go: RAM first, disk when only disk is used.
+    norm_saves = _off_gpu_extra(w, f)
+    only_disk = "disk" in placement and "ram" not in placement
+    host += 0 if only_disk else norm_saves
     if streams_weights(w, f):
         host += s.layers * s.layer_params * b  # pinned host copies of the streamed layers
     if f.optimizer_offloading and not w.lora_rank:
         host += s.params * w.optimizer_state_bytes  # pinned AdamW state
-    disk = placement.count("disk") * block
+    disk = placement.count("disk") * block + (norm_saves if only_disk else 0)
     return MemoryEstimate(
         gpu_peak=gpu_peak,
         gpu_reserved=int(gpu_peak * FRAGMENTATION),

@@ -30,9 +30,12 @@ from offloadkit.planning.memory import (
     Features,
     MemoryEstimate,
     Workload,
+    _off_gpu_extra,
     auto_loss_chunks,
     auto_mlp_shards,
     estimate_memory,
+    final_norm_bytes,
+    final_norm_saves,
     streams_weights,
     tiered_reserve_bytes,
     tiles_projections,
@@ -85,6 +88,7 @@ class Plan:
             return None
         w, f = self.workload, self.features
         ram = self.placement.count("ram") * size_class(w.block_input_bytes) + _streamed_host_bytes(w, f)
+        ram += _norm_host_bytes(w, f)  # the final norm's saves, in RAM beside the block inputs
         # The tiered tier keeps some of its cap free, demoting ahead of need; the disk tier's
         # staging buffers are reserved outside the cap (the plan's host figure counts them).
         return max(ram + tiered_reserve_bytes(ram), 1 << 20)
@@ -210,6 +214,11 @@ def _streamed_host_bytes(w: Workload, f: Features) -> int:
     return 0
 
 
+def _norm_host_bytes(w: Workload, f: Features) -> int:
+    """Host buffers of the final norm's saves (each in its own size class)."""
+    return sum(size_class(n) for n in final_norm_saves(w)) if _off_gpu_extra(w, f) else 0
+
+
 def _held_host_bytes(w: Workload, f: Features) -> int:
     """Host RAM held beside the block inputs: the streamed layers, and a full fine-tune's
     AdamW state in host memory (the optimizer's own, outside the engine's budget)."""
@@ -222,6 +231,7 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     disk, also beside the disk tier's staging buffers and the room the tiered tier keeps free
     (what the engine does with the cap :meth:`Plan.host_budget_bytes` gives it)."""
     streamed, state = _streamed_host_bytes(w, f), _held_host_bytes(w, f) - _streamed_host_bytes(w, f)
+    streamed += _norm_host_bytes(w, f)  # held under the same cap as the streamed weights
     room = b.host_bytes - streamed - state
     per = size_class(w.block_input_bytes)
     if room // per >= w.shape.layers - 1 - f.gpu_blocks - f.recompute_blocks:
@@ -385,13 +395,15 @@ def plan(
             m = estimate_memory(w, f)
             t = estimate_time(w, f, b.rates, m.block_placement)
             reasons = _check(w, m, b)
-            name += f", {held} block inputs on the GPU"
         if f.offload_inputs and f.checkpointing and (reasons or "disk" in m.block_placement):
             dropped = _drop_inputs(w, f, b, m, t)
             if dropped is not None:
                 f, m, t = dropped
                 reasons = _check(w, m, b)
-                name += f", {f.recompute_blocks} block inputs recomputed"
+        if f.gpu_blocks:
+            name += f", {f.gpu_blocks} block inputs on the GPU"
+        if f.recompute_blocks:
+            name += f", {f.recompute_blocks} block inputs recomputed"
         results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
     fitting = [p for p in results if p.fits]
     if fitting:
@@ -424,32 +436,59 @@ def plan(
 
 def _drop_inputs(w: Workload, f: Features, b: Budgets, m: MemoryEstimate, t: StepTime):
     """The recompute placement: the fewest block inputs dropped (kept nowhere, replayed in
-    backward from the kept input before them) that let RAM and disk hold the rest, and, where
-    replaying a block costs less than reading its input from disk, every disk-bound one
-    dropped too. Block inputs the GPU holds come first (they cost nothing); each one the
-    replay's transient pushes off the GPU is dropped instead.
+    backward from the kept input before them) that let RAM and disk hold the rest, or more,
+    up to none left on disk, where replaying a block costs less than moving its input. Block
+    inputs the GPU holds come first (they cost nothing); each one a longer replayed run pushes
+    off the GPU is dropped instead.
+
+    Storage need falls as drops rise and the GPU's need grows, so each count is found by
+    bisection: a few estimates per candidate plan, not one per count.
 
     Returns:
         ``(features, memory, time)`` of the fastest variant that fits, or None (the plan as it
         is, when it fits and no drop is faster, or when no number of drops fits).
     """
     best = None if _check(w, m, b) else (t.seconds, f, m, t)
+
+    def variant(held: int, drops: int):
+        g = replace(f, gpu_blocks=held, recompute_blocks=drops)
+        g = replace(g, ram_blocks=_ram_blocks(w, g, b))
+        gm = estimate_memory(w, g)
+        return g, gm, _check(w, gm, b)
+
+    def storage_short(held: int, drops: int) -> bool:
+        return any("GPU" not in r for r in variant(held, drops)[2])
+
+    def on_disk(held: int, drops: int) -> bool:
+        return "disk" in variant(held, drops)[1].block_placement
+
+    def first(pred, held: int, lo: int, hi: int) -> int:
+        """The smallest ``d`` in [lo, hi] with ``pred(held, d)`` (monotone in ``d``), else hi + 1."""
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if pred(held, mid):
+                hi = mid - 1
+            else:
+                lo = mid + 1
+        return lo
+
     for held in range(f.gpu_blocks, -1, -1):
-        offloaded = w.shape.layers - 1 - held
-        for drops in range(1, offloaded):
-            g = replace(f, gpu_blocks=held, recompute_blocks=drops)
-            g = replace(g, ram_blocks=_ram_blocks(w, g, b))
-            gm = estimate_memory(w, g)
-            reasons = _check(w, gm, b)
-            if any("GPU" in r for r in reasons):
-                break  # more drops only lengthen the replayed runs
+        most = w.shape.layers - 2 - held  # block 0's input is always kept
+        if most < 1:
+            continue
+        if storage_short(held, most):
+            break  # holding fewer on the GPU only needs more storage
+        fewest = first(lambda h, d: not storage_short(h, d), held, 1, most)
+        no_disk = first(lambda h, d: not on_disk(h, d), held, fewest, most)
+        span = min(no_disk, most) - fewest
+        tried = sorted({fewest, min(no_disk, most), *range(fewest, fewest + span + 1, max(1, span // 6))})
+        for drops in tried:
+            g, gm, reasons = variant(held, drops)
             if reasons:
-                continue
+                break  # the GPU: more drops only lengthen the replayed runs
             gt = estimate_time(w, g, b.rates, gm.block_placement)
             if best is None or gt.seconds < best[0]:
                 best = (gt.seconds, g, gm, gt)
-            if "disk" not in gm.block_placement:
-                break  # the rest rest in RAM: more drops only cost replays
         if best is not None and best[1] is not f:
             return best[1], best[2], best[3]
     return None
@@ -576,11 +615,12 @@ def physical_limit(
 
     def storage_ok(seq: int) -> bool:
         # Dropped block inputs take no storage; the runs they lengthen are replayed on the GPU.
-        for drops in range(w0.shape.layers - 1):
+        for drops in range(max(1, w0.shape.layers - 1)):
             w, gpu = working_set(seq, drops)
             if gpu > budgets.gpu_bytes:
                 return False
-            if gpu + (w.shape.layers - 1 - drops) * w.block_input_bytes + off_gpu <= pooled:
+            kept = (w.shape.layers - 1 - drops) * w.block_input_bytes + final_norm_bytes(w)
+            if gpu + kept + off_gpu <= pooled:
                 return True
         return False
 

@@ -165,16 +165,25 @@ def host_unregister(ptr: int) -> None:
         rt.cudaHostUnregister(ptr)
 
 
-def use_expandable_segments() -> bool:
+def use_expandable_segments(on: bool = True) -> bool:
     """Let the CUDA caching allocator grow segments in place (``expandable_segments:True``)
     for the segments it maps from now on, unless the user configured the allocator
-    (``PYTORCH_CUDA_ALLOC_CONF``). Under a memory cap, fixed-size segments leave room that no
-    large request fits (a 1.75 GiB request failed with 2.6 GiB reserved and free, at 16 GiB).
+    (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``). Under a memory cap, fixed-size
+    segments leave room that no large request fits (a 1.75 GiB request failed with 2.6 GiB
+    reserved and free, at 16 GiB); at long context they strand room too (a 512K step reserved
+    1.66x what it allocated). ``on=False`` puts the default back.
 
     Returns:
         Whether the setting was applied.
     """
-    if not torch.cuda.is_available() or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+    if not torch.cuda.is_available():
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return False
+    setting = f"expandable_segments:{on}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter(setting)
+    else:  # torch < 2.12
+        torch.cuda.memory._set_allocator_settings(setting)
     return True

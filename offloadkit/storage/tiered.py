@@ -6,9 +6,10 @@ copy) and given back once written. Demotion starts in the background as soon as 
 headroom drops below a reserve, so a new entry rarely waits for it; when it must (the
 disk is slower than the forward pass), the store blocks until room is made.
 
-A planned place overrides the order: an entry placed on disk goes there directly (through
-the disk tier's staging), and one placed in RAM stays there (it is never demoted; when RAM
-has no room for it, it takes unplanned entries' room first, then the disk).
+A planned place overrides the order: an entry placed on disk is demoted as soon as it is
+stored (its RAM buffer is written out as it is, and given back: no staging buffer is held
+for it), and one placed in RAM stays there (it is never demoted; when RAM has no room for
+it, the demotions under way and unplanned entries make the room, then the disk takes it).
 """
 
 from __future__ import annotations
@@ -79,12 +80,10 @@ class TieredTier:
 
     def store(self, src: torch.Tensor, where: str | None = None) -> Stored | None:
         need = size_class(src.numel())
-        inner = None
-        if where != "disk":
+        inner = self.ram.store(src)
+        if inner is None:
+            self._make_room(need, wait=True)
             inner = self.ram.store(src)
-            if inner is None:
-                self._make_room(need, wait=True)
-                inner = self.ram.store(src)
         if inner is None:
             inner = self.disk.store(src)
             if inner is None:
@@ -107,9 +106,11 @@ class TieredTier:
             payload=_Place(inner, in_ram=True),
         )
         with self._lock:
-            if where != "ram":  # a planned RAM entry is never a candidate for demotion
-                self._in_ram[id(outer)] = outer
             self.stats.ram_entries += 1
+            if where == "disk":
+                self._demote(outer)  # now (a full disk puts it back among the candidates)
+            elif where != "ram":  # a planned RAM entry is never a candidate for demotion
+                self._in_ram[id(outer)] = outer
         if self._room() < self.reserve_bytes:
             self._make_room(self.reserve_bytes, wait=False)
         return outer

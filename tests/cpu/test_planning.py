@@ -295,12 +295,12 @@ def test_prepare_applies_the_plan(monkeypatch):
     from offloadkit.integrations.peft_utils import apply_lora
 
     switched = []
-    monkeypatch.setattr(compose, "use_expandable_segments", lambda: switched.append(True))
+    monkeypatch.setattr(compose, "use_expandable_segments", lambda on=True: switched.append(on) or True)
     model = apply_lora(build_llama("tiny", attn_implementation="sdpa"), rank=4)
     with pytest.raises(ConfigError, match="needs the sequence length"):
         prepare(model, {"offload_plan": "auto"})
     runtime = prepare(model, {"offload_plan": "auto", "host_budget_bytes": "2GiB"}, seq_len=4096)
-    assert switched, "a planned run gets the allocator its reservation figure assumes"
+    assert switched == [True], "a planned run gets the allocator its reservation figure assumes"
     try:
         assert runtime.plan is not None and runtime.plan.workload.lora_rank == 4
         assert runtime.plan.workload.shape.layers == 2
@@ -315,6 +315,7 @@ def test_prepare_applies_the_plan(monkeypatch):
         assert torch.isfinite(loss)
     finally:
         runtime.close()
+    assert switched == [True, False], "close() puts the allocator's default back"
 
 
 def test_a_plan_that_drops_block_inputs_runs_bitwise_through_prepare(tmp_path):
@@ -387,7 +388,8 @@ def test_an_explicit_placement_puts_each_block_input_where_it_says(tmp_path, pla
             assert torch.equal(a.grad, b.grad), name
         report = runtime.report()
         tiered = report["storage"]["tiered"]
-        assert tiered["demoted_entries"] == 0 and tiered["disk_entries"] == placement.count("disk")
+        # Disk places are written out of their RAM buffer right away; nothing else moves.
+        assert tiered["demoted_entries"] == placement.count("disk") and tiered["disk_entries"] == 0
         assert report["storage"]["disk"]["bytes_written"] == placement.count("disk") * block
         assert on_disk == placement.count("disk") * block
         kept = report["activations"]["kept_by_reason"]
@@ -532,7 +534,7 @@ def test_recompute_placement_drops_what_storage_cannot_hold():
     from offloadkit.planning.memory import region_length
 
     budgets = Budgets(141 * GiB, 108 * GiB, 55 * GiB)
-    p = plan("llama-3-8b", 1 << 20, lora_rank=16, budgets=budgets)
+    p = plan("llama-3-8b", 15 << 16, lora_rank=16, budgets=budgets)  # 960K tokens
     assert p.fits, p.reasons
     dropped = [i for i, where in enumerate(p.placement) if where == "recompute"]
     assert dropped and 0 not in dropped and p.placement[-1] == "gpu"
@@ -572,6 +574,13 @@ def test_recompute_replaces_the_disk_where_a_replay_is_faster_than_a_read():
 def test_the_plan_table_names_the_dropped_inputs():
     p = plan("llama-3-8b", 1 << 20, lora_rank=16, budgets=Budgets(141 * GiB, 108 * GiB, 55 * GiB))
     assert "nowhere: replayed from the kept input before it" in p.table()
+    # Past half the offloaded inputs dropped, the runs grow to three blocks: two replayed.
+    from offloadkit.planning.memory import region_length
+
+    assert (
+        region_length(p.placement) == 3
+        and p.memory.gpu_parts["replayed block inputs"] == 2 * p.workload.block_input_bytes
+    )
 
 
 def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets():
@@ -600,7 +609,7 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
 
     import offloadkit.storage.pool as pool_module
     from offloadkit.planning import ModelShape, estimate_time
-    from offloadkit.planning.memory import disk_staging_bytes
+    from offloadkit.planning.memory import disk_staging_bytes, final_norm_saves
     from offloadkit.planning.planner import Plan, _ram_blocks
     from offloadkit.storage import DiskOptions, HostBufferPool, HostMemoryBudget
     from offloadkit.storage.factory import build_tier
@@ -630,7 +639,11 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
     weights = [weights_pool.acquire(layer_bytes) for _ in range(shape.layers if lora_rank else 0)]
     assert all(weights), "the cap holds the streamed weights"
     tier = build_tier("tiered", budget, pin_memory=False, use_streams=False, disk=DiskOptions(directory=str(tmp_path)))
-    stored = [tier.store(torch.full((block,), i, dtype=torch.uint8)) for i in range(shape.layers - 1)]
+    # Each block input with its planned place, as checkpointing marks them.
+    stored = [tier.store(torch.full((block,), i, dtype=torch.uint8), p.placement[i]) for i in range(shape.layers - 1)]
+    # Then what the final norm and the head's input save, after the last block (unplaced).
+    norm = [tier.store(torch.zeros(n, dtype=torch.uint8)) for n in final_norm_saves(w)]
+    assert all(s.payload.in_ram for s in norm)
     for s in stored:  # let background demotions finish
         demotion = s.payload.demotion
         if demotion is not None and demotion.payload.write is not None:
@@ -638,7 +651,7 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
     in_ram = sum(s.payload.in_ram for s in stored)
     assert in_ram == planned_ram and len(stored) - in_ram == planned_disk
     assert [s.payload.in_ram for s in stored] == [x == "ram" for x in p.placement[:-1]], "oldest on disk"
-    for s in stored:
+    for s in [*stored, *norm]:
         tier.free(s)
     tier.close()
     for blk in weights:

@@ -215,7 +215,8 @@ def test_explicit_placement_with_recompute_streaming_and_slow_copies(tmp_path, s
         assert_bitwise_equal(expected[1], got[1], "lora grads")
     report = runtime.report()
     block = 2 * 512 * ours.config.hidden_size * 2
-    assert report["storage"]["tiered"]["demoted_entries"] == 0
-    assert report["storage"]["disk"]["bytes_written"] == 2 * placement.count("disk") * block  # two steps
+    # Two steps: each disk place written out of its RAM buffer as it was stored, nothing else.
+    assert report["storage"]["tiered"]["demoted_entries"] == 2 * placement.count("disk")
+    assert report["storage"]["disk"]["bytes_written"] == 2 * placement.count("disk") * block
     assert runtime.streamer.stats.max_resident <= 2
     runtime.close()
