@@ -76,16 +76,22 @@ def resolve_config(offload_config: Any, args=None, defaults: dict | None = None)
 
 
 def _use_hf_checkpointing(args, config: OffloadConfig):
-    """Hand plain checkpointing to the Trainer (non-reentrant); selective checkpointing and
-    dropped block inputs stay offloadkit's.
+    """Hand plain checkpointing to the Trainer (non-reentrant); selective checkpointing,
+    placed or dropped block inputs and planned runs stay offloadkit's.
 
     Returns:
         ``(config for prepare(), restore)``: ``restore()`` puts the arguments back.
     """
     if not config.gradient_checkpointing:
         return config, lambda: None
-    if config.selective_checkpointing or config.recompute_block_inputs or config.block_input_placement:
-        # Only offloadkit's checkpointing saves selectively, places or drops block inputs.
+    if (
+        config.selective_checkpointing
+        or config.recompute_block_inputs
+        or config.block_input_placement
+        or config.offload_plan == "auto"
+    ):
+        # Only offloadkit's checkpointing saves selectively, places or drops block inputs (a
+        # plan, made in prepare(), may place them: the Trainer's own would checkpoint again).
         return config, set_checkpointing(args, False)
     kwargs = checkpointing_kwargs(args)
     # Either kind works: reentrant checkpointing saves its inputs through the same hooks

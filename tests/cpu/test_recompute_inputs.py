@@ -164,3 +164,53 @@ def test_through_the_config_and_the_trainer(tmp_path, monkeypatch):
     assert OffloadConfig.from_dict({"recompute_block_inputs": [1, 2]}).recompute_block_inputs == (1, 2)
     with pytest.raises(ConfigError, match="recompute_block_inputs=\\(0,\\) is invalid"):
         OffloadConfig.from_dict({"recompute_block_inputs": [0]})
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [
+        {"block_input_placement": ["ram", "recompute", "ram", "gpu"]},
+        {"offload_plan": "auto", "seq_len": 32, "host_budget_bytes": "1GiB"},
+    ],
+    ids=["placement", "plan"],
+)
+def test_the_trainer_leaves_placed_and_planned_runs_to_offloadkits_checkpointing(tmp_path, offload):
+    """A placement (given, or made by ``offload_plan: auto`` inside prepare()) needs
+    offloadkit's checkpointing; the Trainer's own must stay off, or every block would be
+    checkpointed twice (recomputed twice in backward)."""
+    transformers = pytest.importorskip("transformers")
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+    from offloadkit.models.heads import unwrap_model
+
+    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    seen = []
+
+    class Probe(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            base = unwrap_model(model)
+            hf = any(getattr(m, "gradient_checkpointing", False) for m in base.modules())
+            seen.append((hf, trainer.offload_runtime.checkpointing is not None))
+
+    model = build_llama("tiny", vocab_size=259, num_hidden_layers=4, attn_implementation="sdpa")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        remove_unused_columns=False,
+        gradient_checkpointing=True,
+    )
+    data = TokenBlocks(byte_tokenizer(), load_texts(), 32)
+    config = {"gradient_checkpointing": True, "activation_offloading": False, **offload}
+    if "block_input_placement" in offload:
+        config["activation_offloading"] = True  # no effect without CUDA; the placement still applies
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=data, offload_config=config, callbacks=[Probe()])
+    trainer.train()
+    assert seen == [(False, True), (False, True)]
+    assert trainer.offload_report["checkpointing_active"]
