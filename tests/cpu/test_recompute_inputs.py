@@ -214,3 +214,38 @@ def test_the_trainer_leaves_placed_and_planned_runs_to_offloadkits_checkpointing
     trainer.train()
     assert seen == [(False, True), (False, True)]
     assert trainer.offload_report["checkpointing_active"]
+
+
+def test_a_placement_through_checkpointings_own_offloader(tmp_path):
+    """``apply_activation_checkpointing(offload_inputs=True, placement=...)`` with a tiered
+    store: each kept input where its place says, the dropped ones nowhere; bitwise."""
+    from offloadkit.storage import DiskOptions, HostMemoryBudget
+
+    shape = {"num_hidden_layers": 6, "attn_implementation": "sdpa"}  # no [B, 1, S, S] mask of block size
+    ref, ours = build_llama("tiny", **shape), build_llama("tiny", **shape)
+    apply_activation_checkpointing(ref)
+    placement = ["disk", "recompute", "ram", "disk", "ram", "gpu"]
+    handle = apply_activation_checkpointing(
+        ours,
+        offload_inputs=True,
+        offload_cpu_tensors=True,
+        storage="tiered",
+        budget=HostMemoryBudget(1 << 30, min_free_bytes=0),
+        disk=DiskOptions(directory=str(tmp_path)),
+        placement=placement,
+    )
+    assert handle.recompute_inputs == {1}
+    batch = make_batch(ref.config.vocab_size, 2, 64)
+    expected, got = _step(ref, batch), _step(ours, batch)
+    assert_bitwise_equal(expected[0], got[0], "loss")
+    assert_bitwise_equal(expected[1], got[1], "grads")
+    # Where the block inputs were (their entries live until the graph goes): count them again.
+    block = 2 * 64 * ours.config.hidden_size * 4
+    ours.zero_grad(set_to_none=True)
+    loss = ours(**batch).loss
+    blocks = [e for e in handle.offloader._entries if e.nbytes == block]
+    assert sorted(e.stored.payload.in_ram for e in blocks) == sorted(
+        p == "ram" for p in placement if p in ("ram", "disk")
+    )
+    loss.backward()
+    handle.remove()
