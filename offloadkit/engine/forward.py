@@ -174,7 +174,8 @@ class ForwardPath:
         self, step: Step, storage, start: int, end: int, device: torch.device, version: int, where: str | None
     ):
         src = span_view(storage, start, end, device)
-        stored = self.tier.store(src, where)
+        # A planned place only when there is one: tiers written before places need not take it.
+        stored = self.tier.store(src) if where is None else self.tier.store(src, where)
         if stored is None:
             return None
         entry = Entry(

@@ -188,10 +188,12 @@ class TieredTier:
                     place.inner, place.in_ram = disk_stored, False
                     self.stats.demoted_entries += 1
                     self.stats.demoted_bytes += ram_stored.nbytes
+                if ok:
+                    # Before waking a store waiting for this room (it would find none yet).
+                    self.ram.pool.release(block)  # carries the loads of the RAM copy queued before
+                    ram_stored.payload = None
                 self._lock.notify_all()
             if ok:
-                self.ram.pool.release(block)  # carries the loads of the RAM copy queued before
-                ram_stored.payload = None
                 if place.freed:
                     self.disk.free(disk_stored, wait=False)  # called from the write job itself
             else:

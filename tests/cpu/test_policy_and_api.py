@@ -62,8 +62,15 @@ def test_every_rule_decides_in_one_place_in_its_order():
     assert why(big.to_sparse()) == "unsupported"
     assert why(torch.randn(1024, device="meta")) == "device"
     assert REFUSED_BY_STORAGE.reason == "budget"
-    assert {"closed", "backward", "excluded", "unsupported", "device", "small", "parameter", "budget"} == set(
+    assert {"closed", "backward", "excluded", "unsupported", "device", "small", "parameter", "placed", "budget"} == set(
         KEEP_REASONS
+    )
+    # A planned place: "gpu" keeps the tensor, "ram"/"disk" offload it there; the rules before still win.
+    placed = decide(big, policy, closed=False, in_backward=False, excluded=False, placed="gpu")
+    assert placed.reason == "placed"
+    assert decide(big, policy, closed=False, in_backward=False, excluded=False, placed="disk").where == "disk"
+    assert (
+        decide(torch.randn(8), policy, closed=False, in_backward=False, excluded=False, placed="disk").reason == "small"
     )
 
 
