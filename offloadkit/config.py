@@ -20,7 +20,13 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE, OPTIMIZER_STATE_BYTES, STREAM_DEPTH
+from offloadkit.defaults import (
+    BLOCK_INPUT_PLACES,
+    MAX_FWD_STASH_SIZE,
+    MIN_OFFLOAD_SIZE,
+    OPTIMIZER_STATE_BYTES,
+    STREAM_DEPTH,
+)
 
 __all__ = [
     "ConfigError",
@@ -458,7 +464,7 @@ class OffloadConfig:
         places = self.block_input_placement
         if isinstance(places, list):
             self.block_input_placement = places = tuple(places)  # YAML gives a list
-        allowed = ("gpu", "ram", "disk", "recompute")
+        allowed = BLOCK_INPUT_PLACES
         if not isinstance(places, tuple) or any(p not in allowed for p in places):
             raise ConfigError(
                 f"block_input_placement={places!r} is invalid; give one place per decoder layer, each one of "

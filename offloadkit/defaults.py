@@ -37,3 +37,7 @@ OPTIMIZER_COPY_WINDOW_BYTES = {"params": 1 << 30, "compact": 1 << 30, "fp32_mast
 # intermediates, the rounding's noise and bit patterns), 640 MiB a chunk.
 COMPACT_CHUNK_ELEMENTS = 1 << 24
 COMPACT_CHUNK_BYTES_PER_ELEMENT = 40
+
+# Where a decoder layer's input can wait for backward (``block_input_placement``): the first
+# three are places a saved tensor can be; "recompute" keeps it nowhere.
+BLOCK_INPUT_PLACES = ("gpu", "ram", "disk", "recompute")

@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from offloadkit.checkpointing.arguments import CACHE_KEYS, first_tensor, is_cache, keywords_as_positions
 from offloadkit.checkpointing.selective import selective_context_fn
+from offloadkit.defaults import BLOCK_INPUT_PLACES
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
@@ -388,7 +389,7 @@ def apply_activation_checkpointing(
 def _from_placement(placement: Sequence[str], blocks: int, recompute_inputs: Iterable[int]):
     """``(places, keep_last_input, recompute_inputs)`` that realise a per-block placement."""
     placement = list(placement)
-    allowed = ("gpu", "ram", "disk", "recompute")
+    allowed = BLOCK_INPUT_PLACES
     if len(placement) != blocks or any(p not in allowed for p in placement) or placement[:1] == ["recompute"]:
         raise ValueError(
             f"placement={placement!r} is invalid; give one place per block ({blocks} blocks), each one of "

@@ -35,10 +35,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from offloadkit.defaults import BLOCK_INPUT_PLACES
+
 __all__ = ["KEEP_REASONS", "PLACES", "Decision", "OFFLOAD", "REFUSED_BY_STORAGE", "decide", "tensor_rule"]
 
 KEEP_REASONS = ("closed", "backward", "excluded", "unsupported", "device", "small", "parameter", "placed", "budget")
-PLACES = ("gpu", "ram", "disk")
+PLACES = BLOCK_INPUT_PLACES[:3]  # a saved tensor's places (recompute never reaches the engine)
 
 
 @dataclass(frozen=True)

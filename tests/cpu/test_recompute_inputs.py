@@ -40,6 +40,37 @@ def _saved_outside_blocks(model, batch):
     return len(set(kept))
 
 
+def _train_tiny(tmp_path, offload, max_steps, callbacks=(), **arguments):
+    """A 4-layer tiny Llama trained by the Trainer with offloadkit's mixin on byte-level text;
+    returns the trainer."""
+    transformers = pytest.importorskip("transformers")
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    torch.manual_seed(0)
+    model = build_llama("tiny", vocab_size=259, num_hidden_layers=4, attn_implementation="sdpa")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=max_steps,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        remove_unused_columns=False,
+        **arguments,
+    )
+    data = TokenBlocks(byte_tokenizer(), load_texts(), 32)
+    trainer = OffloadTrainer(
+        model=model, args=args, train_dataset=data, offload_config=offload, callbacks=list(callbacks)
+    )
+    trainer.train()
+    return trainer
+
+
 @pytest.mark.parametrize("dropped", [[1], [1, 2], [2, 3], [1, 3]])
 def test_losses_and_gradients_bitwise_per_block_checkpointing(dropped):
     shape = {"num_hidden_layers": 4}
@@ -117,35 +148,12 @@ def test_a_forward_that_fails_inside_a_region_leaves_the_next_step_exact():
 def test_through_the_config_and_the_trainer(tmp_path, monkeypatch):
     """``recompute_block_inputs`` in a config: the Trainer keeps offloadkit's checkpointing
     (its own cannot drop inputs), and the losses and weights are those of plain checkpointing."""
-    transformers = pytest.importorskip("transformers")
     from offloadkit.config import ConfigError, OffloadConfig
-    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
-    from offloadkit.integrations.trainer import ActivationOffloadingMixin
-
-    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
-        pass
 
     def train(offload):
-        torch.manual_seed(0)
-        model = build_llama("tiny", vocab_size=259, num_hidden_layers=4, attn_implementation="sdpa")
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path),
-            per_device_train_batch_size=2,
-            max_steps=3,
-            learning_rate=1e-3,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            disable_tqdm=True,
-            use_cpu=True,
-            seed=0,
-            remove_unused_columns=False,
-        )
-        data = TokenBlocks(byte_tokenizer(), load_texts(), 32)
-        trainer = OffloadTrainer(model=model, args=args, train_dataset=data, offload_config=offload)
-        trainer.train()
+        trainer = _train_tiny(tmp_path, offload, 3, learning_rate=1e-3, logging_steps=1, seed=0)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+        return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
     from offloadkit.checkpointing.apply import CheckpointedBlocks
 
@@ -179,39 +187,22 @@ def test_the_trainer_leaves_placed_and_planned_runs_to_offloadkits_checkpointing
     offloadkit's checkpointing; the Trainer's own must stay off, or every block would be
     checkpointed twice (recomputed twice in backward)."""
     transformers = pytest.importorskip("transformers")
-    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
-    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+    from offloadkit.checkpointing.apply import _MARK
     from offloadkit.models.heads import unwrap_model
-
-    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
-        pass
 
     seen = []
 
     class Probe(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
-            base = unwrap_model(model)
-            hf = any(getattr(m, "gradient_checkpointing", False) for m in base.modules())
-            seen.append((hf, trainer.offload_runtime.checkpointing is not None))
+            modules = list(unwrap_model(model).modules())
+            hf = any(getattr(m, "gradient_checkpointing", False) for m in modules)
+            ours = any(_MARK in m.__dict__ for m in modules)
+            seen.append((hf, ours))
 
-    model = build_llama("tiny", vocab_size=259, num_hidden_layers=4, attn_implementation="sdpa")
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        max_steps=2,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-        remove_unused_columns=False,
-        gradient_checkpointing=True,
-    )
-    data = TokenBlocks(byte_tokenizer(), load_texts(), 32)
     config = {"gradient_checkpointing": True, "activation_offloading": False, **offload}
     if "block_input_placement" in offload:
         config["activation_offloading"] = True  # no effect without CUDA; the placement still applies
-    trainer = OffloadTrainer(model=model, args=args, train_dataset=data, offload_config=config, callbacks=[Probe()])
-    trainer.train()
+    trainer = _train_tiny(tmp_path, config, 2, callbacks=[Probe()], gradient_checkpointing=True)
     assert seen == [(False, True), (False, True)]
     assert trainer.offload_report["checkpointing_active"]
 
