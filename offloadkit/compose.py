@@ -29,6 +29,7 @@ from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
 from offloadkit.models.heads import unwrap_model
 from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.storage import DiskOptions, HostMemoryBudget
+from offloadkit.transfer.prefetch import PrefetchScheduler
 
 if TYPE_CHECKING:
     from offloadkit.checkpointing.apply import CheckpointedBlocks
@@ -69,6 +70,9 @@ class OffloadRuntime:
         self._gpu_cap: tuple[int, float] | None = None  # (device, fraction before) while a GPU budget is enforced
         self._expandable = False  # this runtime switched the allocator to expandable segments
         self.plan: Plan | None = None  # the planner's Plan under offload_plan: auto
+        # The one look-ahead over the link: activations, streamed weights and an optimizer
+        # built with scheduler=runtime.scheduler fetch ahead within its window.
+        self.scheduler = PrefetchScheduler(config.prefetch_window_bytes)
         self.notes: list[str] = list(config._warnings)
 
     def context(self):
@@ -93,6 +97,11 @@ class OffloadRuntime:
                 "predicted_step_s": self.plan.time.seconds,
                 "bound": self.plan.time.bound,
             }
+        out["prefetch"] = {
+            "window_bytes": self.scheduler.window_bytes,
+            "peak_pending_bytes": self.scheduler.peak_pending_bytes,
+            "lanes": self.scheduler.stats(),
+        }
         if self.manager is not None:
             out["activations"] = self.manager.collect_stats().as_dict()
             out["storage"] = self.manager.storage_stats()
@@ -312,6 +321,7 @@ def prepare(
                     storage=storage,
                     disk=disk,
                     offload_cpu_tensors=not cuda,
+                    scheduler=runtime.scheduler,
                 )
 
     if runtime.checkpointing is not None and runtime.manager is not None:
@@ -335,6 +345,7 @@ def prepare(
                     use_pin_memory=config.use_pin_memory,
                     budget=budget,
                     trainable=config.optimizer_offloading,
+                    scheduler=runtime.scheduler,
                 )
                 if runtime.checkpointing is not None and runtime.checkpointing.recompute_inputs:
                     # A replayed region runs blocks backward has not reached yet: load them first.

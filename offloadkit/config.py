@@ -201,6 +201,10 @@ class OffloadConfig:
         activation_loading_horizon: entries (layers, with checkpointing) brought back ahead
             (None: 2 from RAM, 4 from disk).
         prefetch_bytes: also keep this many bytes in flight ahead (None: 1/16 of the step's).
+        prefetch_window_bytes: the most bytes fetched ahead of need and not yet used, over
+            activations, streamed weights and optimizer state together (the run's one
+            :class:`~offloadkit.transfer.PrefetchScheduler`); None: each bounded by its own
+            horizon only.
         min_offload_size: smallest saved tensor offloaded, bytes.
         max_fwd_stash_size: device tensors kept alive while their copies are in flight.
         gpu_block_inputs: with checkpointing and offloading, block inputs kept on the GPU
@@ -265,6 +269,7 @@ class OffloadConfig:
     activation_offloading: bool | str = False
     activation_loading_horizon: int | None = None
     prefetch_bytes: int | None = None
+    prefetch_window_bytes: int | None = None
     min_offload_size: int = MIN_OFFLOAD_SIZE
     max_fwd_stash_size: int = MAX_FWD_STASH_SIZE
     gpu_block_inputs: int = 0
@@ -303,8 +308,9 @@ class OffloadConfig:
         for key in ("host_budget_bytes", "host_min_free_bytes", "gpu_budget_bytes"):
             if key in data:
                 data[key] = parse_bytes(data[key], key)
-        if data.get("prefetch_bytes") is not None:
-            data["prefetch_bytes"] = parse_bytes(data["prefetch_bytes"], "prefetch_bytes")
+        for key in ("prefetch_bytes", "prefetch_window_bytes"):
+            if data.get(key) is not None:
+                data[key] = parse_bytes(data[key], key)
         if isinstance(data.get("activation_offloading"), str) and data["activation_offloading"].lower() in (
             "true",
             "false",
@@ -352,6 +358,13 @@ class OffloadConfig:
                 f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "
                 "true (pinned RAM with streams), legacy (synchronous) or disk"
             )
+        if self.prefetch_window_bytes is not None:
+            _expect("prefetch_window_bytes", self.prefetch_window_bytes, (int,), "a byte count or a size like '4GiB'")
+            if self.prefetch_window_bytes <= 0:
+                raise ConfigError(
+                    f"prefetch_window_bytes={self.prefetch_window_bytes!r} must be positive; "
+                    "omit it for no shared window"
+                )
         if self.activation_loading_horizon is not None:
             _expect("activation_loading_horizon", self.activation_loading_horizon, (int,), "an integer >= 0")
             if self.activation_loading_horizon < 0:
@@ -437,6 +450,13 @@ class OffloadConfig:
                 f"disk_tiering: true needs activation_offloading: disk (got {self.activation_offloading!r})"
             )
         self._warnings = []
+        if self.prefetch_window_bytes and not (
+            self.activation_offloading or self.layer_offloading or self.optimizer_offloading
+        ):
+            self._warn(
+                "prefetch_window_bytes bounds what activation_offloading, layer_offloading and "
+                "optimizer_offloading fetch ahead; none is on, so it has no effect"
+            )
         disk_keys = [k for k in ("disk_dir",) if getattr(self, k) is not None]
         if self.disk_threads != 4:
             disk_keys.append("disk_threads")

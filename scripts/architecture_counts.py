@@ -12,8 +12,10 @@ so a new side stream or a second copy of the copy choreography shows up here:
   (``note_kept("...")``) other than ``engine/decide.py``;
 - copies of the copy choreography: functions that order a stream (``wait_stream`` or
   ``wait_event``), queue a copy and record its event;
-- prefetch schedulers: classes with a method named ``prefetch``/``_prefetch...`` (one that
-  issues fetches ahead of need);
+- prefetch schedulers: classes with a look-ahead loop: a ``for`` loop that queues a fetch or
+  load (a call named ``fetch``, ``load``, ``_queue_in`` or ``prefetch...``, with or without a
+  leading underscore) and stops on a condition (``break``/``return`` inside it), whatever the
+  method is called;
 - product modules importing the test helpers (``offloadkit.testing``).
 
 The test helpers themselves (``offloadkit/testing``) are not product code and are skipped.
@@ -106,13 +108,29 @@ def _choreographies(tree: ast.AST) -> list[str]:
     return out
 
 
+_FETCHES = {"fetch", "load", "queue_in"}
+
+
+def _fetch_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+    name = name.lstrip("_")
+    return name in _FETCHES or name.startswith("prefetch")
+
+
 def _prefetchers(tree: ast.AST) -> list[str]:
     out = []
     for cls in ast.walk(tree):
-        if isinstance(cls, ast.ClassDef) and any(
-            isinstance(m, ast.FunctionDef) and m.name.lstrip("_").startswith("prefetch") for m in cls.body
-        ):
-            out.append(cls.name)
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for loop in ast.walk(cls):
+            if not isinstance(loop, ast.For):
+                continue
+            inner = [n for stmt in loop.body for n in ast.walk(stmt)]
+            if any(_fetch_call(n) for n in inner) and any(isinstance(n, (ast.Break, ast.Return)) for n in inner):
+                out.append(cls.name)
+                break
     return out
 
 

@@ -22,6 +22,7 @@ from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.runtime.autograd import current_graph_task, queue_engine_callback
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import order_after
+from offloadkit.transfer.prefetch import Ahead, Lane, PrefetchScheduler, Status
 
 __all__ = ["BackwardPath"]
 
@@ -38,6 +39,8 @@ class BackwardPath:
     stats: OffloadStats
     prefetch: int
     prefetch_bytes: int | None
+    scheduler: PrefetchScheduler
+    _lane: Lane
 
     def _drain(self) -> None:  # the engine processes handles autograd released
         raise NotImplementedError
@@ -64,8 +67,9 @@ class BackwardPath:
             elif entry.prefetched:
                 self.stats.prefetch_hits += 1
                 entry.mark_prefetched(False)
+                self._lane.settle(entry.nbytes)  # used: it leaves the look-ahead window
             self._planner.on_consumed(step, entry)
-            self._prefetch(step, entry)
+            self._look_ahead(step, entry)
             consumer = current_stream(entry.device)
             self._clock.wait(consumer, entry.gpu_ready, "backward", self.stats)
             if consumer is not None and entry.gpu_stream is not None and consumer != entry.gpu_stream:
@@ -106,7 +110,7 @@ class BackwardPath:
             )
             entry.drop_source()
             self.stats.stash_hits += 1
-        self._prefetch(step, None)
+        self._look_ahead(step, None)
 
     def _window(self, step: Step) -> None:
         if self.prefetch_bytes is None:
@@ -126,27 +130,24 @@ class BackwardPath:
                 self._drop_resident(entry, consumed=False)  # fetched but never used this pass
         self._planner.end_pass(step)
         self._passes.pop(step.id, None)
+        if not self._passes:
+            self._lane.reset()
         self._clock.collect(self.stats)
 
-    def _prefetch(self, step: Step, current: Entry | None) -> None:
-        if self.prefetch <= 0:
-            return
-        # The window counts save groups (all inputs of one checkpointed block) or, outside
+    def _look_ahead(self, step: Step, current: Entry | None) -> None:
+        # The look-ahead counts save groups (all inputs of one checkpointed block) or, outside
         # them, single entries: a block whose recompute needs four inputs at once (hidden
-        # states, mask, rotary cos/sin) must not use up a window of two on its own.
-        ahead = ahead_bytes = 0
-        last_group = None
+        # states, mask, rotary cos/sin) must not use up a horizon of two on its own.
+        ahead = Ahead(groups=max(0, self.prefetch), min_bytes=step.window_bytes if self.prefetch > 0 else 0)
+        self.scheduler.prefetch(self._lane, self._upcoming(step, current), ahead)
+
+    def _upcoming(self, step: Step, current: Entry | None):
         for entry in self._planner.upcoming(step, current):
-            new_group = entry.group is None or entry.group != last_group
-            if new_group and ahead >= self.prefetch and ahead_bytes >= step.window_bytes:
-                break
-            if new_group:
-                ahead += 1
-                last_group = entry.group
-            if entry.gpu is None:
-                self._fetch(entry)
-                entry.mark_prefetched(True)
-            ahead_bytes += entry.nbytes
+            yield entry, entry.nbytes, entry.group, Status.HERE if entry.gpu is not None else Status.FETCH
+
+    def _fetch_ahead(self, entry) -> None:
+        self._fetch(entry)
+        entry.mark_prefetched(True)
 
     def _fetch(self, entry: Entry) -> None:
         loaded = entry.stored.tier.load(entry.stored)
@@ -163,6 +164,8 @@ class BackwardPath:
         entry.make_resident(data, ready, stream, guard)
 
     def _drop_resident(self, entry: Entry, consumed: bool) -> None:
+        if entry.prefetched:
+            self._lane.settle(entry.nbytes)  # fetched ahead and never used: it leaves the window
         guard = entry.gpu_guard
         if guard is not None and guard[1] is not None:
             if not consumed or guard[1] is not entry.gpu_ready:

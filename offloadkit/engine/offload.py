@@ -38,6 +38,7 @@ from offloadkit.runtime.autograd import (
 from offloadkit.runtime.device import accelerator_available
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.factory import build_tier
+from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler
 
 __all__ = ["OffloadActivations"]
 
@@ -75,6 +76,9 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         offload_cpu_tensors: also offload CPU tensors (to separate host buffers or disk);
             this is how CPU-only runs exercise the engine.
         measure_waits: time the compute stream's waits with device events.
+        scheduler: the :class:`~offloadkit.transfer.PrefetchScheduler` whose window the
+            look-ahead runs in, shared with layer streaming and optimizer state
+            (:func:`~offloadkit.prepare` passes one); None: one of its own.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU())
@@ -102,6 +106,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         tier=None,
         offload_cpu_tensors: bool = False,
         measure_waits: bool = True,
+        scheduler: PrefetchScheduler | None = None,
     ) -> None:
         check_args(
             use_pin_memory=use_pin_memory,
@@ -133,6 +138,10 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             tier = build_tier(storage, self.budget, pin_memory=pin, use_streams=self.use_streams, disk=disk)
         self.tier = tier
         self.prefetch = tier.default_prefetch if prefetch is None else prefetch
+        if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
+            raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
+        self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
+        self._lane = self.scheduler.lane("activations", self._fetch_ahead, Ahead(groups=self.prefetch))
         self.stats = OffloadStats()
         self._clock = WaitClock(measure_waits and accelerator_available())
 
@@ -375,7 +384,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             if step.live <= 0:
                 return
             self._pass_for(step)
-            self._prefetch(step, None)
+            self._look_ahead(step, None)
 
     @contextlib.contextmanager
     def capture(self):
@@ -410,6 +419,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             self._dead.close(self._death_after_close)
         self.tier.close()
         self.policy.untrack_all()
+        self._lane.close()
 
     def _death_after_close(self, entry: Entry, seen_gen: int) -> None:
         with self._lock:

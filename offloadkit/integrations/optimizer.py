@@ -55,6 +55,10 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
     accelerator = trainer.accelerator
     config = config or trainer.offload_config
     precision, state_dir = config.optimizer_precision, config.optimizer_state_dir
+    # The state's look-ahead shares the run's one prefetch scheduler (and its window) with the
+    # activations and streamed weights.
+    runtime = getattr(trainer, "offload_runtime", None)
+    scheduler = getattr(runtime, "scheduler", None)
     optimizer: BackwardOptimizer
     if optim in _SGD:
         if precision != "params":
@@ -69,6 +73,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
             defer_to_step=clipping or scaled,
             update_when=lambda: accelerator.sync_gradients,
             state_dir=state_dir,
+            scheduler=scheduler,
         )
         return optimizer, _note(trainer, optim, "BackwardSGD (the same kernel)", "momentum", clipping, scaled, args)
     optimizer = BackwardAdamW.for_precision(
@@ -84,6 +89,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
         # The kernel the Trainer's own AdamW would run, so the updates are bitwise its own.
         fused=optim == "adamw_torch_fused",
         state_dir=state_dir,
+        scheduler=scheduler,
     )
     state = {
         "fp32_master": "fp32 master weights and moments",

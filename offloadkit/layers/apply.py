@@ -10,6 +10,7 @@ from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.layers.streaming import LayerStreamer
 from offloadkit.models.blocks import find_blocks
 from offloadkit.storage.budget import HostMemoryBudget
+from offloadkit.transfer.prefetch import PrefetchScheduler
 
 __all__ = ["apply_layer_streaming"]
 
@@ -42,6 +43,7 @@ def apply_layer_streaming(
     head: nn.Module | None = None,
     device: torch.device | str | None = None,
     trainable: bool = False,
+    scheduler: PrefetchScheduler | None = None,
 ) -> LayerStreamer:
     """Stream the weights of ``model``'s blocks (decoder layers) from pinned host memory.
 
@@ -61,6 +63,8 @@ def apply_layer_streaming(
             an optimizer that updates in backward (:class:`~offloadkit.optim.BackwardAdamW`):
             the update then runs while the block is resident and is written back to the host
             as the block leaves. Shared (tied) weights stay on the GPU.
+        scheduler: the :class:`~offloadkit.transfer.PrefetchScheduler` the look-ahead runs in,
+            shared with activation offloading (None: one of its own).
 
     Returns:
         The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.
@@ -82,4 +86,5 @@ def apply_layer_streaming(
         head=head,
         device=device,
         trainable=trainable,
+        scheduler=scheduler,
     )

@@ -47,6 +47,7 @@ from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import current_graph_task, first_grad_fn, in_backward, queue_engine_callback
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
+from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler, Status
 
 __all__ = ["LayerStreamer"]
 
@@ -70,6 +71,7 @@ class LayerStreamer:
         measure_waits: bool = True,
         device: torch.device | str | None = None,
         trainable: bool = False,
+        scheduler: PrefetchScheduler | None = None,
     ) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth={depth!r} is invalid; it is the number of resident layers, an int >= 1")
@@ -87,6 +89,10 @@ class LayerStreamer:
         self._lock = threading.RLock()
         self._handles: list = []
         self._bwd_task: int | None = None  # graph task whose end-of-backward callback is queued
+        # Blocks count as resident from the one in use: depth 2 keeps one more on its way.
+        self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
+        self._lane = self.scheduler.lane("weights", self._fetch_ahead, Ahead(groups=depth))
+        self._ahead: set[int] = set()  # id() of the blocks fetched ahead, not yet used
 
         owners = Counter(id(p) for _, p in unwrap_model(model).named_parameters(remove_duplicate=False))
         self.layers: list[FlatWeights] = []
@@ -130,8 +136,7 @@ class LayerStreamer:
                     self._ensure(index)  # recompute: the backward trigger already loaded it
                     return
                 self._ensure(index)
-                for j in range(index + 1, min(index + self.depth, len(self.layers))):
-                    self._prefetch(j)
+                self._look_ahead(range(index, len(self.layers)))
 
         def post(module, args, output):
             with self._lock:
@@ -208,8 +213,7 @@ class LayerStreamer:
                 if layer.resident and j not in first:
                     self._evict(layer)  # left resident by a backward that failed before its end
             self._order_after_write_backs()
-            for j in first:
-                self._prefetch(j)
+            self._look_ahead(range(len(self.layers)))
 
     def _head_post_hook(self, module, args, output) -> None:
         grad_fn = first_grad_fn(output)
@@ -219,9 +223,7 @@ class LayerStreamer:
     def _backward_start(self) -> None:
         with self._lock:
             self._queue_end_callback()
-            last = len(self.layers) - 1
-            for j in range(last, max(last - self.depth, -1), -1):
-                self._prefetch(j)
+            self._look_ahead(range(len(self.layers) - 1, -1, -1))
 
     def _backward_reached(self, index: int) -> None:
         with self._lock:
@@ -230,8 +232,7 @@ class LayerStreamer:
                 if j > index and layer.resident:
                     self._evict(layer)  # their backward is finished
             self._ensure(index)
-            for j in range(index - 1, max(index - self.depth, -1), -1):
-                self._prefetch(j)
+            self._look_ahead(range(index, -1, -1))
 
     def make_resident(self, block: nn.Module) -> None:
         """Make ``block``'s weights resident now, for a call the block hooks do not see (a
@@ -261,11 +262,13 @@ class LayerStreamer:
             for layer in self.layers:
                 self._evict(layer)
             self._order_after_write_backs()
+            self._lane.reset()
             self._bwd_task = None
             self._clock.collect(self._clock_stats)
             self.stats.wait_seconds = self._clock_stats.wait_seconds
 
     def _evict(self, layer: FlatWeights) -> None:
+        self._settle(layer)  # fetched ahead and never used
         if layer.evict():
             self.stats.write_backs += 1
 
@@ -279,15 +282,27 @@ class LayerStreamer:
             layer.written = None
 
     # -- residency -----------------------------------------------------------------------
-    def _prefetch(self, index: int) -> None:
+    def _look_ahead(self, order: range) -> None:
+        """Keep ``depth`` blocks resident or on their way, walking ``order`` (need order from the
+        block in use)."""
+        layers = self.layers
+        upcoming = ((j, layers[j].nbytes, j, Status.HERE if layers[j].resident else Status.FETCH) for j in order)
+        self.scheduler.prefetch(self._lane, upcoming)
+
+    def _fetch_ahead(self, index) -> None:
         layer = self.layers[index]
-        if layer.resident:
-            return
         self._load(layer)
+        self._ahead.add(id(layer))
         self.stats.prefetched += 1
+
+    def _settle(self, layer: FlatWeights) -> None:
+        if id(layer) in self._ahead:
+            self._ahead.discard(id(layer))
+            self._lane.settle(layer.nbytes)
 
     def _ensure(self, index: int) -> None:
         layer = self.layers[index]
+        self._settle(layer)  # in use: it leaves the look-ahead window
         if not layer.resident:
             self._load(layer)
             self.stats.misses += 1
@@ -327,6 +342,7 @@ class LayerStreamer:
                 if layer.host is not None:
                     layer.materialize()
             self.pool.close()
+            self._lane.close()
 
 
 class _AttrHandle:

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from offloadkit.layers.flat import order_after_write_back
 from offloadkit.optim.state_copies import StateCopies
+from offloadkit.transfer.prefetch import PrefetchScheduler
 
 __all__ = ["BackwardOptimizer"]
 
@@ -51,6 +52,9 @@ class BackwardOptimizer(Optimizer):
             copied back, each.
         state_dir: keep the state in memory-mapped files in this directory (created if
             missing) instead of pinned memory; None: pinned host memory.
+        scheduler: the :class:`~offloadkit.transfer.PrefetchScheduler` whose window the
+            state's look-ahead runs in, shared with activations and streamed weights
+            (``runtime.scheduler`` of :func:`~offloadkit.prepare`); None: one of its own.
     """
 
     # A parameter's host-resident state tensors that travel to the GPU for its update.
@@ -67,6 +71,7 @@ class BackwardOptimizer(Optimizer):
         defer_to_step: bool,
         copy_window_bytes: int,
         state_dir: str | None = None,
+        scheduler: PrefetchScheduler | None = None,
     ) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid; pass a positive norm or None")
@@ -82,7 +87,7 @@ class BackwardOptimizer(Optimizer):
         self.update_when = update_when
         self.defer_to_step = defer_to_step
         self._accumulating = False
-        self._copies = StateCopies(self._travelling, copy_window_bytes)
+        self._copies = StateCopies(self._travelling, copy_window_bytes, scheduler)
         self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)

@@ -50,6 +50,7 @@ from torch.optim.adamw import adamw
 from offloadkit.defaults import COMPACT_CHUNK_ELEMENTS, OPTIMIZER_COPY_WINDOW_BYTES, OPTIMIZER_STATE_BYTES
 from offloadkit.optim.backward import BackwardOptimizer
 from offloadkit.optim.rounding import stochastic_round_to_bf16
+from offloadkit.transfer.prefetch import PrefetchScheduler
 
 __all__ = ["BackwardAdamW"]
 
@@ -88,6 +89,8 @@ class BackwardAdamW(BackwardOptimizer):
             ``benchmarks/results/full-ft/window/``).
         state_dir: keep the state in memory-mapped files there, paged to disk past the RAM
             (see :class:`~offloadkit.optim.backward.BackwardOptimizer`); None: pinned memory.
+        scheduler: the prefetch scheduler shared with the run's other copies (see
+            :class:`~offloadkit.optim.backward.BackwardOptimizer`).
 
     Raises:
         ValueError: a negative ``lr``, a non-positive ``max_grad_norm``, both ``foreach``
@@ -119,6 +122,7 @@ class BackwardAdamW(BackwardOptimizer):
         chunk_elements: int = COMPACT_CHUNK_ELEMENTS,
         copy_window_bytes: int | None = None,
         state_dir: str | None = None,
+        scheduler: PrefetchScheduler | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr!r} is invalid; it must be >= 0")
@@ -156,6 +160,7 @@ class BackwardAdamW(BackwardOptimizer):
             update_when=update_when,
             defer_to_step=defer_to_step,
             state_dir=state_dir,
+            scheduler=scheduler,
             copy_window_bytes=copy_window_bytes,
         )
 

@@ -19,6 +19,7 @@ from torch.optim.sgd import sgd
 
 from offloadkit.defaults import OPTIMIZER_COPY_WINDOW_BYTES
 from offloadkit.optim.backward import BackwardOptimizer
+from offloadkit.transfer.prefetch import PrefetchScheduler
 
 __all__ = ["BackwardSGD"]
 
@@ -36,6 +37,8 @@ class BackwardSGD(BackwardOptimizer):
         foreach, fused: as for ``torch.optim.SGD``.
         copy_window_bytes: GPU memory for momentum buffers in flight, each way (None: 1 GiB).
         state_dir: keep the momentum buffers in memory-mapped files there (None: pinned memory).
+        scheduler: the prefetch scheduler shared with the run's other copies (see
+            :class:`~offloadkit.optim.backward.BackwardOptimizer`).
 
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; Nesterov without
@@ -67,6 +70,7 @@ class BackwardSGD(BackwardOptimizer):
         fused: bool | None = None,
         copy_window_bytes: int | None = None,
         state_dir: str | None = None,
+        scheduler: PrefetchScheduler | None = None,
     ) -> None:
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if not value >= 0.0:
@@ -93,6 +97,7 @@ class BackwardSGD(BackwardOptimizer):
             update_when=update_when,
             defer_to_step=defer_to_step,
             state_dir=state_dir,
+            scheduler=scheduler,
             copy_window_bytes=copy_window_bytes or OPTIMIZER_COPY_WINDOW_BYTES["params"],
         )
 

@@ -26,6 +26,7 @@ import torch
 
 from offloadkit.storage.pool import HostBlock
 from offloadkit.transfer import copy_stream, queue_copy
+from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler, Status
 
 __all__ = ["StateCopies"]
 
@@ -41,11 +42,18 @@ class StateCopies:
             keys of its host tensors that travel, or None when it has no state yet.
         window_bytes: GPU bytes of state fetched ahead, and of state still being copied
             back, each at most (at least one parameter's).
+        scheduler: the :class:`~offloadkit.transfer.PrefetchScheduler` the look-ahead runs
+            in, shared with activations and streamed weights (None: one of its own).
     """
 
-    def __init__(self, lookup: Lookup, window_bytes: int) -> None:
+    def __init__(self, lookup: Lookup, window_bytes: int, scheduler: PrefetchScheduler | None = None) -> None:
         self.lookup = lookup
         self.window_bytes = window_bytes
+        self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
+        # A byte window only: parameters come in the learned update order, one group each.
+        self._lane = self.scheduler.lane(
+            "optimizer state", self._fetch_ahead, Ahead(min_bytes=window_bytes, max_bytes=window_bytes)
+        )
         self._order: list[torch.Tensor] = []  # the last pass's update order
         self._position: dict[int, int] = {}
         self._seen: list[torch.Tensor] = []  # this pass's, so far
@@ -99,6 +107,7 @@ class StateCopies:
         got = self._ahead.pop(id(p), None)
         if got is not None:
             self._ahead_bytes -= got[2]
+            self._lane.settle(got[2])  # in use: it leaves the look-ahead window
         else:
             got = self._queue_in(p, state, keys)
         gpu, done, _ = got
@@ -109,24 +118,30 @@ class StateCopies:
         self._updating.add(id(p))
         self._seen.append(p)
         self._seen_ids.add(id(p))
-        self._prefetch_after(p)
+        at = self._position.get(id(p))
+        if at is not None:
+            self.scheduler.prefetch(self._lane, self._upcoming(self._order[at + 1 :]))
         return gpu
 
-    def _prefetch_after(self, p: torch.Tensor) -> None:
-        at = self._position.get(id(p))
-        if at is None:
-            return
-        for q in self._order[at + 1 :]:
-            if self._ahead_bytes >= self.window_bytes:
-                return
-            if id(q) in self._ahead or id(q) in self._updating:
+    def _upcoming(self, order: list[torch.Tensor]):
+        for q in order:
+            got = self._ahead.get(id(q))
+            if got is not None:
+                yield q, got[2], None, Status.HERE
                 continue
-            found = self.lookup(q)
+            found = None if id(q) in self._updating else self.lookup(q)
             if found is None:
-                continue  # no state yet (its first update creates it)
-            got = self._queue_in(q, *found)
-            self._ahead[id(q)] = got
-            self._ahead_bytes += got[2]
+                yield q, 0, None, Status.SKIP  # being updated, or no state yet (its first update creates it)
+                continue
+            state, keys = found
+            yield q, sum(state[k].nbytes for k in keys), None, Status.FETCH
+
+    def _fetch_ahead(self, q) -> None:
+        found = self.lookup(q)
+        assert found is not None
+        got = self._queue_in(q, *found)
+        self._ahead[id(q)] = got
+        self._ahead_bytes += got[2]
 
     # -- out ----------------------------------------------------------------------------
     def store(self, p: torch.Tensor, gpu: dict[str, torch.Tensor]) -> None:
@@ -171,6 +186,7 @@ class StateCopies:
         self._seen_ids = set()
         self._ahead.clear()
         self._ahead_bytes = 0
+        self._lane.reset()
 
     def reset(self) -> None:
         """Forget everything tied to the current host state (it is being replaced): states
@@ -179,6 +195,7 @@ class StateCopies:
             self.wait_all()
             self._ahead.clear()
             self._ahead_bytes = 0
+            self._lane.reset()
             self._blocks.clear()
             self._updating.clear()
             self._order, self._position, self._seen, self._seen_ids = [], {}, [], set()

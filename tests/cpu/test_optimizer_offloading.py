@@ -69,6 +69,7 @@ def test_trainer_losses_and_weights_bitwise_with_the_trainers_adamw(tmp_path, ma
     assert isinstance(trainer.optimizer.optimizer, BackwardAdamW)
     assert trainer.optimizer.optimizer.updates_in_backward == (max_grad_norm == 0.0)
     assert any("replaced by BackwardAdamW" in n for n in trainer.offload_report["notes"])
+    assert "optimizer state" in trainer.offload_report["prefetch"]["lanes"]  # the run's one scheduler
     assert losses == ref_losses and len(losses) == 4
     assert_bitwise_equal(ref_weights, weights, "weights after training")
 
