@@ -118,6 +118,9 @@ class OffloadRuntime:
                 "misses": st.misses,
                 "max_resident": st.max_resident,
                 "wait_seconds": st.wait_seconds,
+                "disk_layers": st.disk_layers,
+                "disk_bytes": st.disk_bytes,
+                "disk_read_bytes": st.disk_read_bytes,
             }
         return out
 
@@ -346,6 +349,7 @@ def prepare(
                     budget=budget,
                     trainable=config.optimizer_offloading,
                     scheduler=runtime.scheduler,
+                    disk_dir=config.layer_offloading_dir,
                 )
                 if runtime.checkpointing is not None and runtime.checkpointing.recompute_inputs:
                     # A replayed region runs blocks backward has not reached yet: load them first.

@@ -242,6 +242,9 @@ class OffloadConfig:
             to disk by the OS past what RAM holds (for hosts whose RAM cannot hold it; its
             copies then wait for the host); None: pinned host memory.
         layer_offloading_depth: layers of streamed weights resident at once.
+        layer_offloading_dir: past the host budget, frozen layers' weights wait in files in a
+            private directory made here (read back through pinned staging); None: the budget
+            must hold every streamed layer.
         chunked_cross_entropy: compute the loss over token chunks, never holding the
             full-vocabulary logits (Hugging Face causal LMs).
         chunked_cross_entropy_num_chunks: chunks per loss (None: automatic, at most 1 GiB
@@ -288,6 +291,7 @@ class OffloadConfig:
     optimizer_precision: str = "params"
     optimizer_state_dir: str | None = None
     layer_offloading_depth: int = STREAM_DEPTH
+    layer_offloading_dir: str | None = None
     chunked_cross_entropy: bool = False
     chunked_cross_entropy_num_chunks: int | None = None
     tiled_mlp: bool = False
@@ -425,6 +429,8 @@ class OffloadConfig:
             raise ConfigError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
         if self.disk_dir is not None:
             _expect("disk_dir", self.disk_dir, (str,), "a directory path")
+        if self.layer_offloading_dir is not None:
+            _expect("layer_offloading_dir", self.layer_offloading_dir, (str,), "a directory path")
         if self.selective_checkpointing is not None:
             _expect(
                 "selective_checkpointing",
@@ -457,6 +463,8 @@ class OffloadConfig:
                 "prefetch_window_bytes bounds what activation_offloading, layer_offloading and "
                 "optimizer_offloading fetch ahead; none is on, so it has no effect"
             )
+        if self.layer_offloading_dir is not None and not self.layer_offloading:
+            self._warn("layer_offloading_dir only applies with layer_offloading: true; it has no effect")
         disk_keys = [k for k in ("disk_dir",) if getattr(self, k) is not None]
         if self.disk_threads != 4:
             disk_keys.append("disk_threads")
@@ -520,6 +528,12 @@ class OffloadConfig:
             key = "disk_dir" if self.disk_dir is not None else "disk_dir (default: the temp directory)"
             check_writable_dir(
                 where, key, "give a writable directory for offloaded activations (it is created if missing)"
+            )
+        if self.layer_offloading and self.layer_offloading_dir is not None:
+            check_writable_dir(
+                self.layer_offloading_dir,
+                "layer_offloading_dir",
+                "give a writable directory for streamed weights past the host budget (it is created if missing)",
             )
 
     def _warn(self, message: str) -> None:

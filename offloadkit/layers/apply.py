@@ -44,6 +44,7 @@ def apply_layer_streaming(
     device: torch.device | str | None = None,
     trainable: bool = False,
     scheduler: PrefetchScheduler | None = None,
+    disk_dir: str | None = None,
 ) -> LayerStreamer:
     """Stream the weights of ``model``'s blocks (decoder layers) from pinned host memory.
 
@@ -65,6 +66,9 @@ def apply_layer_streaming(
             as the block leaves. Shared (tied) weights stay on the GPU.
         scheduler: the :class:`~offloadkit.transfer.PrefetchScheduler` the look-ahead runs in,
             shared with activation offloading (None: one of its own).
+        disk_dir: frozen blocks whose pinned copy the host budget refuses keep it in a file in
+            a private directory made here, read back through pinned staging buffers on I/O
+            threads (see :mod:`offloadkit.layers.weight_files`); None: a refusal is an error.
 
     Returns:
         The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.
@@ -87,4 +91,5 @@ def apply_layer_streaming(
         device=device,
         trainable=trainable,
         scheduler=scheduler,
+        disk_dir=disk_dir,
     )

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from offloadkit.layers.weight_files import FileBlock, WeightFiles
 from offloadkit.runtime.autograd import in_backward, version_of
 from offloadkit.runtime.device import device_alias_of_host, host_alias
-from offloadkit.storage.pool import HostBufferPool
+from offloadkit.storage.base import FutureCompletion, order_after
+from offloadkit.storage.pool import HostBlock, HostBufferPool
 from offloadkit.transfer import copy_stream, queue_copy
 
 __all__ = ["FlatWeights", "STREAMED_STORAGE", "order_after_write_back", "streamable_reason"]
@@ -106,7 +108,10 @@ def _give_back(pool: HostBufferPool, block, device: torch.device) -> None:
             torch.cuda.synchronize(device)
         except Exception:  # a failed context: nothing more will read the memory
             pass
-    pool.release_later(block)
+    if isinstance(block, FileBlock):
+        block.release()
+    else:
+        pool.release_later(block)
 
 
 class FlatWeights:
@@ -117,9 +122,13 @@ class FlatWeights:
         params: ``(name relative to the block, parameter)`` pairs to stream.
         pool: where the pinned host copy comes from.
         device: the compute device.
+        files: where the host copy goes when ``pool``'s budget refuses it (frozen weights
+            only; see :mod:`offloadkit.layers.weight_files`); None: refused is an error.
     """
 
-    def __init__(self, name: str, params, pool: HostBufferPool, device: torch.device) -> None:
+    def __init__(
+        self, name: str, params, pool: HostBufferPool, device: torch.device, files: WeightFiles | None = None
+    ) -> None:
         self.name = name
         self.device = device
         self.slots: list[_Slot] = []
@@ -130,12 +139,25 @@ class FlatWeights:
             self.slots.append(_Slot(rel_name, p, offset, n))
             offset += n
         self.nbytes = offset
-        self.host = pool.acquire(max(self.nbytes, 1))
+        self.files = files
+        self.host: HostBlock | FileBlock | None = pool.acquire(max(self.nbytes, 1))
+        trainable = any(s.param.requires_grad for s in self.slots)
+        if self.host is None and files is not None and not trainable:
+            self.host = files.block(name, self.nbytes)
         if self.host is None:
+            hint = "raise host_budget_bytes or stream fewer layers"
+            if files is None and not trainable:
+                hint += ", or give layer_offloading_dir: the copies past the budget then go to files there"
+            elif trainable:
+                hint += (
+                    " (trainable weights stay in pinned RAM: a deferred optimizer step updates an evicted weight "
+                    "through the GPU's mapping of it; their optimizer state can go to disk with optimizer_state_dir)"
+                )
             raise RuntimeError(
-                f"offloadkit: the host-memory budget refuses {self.nbytes / 2**20:.0f} MiB for the frozen "
-                f"weights of {name} ({pool.budget.describe()}); raise host_budget_bytes or stream fewer layers"
+                f"offloadkit: the host-memory budget refuses {self.nbytes / 2**20:.0f} MiB for the "
+                f"{'trainable' if trainable else 'frozen'} weights of {name} ({pool.budget.describe()}); {hint}"
             )
+        self.on_disk = isinstance(self.host, FileBlock)
         self._pool = pool
         host = self.host.view(self.nbytes)
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
@@ -173,7 +195,8 @@ class FlatWeights:
         self.written: torch.cuda.Event | None = None  # the last write-back queued at eviction
         self._point_params(resident=True)
         self.resident = True
-        self.ready: torch.cuda.Event | None = None  # the load has landed
+        # The load has landed: a device event, or a file read's completion (host part, then device).
+        self.ready: torch.cuda.Event | FutureCompletion | None = None
         self.alloc_stream: torch.cuda.Stream | None = None  # stream the resident memory belongs to
         self.consumed = True
         self._versions = self._current_versions()  # as loaded: a change means written in place
@@ -192,6 +215,12 @@ class FlatWeights:
         if compute is None:
             dst.copy_(src)
             self.ready, self.alloc_stream = None, compute
+        elif isinstance(self.host, FileBlock):
+            # Read on an I/O thread into pinned staging, then copied in after the allocation
+            # point: the new storage may reuse memory compute released before it.
+            allocated = compute.record_event()
+            self.ready = self.files.load(self.host, dst, allocated, copy_stream(self.device, "h2d"))
+            self.alloc_stream = compute
         else:
             # After compute: the new block may reuse memory compute just released. The host
             # block orders it after a write-back that may still read the host copy.
@@ -234,9 +263,11 @@ class FlatWeights:
             return False
         if not self.consumed and self.ready is not None:
             # A prefetched copy nobody waited for may still be writing: order reuse after it.
-            self.alloc_stream.wait_event(self.ready)
+            order_after(self.alloc_stream, self.ready)
         dirty = self.dirty
-        if dirty:
+        if dirty and self.on_disk:
+            self.write_back()  # frozen weights changed in place (rare): straight into the file
+        elif dirty:
             self._queue_write_back()
             if not in_backward() and self.written is not None:
                 # Outside backward (a forward after a failed backward, an eval pass): no end of
@@ -292,7 +323,7 @@ class FlatWeights:
             return  # the parameters point at the host copy: changes went there
         self.adopt_replaced()
         if self.ready is not None:
-            self.ready.synchronize()
+            order_after(None, self.ready)
         self.host.wait_host()
         self.host.view(self.nbytes).copy_(self.byte_view())
         self._versions = self._current_versions()
@@ -331,7 +362,7 @@ class FlatWeights:
                 compute.synchronize()
             self.resident = True
         elif self.ready is not None:
-            self.ready.synchronize()
+            order_after(None, self.ready)
         self.ready = None
         self.consumed = True
         self._point_params(resident=True)

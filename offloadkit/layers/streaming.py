@@ -43,6 +43,7 @@ from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.layers.flat import FlatWeights, order_after_write_back, streamable_reason
 from offloadkit.layers.stats import StreamStats
+from offloadkit.layers.weight_files import WeightFiles
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import current_graph_task, first_grad_fn, in_backward, queue_engine_callback
 from offloadkit.storage.budget import HostMemoryBudget
@@ -72,6 +73,7 @@ class LayerStreamer:
         device: torch.device | str | None = None,
         trainable: bool = False,
         scheduler: PrefetchScheduler | None = None,
+        disk_dir: str | None = None,
     ) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth={depth!r} is invalid; it is the number of resident layers, an int >= 1")
@@ -83,6 +85,8 @@ class LayerStreamer:
         self.budget = budget if budget is not None else HostMemoryBudget()
         # Sized once, one block per layer: exact chunks, no growth slack.
         self.pool = HostBufferPool(use_pin_memory and cuda, self.budget, grow_in_chunks=False)
+        # Past the RAM budget, frozen blocks' host copies go to files (read through pinned staging).
+        self.files = WeightFiles(disk_dir, self.budget, use_pin_memory) if disk_dir is not None else None
         self.stats = StreamStats()
         self._clock = WaitClock(measure_waits and cuda)
         self._clock_stats = OffloadStats()
@@ -110,10 +114,15 @@ class LayerStreamer:
                     else:
                         self.stats.skipped_params[reason] += 1
             if params:
-                self.layers.append(FlatWeights(name, params, self.pool, self.device))
+                self.layers.append(FlatWeights(name, params, self.pool, self.device, self.files))
                 self.block_names.append(name)
                 self._index_of[id(block)] = len(self.layers) - 1
                 self._hook_block(len(self.layers) - 1, block)
+        if self.files is not None and not self.files.blocks:
+            self.files.close()  # everything fitted in RAM
+            self.files = None
+        self.stats.disk_layers = sum(layer.on_disk for layer in self.layers)
+        self.stats.disk_bytes = sum(layer.nbytes for layer in self.layers if layer.on_disk)
         if not self.layers:
             what = "parameters it can stream" if trainable else "frozen parameters"
             hint = "" if trainable else "; freeze the base model (e.g. use LoRA) or stream trainable weights too"
@@ -330,6 +339,8 @@ class LayerStreamer:
         with self._lock:
             self._clock.collect(self._clock_stats, block=True)
             self.stats.wait_seconds = self._clock_stats.wait_seconds
+            if self.files is not None:
+                self.stats.disk_read_bytes = self.files.bytes_read
             return self.stats
 
     def remove(self) -> None:
@@ -342,6 +353,9 @@ class LayerStreamer:
                 if layer.host is not None:
                     layer.materialize()
             self.pool.close()
+            if self.files is not None:
+                self.files.close()
+                self.files = None
             self._lane.close()
 
 

@@ -382,3 +382,72 @@ def test_detached_aliases_of_streamed_weights_are_never_offloaded():
     assert ctx.stats.kept_by_reason["parameter"] >= 2, "the weight aliases were offloaded"
     torch.testing.assert_close(x.grad, ref, rtol=0, atol=0)
     streamer.remove()
+
+
+def test_layers_past_the_host_budget_wait_in_files(tmp_path):
+    """With a directory, the blocks the budget refuses keep their host copy in a file: the
+    step stays bitwise, the budget holds exactly the RAM blocks, reads and saving see the
+    real values, and remove() brings every weight back and deletes the files."""
+    from offloadkit.storage import size_class
+
+    model = lora_llama()
+    batch = make_batch(2048, 2, 32)
+    ref = run_step(model, batch)
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    one = sum(p.numel() * p.element_size() for p in model.get_base_model().model.layers[0].parameters())
+    budget = HostMemoryBudget(limit_bytes=2 * size_class(one + 64 * 1024), min_free_bytes=0)
+    streamer = stream_layers_on_cpu(model, depth=2, budget=budget, disk_dir=str(tmp_path))
+    layers = model.config.num_hidden_layers
+    in_files = [layer for layer in streamer.layers if layer.on_disk]
+    assert streamer.stats.disk_layers == len(in_files) == layers - 2
+    assert budget.used_bytes == streamer.pool.bytes_held <= budget.limit_bytes  # only the RAM blocks
+    [private] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    files = sorted(private.glob("*.bin"))
+    assert [f.stat().st_size for f in files] == [layer.nbytes for layer in in_files]
+    for _ in range(2):
+        got = run_step(model, batch)
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "lora grads")
+    assert_bitwise_equal(values, dict(model.state_dict()), "state_dict read from the files")
+    assert streamer.resident_layers == 0 and streamer.stats.misses == 0
+    streamer.remove()
+    assert not private.exists()
+    got = run_step(model, batch)
+    assert_bitwise_equal(ref[1], got[1], "grads after remove()")
+
+
+def test_edits_of_a_resident_file_block_reach_its_file(tmp_path):
+    model = lora_llama()
+    budget = HostMemoryBudget(limit_bytes=4096, min_free_bytes=0)  # every block to a file
+    streamer = stream_layers_on_cpu(model, budget=budget, disk_dir=str(tmp_path))
+    weight = model.get_base_model().model.layers[1].mlp.down_proj.base_layer.weight
+    before = weight.detach().clone()
+    with streamer.resident(1):
+        weight.data.mul_(0.5)
+    assert streamer.layers[1].on_disk and not streamer.layers[1].resident
+    assert_bitwise_equal(before * 0.5, weight.detach().clone(), "evicted weight, read from its file")
+    streamer.remove()
+    assert_bitwise_equal(before * 0.5, weight.detach().clone(), "after remove()")
+
+
+def test_what_cannot_go_to_files_says_how_to_fix_it(tmp_path):
+    tiny_budget = HostMemoryBudget(limit_bytes=1024, min_free_bytes=0)
+    with pytest.raises(RuntimeError, match="layer_offloading_dir"):
+        stream_layers_on_cpu(lora_llama("tiny"), budget=tiny_budget)
+    full = build_llama("tiny")  # a full fine-tune: trainable weights stay in pinned RAM
+    with pytest.raises(RuntimeError, match="trainable weights stay in pinned RAM"):
+        stream_layers_on_cpu(full, budget=tiny_budget, disk_dir=str(tmp_path), trainable=True)
+
+
+def test_layer_offloading_dir_is_checked_and_warns_when_off(tmp_path):
+    from offloadkit.config import ConfigError, OffloadConfig
+
+    with pytest.raises(ConfigError, match="layer_offloading_dir"):
+        OffloadConfig.from_dict({"layer_offloading": True, "layer_offloading_dir": 5})
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    config = OffloadConfig.from_dict({"layer_offloading": True, "layer_offloading_dir": str(a_file)})
+    with pytest.raises(ConfigError, match="layer_offloading_dir.*is a file"):
+        config.check_paths()
+    with pytest.warns(UserWarning, match="layer_offloading_dir only applies with layer_offloading"):
+        OffloadConfig.from_dict({"layer_offloading_dir": str(tmp_path)})

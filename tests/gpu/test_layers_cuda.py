@@ -224,3 +224,31 @@ def test_gpu_aliases_kept_after_remove_stay_readable_then_free_their_host_copy()
     del kept
     gc.collect()
     assert pool.bytes_in_use == 0 and pool.bytes_held == 0, "closed pool: the last block back frees its chunk"
+
+
+def test_layers_in_files_past_the_budget_bitwise_with_slow_copies(tmp_path, slow):
+    """Blocks the host budget refuses stream from files: read on an I/O thread into pinned
+    staging, copied in on the host->device stream. Bitwise, with every copy slowed, on a side
+    stream; every file block read once per pass and direction."""
+    from offloadkit.storage import HostMemoryBudget, size_class
+
+    model, batch = lora_llama()
+    ref = reference(model, batch)
+    ckpt = apply_activation_checkpointing(model, offload_inputs=True)
+    one = sum(p.numel() * p.element_size() for p in model.get_base_model().model.layers[0].parameters())
+    budget = HostMemoryBudget(limit_bytes=2 * size_class(one + (64 << 10)), min_free_bytes=0)
+    streamer = apply_layer_streaming(model, budget=budget, disk_dir=str(tmp_path))
+    slow(SLOW)
+    layers = model.config.num_hidden_layers
+    assert streamer.stats.disk_layers == layers - 2
+    for _ in range(2):
+        got = step_on_side_stream(run_step, model, batch)
+        assert_bitwise_equal(ref[0], got[0], "loss")
+        assert_bitwise_equal(ref[1], got[1], "lora grads")
+    stats = streamer.collect_stats()
+    file_bytes = sum(layer.nbytes for layer in streamer.layers if layer.on_disk)
+    assert stats.disk_read_bytes == 2 * 2 * file_bytes  # forward and backward, two steps
+    assert stats.misses == 0 and stats.max_resident <= 2 and streamer.resident_layers == 0
+    streamer.remove()
+    ckpt.remove()
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
