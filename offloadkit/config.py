@@ -456,8 +456,10 @@ class OffloadConfig:
                 f"disk_tiering: true needs activation_offloading: disk (got {self.activation_offloading!r})"
             )
         self._warnings = []
-        if self.prefetch_window_bytes and not (
-            self.activation_offloading or self.layer_offloading or self.optimizer_offloading
+        if (
+            self.prefetch_window_bytes
+            and self.offload_plan != "auto"  # the plan may turn them on
+            and not (self.activation_offloading or self.layer_offloading or self.optimizer_offloading)
         ):
             self._warn(
                 "prefetch_window_bytes bounds what activation_offloading, layer_offloading and "

@@ -130,15 +130,13 @@ class BackwardPath:
                 self._drop_resident(entry, consumed=False)  # fetched but never used this pass
         self._planner.end_pass(step)
         self._passes.pop(step.id, None)
-        if not self._passes:
-            self._lane.reset()
         self._clock.collect(self.stats)
 
     def _look_ahead(self, step: Step, current: Entry | None) -> None:
         # The look-ahead counts save groups (all inputs of one checkpointed block) or, outside
         # them, single entries: a block whose recompute needs four inputs at once (hidden
         # states, mask, rotary cos/sin) must not use up a horizon of two on its own.
-        ahead = Ahead(groups=max(0, self.prefetch), min_bytes=step.window_bytes if self.prefetch > 0 else 0)
+        ahead = Ahead(groups=self.prefetch, min_bytes=step.window_bytes if self.prefetch > 0 else 0)
         self.scheduler.prefetch(self._lane, self._upcoming(step, current), ahead)
 
     def _upcoming(self, step: Step, current: Entry | None):

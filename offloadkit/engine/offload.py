@@ -122,6 +122,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             tier=tier,
             measure_waits=measure_waits,
         )
+        if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
+            raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         device_types = ("cuda", "cpu") if offload_cpu_tensors else ("cuda",)
         self.policy = OffloadPolicy(min_offload_size, device_types)
         self.use_streams = bool(use_streams)
@@ -138,8 +140,6 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             tier = build_tier(storage, self.budget, pin_memory=pin, use_streams=self.use_streams, disk=disk)
         self.tier = tier
         self.prefetch = tier.default_prefetch if prefetch is None else prefetch
-        if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
-            raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
         self._lane = self.scheduler.lane("activations", self._fetch_ahead, Ahead(groups=self.prefetch))
         self.stats = OffloadStats()

@@ -94,8 +94,9 @@ class LayerStreamer:
         self._handles: list = []
         self._bwd_task: int | None = None  # graph task whose end-of-backward callback is queued
         # Blocks count as resident from the one in use: depth 2 keeps one more on its way.
+        if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
+            raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
-        self._lane = self.scheduler.lane("weights", self._fetch_ahead, Ahead(groups=depth))
         self._ahead: set[int] = set()  # id() of the blocks fetched ahead, not yet used
 
         owners = Counter(id(p) for _, p in unwrap_model(model).named_parameters(remove_duplicate=False))
@@ -127,6 +128,7 @@ class LayerStreamer:
             what = "parameters it can stream" if trainable else "frozen parameters"
             hint = "" if trainable else "; freeze the base model (e.g. use LoRA) or stream trainable weights too"
             raise ValueError(f"layer streaming found no {what} in the blocks ({dict(self.stats.skipped_params)}){hint}")
+        self._lane = self.scheduler.lane("weights", self._fetch_ahead, Ahead(groups=depth))
         for layer in self.layers:
             self._evict(layer)
         if self.device.type == "cuda":
@@ -271,7 +273,6 @@ class LayerStreamer:
             for layer in self.layers:
                 self._evict(layer)
             self._order_after_write_backs()
-            self._lane.reset()
             self._bwd_task = None
             self._clock.collect(self._clock_stats)
             self.stats.wait_seconds = self._clock_stats.wait_seconds

@@ -47,6 +47,10 @@ class StateCopies:
     """
 
     def __init__(self, lookup: Lookup, window_bytes: int, scheduler: PrefetchScheduler | None = None) -> None:
+        if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 0:
+            raise ValueError(f"copy_window_bytes={window_bytes!r} is invalid; use a byte count >= 0")
+        if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
+            raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         self.lookup = lookup
         self.window_bytes = window_bytes
         self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
@@ -59,7 +63,6 @@ class StateCopies:
         self._seen: list[torch.Tensor] = []  # this pass's, so far
         self._seen_ids: set[int] = set()
         self._ahead: dict[int, tuple[dict[str, torch.Tensor], torch.cuda.Event, int]] = {}
-        self._ahead_bytes = 0
         self._back: collections.deque = collections.deque()  # (event, bytes) of copies back
         self._back_bytes = 0
         self._blocks: dict[tuple[int, str], HostBlock] = {}
@@ -106,7 +109,6 @@ class StateCopies:
             self.end_pass()  # a parameter updated again: a new pass began without step()
         got = self._ahead.pop(id(p), None)
         if got is not None:
-            self._ahead_bytes -= got[2]
             self._lane.settle(got[2])  # in use: it leaves the look-ahead window
         else:
             got = self._queue_in(p, state, keys)
@@ -134,14 +136,11 @@ class StateCopies:
                 yield q, 0, None, Status.SKIP  # being updated, or no state yet (its first update creates it)
                 continue
             state, keys = found
-            yield q, sum(state[k].nbytes for k in keys), None, Status.FETCH
+            yield (q, found), sum(state[k].nbytes for k in keys), None, Status.FETCH
 
-    def _fetch_ahead(self, q) -> None:
-        found = self.lookup(q)
-        assert found is not None
-        got = self._queue_in(q, *found)
-        self._ahead[id(q)] = got
-        self._ahead_bytes += got[2]
+    def _fetch_ahead(self, item) -> None:
+        q, found = item
+        self._ahead[id(q)] = self._queue_in(q, *found)
 
     # -- out ----------------------------------------------------------------------------
     def store(self, p: torch.Tensor, gpu: dict[str, torch.Tensor]) -> None:
@@ -185,8 +184,7 @@ class StateCopies:
         self._seen = []
         self._seen_ids = set()
         self._ahead.clear()
-        self._ahead_bytes = 0
-        self._lane.reset()
+        self._lane.reset()  # what was fetched ahead and not updated is released here
 
     def reset(self) -> None:
         """Forget everything tied to the current host state (it is being replaced): states
@@ -194,7 +192,6 @@ class StateCopies:
         with self._lock:
             self.wait_all()
             self._ahead.clear()
-            self._ahead_bytes = 0
             self._lane.reset()
             self._blocks.clear()
             self._updating.clear()

@@ -13,9 +13,14 @@ scheduler decides which of them to queue now:
   own next trigger (the next use of one of its items); the scheduler never calls into another
   client, so no client's lock is taken from inside another's.
 
-Bytes "ahead" are those a lane fetched before they were needed; a lane reports them used
-(:meth:`Lane.settle`) when their consumer reads them or they are dropped, and forgets them all
-at the end of its pass (:meth:`Lane.reset`), so a missed report cannot leak window.
+Bytes "ahead" are those a lane fetched before they were needed and that still sit on the
+device unused; a lane reports them (:meth:`Lane.settle`) when their consumer reads them or
+they are dropped, so the window counts what is really held. (Bytes a failed backward left
+resident stay counted until its graph is released, as their memory stays held.)
+
+A window smaller than one item plus what another lane keeps ahead serves the lanes in the
+order they ask: one lane's large items (a layer's weights) can then leave no room for
+another's (a block's inputs), which load on demand. Size it to the look-aheads it bounds.
 
 Nothing here touches streams or memory: fetches are the clients' (through
 :func:`~offloadkit.transfer.queue_copy`), so the scheduler is tested without a GPU.
@@ -93,13 +98,15 @@ class Lane:
         self.scheduler._settle(self, nbytes)
 
     def reset(self) -> None:
-        """The lane's pass ended: whatever it fetched ahead is used or gone."""
+        """Everything this lane fetched ahead was released at once (its pass ended and dropped
+        what it had not used)."""
         self.scheduler._settle(self, self.pending_bytes)
 
     def close(self) -> None:
-        """Leave the scheduler (the client is being removed)."""
-        self.reset()
-        self.scheduler._lanes.discard(self)
+        """Leave the scheduler's stats (the client was removed); bytes it still holds ahead stay
+        counted until they are settled."""
+        with self.scheduler._lock:
+            self.scheduler._lanes.pop(self, None)
 
 
 class PrefetchScheduler:
@@ -111,19 +118,24 @@ class PrefetchScheduler:
     """
 
     def __init__(self, window_bytes: int | None = None) -> None:
-        if window_bytes is not None and window_bytes < 0:
-            raise ValueError(f"window_bytes={window_bytes!r} is invalid; use a byte count >= 0 or None")
+        if window_bytes is not None and (isinstance(window_bytes, bool) or window_bytes < 1):
+            raise ValueError(f"window_bytes={window_bytes!r} is invalid; use a byte count >= 1 or None (no window)")
         self.window_bytes = window_bytes
         self.pending_bytes = 0
         self.peak_pending_bytes = 0
-        self._lanes: set[Lane] = set()
+        self._lanes: dict[Lane, str] = {}  # lane -> its name in stats(), unique
         self._lock = threading.RLock()
 
     def lane(self, name: str, fetch: Callable[[object], None], ahead: Ahead) -> Lane:
         """A new client of this scheduler (see :class:`Lane`)."""
         lane = Lane(self, name, fetch, ahead)
         with self._lock:
-            self._lanes.add(lane)
+            taken = set(self._lanes.values())
+            key, n = name, 1
+            while key in taken:
+                n += 1
+                key = f"{name} #{n}"
+            self._lanes[lane] = key
         return lane
 
     def prefetch(self, lane: Lane, upcoming: Upcoming, ahead: Ahead | None = None) -> int:
@@ -181,11 +193,17 @@ class PrefetchScheduler:
             self.pending_bytes -= nbytes
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per lane: items and bytes fetched ahead, walks held back by the window."""
+        """Per lane (open lanes; a second lane of one name is "name #2"): items and bytes
+        fetched ahead, walks held back by the window, bytes ahead now."""
         with self._lock:
             return {
-                lane.name: {"fetched": lane.fetched, "fetched_bytes": lane.fetched_bytes, "held_back": lane.held_back}
-                for lane in self._lanes
+                key: {
+                    "fetched": lane.fetched,
+                    "fetched_bytes": lane.fetched_bytes,
+                    "held_back": lane.held_back,
+                    "pending_bytes": lane.pending_bytes,
+                }
+                for lane, key in self._lanes.items()
             }
 
 

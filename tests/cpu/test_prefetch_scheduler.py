@@ -165,3 +165,62 @@ def test_the_window_key_is_validated_and_warns_when_nothing_fetches():
         OffloadConfig(activation_offloading=True, prefetch_window_bytes=0).validate()
     config = OffloadConfig.from_dict({"prefetch_window_bytes": "1GiB"})
     assert any("prefetch_window_bytes" in w for w in config._warnings)
+
+
+def test_a_failed_backward_holds_its_bytes_until_its_graph_goes_and_later_steps_settle_exactly():
+    """No end-of-pass reset hides a missed settle: after every good step nothing is ahead. A
+    backward that fails leaves its fetched-ahead inputs resident while its graph lives; they
+    stay counted (their memory is held) and leave the window once the graph is released."""
+    model = _lora_llama()
+    batch = make_batch(2048, 2, 32)
+    scheduler = PrefetchScheduler()
+    ckpt = apply_activation_checkpointing(
+        model, offload_inputs=True, offload_cpu_tensors=True, prefetch=2, max_fwd_stash_size=1, scheduler=scheduler
+    )
+    streamer = stream_layers_on_cpu(model, depth=2, scheduler=scheduler)
+    run_step(model, batch)
+    assert scheduler.pending_bytes == 0
+
+    class BoomError(Exception):
+        pass
+
+    def fail_in_backward(module, args, output):
+        t = output[0] if isinstance(output, tuple) else output
+        t.register_hook(lambda grad: (_ for _ in ()).throw(BoomError()))
+
+    handle = model.base_model.model.model.layers[1].register_forward_hook(fail_in_backward)
+    out = model(**batch)
+    with pytest.raises(BoomError):
+        out.loss.backward()
+    handle.remove()
+    held = scheduler.stats()["activations"]["pending_bytes"]
+    assert held > 0  # inputs of blocks 0-1 fetched ahead, never used: still resident
+    for _ in range(2):
+        run_step(model, batch)
+        assert scheduler.stats()["activations"]["pending_bytes"] == held  # the failed graph still holds them
+        assert scheduler.stats()["weights"]["pending_bytes"] == 0
+    del out
+    ckpt.offloader.drain()
+    assert scheduler.pending_bytes == 0
+    streamer.remove()
+    ckpt.remove()
+
+
+def test_inside_a_block_only_the_blocks_fetched_for_later_are_ahead():
+    """The block in use left the window when its consumer took it: inside block i's forward
+    the weights lane holds exactly block i+1 ahead (depth 2), and in backward block i-1."""
+    model = _lora_llama()
+    batch = make_batch(2048, 2, 32)
+    scheduler = PrefetchScheduler()
+    streamer = stream_layers_on_cpu(model, depth=2, scheduler=scheduler)
+    blocks = model.get_base_model().model.layers
+    seen = []
+    for i, block in enumerate(blocks):
+        block.mlp.register_forward_pre_hook(
+            lambda m, a, i=i: seen.append((i, scheduler.stats()["weights"]["pending_bytes"]))
+        )
+    run_step(model, batch)
+    sizes = [layer.nbytes for layer in streamer.layers]
+    assert seen == [(i, sizes[i + 1] if i + 1 < len(sizes) else 0) for i in range(len(sizes))]
+    assert scheduler.pending_bytes == 0
+    streamer.remove()

@@ -67,7 +67,7 @@ def test_full_fine_tune_state_weights_and_activations_share_the_scheduler():
     apply_activation_checkpointing(ref)
     opt_ref = BackwardAdamW.for_precision(ref.parameters(), "fp32_master", lr=1e-3)
     scheduler = PrefetchScheduler()
-    apply_activation_checkpointing(ours, offload_inputs=True, scheduler=scheduler)
+    ckpt = apply_activation_checkpointing(ours, offload_inputs=True, max_fwd_stash_size=1, scheduler=scheduler)
     streamer = apply_layer_streaming(ours, trainable=True, scheduler=scheduler)
     opt = BackwardAdamW.for_precision(ours.parameters(), "fp32_master", lr=1e-3, scheduler=scheduler)
     losses = {"ref": [], "ours": []}
@@ -89,4 +89,7 @@ def test_full_fine_tune_state_weights_and_activations_share_the_scheduler():
     stats = scheduler.stats()
     assert {"activations", "weights", "optimizer state"} <= set(stats)
     assert stats["weights"]["fetched"] > 0 and stats["optimizer state"]["fetched"] > 0
+    assert stats["activations"]["fetched"] > 0
+    assert scheduler.pending_bytes == 0  # every fetch ahead was used, or released by step()
     streamer.remove()
+    ckpt.remove()
