@@ -242,9 +242,9 @@ class OffloadConfig:
             to disk by the OS past what RAM holds (for hosts whose RAM cannot hold it; its
             copies then wait for the host); None: pinned host memory.
         layer_offloading_depth: layers of streamed weights resident at once.
-        layer_offloading_dir: past the host budget, frozen layers' weights wait in files in a
-            private directory made here (read back through pinned staging); None: the budget
-            must hold every streamed layer.
+        layer_offloading_dir: past the host budget, streamed layers' weights wait in files in
+            a private directory made here (read back through pinned staging; trainable ones
+            need updates in backward); None: the budget must hold every streamed layer.
         chunked_cross_entropy: compute the loss over token chunks, never holding the
             full-vocabulary logits (Hugging Face causal LMs).
         chunked_cross_entropy_num_chunks: chunks per loss (None: automatic, at most 1 GiB

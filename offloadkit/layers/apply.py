@@ -66,9 +66,10 @@ def apply_layer_streaming(
             as the block leaves. Shared (tied) weights stay on the GPU.
         scheduler: the :class:`~offloadkit.transfer.PrefetchScheduler` the look-ahead runs in,
             shared with activation offloading (None: one of its own).
-        disk_dir: frozen blocks whose pinned copy the host budget refuses keep it in a file in
-            a private directory made here, read back through pinned staging buffers on I/O
-            threads (see :mod:`offloadkit.layers.weight_files`); None: a refusal is an error.
+        disk_dir: blocks whose pinned copy the host budget refuses keep it in a file in a
+            private directory made here, read back through pinned staging buffers on I/O
+            threads (trainable ones need updates in backward; see
+            :mod:`offloadkit.layers.weight_files`); None: a refusal is an error.
 
     Returns:
         The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.

@@ -52,8 +52,8 @@ def order_after_write_back(param: torch.Tensor) -> None:
     layer = ref() if ref is not None else None
     if layer is None or layer.resident or layer.written is None:
         return
-    if param.is_cuda:
-        torch.cuda.current_stream(param.device).wait_event(layer.written)
+    if torch.cuda.is_available() and layer.device.type == "cuda":
+        order_after(torch.cuda.current_stream(layer.device), layer.written)
 
 
 _ALIGN = 512
@@ -142,17 +142,13 @@ class FlatWeights:
         self.files = files
         self.host: HostBlock | FileBlock | None = pool.acquire(max(self.nbytes, 1))
         trainable = any(s.param.requires_grad for s in self.slots)
-        if self.host is None and files is not None and not trainable:
+        if self.host is None and files is not None:
             self.host = files.block(name, self.nbytes)
         if self.host is None:
-            hint = "raise host_budget_bytes or stream fewer layers"
-            if files is None and not trainable:
-                hint += ", or give layer_offloading_dir: the copies past the budget then go to files there"
-            elif trainable:
-                hint += (
-                    " (trainable weights stay in pinned RAM: a deferred optimizer step updates an evicted weight "
-                    "through the GPU's mapping of it; their optimizer state can go to disk with optimizer_state_dir)"
-                )
+            hint = (
+                "raise host_budget_bytes, stream fewer layers, or give layer_offloading_dir: the copies past the "
+                "budget then go to files there"
+            )
             raise RuntimeError(
                 f"offloadkit: the host-memory budget refuses {self.nbytes / 2**20:.0f} MiB for the "
                 f"{'trainable' if trainable else 'frozen'} weights of {name} ({pool.budget.describe()}); {hint}"
@@ -181,7 +177,7 @@ class FlatWeights:
             )
             host_view = self.host_tensor(s)
             alias = device_alias_of_host(host_view, device, self._lease) if self.host.pinned else None
-            if alias is None and s.param.requires_grad and device.type == "cuda":
+            if alias is None and s.param.requires_grad and device.type == "cuda" and not self.on_disk:
                 # An evicted trainable weight may still be updated or given a gradient on the GPU
                 # (a deferred optimizer step): it must stay addressable there.
                 raise RuntimeError(
@@ -192,7 +188,8 @@ class FlatWeights:
             self._host_views.append(alias if alias is not None else host_alias(host_view, self._lease))
         del flat
         self._self_ref = weakref.ref(self)
-        self.written: torch.cuda.Event | None = None  # the last write-back queued at eviction
+        # The last write-back queued at eviction: a device event, or a file write's completion.
+        self.written: torch.cuda.Event | FutureCompletion | None = None
         self._point_params(resident=True)
         self.resident = True
         # The load has landed: a device event, or a file read's completion (host part, then device).
@@ -265,14 +262,12 @@ class FlatWeights:
             # A prefetched copy nobody waited for may still be writing: order reuse after it.
             order_after(self.alloc_stream, self.ready)
         dirty = self.dirty
-        if dirty and self.on_disk:
-            self.write_back()  # frozen weights changed in place (rare): straight into the file
-        elif dirty:
+        if dirty:
             self._queue_write_back()
             if not in_backward() and self.written is not None:
                 # Outside backward (a forward after a failed backward, an eval pass): no end of
                 # backward will order later reads and writes of the host copy after this copy.
-                torch.cuda.current_stream(self.device).wait_event(self.written)
+                order_after(torch.cuda.current_stream(self.device), self.written)
         self.storage.resize_(0)
         self._point_params(resident=False)
         self.resident = False
@@ -340,6 +335,11 @@ class FlatWeights:
         # After compute: the bytes are final once the updates queued there ran. The storage is
         # released right after this call: the allocator must not reuse it before the copy read it.
         src.record_stream(d2h)
+        if isinstance(self.host, FileBlock):
+            # Through pinned staging, then into the file on an I/O thread; the file's next
+            # read waits for that write.
+            self.written = self.files.store(self.host, src, compute, d2h)
+            return
         # The host block orders the copy after a load still reading the host copy, and the
         # next load after this copy.
         self.written = queue_copy(dst, src, stream=d2h, block=self.host, after=compute)

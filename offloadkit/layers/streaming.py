@@ -46,6 +46,7 @@ from offloadkit.layers.stats import StreamStats
 from offloadkit.layers.weight_files import WeightFiles
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import current_graph_task, first_grad_fn, in_backward, queue_engine_callback
+from offloadkit.storage.base import order_after
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
 from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler, Status
@@ -85,7 +86,7 @@ class LayerStreamer:
         self.budget = budget if budget is not None else HostMemoryBudget()
         # Sized once, one block per layer: exact chunks, no growth slack.
         self.pool = HostBufferPool(use_pin_memory and cuda, self.budget, grow_in_chunks=False)
-        # Past the RAM budget, frozen blocks' host copies go to files (read through pinned staging).
+        # Past the RAM budget, blocks' host copies go to files (read through pinned staging).
         self.files = WeightFiles(disk_dir, self.budget, use_pin_memory) if disk_dir is not None else None
         self.stats = StreamStats()
         self._clock = WaitClock(measure_waits and cuda)
@@ -288,7 +289,7 @@ class LayerStreamer:
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for layer in self.layers:
             if layer.written is not None and compute is not None:
-                compute.wait_event(layer.written)
+                order_after(compute, layer.written)  # a file's write: the host waits for it first
             layer.written = None
 
     # -- residency -----------------------------------------------------------------------

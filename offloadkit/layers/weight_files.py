@@ -8,9 +8,13 @@ process's copy stream (:func:`~offloadkit.transfer.queue_copy`); the consumer wa
 returned completion as for a pinned load, and the look-ahead (the run's prefetch scheduler)
 starts these reads ``depth - 1`` blocks early, as for pinned blocks.
 
-Only frozen weights go to files: an evicted trainable weight must stay addressable from the
-GPU (a deferred optimizer step updates it through the GPU's mapping of pinned memory), which a
-file is not. Their optimizer state can go to disk (``optimizer_state_dir``).
+Trainable weights (a full fine-tune) go to files too, when their optimizer updates them in
+backward while the block is resident (``BackwardAdamW``/``BackwardSGD`` without clipping): the
+eviction queues the updated bytes into pinned staging on the device->host stream, and an I/O
+thread writes them into the file; the next read of that file waits for the write. An update
+deferred to ``step()`` (clipping, fp16 loss scaling) would write an evicted weight through the
+GPU's mapping of pinned memory, which a file does not have: the optimizer refuses it with the
+fix. Every job on a file waits for the one queued before it on the same file.
 """
 
 from __future__ import annotations
@@ -41,16 +45,17 @@ class FileBlock:
         self.path = path
         self.capacity = nbytes
         self.buffer = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-        self.pending: Future | None = None  # the last read of the file still running
+        self.pending: Future | None = None  # the last read or write of the file queued
 
     def view(self, nbytes: int) -> torch.Tensor:
         return self.buffer[:nbytes]
 
     def wait_host(self) -> None:
-        """Block until no I/O thread reads the file (before the host writes it)."""
+        """Block until no I/O thread reads or writes the file (each job waits for the one
+        before it, so the last queued is the last to finish)."""
         pending = self.pending
         if pending is not None:
-            pending.exception()  # waits; a failed read was raised to its consumer
+            pending.exception()  # waits; a failure was raised to its consumer
 
     def order_device_use(self, stream) -> None:
         self.wait_host()  # device copies never touch the file itself, only staging buffers
@@ -88,6 +93,7 @@ class WeightFiles:
         self.blocks = 0
         self.bytes_on_disk = 0
         self.bytes_read = 0
+        self.bytes_written = 0
         self._closed = False
 
     def block(self, name: str, nbytes: int) -> FileBlock:
@@ -107,11 +113,45 @@ class WeightFiles:
         Returns:
             The completion to wait on (its result is the copy's device event).
         """
-        future = self._io.submit(self._read, block, dst, allocated, stream)
+        future = self._io.submit(self._read, block, dst, allocated, stream, block.pending)
         block.pending = future
         return FutureCompletion(future)
 
-    def _read(self, block: FileBlock, dst: torch.Tensor, allocated, stream):
+    def store(self, block: FileBlock, src: torch.Tensor, compute, d2h) -> FutureCompletion:
+        """Write device ``src`` into ``block``'s file: into pinned staging on ``d2h`` after the
+        work queued on ``compute`` (the update that changed it), then into the file on an I/O
+        thread. The caller keeps ``src``'s memory from reuse until the copy read it
+        (``record_stream``).
+
+        Returns:
+            The completion of the write (no device part left).
+        """
+        nbytes = src.numel()
+        staging = self.staging.acquire(nbytes)
+        pooled = staging is not None
+        if staging is None:  # the free-RAM guard refuses: a pageable buffer (a synchronous copy)
+            staging = temporary_block(nbytes)
+        copied = queue_copy(staging.view(nbytes), src, stream=d2h, block=staging, after=compute)
+        future = self._io.submit(self._write, block, staging, pooled, copied, block.pending)
+        block.pending = future
+        return FutureCompletion(future)
+
+    def _write(self, block: FileBlock, staging, pooled: bool, copied, before: Future | None) -> None:
+        try:
+            if before is not None:
+                before.exception()  # an earlier read of the file finishes first
+            copied.synchronize()  # the device->host copy into staging has landed
+            nbytes = block.capacity
+            block.view(nbytes).copy_(staging.view(nbytes))
+            with self._lock:
+                self.bytes_written += nbytes
+        finally:
+            if pooled:
+                self.staging.release(staging)
+
+    def _read(self, block: FileBlock, dst: torch.Tensor, allocated, stream, before: Future | None):
+        if before is not None:
+            before.exception()  # the last write of the file lands first
         nbytes = dst.numel()
         staging = self.staging.acquire(nbytes)
         pooled = staging is not None

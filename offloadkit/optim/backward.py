@@ -155,6 +155,15 @@ class BackwardOptimizer(Optimizer):
 
     @torch.no_grad()
     def _update(self, p: torch.Tensor) -> None:
+        if p.grad is not None and p.grad.device != p.device:
+            # An evicted streamed weight resting in a file (layer_offloading_dir) has no device
+            # mapping for an update after backward to write through.
+            raise RuntimeError(
+                f"offloadkit: a {list(p.shape)} weight rests in a file while its block is evicted, and its update "
+                "was deferred until after backward (clipping, fp16 loss scaling): weights in files are updated in "
+                "backward only. Turn clipping off (max_grad_norm: 0), or give host_budget_bytes room for the "
+                "trainable weights so they stay in pinned RAM"
+            )
         group = self._group(p)
         state = self._host_state(p)
         travels = p.is_cuda and self._travelling(p) is not None

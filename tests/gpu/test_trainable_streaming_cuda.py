@@ -242,3 +242,36 @@ def test_reading_the_weights_after_a_failed_backward_waits_for_write_backs():
     assert_bitwise_equal(saved, {k: v.clone() for k, v in ours.state_dict().items()}, "weights read before and after")
     streamer.remove()
     del opt
+
+
+@pytest.mark.parametrize("precision", ["params", "fp32_master"])
+def test_blocks_in_files_bitwise_and_a_deferred_update_refused(tmp_path, precision):
+    """Every block past a tiny host budget rests in a file: updated in backward while
+    resident, written back through pinned staging and an I/O thread, read back for the next
+    step; bitwise the unstreamed run with every copy delayed. An update deferred to step()
+    (clipping) cannot reach a weight in a file and says so."""
+    from offloadkit.storage import HostMemoryBudget
+
+    ref = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
+    batches = _batches(ref.config.vocab_size)
+    for model in (ref, ours):
+        apply_activation_checkpointing(model)
+    expected = _run(ref, BackwardAdamW.for_precision(ref.parameters(), precision, lr=1e-3), batches)
+    budget = HostMemoryBudget(limit_bytes=4096, min_free_bytes=0)
+    streamer = apply_layer_streaming(ours, trainable=True, budget=budget, disk_dir=str(tmp_path))
+    assert streamer.stats.disk_layers == len(streamer.layers)
+    opt = BackwardAdamW.for_precision(ours.parameters(), precision, lr=1e-3)
+    with slow_copies(SLOW):
+        got = _run(ours, opt, batches)
+    assert_bitwise_equal(expected, got, "losses")
+    assert_bitwise_equal(_weights(ref), _weights(ours), "weights")
+    stats = streamer.collect_stats()
+    assert stats.write_backs == STEPS * len(streamer.layers) and stats.misses == 0
+    assert stats.disk_read_bytes == 2 * STEPS * stats.disk_bytes
+    clipped = BackwardAdamW(ours.parameters(), lr=1e-3, max_grad_norm=1.0)
+    opt.remove()
+    ours(**batches[0]).loss.backward()
+    with pytest.raises(RuntimeError, match="rests in a file"):
+        clipped.step()
+    streamer.remove()
