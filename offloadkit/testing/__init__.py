@@ -9,6 +9,8 @@ from offloadkit.testing.delays import slow_copies
 from offloadkit.testing.parity import assert_bitwise_equal, grads_of, run_step
 from offloadkit.testing.references import Fp32MasterAdamW
 from offloadkit.testing.steps import (
+    BackwardFailedError,
+    failed_backward,
     memory_after_each_step,
     randomize_lora_b,
     step_on_side_stream,
@@ -16,11 +18,13 @@ from offloadkit.testing.steps import (
 
 __all__ = [
     "AllocationTracker",
+    "BackwardFailedError",
     "Fp32MasterAdamW",
     "SavedTensorTracker",
     "LLAMA_SHAPES",
     "assert_bitwise_equal",
     "build_llama",
+    "failed_backward",
     "grads_of",
     "make_batch",
     "memory_after_each_step",

@@ -8,7 +8,13 @@ import contextlib
 import psutil
 import torch
 
-__all__ = ["randomize_lora_b", "step_on_side_stream", "memory_after_each_step"]
+__all__ = [
+    "BackwardFailedError",
+    "failed_backward",
+    "randomize_lora_b",
+    "step_on_side_stream",
+    "memory_after_each_step",
+]
 
 
 def randomize_lora_b(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
@@ -55,3 +61,31 @@ def memory_after_each_step(model, batch: dict, steps: int, ctx=None, check=None)
         allocated.append(torch.cuda.memory_allocated() if cuda else 0)
         rss.append(proc.memory_info().rss)
     return allocated, rss
+
+
+class BackwardFailedError(Exception):
+    """Raised inside a backward pass by :func:`failed_backward`."""
+
+
+def failed_backward(model, block: torch.nn.Module, batch: dict):
+    """Run ``model`` on ``batch`` and a backward that raises :class:`BackwardFailedError` when it
+    reaches ``block``'s output (the blocks after it have run their backward).
+
+    Returns:
+        The forward's output, whose graph is still alive (drop it to release the graph).
+    """
+
+    def fail_in_backward(module, args, output):
+        t = output[0] if isinstance(output, tuple) else output
+        t.register_hook(lambda grad: (_ for _ in ()).throw(BackwardFailedError()))
+
+    handle = block.register_forward_hook(fail_in_backward)
+    try:
+        out = model(**batch)
+    finally:
+        handle.remove()
+    try:
+        out.loss.backward()
+    except BackwardFailedError:
+        return out
+    raise AssertionError("the backward did not reach the failing block")

@@ -12,6 +12,7 @@ from offloadkit.storage import HostMemoryBudget
 from offloadkit.testing import (
     assert_bitwise_equal,
     build_llama,
+    failed_backward,
     make_batch,
     randomize_lora_b,
     run_step,
@@ -303,18 +304,7 @@ def test_failed_backward_does_not_leave_layers_resident():
     batch = make_batch(2048, 2, 16)
     streamer = stream_layers_on_cpu(model, depth=2)
 
-    class BoomError(Exception):
-        pass
-
-    def fail_in_backward(module, args, output):
-        t = output[0] if isinstance(output, tuple) else output
-        t.register_hook(lambda grad: (_ for _ in ()).throw(BoomError()))
-
-    handle = model.base_model.model.model.layers[1].register_forward_hook(fail_in_backward)
-    out = model(**batch)
-    with pytest.raises(BoomError):
-        out.loss.backward()
-    handle.remove()
+    out = failed_backward(model, model.base_model.model.model.layers[1], batch)
     del out
     for _ in range(2):
         run_step(model, batch)

@@ -7,7 +7,14 @@ import pytest
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.compose import prepare
 from offloadkit.config import ConfigError, OffloadConfig
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, randomize_lora_b, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    build_llama,
+    failed_backward,
+    make_batch,
+    randomize_lora_b,
+    run_step,
+)
 from offloadkit.testing.cpu_streaming import stream_layers_on_cpu
 from offloadkit.transfer import Ahead, PrefetchScheduler, Status
 
@@ -181,18 +188,7 @@ def test_a_failed_backward_holds_its_bytes_until_its_graph_goes_and_later_steps_
     run_step(model, batch)
     assert scheduler.pending_bytes == 0
 
-    class BoomError(Exception):
-        pass
-
-    def fail_in_backward(module, args, output):
-        t = output[0] if isinstance(output, tuple) else output
-        t.register_hook(lambda grad: (_ for _ in ()).throw(BoomError()))
-
-    handle = model.base_model.model.model.layers[1].register_forward_hook(fail_in_backward)
-    out = model(**batch)
-    with pytest.raises(BoomError):
-        out.loss.backward()
-    handle.remove()
+    out = failed_backward(model, model.base_model.model.model.layers[1], batch)
     held = scheduler.stats()["activations"]["pending_bytes"]
     assert held > 0  # inputs of blocks 0-1 fetched ahead, never used: still resident
     for _ in range(2):
