@@ -67,6 +67,7 @@ class StateCopies:
         self._back_bytes = 0
         self._blocks: dict[tuple[int, str], HostBlock] = {}
         self._updating: set[int] = set()  # fetched, not yet stored
+        self._devices: dict[int, torch.device] = {}  # where each parameter was last updated
         self._lock = threading.RLock()
 
     # -- host blocks ----------------------------------------------------------------------
@@ -80,12 +81,12 @@ class StateCopies:
         return block
 
     # -- in -----------------------------------------------------------------------------
-    def _queue_in(self, p: torch.Tensor, state: dict, keys: tuple[str, ...]):
-        h2d = copy_stream(p.device, "h2d")
+    def _queue_in(self, p: torch.Tensor, state: dict, keys: tuple[str, ...], device: torch.device):
+        h2d = copy_stream(device, "h2d")
         # Allocated on the copy stream: its memory is free there, and the compute stream
         # marks its own use below (record_stream) before the tensors are released.
         with torch.cuda.stream(h2d):
-            gpu = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=p.device) for k in keys}
+            gpu = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}
         done = None
         for k in keys:
             done = queue_copy(gpu[k], state[k], stream=h2d, block=self._block(p, k, state[k]), after=None)
@@ -111,13 +112,16 @@ class StateCopies:
         if got is not None:
             self._lane.settle(got[2])  # in use: it leaves the look-ahead window
         else:
-            got = self._queue_in(p, state, keys)
+            got = self._queue_in(p, state, keys, p.device)
         gpu, done, _ = got
         compute = torch.cuda.current_stream(p.device)
         compute.wait_event(done)  # the update reads what the copy wrote
         for t in gpu.values():
             t.record_stream(compute)  # allocated on the copy stream, used on this one
         self._updating.add(id(p))
+        # Where it is updated: a streamed weight fetched ahead while its block rests in a file
+        # is a CPU tensor then, and its state must still come to this device.
+        self._devices[id(p)] = p.device
         self._seen.append(p)
         self._seen_ids.add(id(p))
         at = self._position.get(id(p))
@@ -139,8 +143,8 @@ class StateCopies:
             yield (q, found), sum(state[k].nbytes for k in keys), None, Status.FETCH
 
     def _fetch_ahead(self, item) -> None:
-        q, found = item
-        self._ahead[id(q)] = self._queue_in(q, *found)
+        q, (state, keys) = item
+        self._ahead[id(q)] = self._queue_in(q, state, keys, self._devices[id(q)])
 
     # -- out ----------------------------------------------------------------------------
     def store(self, p: torch.Tensor, gpu: dict[str, torch.Tensor]) -> None:
@@ -195,6 +199,7 @@ class StateCopies:
             self._lane.reset()
             self._blocks.clear()
             self._updating.clear()
+            self._devices.clear()
             self._order, self._position, self._seen, self._seen_ids = [], {}, [], set()
 
     def wait_all(self) -> None:

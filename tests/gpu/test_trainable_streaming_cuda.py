@@ -265,7 +265,8 @@ def test_blocks_in_files_bitwise_and_a_deferred_update_refused(tmp_path, precisi
     with slow_copies(SLOW):
         got = _run(ours, opt, batches)
     assert_bitwise_equal(expected, got, "losses")
-    assert_bitwise_equal(_weights(ref), _weights(ours), "weights")
+    on_cpu = {n: p.detach().cpu() for n, p in ours.named_parameters()}  # evicted blocks rest in files
+    assert_bitwise_equal({n: p.detach().cpu() for n, p in ref.named_parameters()}, on_cpu, "weights")
     stats = streamer.collect_stats()
     assert stats.write_backs == STEPS * len(streamer.layers) and stats.misses == 0
     assert stats.disk_read_bytes == 2 * STEPS * stats.disk_bytes
