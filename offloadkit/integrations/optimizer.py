@@ -59,6 +59,16 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
     # activations and streamed weights.
     runtime = getattr(trainer, "offload_runtime", None)
     scheduler = getattr(runtime, "scheduler", None)
+    streamer = getattr(runtime, "streamer", None)
+    in_files = streamer.stats.disk_layers if streamer is not None and streamer.trainable else 0
+    if in_files and (clipping or scaled):
+        # Refused here, before the first step, rather than at the first deferred update.
+        why = f"max_grad_norm={args.max_grad_norm}" if clipping else "fp16 loss scaling"
+        raise ConfigError(
+            f"layer_offloading_dir put {in_files} trainable layers in files, whose weights are updated in backward "
+            f"only; {why} defers the updates to step(). Use max_grad_norm: 0 (and bf16 rather than fp16), or raise "
+            "host_budget_bytes so the trainable layers stay in pinned RAM"
+        )
     optimizer: BackwardOptimizer
     if optim in _SGD:
         if precision != "params":

@@ -253,6 +253,16 @@ def test_fp16_loss_scaling_defers_the_updates_to_the_scalers_step():
     args.fp16 = True
     optimizer, note = backward_adamw_for(trainer)
     assert not optimizer.updates_in_backward and "fp16 loss scaler" in note
+    # Trainable layers resting in files are updated in backward only: refused before the first step.
+    streamer = SimpleNamespace(trainable=True, stats=SimpleNamespace(disk_layers=3))
+    trainer.offload_runtime = SimpleNamespace(scheduler=None, streamer=streamer)
+    with pytest.raises(ConfigError, match="3 trainable layers in files.*fp16 loss scaling"):
+        backward_adamw_for(trainer)
+    args.fp16, args.max_grad_norm = False, 1.0
+    with pytest.raises(ConfigError, match="max_grad_norm=1.0"):
+        backward_adamw_for(trainer)
+    args.max_grad_norm = 0.0
+    assert backward_adamw_for(trainer)[0].updates_in_backward
 
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
