@@ -94,7 +94,6 @@ class LayerStreamer:
         self._lock = threading.RLock()
         self._handles: list = []
         self._bwd_task: int | None = None  # graph task whose end-of-backward callback is queued
-        # Blocks count as resident from the one in use: depth 2 keeps one more on its way.
         if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
             raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
@@ -129,6 +128,7 @@ class LayerStreamer:
             what = "parameters it can stream" if trainable else "frozen parameters"
             hint = "" if trainable else "; freeze the base model (e.g. use LoRA) or stream trainable weights too"
             raise ValueError(f"layer streaming found no {what} in the blocks ({dict(self.stats.skipped_params)}){hint}")
+        # Blocks count as resident from the one in use: depth 2 keeps one more on its way.
         self._lane = self.scheduler.lane("weights", self._fetch_ahead, Ahead(groups=depth))
         for layer in self.layers:
             self._evict(layer)

@@ -46,6 +46,7 @@ class FileBlock:
         self.capacity = nbytes
         self.buffer = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         self.pending: Future | None = None  # the last read or write of the file queued
+        self.write_error: BaseException | None = None  # a failed write: the file is stale
 
     def view(self, nbytes: int) -> torch.Tensor:
         return self.buffer[:nbytes]
@@ -127,10 +128,7 @@ class WeightFiles:
             The completion of the write (no device part left).
         """
         nbytes = src.numel()
-        staging = self.staging.acquire(nbytes)
-        pooled = staging is not None
-        if staging is None:  # the free-RAM guard refuses: a pageable buffer (a synchronous copy)
-            staging = temporary_block(nbytes)
+        staging, pooled = self._staging(nbytes)
         copied = queue_copy(staging.view(nbytes), src, stream=d2h, block=staging, after=compute)
         future = self._io.submit(self._write, block, staging, pooled, copied, block.pending)
         block.pending = future
@@ -145,6 +143,9 @@ class WeightFiles:
             block.view(nbytes).copy_(staging.view(nbytes))
             with self._lock:
                 self.bytes_written += nbytes
+        except BaseException as exc:
+            block.write_error = exc  # every later read of this file must fail, not load stale weights
+            raise
         finally:
             if pooled:
                 self.staging.release(staging)
@@ -152,11 +153,13 @@ class WeightFiles:
     def _read(self, block: FileBlock, dst: torch.Tensor, allocated, stream, before: Future | None):
         if before is not None:
             before.exception()  # the last write of the file lands first
+        if block.write_error is not None:
+            raise RuntimeError(
+                f"offloadkit: writing the updated weights to {block.path} failed ({block.write_error!r}); "
+                "the file holds stale weights"
+            )
         nbytes = dst.numel()
-        staging = self.staging.acquire(nbytes)
-        pooled = staging is not None
-        if staging is None:  # the free-RAM guard refuses: a short-lived pageable buffer
-            staging = temporary_block(nbytes)
+        staging, pooled = self._staging(nbytes)
         try:
             # A recycled buffer may still feed an earlier host->device copy.
             staging.wait_host()
@@ -167,6 +170,14 @@ class WeightFiles:
         finally:
             if pooled:
                 self.staging.release(staging)  # its next user waits for the copy (note_use)
+
+    def _staging(self, nbytes: int):
+        """A pinned staging buffer from the pool and True, or, where the free-RAM guard refuses
+        one, a short-lived pageable buffer (its device copy is synchronous) and False."""
+        staging = self.staging.acquire(nbytes)
+        if staging is not None:
+            return staging, True
+        return temporary_block(nbytes), False
 
     def close(self) -> None:
         """Stop the I/O threads and remove the directory (after every block was released)."""

@@ -473,3 +473,16 @@ def test_layer_offloading_dir_is_checked_and_warns_when_off(tmp_path):
         config.check_paths()
     with pytest.warns(UserWarning, match="layer_offloading_dir only applies with layer_offloading"):
         OffloadConfig.from_dict({"layer_offloading_dir": str(tmp_path)})
+
+
+def test_a_failed_write_of_a_weight_file_fails_its_next_read_instead_of_loading_stale_weights(tmp_path):
+    from offloadkit.layers.weight_files import WeightFiles
+
+    files = WeightFiles(str(tmp_path), HostMemoryBudget(), pin_memory=False)
+    block = files.block("model.layers.0", 4096)
+    block.write_error = OSError(28, "No space left on device")  # as a failed write job leaves it
+    with pytest.raises(RuntimeError, match="stale weights"):
+        files._read(block, torch.empty(4096, dtype=torch.uint8), None, None, None)
+    block.release()
+    files.close()
+    assert not any(tmp_path.iterdir())
