@@ -18,40 +18,57 @@ from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.engine.validation import check_modules
 from offloadkit.models.heads import find_output_head, unwrap_model
-from offloadkit.runtime.autograd import first_grad_fn
 from offloadkit.runtime.compiled import WHOLE_MODEL_COMPILE_NOTE, compiled_as_a_whole
+from offloadkit.transfer.timeline import StepTimeline, TimelineListener
 
 __all__ = ["get_act_offloading_ctx_manager", "get_lora_act_offloading_ctx_manager", "attach_head", "attach_to_forward"]
 
 
-def _eager(hook):
-    """A module hook that runs eagerly inside a compiled model: its bookkeeping (the step,
-    the tail mark, backward prehooks) is Python state that guards would otherwise watch,
-    recompiling the model at every step."""
-    return torch.compiler.disable(hook)
+class _WholeModel(TimelineListener):
+    """A whole-model manager's part in the step's timeline: each forward is a new step; the
+    head settles in-flight copies before it runs (the logits allocation does not stack on
+    activations still being copied), keeps what follows it (the loss) on the device, and
+    backward starts prefetching when it reaches the head.
+
+    The head's own saved input is offloaded like any activation: at the loss's memory peak it
+    would otherwise sit on the device, and it comes back while the head's backward starts."""
+
+    def __init__(self, manager: OffloadActivations) -> None:
+        self.manager = manager
+
+    def forward_start(self, module, args) -> None:
+        self.manager.forward_pre_hook(module, args)
+
+    def forward_end(self, module, output) -> None:
+        self.manager.forward_post_hook(module, (), output)
+
+    def head_start(self) -> None:
+        self.manager.flush()
+
+    def head_end(self, output):
+        step = self.manager.current_step()
+        self.manager.mark_tail()
+        if step is None:
+            return None
+        return lambda: self.manager.begin_backward(step)
+
+
+class _HeadOnly(_WholeModel):
+    def forward_start(self, module, args) -> None:
+        pass
+
+    def forward_end(self, module, output) -> None:
+        pass
 
 
 def attach_head(manager: OffloadActivations, head: nn.Module) -> None:
-    """Wire the output head: in-flight copies are settled before it runs, everything saved
-    after it (the loss over its logits) stays on the device, and backward starts
-    prefetching when it reaches the head. Hooks are detached by ``manager.remove()``.
-
-    The head's own saved input is offloaded like any activation: at the loss's memory peak
-    it would otherwise sit on the device, and it comes back while the head's backward starts.
-    """
-
-    def pre_hook(module, args):
-        manager.flush()
-
-    def post_hook(module, args, output):
-        step = manager.current_step()
-        manager.mark_tail()
-        grad_fn = first_grad_fn(output)
-        if grad_fn is not None and step is not None:
-            grad_fn.register_prehook(lambda grad_outputs: manager.begin_backward(step))
-
-    manager.add_hook_handle(head.register_forward_pre_hook(_eager(pre_hook)))
-    manager.add_hook_handle(head.register_forward_hook(_eager(post_hook)))
+    """Wire the output head alone (:func:`get_act_offloading_ctx_manager` wires it with the
+    model): in-flight copies are settled before it runs, everything saved after it (the loss
+    over its logits) stays on the device, and backward starts prefetching when it reaches the
+    head. Hooks are detached by ``manager.remove()``."""
+    timeline = StepTimeline(head=head)
+    timeline.subscribe(_HeadOnly(manager))
+    manager.add_hook_handle(timeline)
 
 
 def get_act_offloading_ctx_manager(
@@ -65,6 +82,7 @@ def get_act_offloading_ctx_manager(
     head: nn.Module | None = None,
     exclude: Iterable[nn.Module] = (),
     exclude_liger: bool = True,
+    timeline: StepTimeline | None = None,
     **engine_kwargs,
 ) -> OffloadActivations:
     """An :class:`OffloadActivations` wired to ``model``.
@@ -78,6 +96,8 @@ def get_act_offloading_ctx_manager(
         exclude: further modules whose saved tensors stay on the device.
         exclude_liger: keep modules whose class name contains "Liger" (fused loss
             kernels) on the device.
+        timeline: the :class:`~offloadkit.transfer.StepTimeline` of ``model`` to act on,
+            shared with layer streaming (its head is the head); None: one of its own.
         **engine_kwargs: forwarded to :class:`OffloadActivations` (``prefetch``,
             ``host_budget_bytes``, ``offload_cpu_tensors``, ...).
 
@@ -98,29 +118,33 @@ def get_act_offloading_ctx_manager(
     exclude = check_modules(head, exclude)
     if compiled_as_a_whole(model):
         warnings.warn(f"offloadkit: {WHOLE_MODEL_COMPILE_NOTE}", UserWarning, stacklevel=2)
+    base = unwrap_model(model)
+    if timeline is None:
+        timeline = StepTimeline(model, head=head if head is not None else find_output_head(base))
+        owned = True
+    else:
+        timeline.check_head(head, "get_act_offloading_ctx_manager")
+        owned = False
     manager = OffloadActivations(
         use_pin_memory=use_pin_memory,
         use_streams=use_streams,
         min_offload_size=min_offload_size,
         max_fwd_stash_size=max_fwd_stash_size,
+        timeline=timeline,
         **engine_kwargs,
     )
     manager.track(model)
-    base = unwrap_model(model)
-    manager.add_hook_handle(model.register_forward_pre_hook(_eager(manager.forward_pre_hook)))
-    manager.add_hook_handle(model.register_forward_hook(_eager(manager.forward_post_hook), always_call=True))
-    head = head if head is not None else find_output_head(base)
-    if head is None:
-        if warn_if_no_head:
-            warnings.warn(
-                "offloadkit: no output head found (looked for get_output_embeddings(), lm_head, "
-                "output, head); the logits and loss will be offloaded too, which is slow. Pass "
-                "head=<module> or warn_if_no_head=False.",
-                UserWarning,
-                stacklevel=2,
-            )
-    else:
-        attach_head(manager, head)
+    manager.add_hook_handle(timeline.subscribe(_WholeModel(manager)))
+    if owned:
+        manager.add_hook_handle(timeline)
+    if timeline.head is None and warn_if_no_head:
+        warnings.warn(
+            "offloadkit: no output head found (looked for get_output_embeddings(), lm_head, "
+            "output, head); the logits and loss will be offloaded too, which is slow. Pass "
+            "head=<module> or warn_if_no_head=False.",
+            UserWarning,
+            stacklevel=2,
+        )
     for module in exclude:
         manager.exclude(module)
     if exclude_liger:
@@ -168,33 +192,37 @@ class _ForwardAttachment:
         self._handles = []
 
 
+class _EnterEachForward(TimelineListener):
+    """Enter the manager around each training forward; it exits even when forward raises
+    (the timeline's forward end always runs), so the hooks never stay pushed."""
+
+    def __init__(self, manager: OffloadActivations) -> None:
+        self.manager = manager
+        self.entered: list[bool] = []
+
+    def forward_start(self, module, args) -> None:
+        enter = module.training and torch.is_grad_enabled()
+        if enter:
+            self.manager.__enter__()
+        self.entered.append(enter)
+
+    def forward_end(self, module, output) -> None:
+        if self.entered and self.entered.pop():
+            self.manager.__exit__(None, None, None)
+
+
 def attach_to_forward(manager: OffloadActivations, model: nn.Module) -> _ForwardAttachment:
     """Enter ``manager`` around every training forward of ``model`` (grad enabled, training
     mode), for code paths where the step cannot be wrapped in ``with manager:``.
-
-    The post-hook runs even when forward raises, so the hooks never stay pushed.
 
     Example:
         >>> handle = attach_to_forward(get_act_offloading_ctx_manager(model), model)
         >>> trainer.train()  # any loop; backward runs outside the hooks as usual
         >>> handle.remove()
     """
-    entered = []
-
-    def pre(module, args):
-        if module.training and torch.is_grad_enabled():
-            manager.__enter__()
-            entered.append(True)
-        else:
-            entered.append(False)
-
-    def post(module, args, output):
-        if entered and entered.pop():
-            manager.__exit__(None, None, None)
-
-    return _ForwardAttachment(
-        [
-            model.register_forward_pre_hook(_eager(pre)),
-            model.register_forward_hook(_eager(post), always_call=True),
-        ]
-    )
+    # On the manager's own timeline when it has one on this model: entering follows its step
+    # start, and the exit comes after the pop of a forward on another thread.
+    owned = manager.timeline.model is not model
+    timeline = StepTimeline(model) if owned else manager.timeline
+    handles = [timeline.subscribe(_EnterEachForward(manager))]
+    return _ForwardAttachment(handles + [timeline] if owned else handles)

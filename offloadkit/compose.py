@@ -26,10 +26,11 @@ from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.config import OffloadConfig
 from offloadkit.layers import apply_layer_streaming
 from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
-from offloadkit.models.heads import unwrap_model
+from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.storage import DiskOptions, HostMemoryBudget
 from offloadkit.transfer.prefetch import PrefetchScheduler
+from offloadkit.transfer.timeline import StepTimeline
 
 if TYPE_CHECKING:
     from offloadkit.checkpointing.apply import CheckpointedBlocks
@@ -73,6 +74,9 @@ class OffloadRuntime:
         # The one look-ahead over the link: activations, streamed weights and an optimizer
         # built with scheduler=runtime.scheduler fetch ahead within its window.
         self.scheduler = PrefetchScheduler(config.prefetch_window_bytes)
+        # The one set of step hooks those clients act on; made once checkpointing has wrapped
+        # the blocks (see prepare()).
+        self.timeline: StepTimeline | None = None
         self.notes: list[str] = list(config._warnings)
 
     def context(self):
@@ -138,6 +142,9 @@ class OffloadRuntime:
         if self.checkpointing is not None:
             self.checkpointing.remove()
             self.checkpointing = None
+        if self.timeline is not None:
+            self.timeline.remove()
+            self.timeline = None
         for name in ("tiled_mlp", "chunked_loss"):
             handle = getattr(self, name)
             if handle is not None:
@@ -298,6 +305,14 @@ def prepare(
             )
 
     budget = HostMemoryBudget(config.host_budget_bytes, config.host_min_free_bytes)
+
+    def timeline() -> StepTimeline:
+        # Made after checkpointing: a failed forward closes its stale region (whose saved-tensor
+        # hooks are on top of the stack) before the manager's forward end pops its own.
+        if runtime.timeline is None:
+            runtime.timeline = StepTimeline(model, head=find_output_head(unwrap_model(model)))
+        return runtime.timeline
+
     if mode:
         if mode in (True, "legacy") and not cuda:
             runtime._note(
@@ -325,6 +340,7 @@ def prepare(
                     disk=disk,
                     offload_cpu_tensors=not cuda,
                     scheduler=runtime.scheduler,
+                    timeline=timeline(),
                 )
 
     if runtime.checkpointing is not None and runtime.manager is not None:
@@ -350,6 +366,7 @@ def prepare(
                     trainable=config.optimizer_offloading,
                     scheduler=runtime.scheduler,
                     disk_dir=config.layer_offloading_dir,
+                    timeline=timeline(),
                 )
                 if runtime.checkpointing is not None and runtime.checkpointing.recompute_inputs:
                     # A replayed region runs blocks backward has not reached yet: load them first.

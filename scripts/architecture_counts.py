@@ -16,6 +16,9 @@ so a new side stream or a second copy of the copy choreography shows up here:
   load (a call named ``fetch``, ``load``, ``_queue_in`` or ``prefetch...``, with or without a
   leading underscore) and stops on a condition (``break``/``return`` inside it), whatever the
   method is called;
+- step-timeline hook sites outside ``transfer/timeline.py``: calls that arm a backward point
+  (a grad_fn ``register_prehook``) or queue an end-of-backward callback
+  (``queue_engine_callback``): each transfer client must get them from the one timeline;
 - product modules importing the test helpers (``offloadkit.testing``).
 
 The test helpers themselves (``offloadkit/testing``) are not product code and are skipped.
@@ -134,6 +137,17 @@ def _prefetchers(tree: ast.AST) -> list[str]:
     return out
 
 
+def _timeline_hooks(path: str, tree: ast.AST) -> int:
+    if path.endswith(os.path.join("transfer", "timeline.py")):
+        return 0
+    return sum(
+        1
+        for n in ast.walk(tree)
+        if _is_call_to(n, "register_prehook")
+        or (isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", "")) == "queue_engine_callback")
+    )
+
+
 def _imports_testing(tree: ast.AST) -> bool:
     for n in ast.walk(tree):
         if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("offloadkit.testing"):
@@ -151,6 +165,7 @@ def counts(root: str) -> dict:
         "keep/offload decision sites outside engine/decide.py": [],
         "copies of the copy choreography": [],
         "prefetch schedulers": [],
+        "step-timeline hook sites outside transfer/timeline.py": [],
         "product modules importing test helpers": [],
     }
     for path, tree in _modules(root):
@@ -161,6 +176,7 @@ def counts(root: str) -> dict:
             found["keep/offload decision sites outside engine/decide.py"].append(path)
         found["copies of the copy choreography"] += [f"{path}:{name}" for name in _choreographies(tree)]
         found["prefetch schedulers"] += [f"{path}:{name}" for name in _prefetchers(tree)]
+        found["step-timeline hook sites outside transfer/timeline.py"] += [path] * _timeline_hooks(path, tree)
         if _imports_testing(tree):
             found["product modules importing test helpers"].append(path)
     return {k: {"count": len(v), "where": v} for k, v in found.items()}

@@ -34,9 +34,9 @@ from offloadkit.defaults import BLOCK_INPUT_PLACES
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
-from offloadkit.runtime.autograd import first_grad_fn
 from offloadkit.runtime.compiled import compiled_as_a_whole
 from offloadkit.runtime.regions import checkpoint_region
+from offloadkit.transfer.timeline import TimelineListener
 
 __all__ = ["apply_activation_checkpointing", "CheckpointedBlocks"]
 
@@ -70,6 +70,8 @@ class CheckpointedBlocks:
                 self._region_end[index] = end
         self._region = None  # the open region: (context manager, its last block, recorded calls)
         self._forward_hook = None
+        self._timeline_handles: list = []
+        self._index_of: dict[int, int] = {}  # id(block) -> its index in self.blocks
         self.offloader = offloader
         self._owns_offloader = owns_offloader
         self._context_fn = context_fn
@@ -95,6 +97,14 @@ class CheckpointedBlocks:
             wrapper = functools.partial(self._run, index, block, original)
             block.forward = wrapper
             block.__dict__[_MARK] = wrapper
+        if self.offloader is not None:
+            # Backward reaching a block's output brings the inputs of the blocks before it.
+            timeline = self.offloader.timeline
+            self._index_of = {id(block): index for index, (_, block) in enumerate(self.blocks)}
+            self._timeline_handles = [
+                timeline.watch_blocks(block for _, block in self.blocks),
+                timeline.subscribe(_InputsBackward(self)),
+            ]
         if self._region_end:
             # Also when the forward raises: a region left open would keep its saved-tensor hooks
             # on this thread, and any other model's forward would save into it.
@@ -125,6 +135,9 @@ class CheckpointedBlocks:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
+        for handle in self._timeline_handles:
+            handle.remove()
+        self._timeline_handles = []
         for _, block in self.blocks:
             if block.__dict__.get(_MARK) is not None and block.__dict__.get("forward") is block.__dict__[_MARK]:
                 del block.forward
@@ -242,7 +255,6 @@ class CheckpointedBlocks:
             self._region = None
             region.__exit__(None, None, None)
             capture.__exit__(None, None, None)
-        self._after_block(index, out)
         return out
 
     def register_replay_hook(self, hook: Callable[[nn.Module], None]) -> RemovableHandle:
@@ -269,16 +281,19 @@ class CheckpointedBlocks:
             args, kw = (flat, rest) if n == 0 else ((hidden, *more), kwargs)
             hidden = first_tensor(checkpoint(original, *args, use_reentrant=False, **self._selective(), **kw))
 
-    def _after_block(self, index: int, out) -> None:
-        if self.offloader is None:
-            return
-        grad_fn = first_grad_fn(out)
+    def _after_block(self, block: nn.Module, out):
+        """What backward does on reaching ``block``'s output: start bringing the inputs of
+        the blocks before it (None outside a training forward with our offloader)."""
+        index = self._index_of.get(id(block))
+        if index is None or not (torch.is_grad_enabled() and block.training) or self.offloader is None:
+            return None
         step = self.offloader.current_step()
-        if grad_fn is not None and step is not None:
-            # When backward reaches this block, the inputs of the blocks before it start coming back.
-            grad_fn.register_prehook(lambda grad_outputs: self.offloader.begin_backward(step))
         if index == len(self.blocks) - 1:
             self.offloader.flush()  # nothing of ours stays in flight into the loss
+        if step is None:
+            return None
+        offloader = self.offloader
+        return lambda: offloader.begin_backward(step)
 
     def _run_block(self, index: int, block: nn.Module, original: Callable, args: tuple, kwargs: dict):
         if index == 0 and self.offloader is not None:
@@ -303,7 +318,6 @@ class CheckpointedBlocks:
         finally:
             if outer is not None:
                 outer.keep_exit()
-        self._after_block(index, out)
         return out
 
 
@@ -400,3 +414,13 @@ def _from_placement(placement: Sequence[str], blocks: int, recompute_inputs: Ite
     kept_last = len(list(itertools.takewhile(lambda p: p == "gpu", reversed(placement))))
     places = [p if p != "recompute" else None for p in placement]
     return places, kept_last, [i for i, p in enumerate(placement) if p == "recompute"]
+
+
+class _InputsBackward(TimelineListener):
+    """Checkpoint-input offload's part in its engine's timeline."""
+
+    def __init__(self, handle: CheckpointedBlocks) -> None:
+        self.handle = handle
+
+    def block_end(self, block, output):
+        return self.handle._after_block(block, output)

@@ -19,10 +19,11 @@ import torch
 from offloadkit.engine.prefetch import PrefetchPlanner, Step
 from offloadkit.engine.spans import Entry, Kept, Packed
 from offloadkit.engine.stats import OffloadStats, WaitClock
-from offloadkit.runtime.autograd import current_graph_task, queue_engine_callback
+from offloadkit.runtime.autograd import current_graph_task
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import order_after
 from offloadkit.transfer.prefetch import Ahead, Lane, PrefetchScheduler, Status
+from offloadkit.transfer.timeline import StepTimeline
 
 __all__ = ["BackwardPath"]
 
@@ -41,6 +42,7 @@ class BackwardPath:
     prefetch_bytes: int | None
     scheduler: PrefetchScheduler
     _lane: Lane
+    timeline: StepTimeline
 
     def _drain(self) -> None:  # the engine processes handles autograd released
         raise NotImplementedError
@@ -100,8 +102,7 @@ class BackwardPath:
         if self._planner.begin_pass(step, task):
             self.stats.replayed_passes += 1
         self._passes[step.id] = step
-        if task is not None:
-            queue_engine_callback(lambda: self._end_backward(step, task))
+        self.timeline.ensure_backward_end()  # -> _end_backward(task)
         # Sources still on the device are the newest entries: backward needs them first.
         for entry in [e for e in self._stash if e.step is step]:
             self._stash.remove(entry)
@@ -118,9 +119,9 @@ class BackwardPath:
         else:
             step.window_bytes = self.prefetch_bytes
 
-    def _end_backward(self, step: Step, task: int) -> None:
+    def _end_backward(self, task: int) -> None:
         with self._lock:
-            if self._passes.get(step.id) is step and step.task == task:
+            for step in [s for s in self._passes.values() if s.task == task]:
                 self._finish_pass(step)
 
     def _finish_pass(self, step: Step) -> None:

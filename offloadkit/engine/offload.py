@@ -39,6 +39,7 @@ from offloadkit.runtime.device import accelerator_available
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.factory import build_tier
 from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler
+from offloadkit.transfer.timeline import StepTimeline, TimelineListener
 
 __all__ = ["OffloadActivations"]
 
@@ -79,6 +80,9 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         scheduler: the :class:`~offloadkit.transfer.PrefetchScheduler` whose window the
             look-ahead runs in, shared with layer streaming and optimizer state
             (:func:`~offloadkit.prepare` passes one); None: one of its own.
+        timeline: the :class:`~offloadkit.transfer.StepTimeline` that reports the ends of
+            backward (and, wired by :func:`~offloadkit.get_act_offloading_ctx_manager`, the
+            step's forward and head); shared with layer streaming. None: one of its own.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU())
@@ -107,6 +111,7 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         offload_cpu_tensors: bool = False,
         measure_waits: bool = True,
         scheduler: PrefetchScheduler | None = None,
+        timeline: StepTimeline | None = None,
     ) -> None:
         check_args(
             use_pin_memory=use_pin_memory,
@@ -142,6 +147,13 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         self.prefetch = tier.default_prefetch if prefetch is None else prefetch
         self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
         self._lane = self.scheduler.lane("activations", self._fetch_ahead, Ahead(groups=self.prefetch))
+        if timeline is not None and not isinstance(timeline, StepTimeline):
+            raise ValueError(f"timeline={timeline!r} is invalid; pass a transfer.StepTimeline or None")
+        # Where backward passes end (and, once wired to a model, where the step is): a bare
+        # manager's own timeline hooks nothing and only reports the ends of backward.
+        self.timeline = timeline if timeline is not None else StepTimeline()
+        # Kept past close(): a graph saved before it may still be in backward.
+        self.timeline.subscribe(_PassEnds(self))
         self.stats = OffloadStats()
         self._clock = WaitClock(measure_waits and accelerator_available())
 
@@ -528,3 +540,13 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             self.close()
         except Exception:
             pass
+
+
+class _PassEnds(TimelineListener):
+    """The engine's part in every timeline: passes end with their backward."""
+
+    def __init__(self, manager: OffloadActivations) -> None:
+        self.manager = manager
+
+    def backward_end(self, task: int) -> None:
+        self.manager._end_backward(task)

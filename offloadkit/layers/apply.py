@@ -11,6 +11,7 @@ from offloadkit.layers.streaming import LayerStreamer
 from offloadkit.models.blocks import find_blocks
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.transfer.prefetch import PrefetchScheduler
+from offloadkit.transfer.timeline import StepTimeline
 
 __all__ = ["apply_layer_streaming"]
 
@@ -45,6 +46,7 @@ def apply_layer_streaming(
     trainable: bool = False,
     scheduler: PrefetchScheduler | None = None,
     disk_dir: str | None = None,
+    timeline: StepTimeline | None = None,
 ) -> LayerStreamer:
     """Stream the weights of ``model``'s blocks (decoder layers) from pinned host memory.
 
@@ -70,6 +72,9 @@ def apply_layer_streaming(
             private directory made here, read back through pinned staging buffers on I/O
             threads (trainable ones need updates in backward; see
             :mod:`offloadkit.layers.weight_files`); None: a refusal is an error.
+        timeline: the :class:`~offloadkit.transfer.StepTimeline` whose points (forward start,
+            the blocks, the head, the end of backward) drive the streaming, shared with
+            activation offloading (None: one of its own on ``model`` and ``head``).
 
     Returns:
         The :class:`LayerStreamer`; ``streamer.remove()`` restores the model.
@@ -93,4 +98,5 @@ def apply_layer_streaming(
         trainable=trainable,
         scheduler=scheduler,
         disk_dir=disk_dir,
+        timeline=timeline,
     )

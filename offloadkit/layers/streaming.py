@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
+from typing import Callable
 
 import torch
 from torch import nn
@@ -45,11 +46,12 @@ from offloadkit.layers.flat import FlatWeights, order_after_write_back, streamab
 from offloadkit.layers.stats import StreamStats
 from offloadkit.layers.weight_files import WeightFiles
 from offloadkit.models.heads import find_output_head, unwrap_model
-from offloadkit.runtime.autograd import current_graph_task, first_grad_fn, in_backward, queue_engine_callback
+from offloadkit.runtime.autograd import in_backward
 from offloadkit.storage.base import order_after
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
 from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler, Status
+from offloadkit.transfer.timeline import StepTimeline, TimelineListener
 
 __all__ = ["LayerStreamer"]
 
@@ -75,6 +77,7 @@ class LayerStreamer:
         trainable: bool = False,
         scheduler: PrefetchScheduler | None = None,
         disk_dir: str | None = None,
+        timeline: StepTimeline | None = None,
     ) -> None:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth={depth!r} is invalid; it is the number of resident layers, an int >= 1")
@@ -93,7 +96,6 @@ class LayerStreamer:
         self._clock_stats = OffloadStats()
         self._lock = threading.RLock()
         self._handles: list = []
-        self._bwd_task: int | None = None  # graph task whose end-of-backward callback is queued
         if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
             raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
@@ -135,32 +137,37 @@ class LayerStreamer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # return the blocks of the original weights
-        self._handles.append(model.register_forward_pre_hook(lambda *_: self._forward_start()))
-        head = head if head is not None else find_output_head(model)
-        if head is not None:
-            self._handles.append(head.register_forward_hook(self._head_post_hook))
+        # The step's points (forward start, the blocks, the head, the end of backward) come
+        # from one timeline, shared with the run's other clients when given.
+        if timeline is None:
+            timeline = StepTimeline(model, head=head if head is not None else find_output_head(model))
+            self._handles.append(timeline)
+        else:
+            timeline.check_head(head, "layer streaming")
+        self.timeline = timeline
+        self._handles.append(timeline.watch_blocks(block for _, block in blocks if id(block) in self._index_of))
+        self._handles.append(timeline.subscribe(_Events(self)))
+
+    # -- the step's points ------------------------------------------------------------------
+    def _block_start(self, block: nn.Module) -> None:
+        index = self._index_of.get(id(block))
+        if index is None:
+            return  # a block of another client
+        with self._lock:
+            self._ensure(index)  # in backward: a recompute, its backward trigger already loaded it
+            if not in_backward():
+                self._look_ahead(range(index, len(self.layers)))
+
+    def _block_end(self, block: nn.Module, output) -> Callable[[], None] | None:
+        index = self._index_of.get(id(block))
+        if index is None or in_backward():
+            return None  # a recompute: the block's backward still needs the weights
+        with self._lock:
+            self._evict(self.layers[index])
+        return lambda: self._backward_reached(index)
 
     # -- hooks ---------------------------------------------------------------------------
     def _hook_block(self, index: int, block: nn.Module) -> None:
-        def pre(module, args):
-            with self._lock:
-                if in_backward():
-                    self._ensure(index)  # recompute: the backward trigger already loaded it
-                    return
-                self._ensure(index)
-                self._look_ahead(range(index, len(self.layers)))
-
-        def post(module, args, output):
-            with self._lock:
-                if in_backward():
-                    return  # recompute: the block's backward still needs the weights
-                self._evict(self.layers[index])
-            grad_fn = first_grad_fn(output)
-            if grad_fn is not None:
-                grad_fn.register_prehook(lambda grad_outputs: self._backward_reached(index))
-
-        self._handles.append(block.register_forward_pre_hook(pre))
-        self._handles.append(block.register_forward_hook(post, always_call=True))
         # Reading or loading the weights where they rest waits for write-backs a failed
         # backward left in flight (a finished one ordered them already).
         self._handles.append(block.register_state_dict_pre_hook(lambda *_: self._order_after_write_backs()))
@@ -227,19 +234,12 @@ class LayerStreamer:
             self._order_after_write_backs()
             self._look_ahead(range(len(self.layers)))
 
-    def _head_post_hook(self, module, args, output) -> None:
-        grad_fn = first_grad_fn(output)
-        if grad_fn is not None:
-            grad_fn.register_prehook(lambda grad_outputs: self._backward_start())
-
     def _backward_start(self) -> None:
         with self._lock:
-            self._queue_end_callback()
             self._look_ahead(range(len(self.layers) - 1, -1, -1))
 
     def _backward_reached(self, index: int) -> None:
         with self._lock:
-            self._queue_end_callback()
             for j, layer in enumerate(self.layers):
                 if j > index and layer.resident:
                     self._evict(layer)  # their backward is finished
@@ -254,27 +254,17 @@ class LayerStreamer:
         if index is None:
             return  # nothing of this block is streamed
         with self._lock:
-            self._queue_end_callback()  # the end of this backward evicts it
+            self.timeline.ensure_backward_end()  # the end of this backward evicts it
             if not self.layers[index].resident:
                 self.stats.replay_loads += 1
                 self._load(self.layers[index])
             self._ensure(index)
-
-    def _queue_end_callback(self) -> None:
-        # Keyed by graph task, not a flag: a backward that raised never runs its callback,
-        # and the next pass must still queue its own.
-        task = current_graph_task()
-        if task is None or task == self._bwd_task:
-            return
-        if queue_engine_callback(self._end_backward):
-            self._bwd_task = task
 
     def _end_backward(self) -> None:
         with self._lock:
             for layer in self.layers:
                 self._evict(layer)
             self._order_after_write_backs()
-            self._bwd_task = None
             self._clock.collect(self._clock_stats)
             self.stats.wait_seconds = self._clock_stats.wait_seconds
 
@@ -359,6 +349,28 @@ class LayerStreamer:
                 self.files.close()
                 self.files = None
             self._lane.close()
+
+
+class _Events(TimelineListener):
+    """The streamer's part in the step's timeline."""
+
+    def __init__(self, streamer: LayerStreamer) -> None:
+        self.streamer = streamer
+
+    def forward_start(self, module, args) -> None:
+        self.streamer._forward_start()
+
+    def block_start(self, block) -> None:
+        self.streamer._block_start(block)
+
+    def block_end(self, block, output):
+        return self.streamer._block_end(block, output)
+
+    def head_end(self, output):
+        return self.streamer._backward_start
+
+    def backward_end(self, task: int) -> None:
+        self.streamer._end_backward()
 
 
 class _AttrHandle:

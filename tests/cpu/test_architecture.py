@@ -26,3 +26,4 @@ def test_one_transfer_layer_one_decision_module_no_test_helpers_in_the_product()
     assert counts["product modules importing test helpers"]["count"] == 0, counts
     assert counts["files that mutate an Entry"]["where"] == ["offloadkit/engine/spans.py"]
     assert counts["prefetch schedulers"]["where"] == ["offloadkit/transfer/prefetch.py:PrefetchScheduler"]
+    assert counts["step-timeline hook sites outside transfer/timeline.py"]["count"] == 0, counts
