@@ -170,19 +170,31 @@ def _build_deepspeed(shape: str, stage: int):
 
 
 def _build_planned(shape: str, args) -> tuple:
+    from dataclasses import replace
+
     from offloadkit.compose import prepare
     from offloadkit.optim import BackwardAdamW
-    from offloadkit.planning import Budgets, longest_sequence, plan
+    from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, longest_sequence, plan
+    from offloadkit.planning.memory import region_length
+    from offloadkit.planning.shape import resolve_shape
 
     gpu, host, disk = (int(float(x) * _GiB) for x in args.budgets.split(","))
     budgets = Budgets(gpu, host, disk)
     seq = args.seq_len or longest_sequence(shape, lora_rank=0, budgets=budgets).longest
     precision = args.precision
     full = plan(shape, seq, lora_rank=0, budgets=budgets, optimizer_precision=precision)
-    here = plan(shape, seq, lora_rank=0, budgets=budgets, optimizer_precision=precision, layers=args.layers)
+    # The GPU side at reduced depth holds what the full plan holds at its peak: the last
+    # block's input on the GPU and the longest run of blocks one kept input replays.
+    replayed = region_length(full.placement)
+    layers = max(args.layers, replayed + 1) if replayed > 1 else args.layers
+    w = Workload(resolve_shape(shape, layers), seq, 1, 0, optimizer_precision=precision)
+    f = replace(full.features, ram_blocks=None, recompute_blocks=replayed - 1)
+    memory = estimate_memory(w, f)
+    predicted = estimate_time(w, f, budgets.rates, memory.block_placement)
     config = dict(full.to_config(), gpu_budget_bytes=gpu, disk_dir=args.disk_dir)
+    config["block_input_placement"] = tuple(memory.block_placement)
     model = build_llama(
-        shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa", num_hidden_layers=args.layers
+        shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa", num_hidden_layers=layers
     )
     model.config.use_cache = False
     model.train()
@@ -199,14 +211,16 @@ def _build_planned(shape: str, args) -> tuple:
 
     info = {
         "seq_len": seq,
-        "layers": args.layers,
+        "layers": layers,
         "precision": precision,
+        "placement_full_depth": list(full.placement),
         "budgets_gib": args.budgets,
         "config": {k: v for k, v in config.items() if v is not None},
         "fits": full.fits,
-        "predicted_step_s": here.time.seconds,
+        "predicted_step_s": predicted.seconds,
         "predicted_full_depth_step_s": full.time.seconds,
-        "predicted_gpu_gib": here.memory.gpu_reserved / _GiB,
+        "predicted_gpu_gib": memory.gpu_reserved / _GiB,
+        "predicted_full_depth_gpu_gib": full.memory.gpu_reserved / _GiB,
         "optimizer": f"BackwardAdamW({precision})",
     }
     return step, info, seq
@@ -360,9 +374,11 @@ def main() -> None:
             with open(os.path.join(args.out, "full-ft-peers.json"), "w") as f:
                 json.dump(records, f, indent=1)
     head = (
-        f"# Full fine-tune, fp32 master weights, one GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"{args.seq_len} tokens a step, median of {args.steps} steps after {args.warmup} warm-ups\n\n"
-        f"Command: `python benchmarks/full_ft_peers.py --shapes {args.shapes} --seq-len {args.seq_len}`."
+        f"# Full fine-tune, one GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"{args.seq_len or 'the planned'} tokens a step, median of {args.steps} steps after {args.warmup} warm-ups; "
+        f"fp32 master weights in the peers' and offloadkit's modes, optimizer_precision {args.precision} in "
+        f"offloadkit_plan{' and the offloadkit modes' if args.ours_params else ''}\n\n"
+        f"Command: `python {' '.join(sys.argv)}`."
     )
     text = _table(records, head)
     with open(os.path.join(args.out, "full-ft-peers.md"), "w") as f:
