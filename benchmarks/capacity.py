@@ -2,8 +2,9 @@
 in its own process (a CUDA OOM or a hung probe cannot poison the next), beside the
 planner's prediction of its peak and step time.
 
-Modes:
-  hf_ckpt     Hugging Face gradient checkpointing (non-reentrant), the model's own loss.
+Modes (the entries of the one mode table, ``offloadkit/bench/modes.py``; ``hf_ckpt`` is
+still read as ``ckpt``):
+  ckpt        Hugging Face gradient checkpointing (non-reentrant), the model's own loss.
   everything  offloadkit checkpointing + block inputs offloaded (tiered: pinned RAM up to
               the host budget, then disk) + frozen-layer streaming + chunked loss + tiled MLP.
   in_gpu      everything's checkpointing, chunked loss and tiling with nothing offloaded or
@@ -17,7 +18,7 @@ time is predicted from the planner's step-time model; probes that would not fit 
 left are skipped and say so.
 
   PYTHONPATH=$PWD python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 \\
-      --probes "hf_ckpt:16384:32:1:2;everything:16384:32:1:2" --budget-s 400 --out results/
+      --probes "ckpt:16384:32:1:2;everything:16384:32:1:2" --budget-s 400 --out results/
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import sys
 import threading
 import time
 
+from offloadkit.bench.modes import MODES, PROBE_MODES
+
 GiB = float(1 << 30)
 # Seconds a probe spends outside its steps: interpreter, imports, building the model on the
 # GPU, PEFT wrapping, pinning streamed weights. Assumed for the 8B shape at full depth
@@ -39,7 +42,7 @@ SETUP_S_FLOOR = 8.0
 # Measured steps run slower than the planner's model predicts in the first step (kernel
 # selection, allocator growth): time budgets use this margin. Assumed.
 TIME_MARGIN = 1.3
-MODES = ("hf_ckpt", "everything", "in_gpu", "auto")
+ALIASES = {"hf_ckpt": "ckpt"}  # the name this script used before the one mode table
 
 
 # --------------------------------------------------------------------------- planning side
@@ -53,7 +56,7 @@ def _features(mode: str, workload, host_budget: int):
     from offloadkit.storage.pool import size_class
 
     w = workload
-    if mode == "hf_ckpt":
+    if mode == "ckpt":
         return Features(checkpointing=True)
     if mode == "in_gpu":
         return Features(
@@ -155,44 +158,11 @@ def run_probe(spec: dict) -> dict:
         model = apply_lora(model, rank=spec["lora_rank"])
     model.train()
     runtime = None
-    if mode == "hf_ckpt":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    setup = MODES[mode]
+    if setup.config is None:
+        setup.enable(model, None)  # an in-process mode (ckpt: Hugging Face checkpointing)
     else:
-        if mode == "everything":
-            p = spec["predicted"]
-            config = {
-                "gradient_checkpointing": True,
-                "activation_offloading": "disk",
-                "disk_tiering": True,
-                "host_budget_bytes": spec["host_budget"],
-                "layer_offloading": True,
-                "activation_loading_horizon": (
-                    p["horizon"] if p.get("horizon") is not None else 4 if "d" in p["placement"] else 2
-                ),
-                "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
-                "chunked_cross_entropy": True,
-                "chunked_cross_entropy_num_chunks": p["loss_chunks"],
-                "tiled_mlp": p["mlp_shards"] > 1,
-                "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None,
-            }
-            dropped = tuple(i for i, c in enumerate(p["placement"]) if c == "x")
-            if dropped:
-                config["recompute_block_inputs"] = dropped
-            if spec.get("disk_dir"):
-                config["disk_dir"] = spec["disk_dir"]
-        elif mode == "in_gpu":
-            p = spec["predicted"]
-            config = {
-                "gradient_checkpointing": True,
-                "activation_offloading": False,
-                "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
-                "chunked_cross_entropy": True,
-                "chunked_cross_entropy_num_chunks": p["loss_chunks"],
-                "tiled_mlp": p["mlp_shards"] > 1,
-                "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None,
-            }
-        else:
-            config = {"offload_plan": "auto", "seq_len": seq, "host_budget_bytes": spec["host_budget"]}
+        config = setup.config({**spec, "seq_len": seq})
         runtime = prepare(model, config)
         out["config"] = {k: v for k, v in runtime.config.to_dict().items() if v not in (None, False)}
     params = [q for q in model.parameters() if q.requires_grad]
@@ -254,9 +224,10 @@ def _parse(probes: str, default_warmup: int, default_steps: int) -> list[list[di
         alts = []
         for alt in group.split("|"):
             parts = alt.split(":")
-            if len(parts) < 3 or parts[0] not in MODES:
+            parts[0] = ALIASES.get(parts[0], parts[0])
+            if len(parts) < 3 or parts[0] not in PROBE_MODES:
                 raise SystemExit(
-                    f"capacity: probe {alt!r} is not mode:seq_len:layers[:warmup[:steps]] with mode in {MODES}"
+                    f"capacity: probe {alt!r} is not mode:seq_len:layers[:warmup[:steps]] with mode in {PROBE_MODES}"
                 )
             nums = [int(x) for x in parts[1:]]
             alts.append(

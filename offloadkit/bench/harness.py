@@ -130,6 +130,8 @@ def _grad_norm(model) -> float:
 
 def _run_mode(cfg: BenchConfig, model, batch, setup: ModeSetup, ref_loss) -> ModeResult:
     res = ModeResult(setup.name)
+    if setup.enable is None:
+        raise ValueError(f"mode {setup.name!r} has no in-process setup; run it with benchmarks/capacity.py")
     handle = setup.enable(model, cfg)
     try:
         for _ in range(cfg.warmup):

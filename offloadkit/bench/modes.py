@@ -1,4 +1,10 @@
-"""The memory-saving modes the benchmark compares, each enabled and disabled on a model."""
+"""The one table of memory-saving modes the benchmarks compare.
+
+Two harnesses read it: ``offloadkit bench`` (``bench/harness.py``) enables and disables the
+in-process modes on one model side by side; ``benchmarks/capacity.py`` runs one probe per
+process and sets the config-route modes up through :func:`~offloadkit.prepare` with the
+config a mode builds from the planner's prediction for that probe (``ModeSetup.config``).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from offloadkit.layers import apply_layer_streaming
 from offloadkit.models.zoo import LLAMA_SHAPES
 from offloadkit.runtime.device import empty_host_cache
 
-__all__ = ["MODES", "CPU_MODES", "ModeSetup", "ModeHandle", "estimated_activation_bytes"]
+__all__ = ["MODES", "CPU_MODES", "PROBE_MODES", "ModeSetup", "ModeHandle", "estimated_activation_bytes"]
 
 
 @dataclass
@@ -28,9 +34,21 @@ class ModeHandle:
 
 @dataclass
 class ModeSetup:
+    """One mode: how it is set up, and when it cannot run.
+
+    Attributes:
+        name: the mode's name in both harnesses.
+        enable: ``(model, cfg) -> ModeHandle``: set the mode up in-process (None: config route only).
+        skip_reason: ``(cfg) -> str | None``: why it cannot run here.
+        config: ``(probe) -> dict``: the :func:`~offloadkit.prepare` config of a config-route
+            mode for a probe (``seq_len``, ``host_budget``, ``disk_dir`` and ``predicted``: the
+            planner's loss chunks, MLP shards, placement code, horizon, tiled projections).
+    """
+
     name: str
-    enable: Callable  # (model, cfg) -> ModeHandle
-    skip_reason: Callable | None = None  # (cfg) -> str | None
+    enable: Callable | None
+    skip_reason: Callable | None = None
+    config: Callable[[dict], dict] | None = None
 
 
 def _checkpointing(model, on: bool) -> None:
@@ -180,6 +198,50 @@ def _offload_fits(cfg) -> str | None:
     return _needs_host_ram(cfg)
 
 
+def _long_context(p: dict) -> dict:
+    """The chunked loss and the tiling the planner chose for a probe."""
+    return {
+        "tiled_projections": bool(p.get("tiled_projections")) and p["mlp_shards"] > 1,
+        "chunked_cross_entropy": True,
+        "chunked_cross_entropy_num_chunks": p["loss_chunks"],
+        "tiled_mlp": p["mlp_shards"] > 1,
+        "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None,
+    }
+
+
+def _everything_config(probe: dict) -> dict:
+    p = probe["predicted"]
+    horizon = p.get("horizon")
+    config = {
+        "gradient_checkpointing": True,
+        "activation_offloading": "disk",
+        "disk_tiering": True,
+        "host_budget_bytes": probe["host_budget"],
+        "layer_offloading": True,
+        # The planner's horizon; without one, deeper when some inputs come from disk.
+        "activation_loading_horizon": horizon if horizon is not None else 4 if "d" in p["placement"] else 2,
+        **_long_context(p),
+    }
+    dropped = tuple(i for i, c in enumerate(p["placement"]) if c == "x")
+    if dropped:
+        config["recompute_block_inputs"] = dropped
+    if probe.get("disk_dir"):
+        config["disk_dir"] = probe["disk_dir"]
+    return config
+
+
+def _in_gpu_config(probe: dict) -> dict:
+    return {"gradient_checkpointing": True, "activation_offloading": False, **_long_context(probe["predicted"])}
+
+
+def _auto_config(probe: dict) -> dict:
+    return {"offload_plan": "auto", "seq_len": probe["seq_len"], "host_budget_bytes": probe["host_budget"]}
+
+
+def _probe_only(cfg) -> str:
+    return "a planned config-route mode: run it with benchmarks/capacity.py"
+
+
 MODES: dict[str, ModeSetup] = {
     "none": ModeSetup("none", _plain(False)),
     "ckpt": ModeSetup("ckpt", _plain(True)),
@@ -201,5 +263,15 @@ MODES: dict[str, ModeSetup] = {
     "ckpt+input_offload+layer_stream": ModeSetup(
         "ckpt+input_offload+layer_stream", _blocks(True, True), _needs_gpu("layer streaming")
     ),
+    # offloadkit checkpointing + block inputs offloaded (pinned RAM up to the host budget, then
+    # disk, or dropped and replayed where the plan says) + layer streaming + chunked loss + tiled MLP.
+    "everything": ModeSetup("everything", None, _probe_only, _everything_config),
+    # everything's checkpointing, chunked loss and tiling, nothing offloaded or streamed: what
+    # the offloading machinery costs.
+    "in_gpu": ModeSetup("in_gpu", None, _probe_only, _in_gpu_config),
+    # whatever ``offload_plan: auto`` chooses.
+    "auto": ModeSetup("auto", None, _probe_only, _auto_config),
 }
 CPU_MODES = ("none", "ckpt", "ckpt+offload", "offload")
+# The modes benchmarks/capacity.py probes: Hugging Face checkpointing and the config routes.
+PROBE_MODES = ("ckpt", "everything", "in_gpu", "auto")
