@@ -123,7 +123,8 @@ def get_act_offloading_ctx_manager(
         timeline = StepTimeline(model, head=head if head is not None else find_output_head(base))
         owned = True
     else:
-        timeline.check_head(head, "get_act_offloading_ctx_manager")
+        # A timeline made without the model or the head (a bare engine's) gets them.
+        timeline.attach(model, head if head is not None or timeline.head is not None else find_output_head(base))
         owned = False
     manager = OffloadActivations(
         use_pin_memory=use_pin_memory,
@@ -222,7 +223,7 @@ def attach_to_forward(manager: OffloadActivations, model: nn.Module) -> _Forward
     """
     # On the manager's own timeline when it has one on this model: entering follows its step
     # start, and the exit comes after the pop of a forward on another thread.
-    owned = manager.timeline.model is not model
+    owned = manager.timeline.model is not model  # None once the manager's hooks were removed
     timeline = StepTimeline(model) if owned else manager.timeline
     handles = [timeline.subscribe(_EnterEachForward(manager))]
     return _ForwardAttachment(handles + [timeline] if owned else handles)

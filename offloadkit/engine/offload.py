@@ -543,10 +543,13 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
 
 
 class _PassEnds(TimelineListener):
-    """The engine's part in every timeline: passes end with their backward."""
+    """The engine's part in every timeline: passes end with their backward. By weak reference:
+    a timeline that outlives the manager (shared by a run) does not keep it alive."""
 
     def __init__(self, manager: OffloadActivations) -> None:
-        self.manager = manager
+        self.manager = weakref.ref(manager)
 
     def backward_end(self, task: int) -> None:
-        self.manager._end_backward(task)
+        manager = self.manager()
+        if manager is not None:
+            manager._end_backward(task)

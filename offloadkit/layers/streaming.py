@@ -46,7 +46,7 @@ from offloadkit.layers.flat import FlatWeights, order_after_write_back, streamab
 from offloadkit.layers.stats import StreamStats
 from offloadkit.layers.weight_files import WeightFiles
 from offloadkit.models.heads import find_output_head, unwrap_model
-from offloadkit.runtime.autograd import in_backward
+from offloadkit.runtime.autograd import current_graph_task, in_backward
 from offloadkit.storage.base import order_after
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
@@ -100,6 +100,7 @@ class LayerStreamer:
             raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
         self._ahead: set[int] = set()  # id() of the blocks fetched ahead, not yet used
+        self._tasks: set[int] = set()  # backward passes (graph tasks) this streamer acted in
 
         owners = Counter(id(p) for _, p in unwrap_model(model).named_parameters(remove_duplicate=False))
         self.layers: list[FlatWeights] = []
@@ -143,7 +144,8 @@ class LayerStreamer:
             timeline = StepTimeline(model, head=head if head is not None else find_output_head(model))
             self._handles.append(timeline)
         else:
-            timeline.check_head(head, "layer streaming")
+            # A timeline made without the model or the head (a bare engine's) gets them.
+            timeline.attach(model, head if head is not None or timeline.head is not None else find_output_head(model))
         self.timeline = timeline
         self._handles.append(timeline.watch_blocks(block for _, block in blocks if id(block) in self._index_of))
         self._handles.append(timeline.subscribe(_Events(self)))
@@ -236,10 +238,12 @@ class LayerStreamer:
 
     def _backward_start(self) -> None:
         with self._lock:
+            self._join_backward()
             self._look_ahead(range(len(self.layers) - 1, -1, -1))
 
     def _backward_reached(self, index: int) -> None:
         with self._lock:
+            self._join_backward()
             for j, layer in enumerate(self.layers):
                 if j > index and layer.resident:
                     self._evict(layer)  # their backward is finished
@@ -254,11 +258,25 @@ class LayerStreamer:
         if index is None:
             return  # nothing of this block is streamed
         with self._lock:
-            self.timeline.ensure_backward_end()  # the end of this backward evicts it
+            self._join_backward()  # the end of this backward evicts it
             if not self.layers[index].resident:
                 self.stats.replay_loads += 1
                 self._load(self.layers[index])
             self._ensure(index)
+
+    def _join_backward(self) -> None:
+        """The backward pass running now evicts every block when it ends: only a pass this
+        streamer acted in (a nested one elsewhere, e.g. autograd.grad inside a block's
+        backward, must not evict blocks the outer pass still uses)."""
+        task = current_graph_task()
+        if task is not None and task not in self._tasks:
+            self._tasks.add(task)
+            self.timeline.ensure_backward_end()
+
+    def _backward_ended(self, task: int) -> None:
+        if task in self._tasks:
+            self._tasks.discard(task)
+            self._end_backward()
 
     def _end_backward(self) -> None:
         with self._lock:
@@ -370,7 +388,7 @@ class _Events(TimelineListener):
         return self.streamer._backward_start
 
     def backward_end(self, task: int) -> None:
-        self.streamer._end_backward()
+        self.streamer._backward_ended(task)
 
 
 class _AttrHandle:

@@ -85,18 +85,33 @@ class StepTimeline:
     """
 
     def __init__(self, model: nn.Module | None = None, *, head: nn.Module | None = None) -> None:
-        self.model = model
-        self.head = head
         self._listeners: OrderedDict[int, TimelineListener] = OrderedDict()
         self._handles: list = []
-        self._blocks: set[int] = set()  # id() of the watched blocks
+        self._blocks: dict[int, list] = {}  # id(block) -> [pre hook, post hook, watchers]
         self._lock = threading.Lock()
         # Graph tasks whose end callback is queued; one that raised stays (ids are never reused).
         self._queued: set[int] = set()
-        if model is not None:
+        self.model = self.head = None
+        self.attach(model, head)
+
+    def attach(self, model: nn.Module | None, head: nn.Module | None = None) -> None:
+        """Hook ``model``'s forward and ``head`` where this timeline has none yet (a client
+        that knows the model joining a timeline made without one).
+
+        Raises:
+            ValueError: the timeline is on another model, or has another head.
+        """
+        if model is not None and self.model is not None and model is not self.model:
+            raise ValueError(
+                f"this StepTimeline is on another model ({type(self.model).__name__}); give each model its own"
+            )
+        self.check_head(head if self.head is not None else None, "a client of this StepTimeline")
+        if model is not None and self.model is None:
+            self.model = model
             self._handles.append(model.register_forward_pre_hook(_eager(self._forward_start)))
             self._handles.append(model.register_forward_hook(_eager(self._forward_end), always_call=True))
-        if head is not None:
+        if head is not None and self.head is None:
+            self.head = head
             self._handles.append(head.register_forward_pre_hook(_eager(self._head_start)))
             self._handles.append(head.register_forward_hook(_eager(self._head_end)))
 
@@ -114,22 +129,35 @@ class StepTimeline:
         return handle
 
     def watch_blocks(self, blocks: Iterable[nn.Module]) -> _BlockHooks:
-        """Report ``blocks``' forwards and arm backward at their outputs (a block already
-        watched is not hooked twice).
+        """Report ``blocks``' forwards and arm backward at their outputs. A block is hooked
+        once however many clients watch it; its hooks go when the last of them stops.
 
         Returns:
-            A handle whose ``remove()`` detaches the hooks this call attached.
+            A handle whose ``remove()`` stops this call's watching.
         """
         added = _BlockHooks(self)
         for block in blocks:
-            if id(block) in self._blocks:
-                continue
-            self._blocks.add(id(block))
-            added.blocks.append(id(block))
-            added.hooks.append(block.register_forward_pre_hook(_eager(self._block_start)))
-            added.hooks.append(block.register_forward_hook(_eager(self._block_end), always_call=True))
-        self._handles.append(added)
+            key = id(block)
+            if key not in self._blocks:
+                self._blocks[key] = [
+                    block.register_forward_pre_hook(_eager(self._block_start)),
+                    block.register_forward_hook(_eager(self._block_end), always_call=True),
+                    0,
+                ]
+            self._blocks[key][2] += 1
+            added.blocks.append(key)
         return added
+
+    def _unwatch(self, keys: list[int]) -> None:
+        for key in keys:
+            entry = self._blocks.get(key)
+            if entry is None:
+                continue
+            entry[2] -= 1
+            if entry[2] == 0:
+                entry[0].remove()
+                entry[1].remove()
+                del self._blocks[key]
 
     def check_head(self, head: nn.Module | None, who: str) -> None:
         """Refuse a client whose head differs from this timeline's (``ValueError`` naming ``who``)."""
@@ -141,12 +169,17 @@ class StepTimeline:
             )
 
     def remove(self) -> None:
-        """Detach every module hook. Listeners stay subscribed: a client still running
-        backward passes (an engine used as a bare context manager) keeps its ends of backward."""
+        """Detach every module hook and let go of the model. Listeners stay subscribed: a
+        client still running backward passes (an engine used as a bare context manager) keeps
+        its ends of backward."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for pre, post, _ in self._blocks.values():
+            pre.remove()
+            post.remove()
         self._blocks.clear()
+        self.model = self.head = None  # a closed run does not keep the model alive
 
     # -- the end of backward ------------------------------------------------------------------
     def ensure_backward_end(self) -> None:
@@ -208,16 +241,15 @@ class StepTimeline:
 
 
 class _BlockHooks:
-    """The block hooks one :meth:`StepTimeline.watch_blocks` call attached."""
+    """The watching of blocks one :meth:`StepTimeline.watch_blocks` call asked for."""
 
     def __init__(self, timeline: StepTimeline) -> None:
-        self.timeline = timeline
+        self.timeline: StepTimeline | None = timeline
         self.blocks: list[int] = []
-        self.hooks: list[RemovableHandle] = []
 
     def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks.clear()
-        self.timeline._blocks.difference_update(self.blocks)
+        timeline, self.timeline = self.timeline, None
+        if timeline is None:
+            return
+        timeline._unwatch(self.blocks)
         self.blocks.clear()

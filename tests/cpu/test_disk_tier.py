@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import pytest
@@ -454,8 +455,12 @@ def test_planned_places_override_the_tiered_order(tmp_path):
             e = d.sin()  # saves d, kept
         # Ask for all of RAM: every entry that may be demoted is.
         ctx.tier._make_room(64 << 20, wait=False)
-        for demotion in list(ctx.tier._demoting.values()):
-            demotion.payload.demotion.payload.write.result()
+        # Every demotion finished, its completion included (it may run on the I/O thread
+        # after the write's future is done).
+        deadline = time.monotonic() + 30
+        while ctx.tier._demoting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ctx.tier._demoting, "a demotion did not finish"
     tiered = ctx.storage_stats()["tiered"]
     assert tiered["disk_entries"] == 0, "nothing needed the staging path"
     assert tiered["demoted_entries"] == 3, "the disk place as it was stored, the unplaced ones when asked"

@@ -193,3 +193,74 @@ def test_a_bare_engine_ends_its_passes_without_any_module_hook():
     assert manager.is_idle() and manager.scheduler.pending_bytes == 0
     assert manager.stats.offloaded_tensors > 0
     manager.close()
+
+
+def test_removing_one_client_keeps_the_other_on_the_shared_blocks():
+    model = _lora_llama()
+    batch = make_batch(2048, 2, 32)
+    ref = run_step(model, batch)
+    layers = model.config.num_hidden_layers
+    checkpointing = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True, prefetch=2)
+    streamer = stream_layers_on_cpu(model, depth=2, timeline=checkpointing.offloader.timeline)
+    checkpointing.remove()  # it watched the blocks first
+    loads = streamer.stats.loads
+    got = run_step(model, batch)
+    assert_bitwise_equal(ref[1], got[1], "grads")
+    assert streamer.stats.loads - loads == 2 * layers and streamer.stats.misses == 0
+    streamer.remove()
+
+    streamer = stream_layers_on_cpu(model, depth=2)
+    checkpointing = apply_activation_checkpointing(
+        model, offload_inputs=True, offload_cpu_tensors=True, prefetch=2, max_fwd_stash_size=1
+    )
+    # The other order: checkpointing joins the streamer's timeline, then the streamer leaves.
+    checkpointing.remove()
+    checkpointing = apply_activation_checkpointing(
+        model, offload_inputs=OffloadActivations_on(streamer.timeline), prefetch=2, max_fwd_stash_size=1
+    )
+    streamer.remove()
+    got = run_step(model, batch)
+    assert_bitwise_equal(ref[1], got[1], "grads")
+    assert checkpointing.offloader.stats.prefetch_hits > 0  # block outputs still start the fetches
+    checkpointing.remove()
+
+
+def OffloadActivations_on(timeline):  # noqa: N802 - reads as the constructor it wraps
+    return OffloadActivations(offload_cpu_tensors=True, max_fwd_stash_size=1, timeline=timeline)
+
+
+def test_a_closed_run_does_not_keep_the_model_alive(tmp_path):
+    import gc
+    import weakref
+
+    model = build_llama("tiny")
+    model.train()
+    runtime = prepare(
+        model, {"gradient_checkpointing": True, "activation_offloading": "disk", "disk_dir": str(tmp_path)}
+    )
+    run_step(model, make_batch(256, 2, 32), runtime.context())
+    manager = runtime.manager
+    runtime.close()
+    alive = weakref.ref(model)
+    gc.collect()
+    gc.disable()  # freed by reference counting, as without offloadkit: no cycle through the timeline
+    try:
+        del model, runtime
+        assert alive() is None
+    finally:
+        gc.enable()
+    assert manager.timeline.model is None
+
+
+def test_attaching_to_forward_after_the_managers_hooks_went_still_offloads():
+    from offloadkit.api import attach_to_forward
+
+    model = build_llama("tiny")
+    model.train()
+    manager = get_act_offloading_ctx_manager(model, offload_cpu_tensors=True)
+    manager.remove()
+    handle = attach_to_forward(manager, model)
+    run_step(model, make_batch(256, 2, 32))
+    assert manager.stats.offloaded_tensors > 0
+    handle.remove()
+    manager.close()
