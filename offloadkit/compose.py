@@ -23,12 +23,19 @@ from torch import nn
 
 from offloadkit.api import attach_to_forward, get_act_offloading_ctx_manager
 from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.config import OffloadConfig
+from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers import apply_layer_streaming
+from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
+from offloadkit.longctx.options import LongContextOptions
 from offloadkit.models.heads import find_output_head, unwrap_model
+from offloadkit.optim.options import OptimizerOptions
+from offloadkit.planning.options import BudgetOptions
 from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.storage import DiskOptions, HostMemoryBudget
+from offloadkit.transfer.options import TransferOptions
 from offloadkit.transfer.prefetch import PrefetchScheduler
 from offloadkit.transfer.timeline import StepTimeline
 
@@ -73,7 +80,7 @@ class OffloadRuntime:
         self.plan: Plan | None = None  # the planner's Plan under offload_plan: auto
         # The one look-ahead over the link: activations, streamed weights and an optimizer
         # built with scheduler=runtime.scheduler fetch ahead within its window.
-        self.scheduler = PrefetchScheduler(config.prefetch_window_bytes)
+        self.scheduler = PrefetchScheduler(config.options(TransferOptions).window_bytes)
         # The one set of step hooks those clients act on; made once checkpointing has wrapped
         # the blocks (see prepare()).
         self.timeline: StepTimeline | None = None
@@ -271,22 +278,28 @@ def prepare(
                 f"applying the most frugal one ({chosen.name})"
             )
     cuda = torch.cuda.is_available()
-    mode = config.activation_offloading
+    # Each component is built from its own options (the config's keys mapped onto them).
+    long_context = config.options(LongContextOptions)
+    ckpt = config.options(CheckpointOptions)
+    acts = config.options(ActivationOptions)
+    budgets = config.options(BudgetOptions)
+    streaming = config.options(StreamingOptions)
+    mode = acts.mode
 
-    if config.chunked_cross_entropy:
+    if long_context.chunked_loss:
         try:
-            runtime.chunked_loss = apply_chunked_loss(model, config.chunked_cross_entropy_num_chunks)
+            runtime.chunked_loss = apply_chunked_loss(model, long_context.loss_chunks)
         except ValueError as exc:
             runtime._note(f"chunked_cross_entropy has no effect: {exc}")
-    if config.tiled_mlp:
+    if long_context.tiled_mlp:
         try:
             runtime.tiled_mlp = apply_tiled_mlp(
-                model, config.tiled_mlp_num_shards, projections=config.tiled_projections
+                model, long_context.mlp_shards, projections=long_context.tiled_projections
             )
         except ValueError as exc:
             runtime._note(f"tiled_mlp has no effect: {exc}")
 
-    if config.gradient_checkpointing:
+    if ckpt.enabled:
         if _hf_checkpointing_on(model):
             for key in ("selective_checkpointing", "recompute_block_inputs", "block_input_placement"):
                 if getattr(config, key):
@@ -295,16 +308,15 @@ def prepare(
                         "to use offloadkit's)"
                     )
         else:
-            placement = config.block_input_placement or None
             runtime.checkpointing = apply_activation_checkpointing(
                 model,
-                selective=config.selective_checkpointing,
-                keep_last_input=1 + config.gpu_block_inputs,
-                recompute_inputs=config.recompute_block_inputs,
-                placement=placement,
+                selective=ckpt.selective,
+                keep_last_input=1 + ckpt.gpu_block_inputs,
+                recompute_inputs=ckpt.recompute_block_inputs,
+                placement=ckpt.block_input_placement or None,
             )
 
-    budget = HostMemoryBudget(config.host_budget_bytes, config.host_min_free_bytes)
+    budget = HostMemoryBudget(budgets.host_budget_bytes, budgets.host_min_free_bytes)
 
     def timeline() -> StepTimeline:
         # Made after checkpointing: a failed forward closes its stale region (whose saved-tensor
@@ -320,23 +332,19 @@ def prepare(
                 "(use activation_offloading: disk to move CPU activations to disk)"
             )
         else:
-            storage = "ram"
-            disk = None
-            if mode == "disk":
-                storage = "tiered" if config.disk_tiering else "disk"
-                disk = DiskOptions(directory=config.disk_dir, threads=config.disk_threads, direct_io=config.direct_io)
+            disk = config.options(DiskOptions) if mode == "disk" else None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the CPU-only message is replaced by ours
                 runtime.manager = get_act_offloading_ctx_manager(
                     model,
-                    use_pin_memory=config.use_pin_memory,
+                    use_pin_memory=acts.use_pin_memory,
                     use_streams=mode != "legacy",
-                    min_offload_size=config.min_offload_size,
-                    max_fwd_stash_size=config.max_fwd_stash_size,
-                    prefetch=config.activation_loading_horizon,
-                    prefetch_bytes=config.prefetch_bytes,
+                    min_offload_size=acts.min_offload_size,
+                    max_fwd_stash_size=acts.max_fwd_stash_size,
+                    prefetch=acts.loading_horizon,
+                    prefetch_bytes=acts.prefetch_bytes,
                     budget=budget,
-                    storage=storage,
+                    storage=acts.storage,
                     disk=disk,
                     offload_cpu_tensors=not cuda,
                     scheduler=runtime.scheduler,
@@ -345,13 +353,13 @@ def prepare(
 
     if runtime.checkpointing is not None and runtime.manager is not None:
         runtime.checkpointing.keep_last_input_from(runtime.manager)  # needed first in backward
-    elif config.gpu_block_inputs:
+    elif ckpt.gpu_block_inputs:
         runtime._note(
             "gpu_block_inputs has no effect: it keeps block inputs of offloadkit's checkpointing on the GPU, "
             "and this run has no such checkpointing with activation offloading"
         )
 
-    if config.layer_offloading:
+    if streaming.enabled:
         if not cuda:
             runtime._note("layer_offloading has no effect without a CUDA GPU")
         else:
@@ -360,12 +368,12 @@ def prepare(
                 # while their block is resident; torch's AdamW would step over host memory.
                 runtime.streamer = apply_layer_streaming(
                     model,
-                    depth=config.layer_offloading_depth,
-                    use_pin_memory=config.use_pin_memory,
+                    depth=streaming.depth,
+                    use_pin_memory=acts.use_pin_memory,
                     budget=budget,
-                    trainable=config.optimizer_offloading,
+                    trainable=config.options(OptimizerOptions).enabled,
                     scheduler=runtime.scheduler,
-                    disk_dir=config.layer_offloading_dir,
+                    disk_dir=streaming.disk_dir,
                     timeline=timeline(),
                 )
                 if runtime.checkpointing is not None and runtime.checkpointing.recompute_inputs:

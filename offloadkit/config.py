@@ -18,15 +18,17 @@ import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
-from offloadkit.defaults import (
-    BLOCK_INPUT_PLACES,
-    MAX_FWD_STASH_SIZE,
-    MIN_OFFLOAD_SIZE,
-    OPTIMIZER_STATE_BYTES,
-    STREAM_DEPTH,
-)
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.layers.options import StreamingOptions
+from offloadkit.longctx.options import LongContextOptions
+from offloadkit.optim.options import OptimizerOptions
+from offloadkit.options import Options
+from offloadkit.planning.options import BudgetOptions, PlanOptions
+from offloadkit.storage.disk import DiskOptions
+from offloadkit.transfer.options import TransferOptions
 
 __all__ = [
     "ConfigError",
@@ -40,7 +42,28 @@ __all__ = [
 ]
 
 ALIASES = {"sm_activation_offloading": "activation_offloading"}
-_ACTIVATION_MODES = (False, True, "legacy", "disk")
+# The components whose options the config keys set, each key owned by exactly one.
+COMPONENTS: tuple[type[Options], ...] = (
+    CheckpointOptions,
+    ActivationOptions,
+    TransferOptions,
+    BudgetOptions,
+    DiskOptions,
+    StreamingOptions,
+    OptimizerOptions,
+    LongContextOptions,
+    PlanOptions,
+)
+OptionsT = TypeVar("OptionsT", bound=Options)
+_OWNER = {key: (cls, name) for cls in COMPONENTS for key, name in cls.keys().items()}
+
+
+def _default(key: str) -> Any:
+    """The default of config key ``key``: its component's (stated there, not here)."""
+    cls, name = _OWNER[key]
+    return cls.default(name)
+
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -179,15 +202,6 @@ def check_writable_dir(path: str, key: str, fix: str) -> str:
     return path
 
 
-def _expect(key: str, value: Any, kinds: tuple, example: str) -> None:
-    if isinstance(value, bool) and bool not in kinds:
-        ok = False
-    else:
-        ok = isinstance(value, kinds)
-    if not ok:
-        raise ConfigError(f"{key}={value!r} has the wrong type ({type(value).__name__}); expected {example}")
-
-
 @dataclass
 class OffloadConfig:
     """What to offload and how. Every field has a sensible default; all off by default.
@@ -267,39 +281,39 @@ class OffloadConfig:
         >>> OffloadConfig.from_dict({"gradient_checkpointing": True, "activation_offloading": True})
     """
 
-    gradient_checkpointing: bool = False
-    selective_checkpointing: list[str] | None = None
-    activation_offloading: bool | str = False
-    activation_loading_horizon: int | None = None
-    prefetch_bytes: int | None = None
-    prefetch_window_bytes: int | None = None
-    min_offload_size: int = MIN_OFFLOAD_SIZE
-    max_fwd_stash_size: int = MAX_FWD_STASH_SIZE
-    gpu_block_inputs: int = 0
-    recompute_block_inputs: tuple[int, ...] = ()
-    block_input_placement: tuple[str, ...] = ()
-    use_pin_memory: bool = True
-    host_budget_bytes: int | None = None
-    host_min_free_bytes: int | None = None
-    gpu_budget_bytes: int | None = None
-    disk_dir: str | None = None
-    disk_threads: int = 4
-    direct_io: bool | str = "auto"
-    disk_tiering: bool = False
-    layer_offloading: bool = False
-    optimizer_offloading: bool = False
-    optimizer_precision: str = "params"
-    optimizer_state_dir: str | None = None
-    layer_offloading_depth: int = STREAM_DEPTH
-    layer_offloading_dir: str | None = None
-    chunked_cross_entropy: bool = False
-    chunked_cross_entropy_num_chunks: int | None = None
-    tiled_mlp: bool = False
-    tiled_mlp_num_shards: int | None = None
-    tiled_projections: bool = False
-    offload_plan: str = "none"
-    seq_len: int | None = None
-    batch_size: int = 1
+    gradient_checkpointing: bool = _default("gradient_checkpointing")
+    selective_checkpointing: list[str] | None = _default("selective_checkpointing")
+    activation_offloading: bool | str = _default("activation_offloading")
+    activation_loading_horizon: int | None = _default("activation_loading_horizon")
+    prefetch_bytes: int | None = _default("prefetch_bytes")
+    prefetch_window_bytes: int | None = _default("prefetch_window_bytes")
+    min_offload_size: int = _default("min_offload_size")
+    max_fwd_stash_size: int = _default("max_fwd_stash_size")
+    gpu_block_inputs: int = _default("gpu_block_inputs")
+    recompute_block_inputs: tuple[int, ...] = _default("recompute_block_inputs")
+    block_input_placement: tuple[str, ...] = _default("block_input_placement")
+    use_pin_memory: bool = _default("use_pin_memory")
+    host_budget_bytes: int | None = _default("host_budget_bytes")
+    host_min_free_bytes: int | None = _default("host_min_free_bytes")
+    gpu_budget_bytes: int | None = _default("gpu_budget_bytes")
+    disk_dir: str | None = _default("disk_dir")
+    disk_threads: int = _default("disk_threads")
+    direct_io: bool | str = _default("direct_io")
+    disk_tiering: bool = _default("disk_tiering")
+    layer_offloading: bool = _default("layer_offloading")
+    optimizer_offloading: bool = _default("optimizer_offloading")
+    optimizer_precision: str = _default("optimizer_precision")
+    optimizer_state_dir: str | None = _default("optimizer_state_dir")
+    layer_offloading_depth: int = _default("layer_offloading_depth")
+    layer_offloading_dir: str | None = _default("layer_offloading_dir")
+    chunked_cross_entropy: bool = _default("chunked_cross_entropy")
+    chunked_cross_entropy_num_chunks: int | None = _default("chunked_cross_entropy_num_chunks")
+    tiled_mlp: bool = _default("tiled_mlp")
+    tiled_mlp_num_shards: int | None = _default("tiled_mlp_num_shards")
+    tiled_projections: bool = _default("tiled_projections")
+    offload_plan: str = _default("offload_plan")
+    seq_len: int | None = _default("seq_len")
+    batch_size: int = _default("batch_size")
     _warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
@@ -334,128 +348,47 @@ class OffloadConfig:
         return {k: getattr(self, k) for k in self.keys()}
 
     def validate(self) -> "OffloadConfig":
-        """Check types and combinations (ConfigError); collect can't-take-effect warnings."""
-        _expect("gradient_checkpointing", self.gradient_checkpointing, (bool,), "true or false")
-        _expect("layer_offloading", self.layer_offloading, (bool,), "true or false")
-        _expect("use_pin_memory", self.use_pin_memory, (bool,), "true or false")
-        _expect("disk_tiering", self.disk_tiering, (bool,), "true or false")
-        _expect("optimizer_offloading", self.optimizer_offloading, (bool,), "true or false")
-        if self.optimizer_precision not in OPTIMIZER_STATE_BYTES:
-            raise ConfigError(
-                f"optimizer_precision={self.optimizer_precision!r} is not a precision; use params (moments in the "
-                "parameters' dtype), compact (bf16 moments, stochastic rounding) or fp32_master (fp32 master weights "
-                "and moments)"
-            )
-        if self.optimizer_precision != "params" and not self.optimizer_offloading:
-            self._warn(
-                "optimizer_precision only applies with optimizer_offloading: true; the Trainer's own optimizer runs"
-            )
-        if self.optimizer_state_dir is not None:
-            _expect("optimizer_state_dir", self.optimizer_state_dir, (str,), "a directory path")
-            if not self.optimizer_offloading:
-                self._warn(
-                    "optimizer_state_dir only applies with optimizer_offloading: true; the Trainer's own optimizer "
-                    "keeps its state on the GPU"
-                )
-        if self.activation_offloading not in _ACTIVATION_MODES:
-            raise ConfigError(
-                f"activation_offloading={self.activation_offloading!r} is not a mode; use false, "
-                "true (pinned RAM with streams), legacy (synchronous) or disk"
-            )
-        if self.prefetch_window_bytes is not None:
-            _expect("prefetch_window_bytes", self.prefetch_window_bytes, (int,), "a byte count or a size like '4GiB'")
-            if self.prefetch_window_bytes <= 0:
-                raise ConfigError(
-                    f"prefetch_window_bytes={self.prefetch_window_bytes!r} must be positive; "
-                    "omit it for no shared window"
-                )
-        if self.activation_loading_horizon is not None:
-            _expect("activation_loading_horizon", self.activation_loading_horizon, (int,), "an integer >= 0")
-            if self.activation_loading_horizon < 0:
-                raise ConfigError(
-                    f"activation_loading_horizon={self.activation_loading_horizon!r} is too small; it must be >= 0"
-                )
-        for key, low in (
-            ("min_offload_size", 0),
-            ("max_fwd_stash_size", 1),
-            ("gpu_block_inputs", 0),
-            ("disk_threads", 1),
-            ("layer_offloading_depth", 1),
-        ):
-            value = getattr(self, key)
-            _expect(key, value, (int,), f"an integer >= {low}")
-            if value < low:
-                raise ConfigError(f"{key}={value!r} is too small; it must be >= {low}")
-        dropped = self.recompute_block_inputs
-        if isinstance(dropped, list):
-            self.recompute_block_inputs = dropped = tuple(dropped)  # YAML gives a list
-        if not isinstance(dropped, tuple) or any(type(i) is not int or i < 1 for i in dropped):
-            raise ConfigError(
-                f"recompute_block_inputs={dropped!r} is invalid; give layer indices >= 1 (layer 0's input has "
-                "nothing before it to be recomputed from), e.g. [2, 4, 6]"
-            )
-        if dropped and not self.gradient_checkpointing:
-            self._warn("recompute_block_inputs needs gradient_checkpointing: true; it has no effect")
-        self._validate_placement()
-        for key, on in (
-            ("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
-            ("tiled_mlp_num_shards", "tiled_mlp"),
-        ):
-            _expect(on, getattr(self, on), (bool,), "true or false")
-            value = getattr(self, key)
-            if value is not None:
-                _expect(key, value, (int,), "an integer >= 1, or omit it for automatic")
-                if value < 1:
-                    raise ConfigError(f"{key}={value!r} is too small; it must be >= 1 (or omit it for automatic)")
-        _expect("tiled_projections", self.tiled_projections, (bool,), "true or false")
-        if self.tiled_projections and not self.tiled_mlp:
-            raise ConfigError(
-                "tiled_projections=True needs tiled_mlp: true (it extends the MLP's tiling to the "
-                "norms and attention projections)"
-            )
-        if self.offload_plan not in ("none", "auto"):
-            raise ConfigError(
-                f"offload_plan={self.offload_plan!r} is invalid; use auto (plan from the model, seq_len "
-                "and this machine's budgets) or none"
-            )
-        if self.seq_len is not None:
-            _expect("seq_len", self.seq_len, (int,), "an integer >= 1 (tokens per row)")
-            if self.seq_len < 1:
-                raise ConfigError(f"seq_len={self.seq_len!r} is too small; it must be >= 1")
-        _expect("batch_size", self.batch_size, (int,), "an integer >= 1")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size!r} is too small; it must be >= 1")
-        if self.direct_io not in (True, False, "auto"):
-            raise ConfigError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
-        if self.disk_dir is not None:
-            _expect("disk_dir", self.disk_dir, (str,), "a directory path")
-        if self.layer_offloading_dir is not None:
-            _expect("layer_offloading_dir", self.layer_offloading_dir, (str,), "a directory path")
-        if self.selective_checkpointing is not None:
-            _expect(
-                "selective_checkpointing",
-                self.selective_checkpointing,
-                (list, tuple),
-                'a list like ["mm", "attention"]',
-            )
-            from offloadkit.checkpointing.selective import OP_GROUPS
+        """Check types and combinations (ConfigError); collect can't-take-effect warnings.
 
-            bad = [op for op in self.selective_checkpointing if op not in OP_GROUPS]
-            if bad:
-                raise ConfigError(f"selective_checkpointing has unknown op groups {bad}; use {sorted(OP_GROUPS)}")
-            if not self.gradient_checkpointing:
-                raise ConfigError("selective_checkpointing needs gradient_checkpointing: true")
-        if self.disk_tiering and self.host_budget_bytes is None and "disk" not in self.block_input_placement:
+        Each key's own checks are its component's (its options dataclass raises naming the
+        key); the checks here are of keys of different components together."""
+        for key in ("recompute_block_inputs", "block_input_placement"):
+            if isinstance(getattr(self, key), list):
+                setattr(self, key, tuple(getattr(self, key)))  # YAML gives a list
+        for cls in COMPONENTS:
+            try:
+                cls.from_config(self)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        places = self.block_input_placement
+        if "disk" in places and self.activation_offloading != "disk":
+            raise ConfigError(
+                f"block_input_placement puts inputs on disk but activation_offloading={self.activation_offloading!r}; "
+                "set activation_offloading: disk (with disk_tiering: true to keep the others in RAM)"
+            )
+        if self.disk_tiering and self.host_budget_bytes is None and "disk" not in places:
             # (With a placement that names the disk, the place of each block input is given.)
             raise ConfigError(
                 "disk_tiering: true needs host_budget_bytes (the RAM share before spilling to disk), "
                 "e.g. host_budget_bytes: 16GiB"
             )
-        if self.disk_tiering and self.activation_offloading != "disk":
-            raise ConfigError(
-                f"disk_tiering: true needs activation_offloading: disk (got {self.activation_offloading!r})"
-            )
         self._warnings = []
+        if self.optimizer_precision != "params" and not self.optimizer_offloading:
+            self._warn(
+                "optimizer_precision only applies with optimizer_offloading: true; the Trainer's own optimizer runs"
+            )
+        if self.optimizer_state_dir is not None and not self.optimizer_offloading:
+            self._warn(
+                "optimizer_state_dir only applies with optimizer_offloading: true; the Trainer's own optimizer "
+                "keeps its state on the GPU"
+            )
+        if self.recompute_block_inputs and not self.gradient_checkpointing:
+            self._warn("recompute_block_inputs needs gradient_checkpointing: true; it has no effect")
+        if places:
+            if "ram" in places and self.activation_offloading == "disk" and not self.disk_tiering:
+                self._warn("block_input_placement puts inputs in ram, but without disk_tiering: true they go to disk")
+            if not self.gradient_checkpointing:
+                self._warn("block_input_placement needs gradient_checkpointing: true; it has no effect")
         if (
             self.prefetch_window_bytes
             and self.offload_plan != "auto"  # the plan may turn them on
@@ -467,60 +400,33 @@ class OffloadConfig:
             )
         if self.layer_offloading_dir is not None and not self.layer_offloading:
             self._warn("layer_offloading_dir only applies with layer_offloading: true; it has no effect")
-        disk_keys = [k for k in ("disk_dir",) if getattr(self, k) is not None]
-        if self.disk_threads != 4:
-            disk_keys.append("disk_threads")
-        if self.direct_io != "auto":
-            disk_keys.append("direct_io")
         for key, on in (
             ("chunked_cross_entropy_num_chunks", "chunked_cross_entropy"),
             ("tiled_mlp_num_shards", "tiled_mlp"),
         ):
             if getattr(self, key) is not None and not getattr(self, on):
                 self._warn(f"{key} only applies with {on}: true; it has no effect")
+        disk_keys = [k for k in ("disk_dir", "disk_threads", "direct_io") if getattr(self, k) != _default(k)]
         if disk_keys and self.activation_offloading != "disk":
             self._warn(f"{', '.join(disk_keys)} only apply with activation_offloading: disk; they have no effect")
         if self.activation_offloading is False:
             changed = [
                 k
                 for k in ("activation_loading_horizon", "min_offload_size", "max_fwd_stash_size", "gpu_block_inputs")
-                if getattr(self, k) != getattr(OffloadConfig, k)
+                if getattr(self, k) != _default(k)
             ]
             if changed:
                 self._warn(f"{', '.join(changed)} only apply with activation_offloading on; they have no effect")
         return self
 
-    def _validate_placement(self) -> None:
-        places = self.block_input_placement
-        if isinstance(places, list):
-            self.block_input_placement = places = tuple(places)  # YAML gives a list
-        allowed = BLOCK_INPUT_PLACES
-        if not isinstance(places, tuple) or any(p not in allowed for p in places):
-            raise ConfigError(
-                f"block_input_placement={places!r} is invalid; give one place per decoder layer, each one of "
-                f"{', '.join(allowed)}, e.g. [ram, recompute, ram, gpu]"
-            )
-        if not places:
-            return
-        if places[0] == "recompute":
-            raise ConfigError(
-                "block_input_placement: layer 0's input cannot be recomputed (nothing comes before it); "
-                "place it on the gpu, in ram or on disk"
-            )
-        for key in ("gpu_block_inputs", "recompute_block_inputs"):
-            if getattr(self, key) != getattr(OffloadConfig, key):
-                raise ConfigError(
-                    f"{key} and block_input_placement both place block inputs; give only block_input_placement"
-                )
-        if "disk" in places and self.activation_offloading != "disk":
-            raise ConfigError(
-                f"block_input_placement puts inputs on disk but activation_offloading={self.activation_offloading!r}; "
-                "set activation_offloading: disk (with disk_tiering: true to keep the others in RAM)"
-            )
-        if "ram" in places and self.activation_offloading == "disk" and not self.disk_tiering:
-            self._warn("block_input_placement puts inputs in ram, but without disk_tiering: true they go to disk")
-        if not self.gradient_checkpointing:
-            self._warn("block_input_placement needs gradient_checkpointing: true; it has no effect")
+    def options(self, component: type[OptionsT]) -> OptionsT:
+        """``component``'s options as this config sets them.
+
+        Example:
+            >>> OffloadConfig(layer_offloading=True).options(StreamingOptions).depth
+            2
+        """
+        return component.from_config(self)
 
     def check_paths(self) -> None:
         """Machine-dependent checks, run before anything loads: the disk tier's directory

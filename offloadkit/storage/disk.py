@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from offloadkit.options import Options, option
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import FutureCompletion, Loaded, Stored
 from offloadkit.storage.budget import HostMemoryBudget
@@ -58,31 +59,33 @@ class DiskFullError(OSError):
 
 
 @dataclass
-class DiskOptions:
+class DiskOptions(Options):
     """Settings of the disk tier.
 
     Args:
-        directory: parent of the private spill directory (default: the system temp dir).
-        threads: I/O threads for writes and, separately, for reads (>= 1).
-        direct_io: True, False or "auto" (O_DIRECT where the filesystem supports it).
+        directory: ``disk_dir``: parent of the private spill directory (default: the system
+            temp dir).
+        threads: ``disk_threads``: I/O threads for writes and, separately, for reads (>= 1).
+        direct_io: ``direct_io``: True, False or "auto" (O_DIRECT where the filesystem
+            supports it).
         max_inflight_bytes: writes queued but not finished, at most (backpressure).
         segment_bytes: a segment file is closed to new entries past this size, so that
             space returns even where the file system cannot punch holes.
     """
 
-    directory: str | None = None
-    threads: int = 4
-    direct_io: bool | str = "auto"
+    directory: str | None = option(None, "disk_dir")
+    threads: int = option(4, "disk_threads")
+    direct_io: bool | str = option("auto", "direct_io")
     max_inflight_bytes: int = 1 << 30
     segment_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
-            raise ValueError(f"disk directory={self.directory!r} is invalid; pass a path (str) or None")
+            raise ValueError(f"disk_dir={self.directory!r} is invalid; pass a path (str) or None")
         if self.directory is not None:
             self.directory = os.fspath(self.directory)
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
-            raise ValueError(f"disk threads={self.threads!r} is invalid; pass an int >= 1")
+            raise ValueError(f"disk_threads={self.threads!r} is invalid; pass an int >= 1")
         if self.direct_io not in (True, False, "auto"):
             raise ValueError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
         for name in ("max_inflight_bytes", "segment_bytes"):

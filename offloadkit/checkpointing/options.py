@@ -1,0 +1,81 @@
+"""Checkpointing's options, read from the config keys of the same names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offloadkit.defaults import BLOCK_INPUT_PLACES
+from offloadkit.options import Options, option
+
+__all__ = ["CheckpointOptions"]
+
+
+@dataclass
+class CheckpointOptions(Options):
+    """Which decoder layers are checkpointed, what they save, and where their inputs wait.
+
+    Attributes:
+        enabled: ``gradient_checkpointing``: checkpoint every decoder layer (non-reentrant).
+        selective: ``selective_checkpointing``: op groups saved instead of recomputed ("mm",
+            "attention"); None recomputes everything.
+        gpu_block_inputs: ``gpu_block_inputs``: with offloading, block inputs kept on the GPU
+            besides the last block's (the newest, needed first in backward).
+        recompute_block_inputs: ``recompute_block_inputs``: indices of layers whose inputs are
+            kept nowhere: backward recomputes each from the nearest kept input before it.
+        block_input_placement: ``block_input_placement``: per layer, where its input waits for
+            backward: "gpu", "ram", "disk" or "recompute" (replaces the two keys above).
+    """
+
+    enabled: bool = option(False, "gradient_checkpointing")
+    selective: list[str] | None = option(None, "selective_checkpointing")
+    gpu_block_inputs: int = option(0, "gpu_block_inputs")
+    recompute_block_inputs: tuple[int, ...] = option((), "recompute_block_inputs")
+    block_input_placement: tuple[str, ...] = option((), "block_input_placement")
+
+    def __post_init__(self) -> None:
+        self._bool("enabled")
+        self._int("gpu_block_inputs", 0, "block inputs kept on the GPU")
+        if isinstance(self.recompute_block_inputs, list):
+            self.recompute_block_inputs = tuple(self.recompute_block_inputs)  # YAML gives a list
+        dropped = self.recompute_block_inputs
+        if not isinstance(dropped, tuple) or any(type(i) is not int or i < 1 for i in dropped):
+            raise ValueError(
+                f"recompute_block_inputs={dropped!r} is invalid; give layer indices >= 1 (layer 0's input has "
+                "nothing before it to be recomputed from), e.g. [2, 4, 6]"
+            )
+        if self.selective is not None:
+            if not isinstance(self.selective, (list, tuple)):
+                raise ValueError(
+                    f"selective_checkpointing={self.selective!r} has the wrong type ({type(self.selective).__name__}); "
+                    'expected a list like ["mm", "attention"]'
+                )
+            from offloadkit.checkpointing.selective import OP_GROUPS
+
+            bad = [op for op in self.selective if op not in OP_GROUPS]
+            if bad:
+                raise ValueError(f"selective_checkpointing has unknown op groups {bad}; use {sorted(OP_GROUPS)}")
+            if not self.enabled:
+                raise ValueError("selective_checkpointing needs gradient_checkpointing: true")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        places = self.block_input_placement
+        if isinstance(places, list):
+            self.block_input_placement = places = tuple(places)  # YAML gives a list
+        if not isinstance(places, tuple) or any(p not in BLOCK_INPUT_PLACES for p in places):
+            raise ValueError(
+                f"block_input_placement={places!r} is invalid; give one place per decoder layer, each one of "
+                f"{', '.join(BLOCK_INPUT_PLACES)}, e.g. [ram, recompute, ram, gpu]"
+            )
+        if not places:
+            return
+        if places[0] == "recompute":
+            raise ValueError(
+                "block_input_placement: layer 0's input cannot be recomputed (nothing comes before it); "
+                "place it on the gpu, in ram or on disk"
+            )
+        for name in ("gpu_block_inputs", "recompute_block_inputs"):
+            if getattr(self, name) != self.default(name):
+                raise ValueError(
+                    f"{name} and block_input_placement both place block inputs; give only block_input_placement"
+                )

@@ -1,0 +1,43 @@
+"""The long-context parts' options (chunked loss, tiled MLP), read from the config keys of the
+same names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offloadkit.options import Options, option
+
+__all__ = ["LongContextOptions"]
+
+
+@dataclass
+class LongContextOptions(Options):
+    """The loss over token chunks and the MLP over sequence shards.
+
+    Attributes:
+        chunked_loss: ``chunked_cross_entropy``: never hold the full-vocabulary logits.
+        loss_chunks: ``chunked_cross_entropy_num_chunks``: chunks per loss; None: automatic (at
+            most 1 GiB of fp32 logits a chunk).
+        tiled_mlp: ``tiled_mlp``: run each decoder layer's MLP over sequence shards.
+        mlp_shards: ``tiled_mlp_num_shards``: shards per MLP call; None: one shard's
+            intermediate at most 2**28 elements.
+        tiled_projections: ``tiled_projections``: with the tiled MLP, also run the norms and
+            attention projections over shards, so they save only their bf16 inputs.
+    """
+
+    chunked_loss: bool = option(False, "chunked_cross_entropy")
+    loss_chunks: int | None = option(None, "chunked_cross_entropy_num_chunks")
+    tiled_mlp: bool = option(False, "tiled_mlp")
+    mlp_shards: int | None = option(None, "tiled_mlp_num_shards")
+    tiled_projections: bool = option(False, "tiled_projections")
+
+    def __post_init__(self) -> None:
+        for name in ("chunked_loss", "tiled_mlp", "tiled_projections"):
+            self._bool(name)
+        self._int("loss_chunks", 1, "or omit it for automatic", optional=True)
+        self._int("mlp_shards", 1, "or omit it for automatic", optional=True)
+        if self.tiled_projections and not self.tiled_mlp:
+            raise ValueError(
+                "tiled_projections=True needs tiled_mlp: true (it extends the MLP's tiling to the "
+                "norms and attention projections)"
+            )

@@ -1,0 +1,39 @@
+"""The optimizer offloading's options, read from the config keys of the same names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offloadkit.defaults import OPTIMIZER_STATE_BYTES
+from offloadkit.options import Options, option
+
+__all__ = ["OptimizerOptions"]
+
+
+@dataclass
+class OptimizerOptions(Options):
+    """A full fine-tune's optimizer state in host memory, updated per parameter in backward.
+
+    Attributes:
+        enabled: ``optimizer_offloading``: with the Trainer mixins, replace the Trainer's
+            AdamW by :class:`~offloadkit.optim.BackwardAdamW` (its SGD by ``BackwardSGD``).
+        precision: ``optimizer_precision``: "params" (moments in the parameters' dtype, as
+            torch.optim.AdamW), "compact" (bf16 moments, the update rounded stochastically) or
+            "fp32_master" (fp32 master weights and moments).
+        state_dir: ``optimizer_state_dir``: keep the state in memory-mapped files here (paged by
+            the OS past what RAM holds); None: pinned host memory.
+    """
+
+    enabled: bool = option(False, "optimizer_offloading")
+    precision: str = option("params", "optimizer_precision")
+    state_dir: str | None = option(None, "optimizer_state_dir")
+
+    def __post_init__(self) -> None:
+        self._bool("enabled")
+        if self.precision not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(
+                f"optimizer_precision={self.precision!r} is not a precision; use params (moments in the "
+                "parameters' dtype), compact (bf16 moments, stochastic rounding) or fp32_master (fp32 master weights "
+                "and moments)"
+            )
+        self._path("state_dir")

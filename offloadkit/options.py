@@ -1,0 +1,70 @@
+"""What every component's options dataclass shares: each field names the config key it is
+read from (``field(metadata={"key": ...})``), and its checks raise ``ValueError`` naming that
+key, the value and the fix.
+
+A component owns its options beside it (``engine/options.py``, ``layers/options.py``, ...):
+the fields, their defaults and their documentation are stated there once.
+:class:`~offloadkit.config.OffloadConfig` maps the YAML keys users know onto them and restates
+no default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["Options", "option"]
+
+
+def option(default: Any, key: str) -> Any:
+    """A dataclass field with a default, read from config key ``key``."""
+    return dataclasses.field(default=default, metadata={"key": key})
+
+
+class Options:
+    """Base of the components' options dataclasses."""
+
+    @classmethod
+    def keys(cls) -> dict[str, str]:
+        """Config key -> field name, for the fields a config sets (the others keep their default)."""
+        return {f.metadata["key"]: f.name for f in dataclasses.fields(cls) if "key" in f.metadata}  # type: ignore[arg-type]
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of field ``name``."""
+        return next(f.default for f in dataclasses.fields(cls) if f.name == name)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_config(cls, config: Any):
+        """These options as ``config`` (anything with the config keys as attributes) sets them."""
+        return cls(**{name: getattr(config, key) for key, name in cls.keys().items()})
+
+    def key(self, name: str) -> str:
+        return next(f.metadata.get("key", f.name) for f in dataclasses.fields(self) if f.name == name)  # type: ignore[arg-type]
+
+    def _bool(self, name: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{self.key(name)}={value!r} has the wrong type ({type(value).__name__}); expected true or false"
+            )
+
+    def _int(self, name: str, low: int, what: str, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if optional and value is None:
+            return
+        if not isinstance(value, int) or isinstance(value, bool):
+            extra = ", or omit it" if optional else ""
+            raise ValueError(
+                f"{self.key(name)}={value!r} has the wrong type ({type(value).__name__}); "
+                f"expected an integer >= {low}{extra}"
+            )
+        if value < low:
+            raise ValueError(f"{self.key(name)}={value!r} is too small; it must be >= {low} ({what})")
+
+    def _path(self, name: str) -> None:
+        value = getattr(self, name)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                f"{self.key(name)}={value!r} has the wrong type ({type(value).__name__}); expected a directory path"
+            )

@@ -1,0 +1,85 @@
+"""Each component owns its options (a dataclass beside it, with its defaults, documentation and
+checks); ``OffloadConfig`` maps the YAML keys onto them and restates no default."""
+
+import dataclasses
+
+import pytest
+
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.config import COMPONENTS, ConfigError, OffloadConfig
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.layers.options import StreamingOptions
+from offloadkit.longctx.options import LongContextOptions
+from offloadkit.optim.options import OptimizerOptions
+from offloadkit.storage import DiskOptions
+
+
+def test_every_key_has_exactly_one_owner_and_its_default():
+    owned = [key for cls in COMPONENTS for key in cls.keys()]
+    assert len(owned) == len(set(owned)), "a key set by two components"
+    assert set(owned) == set(OffloadConfig.keys())
+    config = OffloadConfig()
+    for cls in COMPONENTS:
+        for key, name in cls.keys().items():
+            assert getattr(config, key) == cls.default(name), key
+        for f in dataclasses.fields(cls):
+            assert f.name in cls.__doc__, f"{cls.__name__}.{f.name} is not documented"
+
+
+def test_a_config_gives_each_component_its_options():
+    config = OffloadConfig.from_dict(
+        {
+            "gradient_checkpointing": True,
+            "activation_offloading": "disk",
+            "disk_tiering": True,
+            "host_budget_bytes": "1GiB",
+            "disk_dir": "/tmp/spill",
+            "disk_threads": 2,
+            "activation_loading_horizon": 3,
+            "layer_offloading": True,
+            "layer_offloading_depth": 3,
+            "tiled_mlp": True,
+            "tiled_mlp_num_shards": 8,
+            "recompute_block_inputs": [2, 3],
+        }
+    )
+    acts = config.options(ActivationOptions)
+    assert (acts.mode, acts.storage, acts.loading_horizon) == ("disk", "tiered", 3)
+    disk = config.options(DiskOptions)
+    assert (disk.directory, disk.threads, disk.direct_io) == ("/tmp/spill", 2, "auto")
+    assert config.options(StreamingOptions) == StreamingOptions(enabled=True, depth=3)
+    assert config.options(CheckpointOptions).recompute_block_inputs == (2, 3)
+    assert config.options(LongContextOptions).mlp_shards == 8
+    assert config.options(OptimizerOptions) == OptimizerOptions()
+
+
+@pytest.mark.parametrize(
+    "component, kwargs, message",
+    [
+        (StreamingOptions, {"depth": 0}, "layer_offloading_depth=0 is too small"),
+        (ActivationOptions, {"max_fwd_stash_size": 0}, "max_fwd_stash_size=0 is too small"),
+        (ActivationOptions, {"mode": "sometimes"}, "activation_offloading='sometimes' is not a mode"),
+        (ActivationOptions, {"mode": 1}, "activation_offloading=1 is not a mode"),
+        (OptimizerOptions, {"precision": "fp8"}, "optimizer_precision='fp8' is not a precision"),
+        (LongContextOptions, {"tiled_projections": True}, "needs tiled_mlp: true"),
+        (CheckpointOptions, {"block_input_placement": ("recompute", "gpu")}, "layer 0's input cannot be recomputed"),
+        (DiskOptions, {"threads": 0}, "disk_threads=0 is invalid"),
+    ],
+)
+def test_a_component_names_the_config_key_in_its_errors(component, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        component(**kwargs)
+    key = next(k for k, n in component.keys().items() if n == next(iter(kwargs)))
+    with pytest.raises(ConfigError, match=message):
+        OffloadConfig.from_dict({key: next(iter(kwargs.values())), "tiled_mlp": False} if key != "tiled_mlp" else {})
+
+
+def test_keys_of_different_components_are_checked_together():
+    with pytest.raises(ConfigError, match="disk_tiering: true needs host_budget_bytes"):
+        OffloadConfig.from_dict({"activation_offloading": "disk", "disk_tiering": True})
+    with pytest.raises(ConfigError, match="puts inputs on disk but activation_offloading=True"):
+        OffloadConfig.from_dict(
+            {"gradient_checkpointing": True, "activation_offloading": True, "block_input_placement": ["disk", "gpu"]}
+        )
+    with pytest.warns(UserWarning, match="layer_offloading_depth only|min_offload_size only apply"):
+        OffloadConfig.from_dict({"min_offload_size": 0})
