@@ -91,7 +91,8 @@ class StepTimeline:
         self._lock = threading.Lock()
         # Graph tasks whose end callback is queued; one that raised stays (ids are never reused).
         self._queued: set[int] = set()
-        self.model = self.head = None
+        self.model: nn.Module | None = None
+        self.head: nn.Module | None = None
         self.attach(model, head)
 
     def attach(self, model: nn.Module | None, head: nn.Module | None = None) -> None:
