@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from torch.utils.hooks import RemovableHandle
 
 from offloadkit.checkpointing.arguments import CACHE_KEYS, first_tensor, is_cache, keywords_as_positions
+from offloadkit.checkpointing.discard import discarding_recompute
 from offloadkit.checkpointing.selective import selective_context_fn
 from offloadkit.defaults import BLOCK_INPUT_PLACES
 from offloadkit.engine.offload import OffloadActivations
@@ -201,6 +202,12 @@ class CheckpointedBlocks:
             return contextlib.nullcontext()
         return manager.placed(where)
 
+    def _recompute(self, fn: Callable) -> Callable:
+        """``fn`` for one checkpoint, its recompute marked as one whose output nothing reads
+        (``checkpointing/discard.py``). Not with selective checkpointing, whose recompute
+        replays the forward's cached results in order."""
+        return discarding_recompute(fn) if self._context_fn is noop_context_fn else fn
+
     def _selective(self) -> dict:
         # The default context is left implicit: torch.compile traces checkpoint() only with a
         # context function it knows (per-layer compile of checkpointed layers).
@@ -241,7 +248,7 @@ class CheckpointedBlocks:
                     f"recompute_inputs: block {index} was not called with the previous block's output as its first "
                     "argument; a dropped input is replayed from the block before it, so blocks must be chained"
                 )
-            out = checkpoint(original, *args, use_reentrant=False, **self._selective(), **kwargs)
+            out = checkpoint(self._recompute(original), *args, use_reentrant=False, **self._selective(), **kwargs)
             # The output by weak reference: holding it would keep the dropped input alive. The
             # first block replays from the region's own saved arguments: nothing kept for it.
             more, kw = (args[1:], kwargs) if calls else ((), {})
@@ -279,7 +286,9 @@ class CheckpointedBlocks:
             for hook in tuple(self._replay_hooks.values()):
                 hook(self.blocks[index][1])
             args, kw = (flat, rest) if n == 0 else ((hidden, *more), kwargs)
-            hidden = first_tensor(checkpoint(original, *args, use_reentrant=False, **self._selective(), **kw))
+            hidden = first_tensor(
+                checkpoint(self._recompute(original), *args, use_reentrant=False, **self._selective(), **kw)
+            )
 
     def _after_block(self, block: nn.Module, out):
         """What backward does on reaching ``block``'s output: start bringing the inputs of
@@ -314,7 +323,7 @@ class CheckpointedBlocks:
             outer.keep_enter()
         try:
             with capture, self._placed(index) if not kept else contextlib.nullcontext():
-                out = checkpoint(fn, *flat, use_reentrant=False, **self._selective(), **kwargs)
+                out = checkpoint(self._recompute(fn), *flat, use_reentrant=False, **self._selective(), **kwargs)
         finally:
             if outer is not None:
                 outer.keep_exit()

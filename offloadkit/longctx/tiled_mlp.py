@@ -16,8 +16,15 @@ Automatic shard count: ``ceil(tokens * width / 2**28)``, where width is the wide
 when there are none), so one shard's widest tensor has at most 2**28 elements (512 MiB in
 bf16). When that gives one shard the module runs untiled (no recompute cost).
 
-Inside a checkpointed layer the tiled forward runs again during the layer's recompute, so
-the MLP's forward is computed three times per step instead of two.
+Inside a checkpointed layer the tiled forward runs again during the layer's recompute, where
+only its saved input is wanted: nothing reads the recomputed output when the MLP's output only
+meets the residual add (which saves nothing) before the layer returns. For decoder layers known
+to end that way (``OUTPUT_ONLY_ADDED``: Llama, Mistral, Qwen2/3, Gemma) under offloadkit's
+non-selective checkpointing, the recompute saves the input and skips the shards, so the MLP's
+forward is computed twice per step, not three times. Elsewhere (selective checkpointing,
+Hugging Face's checkpointing, layers that norm or scale the MLP's output with saved tensors,
+projections, MoE experts) it runs in full. A forward hook on such an MLP sees an unwritten
+output during the recompute.
 
 Past the MLP, what a LoRA layer saves grows with length through its norms (fp32 upcasts of
 the input) and its attention projections (PEFT keeps an fp32 copy of each adapter's input):
@@ -37,13 +44,20 @@ from typing import Callable
 import torch
 from torch import nn
 
+from offloadkit.checkpointing.discard import recomputing_for_saves
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
 
-__all__ = ["apply_tiled_mlp", "tiled_forward", "auto_num_shards", "TiledMLP", "SHARD_ELEMENTS"]
+__all__ = ["apply_tiled_mlp", "tiled_forward", "auto_num_shards", "TiledMLP", "SHARD_ELEMENTS", "OUTPUT_ONLY_ADDED"]
 
 SHARD_ELEMENTS = 2**28
 _MARK = "_offloadkit_tiled_mlp"
+# Decoder layers whose forward ends ``residual + self.mlp(norm(h))`` and returns: between the
+# MLP and the layer's output nothing saves a tensor, so a recompute that only harvests saved
+# tensors never reads the MLP's output. Checked against each class's source in transformers.
+OUTPUT_ONLY_ADDED = frozenset(
+    {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer"}
+)
 
 
 def auto_num_shards(tokens: int, width: int) -> int:
@@ -142,10 +156,15 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, num_shards, n_inputs, *tensors):
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
-        bounds = _bounds(_tokens_view(inputs[0]).shape[-2], num_shards)
+        bounds = _bounds(_tokens_view(inputs[0]).shape[-2], abs(num_shards))
         ctx.fn, ctx.bounds, ctx.params, ctx.n_inputs = fn, bounds, params, n_inputs
         ctx.recorded = _Recorded(inputs[0].device)
         ctx.save_for_backward(*inputs)
+        if num_shards < 0:
+            # A recompute that only wants the saved input (see OUTPUT_ONLY_ADDED): the output,
+            # as wide as the input, is never read.
+            ctx.mutates = False
+            return inputs[0].new_empty(inputs[0].shape)
         out, ctx.mutates = _sharded(fn, inputs, bounds)
         return out
 
@@ -279,10 +298,13 @@ class TiledMLPHandle:
         num_shards: the fixed shard count, or None for automatic.
     """
 
-    def __init__(self, modules, num_shards, widths=None):
+    def __init__(self, modules, num_shards, widths=None, output_unread_in_recompute=()):
         self.modules = modules
         self.num_shards = num_shards
         self._widths = widths or {}
+        # Modules whose recomputed output nothing reads (MLPs of OUTPUT_ONLY_ADDED layers).
+        self._unread = {id(m) for m in output_unread_in_recompute}
+        self.skipped_recomputes = 0  # tiled calls whose shards a recompute skipped
         self._saved: list[tuple[nn.Module, object]] = []
 
     def _attach(self) -> None:
@@ -331,6 +353,15 @@ class TiledMLPHandle:
         if shards <= 1 and fixed is None:
             return original(*args)
         params = [p for p in module.parameters() if p.requires_grad]
+        if (
+            id(module) in self._unread
+            and len(args) == 1
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and recomputing_for_saves()
+        ):
+            self.skipped_recomputes += 1
+            return TiledMLP.apply(original, -shards, 1, args[0], *params)
         return tiled_forward(original, args, shards, params)
 
 
@@ -409,6 +440,7 @@ def apply_tiled_mlp(
             )
     else:
         modules = []
+        unread = []
         for name, block in find_blocks(base):
             mlp = getattr(block, "mlp", None) or getattr(block, "block_sparse_moe", None)
             if not isinstance(mlp, nn.Module):
@@ -420,6 +452,8 @@ def apply_tiled_mlp(
                     widths[part_name] = width
             else:
                 modules.append((mlp_name, mlp))
+                if type(block).__name__ in OUTPUT_ONLY_ADDED and getattr(block, "mlp", None) is mlp:
+                    unread.append(mlp)
         how = "layer.mlp of the decoder layers"
     if projections:
         for name, block in find_blocks(base):
@@ -437,6 +471,6 @@ def apply_tiled_mlp(
             UserWarning,
             stacklevel=2,
         )
-    handle = TiledMLPHandle(modules, shards, widths)
+    handle = TiledMLPHandle(modules, shards, widths, unread if predicate is None else ())
     handle._attach()
     return handle
