@@ -3,8 +3,8 @@
 FLOPs counted (per token, P = a decoder layer's linear weights x layers):
 - linears: forward 2P; backward 4P for a full fine-tune (input and weight gradients), 2P
   for LoRA (input gradients only; the adapters' own FLOPs are added); recompute 2P under
-  checkpointing, plus the MLP's (and the attention projections') forward once more when
-  tiled;
+  checkpointing, plus the attention projections' forward once more when tiled (a tiled MLP's
+  forward in its own backward replaces its recompute, which the layer's recompute skips);
 - the head: forward and input gradient 2VH each (and 2VH for its weight in a full fine-tune);
 - causal attention: 2 S^2 (heads x head_dim) per layer and row forward (half of the
   full square's 4 S^2 d), backward twice that, recompute once more: 8 S^2 d per layer;
@@ -112,8 +112,9 @@ def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
         bwd += 4 * adapters * t
     if f.checkpointing:
         bwd += 2 * p * t + (2 * adapters * t if w.lora_rank else 0)
-        if f.mlp_shards > 1:
-            bwd += 2 * mlp_linear * s.layers * t
+        # A tiled MLP runs forward again in its own backward, but a layer's recompute skips
+        # it (its output is never read: longctx/tiled_mlp.py, OUTPUT_ONLY_ADDED): two
+        # forwards, as untiled. Tiled projections are recomputed and run again.
         if f.tiled_projections:
             bwd += 2 * (layer_linear - mlp_linear) * s.layers * t
     attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers
