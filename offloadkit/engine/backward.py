@@ -21,7 +21,7 @@ from offloadkit.engine.spans import Entry, Kept, Packed
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.runtime.autograd import current_graph_task
 from offloadkit.runtime.device import current_stream
-from offloadkit.storage.base import order_after
+from offloadkit.transfer.completion import order_after
 from offloadkit.transfer.prefetch import Ahead, Lane, PrefetchScheduler, Status
 from offloadkit.transfer.timeline import StepTimeline
 

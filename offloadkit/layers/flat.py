@@ -34,9 +34,9 @@ from torch import nn
 from offloadkit.layers.weight_files import FileBlock, WeightFiles
 from offloadkit.runtime.autograd import in_backward, version_of
 from offloadkit.runtime.device import device_alias_of_host, host_alias
-from offloadkit.storage.base import FutureCompletion, order_after
 from offloadkit.storage.pool import HostBlock, HostBufferPool
 from offloadkit.transfer import copy_stream, queue_copy
+from offloadkit.transfer.completion import FutureCompletion, order_after
 
 __all__ = ["FlatWeights", "STREAMED_STORAGE", "order_after_write_back", "streamable_reason"]
 

@@ -47,9 +47,9 @@ from offloadkit.layers.stats import StreamStats
 from offloadkit.layers.weight_files import WeightFiles
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.autograd import current_graph_task, in_backward
-from offloadkit.storage.base import order_after
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
+from offloadkit.transfer.completion import order_after
 from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler, Status
 from offloadkit.transfer.timeline import StepTimeline, TimelineListener
 

@@ -25,12 +25,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from offloadkit.storage.base import FutureCompletion
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.cleanup import create_private_dir, remove_dir
 from offloadkit.storage.fileio import temporary_block
 from offloadkit.storage.pool import HostBufferPool
 from offloadkit.transfer import queue_copy
+from offloadkit.transfer.completion import FutureCompletion
 
 __all__ = ["FileBlock", "WeightFiles"]
 

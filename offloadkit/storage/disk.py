@@ -35,7 +35,7 @@ import torch
 
 from offloadkit.options import Options, option
 from offloadkit.runtime.device import current_stream
-from offloadkit.storage.base import FutureCompletion, Loaded, Stored
+from offloadkit.storage.base import Loaded, Stored
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.cleanup import create_private_dir, remove_dir
 from offloadkit.storage.fileio import (
@@ -50,6 +50,7 @@ from offloadkit.storage.fileio import (
 )
 from offloadkit.storage.pool import HostBlock, HostBufferPool
 from offloadkit.transfer import copy_stream, queue_copy
+from offloadkit.transfer.completion import FutureCompletion
 
 __all__ = ["DiskOptions", "DiskTier", "DiskFullError", "DiskStats"]
 

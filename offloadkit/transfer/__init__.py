@@ -7,6 +7,7 @@ A saved tensor's path runs hooks -> decide -> lifecycle -> storage (where bytes 
 transfer (moving them); nothing here knows what the bytes are.
 """
 
+from offloadkit.transfer.completion import FutureCompletion, order_after
 from offloadkit.transfer.copy import queue_copy
 from offloadkit.transfer.prefetch import Ahead, Lane, PrefetchScheduler, Status
 from offloadkit.transfer.streams import copy_stream, copy_streams_created
@@ -14,6 +15,7 @@ from offloadkit.transfer.timeline import StepTimeline, TimelineListener
 
 __all__ = [
     "Ahead",
+    "FutureCompletion",
     "Lane",
     "PrefetchScheduler",
     "Status",
@@ -21,5 +23,6 @@ __all__ = [
     "TimelineListener",
     "copy_stream",
     "copy_streams_created",
+    "order_after",
     "queue_copy",
 ]
