@@ -29,13 +29,13 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from torch.utils.hooks import RemovableHandle
 
 from offloadkit.checkpointing.arguments import CACHE_KEYS, first_tensor, is_cache, keywords_as_positions
-from offloadkit.checkpointing.discard import discarding_recompute
 from offloadkit.checkpointing.selective import selective_context_fn
 from offloadkit.defaults import BLOCK_INPUT_PLACES
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
 from offloadkit.runtime.compiled import compiled_as_a_whole
+from offloadkit.runtime.recompute import discarding_recompute
 from offloadkit.runtime.regions import checkpoint_region
 from offloadkit.transfer.timeline import TimelineListener
 
@@ -204,7 +204,7 @@ class CheckpointedBlocks:
 
     def _recompute(self, fn: Callable) -> Callable:
         """``fn`` for one checkpoint, its recompute marked as one whose output nothing reads
-        (``checkpointing/discard.py``). Not with selective checkpointing, whose recompute
+        (``runtime/recompute.py``). Not with selective checkpointing, whose recompute
         replays the forward's cached results in order."""
         return discarding_recompute(fn) if self._context_fn is noop_context_fn else fn
 

@@ -44,9 +44,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from offloadkit.checkpointing.discard import recomputing_for_saves
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
+from offloadkit.runtime.recompute import recomputing_for_saves
 
 __all__ = ["apply_tiled_mlp", "tiled_forward", "auto_num_shards", "TiledMLP", "SHARD_ELEMENTS", "OUTPUT_ONLY_ADDED"]
 
