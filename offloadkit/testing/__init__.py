@@ -11,6 +11,7 @@ from offloadkit.testing.references import Fp32MasterAdamW
 from offloadkit.testing.steps import (
     BackwardFailedError,
     failed_backward,
+    lora_llama,
     memory_after_each_step,
     randomize_lora_b,
     step_on_side_stream,
@@ -26,6 +27,7 @@ __all__ = [
     "build_llama",
     "failed_backward",
     "grads_of",
+    "lora_llama",
     "make_batch",
     "memory_after_each_step",
     "randomize_lora_b",

@@ -14,6 +14,7 @@ __all__ = [
     "randomize_lora_b",
     "step_on_side_stream",
     "memory_after_each_step",
+    "lora_llama",
 ]
 
 
@@ -24,6 +25,19 @@ def randomize_lora_b(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Modu
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, std)
+    return model
+
+
+def lora_llama(shape: str = "small", rank: int = 4) -> torch.nn.Module:
+    """A zoo Llama with LoRA adapters on every linear layer (no dropout, B randomised), in
+    training mode: the frozen base streams, the adapters train. Needs peft."""
+    import peft
+
+    from offloadkit.models.zoo import build_llama
+
+    config = peft.LoraConfig(r=rank, target_modules="all-linear", lora_dropout=0.0)
+    model = randomize_lora_b(peft.get_peft_model(build_llama(shape), config))
+    model.train()
     return model
 
 

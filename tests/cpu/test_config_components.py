@@ -71,7 +71,7 @@ def test_a_component_names_the_config_key_in_its_errors(component, kwargs, messa
         component(**kwargs)
     key = next(k for k, n in component.keys().items() if n == next(iter(kwargs)))
     with pytest.raises(ConfigError, match=message):
-        OffloadConfig.from_dict({key: next(iter(kwargs.values())), "tiled_mlp": False} if key != "tiled_mlp" else {})
+        OffloadConfig.from_dict({key: next(iter(kwargs.values()))})
 
 
 def test_keys_of_different_components_are_checked_together():

@@ -13,6 +13,7 @@ from offloadkit.testing import (
     assert_bitwise_equal,
     build_llama,
     failed_backward,
+    lora_llama,
     make_batch,
     randomize_lora_b,
     run_step,
@@ -20,12 +21,6 @@ from offloadkit.testing import (
 from offloadkit.testing.cpu_streaming import stream_layers_on_cpu
 
 peft = pytest.importorskip("peft")
-
-
-def lora_llama(shape="small"):
-    model = peft.get_peft_model(build_llama(shape), peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
-    randomize_lora_b(model)
-    return model
 
 
 def test_streaming_parity_and_residency_cap():

@@ -11,8 +11,8 @@ from offloadkit.testing import (
     assert_bitwise_equal,
     build_llama,
     failed_backward,
+    lora_llama,
     make_batch,
-    randomize_lora_b,
     run_step,
 )
 from offloadkit.testing.cpu_streaming import stream_layers_on_cpu
@@ -100,12 +100,8 @@ def test_invalid_arguments_name_the_fix():
 
 
 def _lora_llama():
-    peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
-    model = peft.get_peft_model(build_llama("small"), config)
-    randomize_lora_b(model)
-    model.train()
-    return model
+    pytest.importorskip("peft")
+    return lora_llama()
 
 
 @pytest.mark.parametrize("window", [None, 4 << 20])  # unbounded; one layer's weights (2.9 MB) and some inputs

@@ -13,22 +13,14 @@ from offloadkit.testing import (
     assert_bitwise_equal,
     build_llama,
     failed_backward,
+    lora_llama,
     make_batch,
-    randomize_lora_b,
     run_step,
 )
 from offloadkit.testing.cpu_streaming import stream_layers_on_cpu
 from offloadkit.transfer import StepTimeline, TimelineListener
 
-peft = pytest.importorskip("peft")
-
-
-def _lora_llama():
-    config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
-    model = peft.get_peft_model(build_llama("small"), config)
-    randomize_lora_b(model)
-    model.train()
-    return model
+pytest.importorskip("peft")
 
 
 class Spy(TimelineListener):
@@ -61,7 +53,7 @@ def _hooks_on(model):
 
 
 def test_engine_and_streamer_share_one_timeline_bitwise():
-    model = _lora_llama()
+    model = lora_llama()
     batch = make_batch(2048, 2, 32)
     ref = run_step(model, batch)
     hooks_before = _hooks_on(model)
@@ -132,7 +124,7 @@ def test_a_forward_that_raises_still_reports_its_end():
 
 
 def test_a_failed_backward_does_not_keep_the_next_one_from_ending():
-    model = _lora_llama()
+    model = lora_llama()
     batch = make_batch(2048, 2, 32)
     ref = run_step(model, batch)
     checkpointing = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True, prefetch=2)
@@ -196,7 +188,7 @@ def test_a_bare_engine_ends_its_passes_without_any_module_hook():
 
 
 def test_removing_one_client_keeps_the_other_on_the_shared_blocks():
-    model = _lora_llama()
+    model = lora_llama()
     batch = make_batch(2048, 2, 32)
     ref = run_step(model, batch)
     layers = model.config.num_hidden_layers
