@@ -31,11 +31,17 @@ the input) and its attention projections (PEFT keeps an fp32 copy of each adapte
 about 100 KB per token for an 8B layer, 50 GiB at 512K tokens. ``projections=True`` runs
 those token-wise modules over shards too, so each saves only its bf16 input; attention
 itself (SDPA or flash) sees the whole sequence.
+
+A tiled module fed by a tiled norm (modules named ``*norm``: q, k and v after the input
+norm, the MLP after the post-attention norm) saves the norm's input, which the norm saves
+anyway, instead of the norm's output, and rebuilds its input shard by shard in backward by
+running the norm over the norm's own shards (``longctx/shards.py``): the same shapes, so the
+same bytes. A layer then saves two ``[S, H]`` tensors fewer (16 KiB a token for an 8B model)
+for two norm forwards more in backward.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import warnings
@@ -44,6 +50,15 @@ from typing import Callable
 import torch
 from torch import nn
 
+from offloadkit.longctx.shards import (
+    Prenorm,
+    PrenormRows,
+    Recorded,
+    run_sharded,
+    shard,
+    shard_bounds,
+    tokens_view,
+)
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
 from offloadkit.runtime.recompute import recomputing_for_saves
@@ -65,120 +80,55 @@ def auto_num_shards(tokens: int, width: int) -> int:
     return max(1, math.ceil(tokens * width / SHARD_ELEMENTS))
 
 
-def _bounds(length: int, num_shards: int) -> list[tuple[int, int]]:
-    num_shards = max(1, min(num_shards, length))
-    size, extra = divmod(length, num_shards)
-    out, start = [], 0
-    for i in range(num_shards):
-        n = size + (1 if i < extra else 0)
-        out.append((start, n))
-        start += n
-    return out
-
-
-def _check(y, xs: torch.Tensor) -> torch.Tensor:
-    if not torch.is_tensor(y) or y.shape[:-1] != xs.shape[:-1]:
-        got = type(y).__name__ if not torch.is_tensor(y) else f"shape {tuple(y.shape)}"
-        raise TypeError(
-            f"a tiled module must map [..., S, H] to [..., S, H'] token-wise; for input "
-            f"{tuple(xs.shape)} it returned {got}"
-        )
-    return y
-
-
-def _tokens_view(t: torch.Tensor) -> torch.Tensor:
-    """``[B, S, H]`` as ``[1, B*S, H]`` (a view when contiguous): shards of the token
-    dimension are then contiguous, so modules that ``.view()`` their input (MoE blocks,
-    GPT-2's Conv1D) take them with any batch size. 2-D inputs are already ``[tokens, H]``."""
-    return t if t.dim() <= 2 else t.reshape(1, -1, t.shape[-1])
-
-
-def _shard(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return t.narrow(t.dim() - 2, start, n)
-
-
-class _Recorded:
-    """What forward knew and backward must restore: the RNG state and the autocast state."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.device = device
-        self.autocast = [
-            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-            for kind in dict.fromkeys((device.type, "cpu"))
-        ]
-
-    def replay(self):
-        """Context for backward's recompute: forward's RNG draws and autocast dtype."""
-        stack = contextlib.ExitStack()
-        devices = [self.device] if self.cuda_rng is not None else []
-        stack.enter_context(torch.random.fork_rng(devices=devices))
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, self.device)
-        for kind, enabled, dtype in self.autocast:
-            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-        return stack
-
-
-def _sharded(fn: Callable, inputs: tuple[torch.Tensor, ...], bounds) -> tuple[torch.Tensor, bool]:
-    """``fn(*inputs)`` over token shards into one output, and whether ``fn`` writes its
-    inputs in place (seen on the first shard, run on a copy: such a module then gets a copy
-    of every shard, so the saved input stays as it came)."""
-    flat = [_tokens_view(t) for t in inputs]
-    out = None
-    mutates = False
-    for i, (start, n) in enumerate(bounds):
-        shards = [_shard(t, start, n) for t in flat]
-        if i == 0:
-            copies = [s.clone() for s in shards]
-            versions = [c._version for c in copies]
-            y = fn(*copies)
-            mutates = any(c._version != v for c, v in zip(copies, versions))
-            del copies
-        else:
-            y = fn(*[s.clone() for s in shards] if mutates else shards)
-        y = _check(y, shards[0])
-        if out is None:
-            out = y.new_empty(flat[0].shape[:-1] + y.shape[-1:])
-        _shard(out, start, n).copy_(y)
-        del y
-    return out.view(inputs[0].shape[:-1] + out.shape[-1:]), mutates
-
-
 class TiledMLP(torch.autograd.Function):
-    """``TiledMLP.apply(fn, num_shards, n_inputs, *inputs, *params)``: ``fn(*inputs)``
+    """``TiledMLP.apply(fn, num_shards, n_inputs, prenorm, *inputs, *params)``: ``fn(*inputs)``
     computed over token shards (every input sharded along its token dimension), with
     gradients for the floating-point inputs and for ``params`` (the trainable parameters
-    ``fn`` uses). Prefer :func:`tiled_forward`."""
+    ``fn`` uses). Prefer :func:`tiled_forward`.
+
+    With ``prenorm`` (a :class:`Prenorm`; one input, followed by the norm's input), the
+    single input is that norm's output: the norm's input is saved in its place and the
+    input's shards are rebuilt from it in backward."""
 
     @staticmethod
-    def forward(ctx, fn, num_shards, n_inputs, *tensors):
-        inputs, params = tensors[:n_inputs], tensors[n_inputs:]
-        bounds = _bounds(_tokens_view(inputs[0]).shape[-2], abs(num_shards))
-        ctx.fn, ctx.bounds, ctx.params, ctx.n_inputs = fn, bounds, params, n_inputs
-        ctx.recorded = _Recorded(inputs[0].device)
-        ctx.save_for_backward(*inputs)
+    def forward(ctx, fn, num_shards, n_inputs, prenorm, *tensors):
+        inputs = tensors[:n_inputs]
+        saved = (tensors[n_inputs],) if prenorm is not None else inputs
+        params = tensors[n_inputs + len(saved) :] if prenorm is not None else tensors[n_inputs:]
+        bounds = shard_bounds(tokens_view(inputs[0]).shape[-2], abs(num_shards))
+        ctx.fn, ctx.bounds, ctx.params, ctx.n_inputs, ctx.prenorm = fn, bounds, params, n_inputs, prenorm
+        ctx.input_meta = [(t.shape, t.dtype) for t in inputs]
+        ctx.recorded = Recorded(inputs[0].device)
+        ctx.save_for_backward(*saved)
         if num_shards < 0:
             # A recompute that only wants the saved input (see OUTPUT_ONLY_ADDED): the output,
             # as wide as the input, is never read.
             ctx.mutates = False
             return inputs[0].new_empty(inputs[0].shape)
-        out, ctx.mutates = _sharded(fn, inputs, bounds)
+        out, ctx.mutates = run_sharded(fn, inputs, bounds)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        inputs = ctx.saved_tensors
+        saved = ctx.saved_tensors
         params, n_inputs = ctx.params, ctx.n_inputs
-        need_in = ctx.needs_input_grad[3 : 3 + n_inputs]
-        need_p = ctx.needs_input_grad[3 + n_inputs :]
+        need_in = ctx.needs_input_grad[4 : 4 + n_inputs]
+        need_p = ctx.needs_input_grad[4 + n_inputs + (1 if ctx.prenorm is not None else 0) :]
         wanted = [p for p, need in zip(params, need_p) if need]
-        flat = [_tokens_view(t) for t in inputs]
-        grad_flat = _tokens_view(grad_out)
-        grad_in = [torch.empty_like(t) if need else None for t, need in zip(flat, need_in)]
+        device = saved[0].device
+        if ctx.prenorm is not None:
+            rebuilt = PrenormRows(ctx.prenorm, saved[0])
+            shard_inputs = lambda start, n: [rebuilt.rows(start, n)]  # noqa: E731
+        else:
+            flat = [tokens_view(t) for t in saved]
+            shard_inputs = lambda start, n: [shard(t, start, n) for t in flat]  # noqa: E731
+        grad_flat = tokens_view(grad_out)
+        grad_in = [
+            torch.empty(shape, dtype=dtype, device=device) if need else None
+            for (shape, dtype), need in zip(ctx.input_meta, need_in)
+        ]
+        grad_in_flat = [None if g is None else tokens_view(g) for g in grad_in]
         acc: list[torch.Tensor | None] = [None] * len(wanted)
         # Saved-tensor hooks of an enclosing offloading context must not move the shard's
         # tensors: they are used right here.
@@ -188,7 +138,7 @@ class TiledMLP(torch.autograd.Function):
             torch.enable_grad(),
         ):
             for start, n in ctx.bounds:
-                leaves = [_shard(t, start, n).detach().requires_grad_(need) for t, need in zip(flat, need_in)]
+                leaves = [t.detach().requires_grad_(need) for t, need in zip(shard_inputs(start, n), need_in)]
                 # A module that writes its input in place gets a copy: in-place writes to a
                 # leaf that requires grad are refused, and the saved input must stay as it came.
                 ys = ctx.fn(*[leaf.clone() for leaf in leaves] if ctx.mutates else leaves)
@@ -196,13 +146,13 @@ class TiledMLP(torch.autograd.Function):
                 targets = grad_leaves + wanted
                 grads = [None] * len(targets)
                 if ys.requires_grad:
-                    grads = list(torch.autograd.grad(ys, targets, _shard(grad_flat, start, n), allow_unused=True))
-                del ys
-                for buf, need in zip(grad_in, need_in):
+                    grads = list(torch.autograd.grad(ys, targets, shard(grad_flat, start, n), allow_unused=True))
+                del ys, leaves, grad_leaves
+                for buf, need in zip(grad_in_flat, need_in):
                     if not need:
                         continue
                     gx = grads.pop(0)
-                    target = _shard(buf, start, n)
+                    target = shard(buf, start, n)
                     if gx is None:
                         target.zero_()
                     else:
@@ -215,10 +165,13 @@ class TiledMLP(torch.autograd.Function):
                         acc[i] = g.float() if low else g
                     else:
                         acc[i].add_(g)
-        out_in = [None if g is None else g.view(t.shape) for g, t in zip(grad_in, inputs)]
+        if ctx.prenorm is not None:
+            rebuilt.release()
+        del grad_in_flat
         out_p = iter(None if a is None else a.to(p.dtype) for a, p in zip(acc, wanted))
         grads_p = [next(out_p) if need else None for need in need_p]
-        return (None, None, None, *out_in, *grads_p)
+        extra = (None,) if ctx.prenorm is not None else ()
+        return (None, None, None, None, *grad_in, *extra, *grads_p)
 
 
 def tiled_forward(fn: Callable, x, num_shards: int, params=None) -> torch.Tensor:
@@ -240,9 +193,9 @@ def tiled_forward(fn: Callable, x, num_shards: int, params=None) -> torch.Tensor
     inputs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
     params = tuple(params or ())
     if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or any(p.requires_grad for p in params)):
-        return TiledMLP.apply(fn, num_shards, len(inputs), *inputs, *params)
-    bounds = _bounds(_tokens_view(inputs[0]).shape[-2], num_shards)
-    return _sharded(fn, inputs, bounds)[0]
+        return TiledMLP.apply(fn, num_shards, len(inputs), None, *inputs, *params)
+    bounds = shard_bounds(tokens_view(inputs[0]).shape[-2], num_shards)
+    return run_sharded(fn, inputs, bounds)[0]
 
 
 def _width(module: nn.Module) -> int | None:
@@ -300,6 +253,9 @@ class TiledMLPHandle:
 
     def __init__(self, modules, num_shards, widths=None, output_unread_in_recompute=()):
         self.modules = modules
+        # Norms (modules named ``*norm``): a tiled module fed by one saves the norm's input.
+        self._norms = {id(m) for name, m in modules if name.rsplit(".", 1)[-1].lower().endswith("norm")}
+        self.rebuilt_inputs = 0  # tiled calls that saved a norm's input instead of their own
         self.num_shards = num_shards
         self._widths = widths or {}
         # Modules whose recomputed output nothing reads (MLPs of OUTPUT_ONLY_ADDED layers).
@@ -353,15 +309,25 @@ class TiledMLPHandle:
         if shards <= 1 and fixed is None:
             return original(*args)
         params = [p for p in module.parameters() if p.requires_grad]
-        if (
-            id(module) in self._unread
-            and len(args) == 1
-            and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and recomputing_for_saves()
-        ):
+        graph = len(args) == 1 and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if graph and id(module) in self._norms:
+            # Remember how this output was made: a tiled module it feeds saves the norm's
+            # input (which the norm saves anyway) instead of this output.
+            y = tiled_forward(original, args, shards, params)
+            if torch.is_tensor(y):  # also without a graph: a LoRA projection still saves its input
+                bounds = shard_bounds(tokens_view(args[0]).shape[-2], shards)
+                Prenorm(original, bounds).mark(y, args[0])
+            return y
+        tag = Prenorm.of(args[0]) if graph else None
+        skip = graph and id(module) in self._unread and recomputing_for_saves()
+        if skip:
             self.skipped_recomputes += 1
-            return TiledMLP.apply(original, -shards, 1, args[0], *params)
+        if tag is not None:
+            pre, source = tag
+            self.rebuilt_inputs += 1
+            return TiledMLP.apply(original, -shards if skip else shards, 1, pre, args[0], source, *params)
+        if skip:
+            return TiledMLP.apply(original, -shards, 1, None, args[0], *params)
         return tiled_forward(original, args, shards, params)
 
 
