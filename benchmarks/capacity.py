@@ -100,6 +100,8 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
                 horizon=full.horizon,
                 tiled_projections=full.tiled_projections,
                 ram_blocks=full.ram_blocks if mode == "everything" else f.ram_blocks,
+                # Kept attention outputs: as many of the probe's layers as the full plan keeps.
+                keep_attention=min(full.keep_attention, layers) if mode == "everything" else 0,
             )
             replayed = region_length(full_plan.placement)
             if mode == "everything" and replayed > 1 and layers > replayed:
@@ -120,6 +122,7 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
         "mlp_shards": f.mlp_shards,
         "tiled_projections": f.tiled_projections,
         "horizon": f.horizon,
+        "keep_attention": f.keep_attention,
         "fits_gpu": m.gpu_reserved <= budgets.gpu_bytes,
     }
 
@@ -190,13 +193,22 @@ def run_probe(spec: dict) -> dict:
         if runtime is not None and runtime.manager is not None:
             runtime.manager.reset_stats()
         times = []
-        for _ in range(spec["steps"]):
+        for i in range(spec["steps"]):
+            record = spec.get("breakdown") and i == spec["steps"] - 1
+            if record:  # the last step's allocations, for what is alive at its peak (slower: not timed)
+                torch.cuda.memory._record_memory_history(max_entries=500000)
             t0 = time.perf_counter()
             out["loss"] = step()
             torch.cuda.synchronize()
+            if record:
+                from explain_peak import summary
+
+                out["peak_breakdown"] = summary(torch.cuda.memory._snapshot(), top=30).splitlines()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                continue
             times.append(time.perf_counter() - t0)
         out["step_times_s"] = [round(x, 3) for x in times]
-        out["step_s"] = sorted(times)[len(times) // 2]
+        out["step_s"] = sorted(times)[len(times) // 2] if times else None
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
     except torch.cuda.OutOfMemoryError as exc:
@@ -281,6 +293,11 @@ def main(argv=None) -> int:
         help="pinned RAM for block inputs and streamed weights (default: available RAM less 16 GiB)",
     )
     ap.add_argument("--disk-dir", default=None)
+    ap.add_argument(
+        "--peak-breakdown",
+        action="store_true",
+        help="record the last step's allocations and list what is alive at its peak (that step is not timed)",
+    )
     ap.add_argument("--out", default="capacity-results")
     ap.add_argument("--name", default="capacity")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -367,7 +384,14 @@ def main(argv=None) -> int:
             print(f"skip {s['mode']} {s['seq_len']} x {s['layers']} layers: {s['note']}", flush=True)
         if chosen is None:
             continue
-        spec = dict(chosen, shape=args.shape, lora_rank=args.lora_rank, host_budget=host_budget, disk_dir=args.disk_dir)
+        spec = dict(
+            chosen,
+            shape=args.shape,
+            lora_rank=args.lora_rank,
+            host_budget=host_budget,
+            disk_dir=args.disk_dir,
+            breakdown=args.peak_breakdown,
+        )
         full = predict(args.shape, chosen["mode"], chosen["seq_len"], full_layers, args.lora_rank, host_budget, budgets)
         left = args.budget_s - (time.monotonic() - start)
         t0 = time.monotonic()
@@ -390,6 +414,7 @@ def main(argv=None) -> int:
         row = dict(chosen, **result, full_depth_predicted=full)
         if row.get("peak_allocated_gib"):
             row["measured_over_predicted"] = row["peak_allocated_gib"] / chosen["predicted"]["peak_gib"]
+        if row.get("step_s"):
             row["tokens_per_s"] = chosen["seq_len"] / row["step_s"]
             row["tflops"] = chosen["predicted"]["flops"] / row["step_s"] / 1e12
         report["probes"].append(row)

@@ -314,6 +314,7 @@ def prepare(
                 keep_last_input=1 + ckpt.gpu_block_inputs,
                 recompute_inputs=ckpt.recompute_block_inputs,
                 placement=ckpt.block_input_placement or None,
+                keep_attention=ckpt.keep_attention,
             )
 
     budget = HostMemoryBudget(budgets.host_budget_bytes, budgets.host_min_free_bytes)

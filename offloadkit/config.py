@@ -232,6 +232,12 @@ class OffloadConfig:
             "ram", "disk" or "recompute" (kept nowhere). Exactly what a plan chose
             (``offload_plan: auto`` sets it); replaces ``gpu_block_inputs`` and
             ``recompute_block_inputs``. "disk" needs ``activation_offloading: disk``.
+        keep_attention_outputs: with checkpointing and activation offloading, keep each
+            layer's fused attention output and log-sum-exp (SDPA's cuDNN, flash or efficient
+            kernel) from forward in the block-input storage, and give them to the recompute
+            instead of running the kernel again: one attention forward less per layer, the
+            gradients bitwise the same. Pays at long context (``offload_plan: auto`` sets it).
+            An integer keeps them for that many of the last layers (what RAM holds).
         use_pin_memory: page-lock host buffers.
         host_budget_bytes: cap on host RAM for offloaded bytes (int or "16GiB").
         gpu_budget_bytes: cap on this process's GPU memory (int or "24GiB"), enforced by the
@@ -292,6 +298,7 @@ class OffloadConfig:
     gpu_block_inputs: int = _default("gpu_block_inputs")
     recompute_block_inputs: tuple[int, ...] = _default("recompute_block_inputs")
     block_input_placement: tuple[str, ...] = _default("block_input_placement")
+    keep_attention_outputs: bool | int = _default("keep_attention_outputs")
     use_pin_memory: bool = _default("use_pin_memory")
     host_budget_bytes: int | None = _default("host_budget_bytes")
     host_min_free_bytes: int | None = _default("host_min_free_bytes")
@@ -381,6 +388,11 @@ class OffloadConfig:
             self._warn(
                 "optimizer_state_dir only applies with optimizer_offloading: true; the Trainer's own optimizer "
                 "keeps its state on the GPU"
+            )
+        if self.keep_attention_outputs and not (self.gradient_checkpointing and self.activation_offloading):
+            self._warn(
+                "keep_attention_outputs needs gradient_checkpointing: true and activation_offloading (the outputs "
+                "wait in the block-input storage); it has no effect"
             )
         if self.recompute_block_inputs and not self.gradient_checkpointing:
             self._warn("recompute_block_inputs needs gradient_checkpointing: true; it has no effect")

@@ -225,6 +225,8 @@ def _everything_config(probe: dict) -> dict:
     dropped = tuple(i for i, c in enumerate(p["placement"]) if c == "x")
     if dropped:
         config["recompute_block_inputs"] = dropped
+    if p.get("keep_attention"):
+        config["keep_attention_outputs"] = p["keep_attention"]
     if probe.get("disk_dir"):
         config["disk_dir"] = probe["disk_dir"]
     return config

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from torch.utils.hooks import RemovableHandle
 
 from offloadkit.checkpointing.arguments import CACHE_KEYS, first_tensor, is_cache, keywords_as_positions
+from offloadkit.checkpointing.attention import AttentionKeepStats, KeptAttention
 from offloadkit.checkpointing.selective import selective_context_fn
 from offloadkit.defaults import BLOCK_INPUT_PLACES
 from offloadkit.engine.offload import OffloadActivations
@@ -53,9 +55,24 @@ class CheckpointedBlocks:
     """
 
     def __init__(
-        self, model, blocks, context_fn, offloader, owns_offloader, keep_last_input, recompute_inputs=(), places=None
+        self,
+        model,
+        blocks,
+        context_fn,
+        offloader,
+        owns_offloader,
+        keep_last_input,
+        recompute_inputs=(),
+        places=None,
+        keep_attention=False,
     ):
         self.model = model
+        # Blocks whose fused attention outputs are kept from forward for the recompute
+        # (checkpointing/attention.py): every one (True) or the last ``keep_attention``.
+        kept = len(blocks) if keep_attention is True else int(keep_attention)
+        self.keep_attention = frozenset(range(max(0, len(blocks) - kept), len(blocks)))
+        self.attention_stats = AttentionKeepStats()
+        self._warned_keep = False
         self.blocks = blocks
         self.recompute_inputs = frozenset(recompute_inputs)
         # Per block: where its input goes when offloaded ("gpu", "ram", "disk"), or None (the
@@ -208,6 +225,26 @@ class CheckpointedBlocks:
         replays the forward's cached results in order."""
         return discarding_recompute(fn) if self._context_fn is noop_context_fn else fn
 
+    def _recompute_block(self, fn: Callable, index: int, block: nn.Module) -> Callable:
+        """As :meth:`_recompute`, for a block checkpointed on its own: with ``keep_attention``
+        its attention outputs go to the block-input storage for the recompute. Not inside
+        replayed runs (their blocks run forward again in backward anyway) nor in a block
+        compiled whole (a graph runs the kernels, not the dispatcher)."""
+        manager = self.offloader if self.offloader is not None else self._outer
+        if index not in self.keep_attention or self._context_fn is not noop_context_fn or compiled_as_a_whole(block):
+            return self._recompute(fn)
+        if manager is None:
+            if not self._warned_keep:
+                self._warned_keep = True
+                warnings.warn(
+                    "offloadkit: keep_attention has no effect without block-input offloading (offload_inputs=True, "
+                    "or keep_last_input_from(manager)): the outputs wait in the block-input storage",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return self._recompute(fn)
+        return KeptAttention(fn, manager.tier, self.attention_stats)
+
     def _selective(self) -> dict:
         # The default context is left implicit: torch.compile traces checkpoint() only with a
         # context function it knows (per-layer compile of checkpointed layers).
@@ -323,7 +360,9 @@ class CheckpointedBlocks:
             outer.keep_enter()
         try:
             with capture, self._placed(index) if not kept else contextlib.nullcontext():
-                out = checkpoint(self._recompute(fn), *flat, use_reentrant=False, **self._selective(), **kwargs)
+                out = checkpoint(
+                    self._recompute_block(fn, index, block), *flat, use_reentrant=False, **self._selective(), **kwargs
+                )
         finally:
             if outer is not None:
                 outer.keep_exit()
@@ -341,6 +380,7 @@ def apply_activation_checkpointing(
     keep_last_input: bool | int = True,
     recompute_inputs: Iterable[int] = (),
     placement: Sequence[str] | None = None,
+    keep_attention: bool | int = False,
     **offload_kwargs,
 ) -> CheckpointedBlocks:
     """Checkpoint every repeated block of ``model`` (non-reentrant).
@@ -366,6 +406,13 @@ def apply_activation_checkpointing(
             (the trailing "gpu" blocks are the kept ones) and ``recompute_inputs``; "ram" and
             "disk" are honoured by a tiered store (``activation_offloading: disk`` with
             ``disk_tiering``), where they override its oldest-to-disk order.
+        keep_attention: with ``offload_inputs``, copy each fused attention kernel's output and
+            log-sum-exp (SDPA's cuDNN, flash or efficient kernel) to the block-input storage in
+            forward, and hand them back to the recompute instead of running the kernel again
+            (bitwise the same; the kernel runs where the storage has no room). Pays at long
+            context, where attention is most of a layer's recompute. An int keeps them for
+            that many of the last blocks (what the storage holds). Without ``offload_inputs``
+            it uses the manager given to :meth:`CheckpointedBlocks.keep_last_input_from`.
         **offload_kwargs: forwarded to :class:`OffloadActivations` when one is created.
 
     Returns:
@@ -404,7 +451,9 @@ def apply_activation_checkpointing(
         raise ValueError(f"{sorted(offload_kwargs)} only apply with offload_inputs=True")
     if offloader is not None:
         offloader.track(model)
-    handle = CheckpointedBlocks(model, blocks, context_fn, offloader, owns, keep_last_input, dropped, places)
+    handle = CheckpointedBlocks(
+        model, blocks, context_fn, offloader, owns, keep_last_input, dropped, places, keep_attention
+    )
     handle._attach()
     return handle
 

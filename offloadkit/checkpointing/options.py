@@ -24,6 +24,10 @@ class CheckpointOptions(Options):
             kept nowhere: backward recomputes each from the nearest kept input before it.
         block_input_placement: ``block_input_placement``: per layer, where its input waits for
             backward: "gpu", "ram", "disk" or "recompute" (replaces the two keys above).
+        keep_attention: ``keep_attention_outputs``: with block inputs offloaded, each fused
+            attention kernel's output and log-sum-exp wait in the same storage for the
+            recompute, which then skips the kernel (``checkpointing/attention.py``); true for
+            every layer, or how many of the last layers.
     """
 
     enabled: bool = option(False, "gradient_checkpointing")
@@ -31,9 +35,12 @@ class CheckpointOptions(Options):
     gpu_block_inputs: int = option(0, "gpu_block_inputs")
     recompute_block_inputs: tuple[int, ...] = option((), "recompute_block_inputs")
     block_input_placement: tuple[str, ...] = option((), "block_input_placement")
+    keep_attention: bool | int = option(False, "keep_attention_outputs")
 
     def __post_init__(self) -> None:
         self._bool("enabled")
+        if not isinstance(self.keep_attention, bool):
+            self._int("keep_attention", 0, "how many of the last layers keep their attention outputs")
         self._int("gpu_block_inputs", 0, "block inputs kept on the GPU")
         if isinstance(self.recompute_block_inputs, list):
             self.recompute_block_inputs = tuple(self.recompute_block_inputs)  # YAML gives a list

@@ -47,6 +47,8 @@ __all__ = [
     "region_length",
     "final_norm_bytes",
     "final_norm_saves",
+    "attention_kept_bytes",
+    "keeps_attention",
 ]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
@@ -156,6 +158,9 @@ class Features:
         recompute_blocks: offloaded block inputs dropped instead (kept nowhere, recomputed in
             backward from the kept input before them), spread evenly so that the runs between
             kept inputs are as short as possible.
+        keep_attention: layers (the last ones) whose attention output and log-sum-exp wait
+            in host RAM for the recompute, which then skips their attention forward
+            (``keep_attention_outputs``).
     """
 
     checkpointing: bool = True
@@ -171,6 +176,18 @@ class Features:
     optimizer_offloading: bool = False
     copy_window_bytes: int | None = None
     recompute_blocks: int = 0
+    keep_attention: int = 0
+
+
+def attention_kept_bytes(w: Workload) -> int:
+    """One layer's attention output (bf16, as wide as q) and fp32 log-sum-exp per head."""
+    s = w.shape
+    return w.tokens * (w.dtype_bytes * s.heads * s.head_dim + 4 * s.heads)
+
+
+def keeps_attention(f: Features) -> int:
+    """Layers whose attention outputs are kept (it needs block inputs offloaded, by checkpointing)."""
+    return f.keep_attention if f.checkpointing and f.offload_inputs else 0
 
 
 @dataclass
@@ -206,15 +223,17 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool 
     each norm's bf16 output and normalised value (for the weight gradients); LoRA instead
     saves each adapter's fp32 copy of its input and the rank-r activation. A tiled MLP saves
     only its input. Rotary tables are shared by all layers and counted once elsewhere.
-    With the norms and projections tiled as well, a layer saves SDPA's set and three bf16
-    ``[S, H]`` tensors: the normalised input (shared by q, k and v), the post-attention
-    residual and the MLP's input; SDPA's output is the o projection's input (CUDA's
-    attention kernels return it in ``[B, S, H, D]`` memory, so no copy is made).
+    With the norms and projections tiled as well, a layer saves SDPA's set and one bf16
+    ``[S, H]`` tensor, the post-attention residual: the modules a tiled norm feeds (q, k, v;
+    the MLP) save the norm's input, which the norm saves anyway, and rebuild the norm's
+    output in backward (the layer's input is the block input, counted apart). SDPA's output
+    is the o projection's input (CUDA's attention kernels return it in ``[B, S, H, D]``
+    memory, so no copy is made).
     """
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
     if tiled_projections:
-        return t * (b * (2 * q + 2 * kv) + 4 * s.heads + 3 * b * h)
+        return t * (b * (2 * q + 2 * kv) + 4 * s.heads + b * h)
     per_token = 2 * (4 * h + 4)  # two norms: fp32 input and fp32 rsqrt
     per_token += b * (2 * q + 2 * kv) + 4 * s.heads  # SDPA: q, k, v, out; fp32 log-sum-exp per head
     a = w.adapter_bytes
@@ -432,6 +451,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         host += s.layers * s.layer_params * b  # pinned host copies of the streamed layers
     if f.optimizer_offloading and not w.lora_rank:
         host += s.params * w.optimizer_state_bytes  # pinned AdamW state
+    host += keeps_attention(f) * attention_kept_bytes(w)
     disk = placement.count("disk") * block + (norm_saves if only_disk else 0)
     return MemoryEstimate(
         gpu_peak=gpu_peak,

@@ -31,6 +31,7 @@ from offloadkit.planning.memory import (
     MemoryEstimate,
     Workload,
     _off_gpu_extra,
+    attention_kept_bytes,
     auto_loss_chunks,
     auto_mlp_shards,
     estimate_memory,
@@ -115,6 +116,8 @@ class Plan:
             "tiled_projections": f.tiled_projections and f.mlp_shards > 1,
             "optimizer_offloading": f.optimizer_offloading,
         }
+        if f.keep_attention:
+            out["keep_attention_outputs"] = True if f.keep_attention >= self.workload.shape.layers else f.keep_attention
         if f.optimizer_offloading:
             out["optimizer_precision"] = self.workload.optimizer_precision
         if f.offload_inputs and f.horizon is not None:
@@ -400,10 +403,16 @@ def plan(
             if dropped is not None:
                 f, m, t = dropped
                 reasons = _check(w, m, b)
+        if not reasons:
+            kept = _keep_attention(w, f, b, t)
+            if kept is not None:
+                f, m, t = kept
         if f.gpu_blocks:
             name += f", {f.gpu_blocks} block inputs on the GPU"
         if f.recompute_blocks:
             name += f", {f.recompute_blocks} block inputs recomputed"
+        if f.keep_attention:
+            name += f", attention outputs of {f.keep_attention} layers kept"
         results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
     fitting = [p for p in results if p.fits]
     if fitting:
@@ -432,6 +441,31 @@ def plan(
         if p is not best and (not p.fits or p.time.seconds < best.time.seconds)
     ]
     return best
+
+
+def _keep_attention(w: Workload, f: Features, b: Budgets, t: StepTime):
+    """Attention outputs kept in host RAM for the recompute, for as many layers as RAM holds
+    beside the block inputs (none on disk, none dropped: replayed runs recompute their blocks
+    anyway), where the attention forward saved outweighs the copies.
+
+    Returns:
+        ``(features, memory, time)`` with ``keep_attention`` > 0, or None.
+    """
+    if not (f.checkpointing and f.offload_inputs) or f.recompute_blocks:
+        return None
+    m = estimate_memory(w, f)
+    if "disk" in m.block_placement:
+        return None
+    room = b.host_bytes + HOST_BASELINE_BYTES - m.host
+    layers = min(w.shape.layers, max(0, room) // max(1, attention_kept_bytes(w)))
+    while layers > 0:
+        g = replace(f, keep_attention=layers)
+        gm = estimate_memory(w, g)
+        if not _check(w, gm, b):
+            gt = estimate_time(w, g, b.rates, gm.block_placement)
+            return (g, gm, gt) if gt.seconds < t.seconds else None
+        layers -= 1
+    return None
 
 
 def _drop_inputs(w: Workload, f: Features, b: Budgets, m: MemoryEstimate, t: StepTime):

@@ -8,7 +8,10 @@ FLOPs counted (per token, P = a decoder layer's linear weights x layers):
 - the head: forward and input gradient 2VH each (and 2VH for its weight in a full fine-tune);
 - causal attention: 2 S^2 (heads x head_dim) per layer and row forward (half of the
   full square's 4 S^2 d), backward twice that, recompute once more: 8 S^2 d per layer;
-- each dropped block input (recompute placement): one more forward of the block before it.
+- each dropped block input (recompute placement): one more forward of the block before it;
+- with the attention outputs kept (``keep_attention``), no attention forward in the recompute;
+  their copies cross the link each way, and the way back is waited for as each layer's
+  recompute starts.
 
 Executed work is counted (the recompute included): achieved TFLOP/s reported by the
 capacity benchmark is hardware FLOPs, not "model FLOPs".
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offloadkit.planning.memory import Features, Workload, streams_weights
+from offloadkit.planning.memory import Features, Workload, attention_kept_bytes, keeps_attention, streams_weights
 
 __all__ = [
     "Rates",
@@ -118,7 +121,7 @@ def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
         if f.tiled_projections:
             bwd += 2 * (layer_linear - mlp_linear) * s.layers * t
     attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers
-    attn_bwd = 2 * attn_fwd + (attn_fwd if f.checkpointing else 0)
+    attn_bwd = 2 * attn_fwd + (attn_fwd * (1 - keeps_attention(f) / s.layers) if f.checkpointing else 0)
     if f.checkpointing and f.offload_inputs and f.recompute_blocks:
         # A dropped input is the output of the block before it, run forward once more.
         offloaded = s.layers - 1 - max(0, min(s.layers - 1, f.gpu_blocks))
@@ -144,6 +147,8 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     bwd_compute = lb / rates.matmul_flops_per_s + ab / rates.attention_flops_per_s
     block = w.block_input_bytes
     moved = sum(1 for p in placement if p in ("ram", "disk")) * block  # each way
+    kept = keeps_attention(f) * attention_kept_bytes(w)
+    moved += kept
     streamed = 0
     if streams_weights(w, f):
         # Per pass: forward, then backward. A full fine-tune's updated weights go back on the
@@ -161,6 +166,8 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     if f.checkpointing and f.offload_inputs and f.horizon == 0:
         # Nothing is fetched ahead: each offloaded block input arrives while its layer waits.
         exposed = moved / rates.pcie_bytes_per_s + on_disk / rates.disk_read_bytes_per_s
+    # Kept attention outputs are fetched as each layer's recompute starts, not ahead.
+    exposed += kept / rates.pcie_bytes_per_s
     fwd_exposed = 0.0
     if streamed and f.stream_depth <= 1:
         # One streamed layer resident: each layer's weights arrive while it waits, in both passes.

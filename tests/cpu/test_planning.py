@@ -574,13 +574,11 @@ def test_recompute_replaces_the_disk_where_a_replay_is_faster_than_a_read():
 def test_the_plan_table_names_the_dropped_inputs():
     p = plan("llama-3-8b", 1 << 20, lora_rank=16, budgets=Budgets(141 * GiB, 108 * GiB, 55 * GiB))
     assert "nowhere: replayed from the kept input before it" in p.table()
-    # Past half the offloaded inputs dropped, the runs grow to three blocks: two replayed.
+    # A run of k blocks holds the k - 1 inputs its replay recomputed until backward passes them.
     from offloadkit.planning.memory import region_length
 
-    assert (
-        region_length(p.placement) == 3
-        and p.memory.gpu_parts["replayed block inputs"] == 2 * p.workload.block_input_bytes
-    )
+    run = region_length(p.placement)
+    assert run >= 2 and p.memory.gpu_parts["replayed block inputs"] == (run - 1) * p.workload.block_input_bytes
 
 
 def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets():
@@ -742,3 +740,26 @@ def test_a_full_fine_tune_streams_its_weights_when_the_gpu_is_small():
     assert estimate_memory(small.workload, replace(streamed, layer_streaming=True, optimizer_offloading=False)).host < (
         estimate_memory(small.workload, small.features).host
     )
+
+
+def test_attention_outputs_are_kept_for_the_layers_ram_holds():
+    """At 64K the host holds every layer's attention output beside the block inputs; at 256K
+    only some layers' (no disk for them); each kept layer saves its attention forward."""
+    from offloadkit.planning.memory import attention_kept_bytes
+
+    budgets = Budgets(80 * GiB, 108 * GiB, 55 * GiB)
+    short = plan("llama-3-8b", 65536, lora_rank=16, budgets=budgets)
+    assert short.features.keep_attention == 32 and short.to_config()["keep_attention_outputs"] is True
+    long = plan("llama-3-8b", 262144, lora_rank=16, budgets=budgets)
+    kept = long.features.keep_attention
+    assert 0 < kept < 32 and long.to_config()["keep_attention_outputs"] == kept
+    without = replace(long.features, keep_attention=0)
+    m = estimate_memory(long.workload, without)
+    assert long.memory.host - m.host == kept * attention_kept_bytes(long.workload)
+    from offloadkit.planning import estimate_time
+
+    t = estimate_time(long.workload, without, budgets.rates, m.block_placement)
+    assert long.time.seconds < t.seconds and long.time.attention_flops < t.attention_flops
+    # At the edge storage is short: nothing is kept.
+    edge = longest_sequence("llama-3-8b", lora_rank=16, budgets=H100).plan
+    assert edge.features.keep_attention == 0

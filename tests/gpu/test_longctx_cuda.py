@@ -388,3 +388,28 @@ def test_tiled_projections_compose_with_input_offload_and_streaming():
         assert report["storage"]["disk"]["bytes_written"] > 0
     finally:
         runtime.close()
+
+
+def test_rebuilt_norm_outputs_bitwise_on_cuda():
+    """q, k, v and the MLP save the norms' inputs and rebuild the norms' outputs in backward:
+    bf16 gradients bitwise those of each module saving its own input, under checkpointing, and
+    the layer's saved set two ``[S, H]`` tensors smaller."""
+    peft = pytest.importorskip("peft")
+    batch = make_batch(2048, 1, 4096, device=DEV)
+    results = {}
+    for rebuild in (False, True):
+        torch.manual_seed(0)
+        model = build_llama("small", dtype=torch.bfloat16, device=DEV, attn_implementation="sdpa", num_hidden_layers=3)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0))
+        randomize_lora_b(model)
+        handle = apply_tiled_mlp(model, num_shards=3, projections=True)
+        if not rebuild:
+            handle._norms = set()  # the reference: every tiled module saves its own input
+        ckpt = apply_activation_checkpointing(model)
+        results[rebuild] = run_step(model, batch)
+        results[rebuild, "rebuilt"] = handle.rebuilt_inputs
+        ckpt.remove()
+        handle.remove()
+    assert_bitwise_equal(results[False][0], results[True][0], "loss")
+    assert_bitwise_equal(results[False][1], results[True][1], "grads")
+    assert results[True, "rebuilt"] > 0 and results[False, "rebuilt"] == 0
