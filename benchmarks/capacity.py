@@ -99,6 +99,7 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
                 f,
                 horizon=full.horizon,
                 tiled_projections=full.tiled_projections,
+                head_groups=full.head_groups,
                 ram_blocks=full.ram_blocks if mode == "everything" else f.ram_blocks,
                 # Kept attention outputs: as many of the probe's layers as the full plan keeps.
                 keep_attention=min(full.keep_attention, layers) if mode == "everything" else 0,
@@ -123,6 +124,7 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
         "tiled_projections": f.tiled_projections,
         "horizon": f.horizon,
         "keep_attention": f.keep_attention,
+        "head_groups": f.head_groups,
         "fits_gpu": m.gpu_reserved <= budgets.gpu_bytes,
     }
 

@@ -6,7 +6,7 @@ depth); what depth does change is where the block inputs wait: at 640K tokens, 3
 frozen weights. This probe builds a model of the plan's full depth whose layers hold the
 real frozen weight bytes and pass ``[1, S, hidden]`` bf16 block inputs on, but compute only
 ``x * scale`` (a trainable scalar per layer), followed by what the final norm and the head's
-input save (they leave the GPU with the block inputs), and runs one training step through
+input save (kept on the GPU as what backward needs first), and runs one training step through
 ``prepare()`` with the plan's config: the same checkpointing, tiered storage, host budget,
 prefetch horizon and layer streaming as the real step. It measures peak RSS, pinned bytes,
 bytes written to disk and the step time, and checks every restored block input: each
@@ -81,7 +81,7 @@ class Stack(nn.Module):
     def _final_norm_saves(self, x: torch.Tensor) -> torch.Tensor:
         """Zero, saving what the final norm and the head's input save after the last layer
         (``final_norm_bytes``): the fp32 input and the bf16 output (and, training the norm, its
-        bf16 normalised value). They leave the GPU with the block inputs. Detached from ``x``,
+        bf16 normalised value). They stay on the GPU, saved after the last block. Detached from ``x``,
         so the layers' gradients stay exactly 1."""
         x = x.detach()
         s = self.norm_scales

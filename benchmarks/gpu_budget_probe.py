@@ -48,6 +48,11 @@ def main() -> None:
         config.update(activation_offloading=True, disk_tiering=False)
         config.pop("host_budget_bytes", None)
     config.pop("gpu_block_inputs", None)
+    if "block_input_placement" in config:
+        # The plan places the full depth's inputs; the probe's blocks take the places of the
+        # last ones (those on the GPU among them), the rest in RAM.
+        tail = list(config["block_input_placement"])[-args.layers :]
+        config["block_input_placement"] = tuple(p if p == "gpu" else "ram" for p in tail)
 
     model = build_llama(
         args.shape,

@@ -22,7 +22,7 @@ from offloadkit.engine import (
     OffloadPolicy,
     OffloadStats,
 )
-from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp, chunked_cross_entropy
+from offloadkit.longctx import apply_attention_head_groups, apply_chunked_loss, apply_tiled_mlp, chunked_cross_entropy
 from offloadkit.storage import HostBufferPool, HostMemoryBudget, HostTier
 
 __version__ = "0.1.0"
@@ -37,6 +37,7 @@ __all__ = [
     "OffloadStats",
     "apply_chunked_loss",
     "apply_tiled_mlp",
+    "apply_attention_head_groups",
     "chunked_cross_entropy",
     "get_act_offloading_ctx_manager",
     "get_lora_act_offloading_ctx_manager",

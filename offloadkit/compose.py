@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from offloadkit.checkpointing.apply import CheckpointedBlocks
     from offloadkit.engine import OffloadActivations
     from offloadkit.layers.streaming import LayerStreamer
+    from offloadkit.longctx.attention_groups import AttentionHeadGroups
     from offloadkit.longctx.causal_lm import ChunkedLossHandle
     from offloadkit.longctx.tiled_mlp import TiledMLPHandle
     from offloadkit.planning import Plan
@@ -63,7 +64,7 @@ class OffloadRuntime:
         checkpointing: offloadkit's checkpointing handle (None when off, or when Hugging
             Face's own gradient checkpointing is on).
         streamer: the layer streamer (or None).
-        chunked_loss / tiled_mlp: the long-context handles (or None).
+        chunked_loss / tiled_mlp / head_groups: the long-context handles (or None).
     """
 
     def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
@@ -74,6 +75,7 @@ class OffloadRuntime:
         self.streamer: LayerStreamer | None = None
         self.chunked_loss: ChunkedLossHandle | None = None
         self.tiled_mlp: TiledMLPHandle | None = None
+        self.head_groups: AttentionHeadGroups | None = None
         self._forward_attachment: Any = None
         self._gpu_cap: tuple[int, float] | None = None  # (device, fraction before) while a GPU budget is enforced
         self._expandable = False  # this runtime switched the allocator to expandable segments
@@ -152,7 +154,7 @@ class OffloadRuntime:
         if self.timeline is not None:
             self.timeline.remove()
             self.timeline = None
-        for name in ("tiled_mlp", "chunked_loss"):
+        for name in ("tiled_mlp", "chunked_loss", "head_groups"):
             handle = getattr(self, name)
             if handle is not None:
                 handle.remove()
@@ -298,6 +300,13 @@ def prepare(
             )
         except ValueError as exc:
             runtime._note(f"tiled_mlp has no effect: {exc}")
+    if long_context.head_groups:
+        from offloadkit.longctx.attention_groups import apply_attention_head_groups
+
+        try:
+            runtime.head_groups = apply_attention_head_groups(model, long_context.head_groups)
+        except ValueError as exc:
+            runtime._note(f"attention_head_groups has no effect: {exc}")
 
     if ckpt.enabled:
         if _hf_checkpointing_on(model):

@@ -276,6 +276,10 @@ class OffloadConfig:
             projections (with their adapters) over sequence shards, so they save only their
             bf16 inputs (no fp32 upcasts or adapter input copies). With automatic shards they
             run untiled below ``2**28 / hidden`` tokens.
+        attention_head_groups: run each decoder layer's attention (SDPA) one group of
+            key/value heads at a time, so its backward holds one group's kernel workspace
+            (the largest transient at long context); None: whole. ``offload_plan: auto``
+            sets it at long context.
         offload_plan: "none" (use the keys as given) or "auto": :func:`prepare` runs the
             planner (:mod:`offloadkit.planning`) for the model and ``seq_len`` and sets
             checkpointing, activation offloading (RAM, or RAM then disk), layer streaming,
@@ -318,6 +322,7 @@ class OffloadConfig:
     tiled_mlp: bool = _default("tiled_mlp")
     tiled_mlp_num_shards: int | None = _default("tiled_mlp_num_shards")
     tiled_projections: bool = _default("tiled_projections")
+    attention_head_groups: int | None = _default("attention_head_groups")
     offload_plan: str = _default("offload_plan")
     seq_len: int | None = _default("seq_len")
     batch_size: int = _default("batch_size")

@@ -206,6 +206,7 @@ def _long_context(p: dict) -> dict:
         "chunked_cross_entropy_num_chunks": p["loss_chunks"],
         "tiled_mlp": p["mlp_shards"] > 1,
         "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None,
+        "attention_head_groups": p.get("head_groups") if (p.get("head_groups") or 1) > 1 else None,
     }
 
 

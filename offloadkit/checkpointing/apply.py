@@ -366,6 +366,11 @@ class CheckpointedBlocks:
         finally:
             if outer is not None:
                 outer.keep_exit()
+        if kept and index == len(self.blocks) - 1 and self._outer is not None and self.offloader is None:
+            # What is saved after the last block (the final norm, the loss) is what backward
+            # needs first, before any block's recompute, when the GPU is below its peak: it
+            # stays where it is rather than go to the host and straight back.
+            self._outer.mark_tail()
         return out
 
 

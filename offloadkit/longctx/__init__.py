@@ -27,13 +27,16 @@ dim d), and what bounds it:
   Face does not mask packed documents from each other at all.
 """
 
+from offloadkit.longctx.attention_groups import AttentionHeadGroups, apply_attention_head_groups
 from offloadkit.longctx.causal_lm import ChunkedLossHandle, apply_chunked_loss
 from offloadkit.longctx.loss import chunked_cross_entropy
 from offloadkit.longctx.tiled_mlp import TiledMLPHandle, apply_tiled_mlp, tiled_forward
 
 __all__ = [
+    "AttentionHeadGroups",
     "ChunkedLossHandle",
     "TiledMLPHandle",
+    "apply_attention_head_groups",
     "apply_chunked_loss",
     "apply_tiled_mlp",
     "chunked_cross_entropy",

@@ -23,6 +23,9 @@ class LongContextOptions(Options):
             intermediate at most 2**28 elements.
         tiled_projections: ``tiled_projections``: with the tiled MLP, also run the norms and
             attention projections over shards, so they save only their bf16 inputs.
+        head_groups: ``attention_head_groups``: run each layer's attention one group of
+            key/value heads at a time (>= 2), so its backward holds one group's workspace;
+            None: whole.
     """
 
     chunked_loss: bool = option(False, "chunked_cross_entropy")
@@ -30,12 +33,16 @@ class LongContextOptions(Options):
     tiled_mlp: bool = option(False, "tiled_mlp")
     mlp_shards: int | None = option(None, "tiled_mlp_num_shards")
     tiled_projections: bool = option(False, "tiled_projections")
+    head_groups: int | None = option(None, "attention_head_groups")
 
     def __post_init__(self) -> None:
         for name in ("chunked_loss", "tiled_mlp", "tiled_projections"):
             self._bool(name)
         self._int("loss_chunks", 1, "or omit it for automatic", optional=True)
         self._int("mlp_shards", 1, "or omit it for automatic", optional=True)
+        self._int(
+            "head_groups", 2, "key/value head groups per attention call; omit it to run attention whole", optional=True
+        )
         if self.tiled_projections and not self.tiled_mlp:
             raise ValueError(
                 "tiled_projections=True needs tiled_mlp: true (it extends the MLP's tiling to the "

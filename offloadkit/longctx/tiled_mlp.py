@@ -357,6 +357,18 @@ def _projection_parts(name: str, block: nn.Module) -> list[tuple[str, nn.Module]
     return parts
 
 
+def _final_norm_parts(base: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
+    """The norm after the decoder layers: a direct child named ``*norm`` of the module that
+    holds the layers' list (Llama's ``model.norm``). Tiled, it saves its bf16 input instead of
+    the fp32 upcast, and its backward holds one shard's fp32 temporaries, not the sequence's."""
+    if not blocks:
+        return []
+    container = blocks[0][0].rsplit(".", 2)[0] if blocks[0][0].count(".") >= 2 else ""
+    parent = base.get_submodule(container) if container else base
+    prefix = f"{container}." if container else ""
+    return [(f"{prefix}{n}", m) for n, m in parent.named_children() if n.lower().endswith("norm")]
+
+
 def apply_tiled_mlp(
     model: nn.Module,
     num_shards: int | str | None = None,
@@ -380,8 +392,9 @@ def apply_tiled_mlp(
             ``lambda n, m: n.endswith(("mlp", "layernorm"))`` to tile the norms' fp32
             upcasts too. Chosen modules must be token-wise.
         projections: also tile each layer's norms and attention projections (q/k/v/o with
-            their adapters); with automatic shards they run untiled below ``2**28 / hidden``
-            tokens (64K for hidden 4096), so short sequences pay nothing.
+            their adapters), and the norm after the layers; with automatic shards they run
+            untiled below ``2**28 / hidden`` tokens (64K for hidden 4096), so short sequences
+            pay nothing.
 
     Returns:
         A :class:`TiledMLPHandle`; ``handle.remove()`` restores the modules.
@@ -422,8 +435,10 @@ def apply_tiled_mlp(
                     unread.append(mlp)
         how = "layer.mlp of the decoder layers"
     if projections:
-        for name, block in find_blocks(base):
+        blocks = find_blocks(base)
+        for name, block in blocks:
             modules += _projection_parts(name, block)
+        modules += _final_norm_parts(base, blocks)
     if not modules:
         raise ValueError(
             f"no modules to tile in {type(base).__name__} by {how}; choose them with predicate=lambda name, module: ..."

@@ -47,7 +47,9 @@ __all__ = [
     "region_length",
     "final_norm_bytes",
     "final_norm_saves",
+    "tiles_final_norm",
     "attention_kept_bytes",
+    "attention_workspace_bytes",
     "keeps_attention",
 ]
 
@@ -158,6 +160,8 @@ class Features:
         recompute_blocks: offloaded block inputs dropped instead (kept nowhere, recomputed in
             backward from the kept input before them), spread evenly so that the runs between
             kept inputs are as short as possible.
+        head_groups: key/value head groups each layer's attention runs in (1: whole); its
+            backward then holds one group's kernel workspace.
         keep_attention: layers (the last ones) whose attention output and log-sum-exp wait
             in host RAM for the recompute, which then skips their attention forward
             (``keep_attention_outputs``).
@@ -177,6 +181,15 @@ class Features:
     copy_window_bytes: int | None = None
     recompute_blocks: int = 0
     keep_attention: int = 0
+    head_groups: int = 1
+
+
+def attention_workspace_bytes(w: Workload) -> int:
+    """The fused attention backward's workspace for all heads: two fp32 query-sized buffers
+    and an fp32 value per head and token (32,896 bytes a token for Llama-3-8B with cuDNN on
+    an H100; flash takes more, 49,280)."""
+    s = w.shape
+    return w.tokens * (8 * s.heads * s.head_dim + 4 * s.heads)
 
 
 def attention_kept_bytes(w: Workload) -> int:
@@ -252,7 +265,7 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool 
     return t * per_token
 
 
-def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool = False) -> int:
+def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool = False, head_groups: int = 1) -> int:
     """Largest set of temporaries while one layer runs backward: an MLP shard's recompute
     and gradients (two bf16 and one fp32 tensor of the intermediate width per token, plus
     the shard's saved set), or attention's input gradients with the fp32 norm gradient
@@ -263,7 +276,9 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     256K and 512K on an H200 peaked at 0.99x, 0.98x and 0.99x of this estimate all the same
     (benchmarks/results/longctx/recompute/), so it is not counted again. That one request
     is what fixed-size allocator segments cannot place at long context: see
-    :data:`FRAGMENTATION`."""
+    :data:`FRAGMENTATION`. Run over ``head_groups`` groups of key/value heads the backward
+    holds one group's workspace: the rest, ``(1 - 1/G)`` of it, comes off, less the input
+    gradients the groups hold apart and then join."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
     shard_tokens = math.ceil(t / max(1, mlp_shards))
@@ -271,6 +286,12 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     if mlp_shards > 1:  # the shard's own saved set is rebuilt in backward
         mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
     attn = t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
+    groups = max(1, min(head_groups, s.kv_heads))
+    if groups > 1:
+        # The workspace is not a part above (it was absorbed by the calibration against measured
+        # peaks); what grouping takes off is counted less the input gradients, which the groups
+        # hold apart until the last one is done and then join into one more copy.
+        attn -= max(0, attention_workspace_bytes(w) * (groups - 1) // groups - t * b * (q + 2 * kv))
     return max(mlp, attn)
 
 
@@ -329,22 +350,32 @@ def region_length(placement: list[str]) -> int:
     return longest
 
 
-def final_norm_saves(w: Workload) -> list[int]:
+def final_norm_saves(w: Workload, tiled: bool = False) -> list[int]:
     """Bytes of each tensor the final norm saves (its fp32 input and rsqrt; the normalised
-    value too in a full fine-tune, for its weight's gradient) and of the head's input: a
-    whole-model manager offloads these with the block inputs at the end of forward."""
+    value too in a full fine-tune, for its weight's gradient; tiled, only its bf16 input) and
+    of the head's input: a whole-model manager offloads these with the block inputs at the
+    end of forward."""
     t, h, b = w.tokens, w.shape.hidden, w.dtype_bytes
+    if tiled:
+        return [t * b * h, t * b * h]
     return [t * 4 * h, t * 4, t * b * h] + ([t * b * h] if not w.lora_rank else [])
 
 
-def final_norm_bytes(w: Workload) -> int:
+def final_norm_bytes(w: Workload, tiled: bool = False) -> int:
     """Their sum (see :func:`final_norm_saves`)."""
-    return sum(final_norm_saves(w))
+    return sum(final_norm_saves(w, tiled))
+
+
+def tiles_final_norm(f: Features) -> bool:
+    """Whether the norm after the layers runs tiled (with the tiled projections)."""
+    return f.tiled_projections and f.mlp_shards > 1
 
 
 def _off_gpu_extra(w: Workload, f: Features) -> int:
-    """Bytes besides the block inputs that leave the GPU with them (see :func:`final_norm_saves`)."""
-    return final_norm_bytes(w) if f.checkpointing and f.offload_inputs else 0
+    """Bytes besides the block inputs that leave the GPU with them: none. What is saved after
+    the last block (see :func:`final_norm_saves`) stays on the GPU, where the loss phase
+    counts it: backward needs it first, before any block's recompute."""
+    return 0
 
 
 def streams_weights(w: Workload, f: Features) -> bool:
@@ -416,7 +447,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     parts["residual stream"] = 3 * t * h * b
     fixed = sum(parts.values())
 
-    loss: dict[str, int] = {"final norm": final_norm_bytes(w)}
+    loss: dict[str, int] = {"final norm": final_norm_bytes(w, tiles_final_norm(f))}
     if f.loss_chunks:
         chunk = math.ceil(t / f.loss_chunks)
         loss["loss chunk"] = chunk * s.vocab * LOSS_CHUNK_BYTES_PER_LOGIT
@@ -433,7 +464,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         if replayed > 1:
             # A run's replay holds the dropped inputs it recomputed until backward passes them.
             layer["replayed block inputs"] = (replayed - 1) * block
-    layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections)
+    layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections, f.head_groups)
     loss_bytes, layer_bytes = sum(loss.values()), sum(layer.values())
     if loss_bytes >= layer_bytes:
         phase, extra = "loss", loss

@@ -39,6 +39,7 @@ from offloadkit.planning.memory import (
     final_norm_saves,
     streams_weights,
     tiered_reserve_bytes,
+    tiles_final_norm,
     tiles_projections,
 )
 from offloadkit.planning.shape import ModelShape, resolve_shape
@@ -116,6 +117,8 @@ class Plan:
             "tiled_projections": f.tiled_projections and f.mlp_shards > 1,
             "optimizer_offloading": f.optimizer_offloading,
         }
+        if f.head_groups > 1:
+            out["attention_head_groups"] = f.head_groups
         if f.keep_attention:
             out["keep_attention_outputs"] = True if f.keep_attention >= self.workload.shape.layers else f.keep_attention
         if f.optimizer_offloading:
@@ -158,6 +161,7 @@ class Plan:
             f"loss: {'chunked, ' + str(f.loss_chunks) + ' chunks' if f.loss_chunks else 'unchunked'};  "
             f"MLP: {str(f.mlp_shards) + ' shards' if f.mlp_shards > 1 else 'untiled'}"
             f"{' (norms and attention projections too)' if f.tiled_projections else ''};  "
+            f"{'attention: ' + str(f.head_groups) + ' head groups;  ' if f.head_groups > 1 else ''}"
             f"{'prefetch horizon: ' + str(f.horizon) + ';  ' if f.offload_inputs and f.horizon is not None else ''}"
             f"layer streaming: {'on, depth ' + str(f.stream_depth) if f.layer_streaming else 'off'}"
             + (
@@ -219,7 +223,7 @@ def _streamed_host_bytes(w: Workload, f: Features) -> int:
 
 def _norm_host_bytes(w: Workload, f: Features) -> int:
     """Host buffers of the final norm's saves (each in its own size class)."""
-    return sum(size_class(n) for n in final_norm_saves(w)) if _off_gpu_extra(w, f) else 0
+    return sum(size_class(n) for n in final_norm_saves(w, tiles_final_norm(f))) if _off_gpu_extra(w, f) else 0
 
 
 def _held_host_bytes(w: Workload, f: Features) -> int:
@@ -294,7 +298,10 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, F
         out += [(name + " (MLP untiled)", replace(f, mlp_shards=1)) for name, f in tiled]
     out += tiled
     if mlp_shards > 1 and tiles_projections(w.tokens, w.shape.hidden):
-        out += [(name + " + tiled projections", replace(f, tiled_projections=True)) for name, f in tiled]
+        out += [
+            (name + " + tiled projections", replace(f, tiled_projections=True, head_groups=w.shape.kv_heads))
+            for name, f in tiled
+        ]
     # Small GPUs: a layer's working set (the MLP's intermediate, the projections' outputs,
     # the logits of a loss chunk) shrinks with finer tiles, at the cost of more and smaller
     # kernels; offered last, so a GPU with room keeps the coarser tiles.
@@ -306,6 +313,7 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, F
                     f,
                     mlp_shards=max(2, mlp_shards) * factor,
                     tiled_projections=True,
+                    head_groups=w.shape.kv_heads,
                     loss_chunks=f.loss_chunks * factor,
                 ),
             )
@@ -637,6 +645,7 @@ def physical_limit(
             loss_chunks=max(1, w.tokens),
             mlp_shards=max(1, w.tokens),
             tiled_projections=True,
+            head_groups=w.shape.kv_heads,
             optimizer_offloading=state_on_host,
             recompute_blocks=drops,
         )
@@ -653,7 +662,7 @@ def physical_limit(
             w, gpu = working_set(seq, drops)
             if gpu > budgets.gpu_bytes:
                 return False
-            kept = (w.shape.layers - 1 - drops) * w.block_input_bytes + final_norm_bytes(w)
+            kept = (w.shape.layers - 1 - drops) * w.block_input_bytes + final_norm_bytes(w, tiled=True)
             if gpu + kept + off_gpu <= pooled:
                 return True
         return False

@@ -6,7 +6,7 @@ this package."""
 from offloadkit.models.zoo import LLAMA_SHAPES, build_llama, make_batch
 from offloadkit.testing.allocations import AllocationTracker, SavedTensorTracker
 from offloadkit.testing.delays import slow_copies
-from offloadkit.testing.parity import assert_bitwise_equal, grads_of, run_step
+from offloadkit.testing.parity import assert_bitwise_equal, assert_equal_as_reruns, grads_of, run_step
 from offloadkit.testing.references import Fp32MasterAdamW
 from offloadkit.testing.steps import (
     BackwardFailedError,
@@ -24,6 +24,7 @@ __all__ = [
     "SavedTensorTracker",
     "LLAMA_SHAPES",
     "assert_bitwise_equal",
+    "assert_equal_as_reruns",
     "build_llama",
     "failed_backward",
     "grads_of",

@@ -368,3 +368,25 @@ def test_last_block_input_stays_on_the_device_under_a_whole_model_manager(tmp_pa
     runtime.close()
     assert_bitwise_equal(ref[0], loss.detach(), "loss")
     assert_bitwise_equal(ref[1], {n: p.grad for n, p in model.named_parameters()}, "grads")
+
+
+def test_what_is_saved_after_the_last_block_stays_where_it_is():
+    """With a whole-model manager, the checkpoints' inputs are offloaded but what the final
+    norm and the loss save (backward needs it first) is kept: without that the final norm's
+    fp32 input alone would be two more block inputs' worth."""
+    from offloadkit.compose import prepare
+    from offloadkit.testing import build_llama, make_batch
+
+    model = build_llama("tiny", num_hidden_layers=4, attn_implementation="sdpa")
+    model.train()
+    runtime = prepare(model, {"gradient_checkpointing": True, "activation_offloading": "disk"})
+    batch = make_batch(256, 2, 128)
+    with runtime.context():
+        loss = model(**batch).loss
+    loss.backward()
+    stats = runtime.manager.collect_stats()
+    block = 2 * 128 * model.config.hidden_size * 4  # fp32 [B, S, H]
+    runtime.close()
+    # Three offloaded block inputs (the last one is kept), and the rotary tables and position
+    # ids passed to each block: less than one block input more.
+    assert 3 * block <= stats.offloaded_bytes < 4 * block, (stats.offloaded_bytes, block)

@@ -458,7 +458,8 @@ def test_tiled_projections_match_and_remove_restores(checkpointing):
     handle = apply_tiled_mlp(model, num_shards=3, projections=True)
     layers = model.config.num_hidden_layers
     names = [n for n, _ in handle.modules]
-    assert len(names) == 7 * layers, names  # mlp, two norms, q/k/v/o
+    assert len(names) == 7 * layers + 1, names  # mlp, two norms, q/k/v/o; the final norm
+    assert names[-1] == "model.norm"
     assert sum(n.endswith("self_attn.q_proj") for n in names) == layers
     got = run_step(model, data)
     close_all(got, ref)
@@ -474,7 +475,7 @@ def test_tiled_projections_config_route():
     runtime = prepare(
         model, {"tiled_mlp": True, "tiled_mlp_num_shards": 2, "tiled_projections": True, "gradient_checkpointing": True}
     )
-    assert len(runtime.tiled_mlp.modules) == 7 * model.config.num_hidden_layers
+    assert len(runtime.tiled_mlp.modules) == 7 * model.config.num_hidden_layers + 1
     ref_model = lora(build_llama("tiny", attn_implementation="sdpa"))
     ref_model.load_state_dict(model.state_dict())
     data = batch()

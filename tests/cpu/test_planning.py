@@ -229,12 +229,17 @@ def test_full_fine_tune_counts_the_chunked_loss_fp32_head_gradient():
 
 
 def test_more_tokens_more_memory_and_time():
+    """The chosen plans take more storage and time as the length grows; each plan's own
+    features take more GPU at a greater length (the fastest plan at a longer length may
+    tile more and so peak lower)."""
     previous = None
     for seq in (8192, 16384, 65536, 131072, 262144):
         p = plan("llama-3-8b", seq, budgets=BIG)
-        now = (p.memory.gpu_peak, p.memory.host + p.memory.disk, p.time.seconds)
+        now = (p.memory.host + p.memory.disk, p.time.seconds)
         if previous is not None:
             assert all(a < b for a, b in zip(previous, now)), (seq, previous, now)
+        longer = estimate_memory(replace(p.workload, seq_len=2 * seq), p.features)
+        assert longer.gpu_peak > p.memory.gpu_peak
         previous = now
 
 
@@ -252,7 +257,7 @@ def test_depth_does_not_change_the_gpu_peak_when_offloading_and_streaming():
 
 
 def test_ram_exhaustion_pushes_oldest_block_inputs_to_disk():
-    small_ram = Budgets(79 * GiB, 40 * GiB, 200 * GiB)
+    small_ram = Budgets(48 * GiB, 40 * GiB, 200 * GiB)
     p = plan("llama-3-8b", 262144, budgets=small_ram)
     assert p.fits, p.reasons
     assert p.placement[0] == "disk" and p.placement[-1] == "gpu"
@@ -466,7 +471,7 @@ def test_cli_plan_bad_arguments_give_one_line():
 
 def test_long_plans_tile_projections_and_shorten_the_horizon_only_when_needed():
     budgets = Budgets(int(78.18 * GiB), 109 * GiB, 60 * GiB)
-    long = plan("llama-3-8b", 524288, lora_rank=16, budgets=budgets)
+    long = plan("llama-3-8b", 655360, lora_rank=16, budgets=budgets)
     cfg = long.to_config()
     assert long.fits, long.reasons
     assert cfg["tiled_projections"] and cfg["tiled_mlp"] and cfg["activation_loading_horizon"] == 1
@@ -484,7 +489,7 @@ def test_long_plans_tile_projections_and_shorten_the_horizon_only_when_needed():
     short = plan("llama-3-8b", 16384, lora_rank=16, budgets=budgets).to_config()
     assert not short["tiled_projections"] and "activation_loading_horizon" not in short
     cap = longest_sequence("llama-3-8b", lora_rank=16, budgets=budgets)
-    assert cap.longest >= 524288, cap.summary()
+    assert cap.longest >= 655360, cap.summary()
 
 
 H100 = Budgets(int(78.18 * GiB), int(109.1 * GiB), int(60.8 * GiB))  # the lent H100's budgets
@@ -506,6 +511,7 @@ def test_physical_limit_holds_everything_alive_at_once():
             loss_chunks=seq,
             mlp_shards=seq,
             tiled_projections=True,
+            head_groups=shape.kv_heads,
             recompute_blocks=drops,
         )
         gpu = estimate_memory(w, f).gpu_peak

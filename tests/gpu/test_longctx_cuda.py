@@ -18,7 +18,14 @@ from offloadkit import apply_chunked_loss, apply_tiled_mlp, chunked_cross_entrop
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.layers import apply_layer_streaming
 from offloadkit.longctx.tiled_mlp import tiled_forward
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, randomize_lora_b, run_step
+from offloadkit.testing import (
+    assert_bitwise_equal,
+    assert_equal_as_reruns,
+    build_llama,
+    make_batch,
+    randomize_lora_b,
+    run_step,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -392,12 +399,12 @@ def test_tiled_projections_compose_with_input_offload_and_streaming():
 
 def test_rebuilt_norm_outputs_bitwise_on_cuda():
     """q, k, v and the MLP save the norms' inputs and rebuild the norms' outputs in backward:
-    bf16 gradients bitwise those of each module saving its own input, under checkpointing, and
-    the layer's saved set two ``[S, H]`` tensors smaller."""
+    bf16 gradients bitwise those of each module saving its own input, under checkpointing,
+    wherever the attention backward reproduces itself (else within its run-to-run spread)."""
     peft = pytest.importorskip("peft")
     batch = make_batch(2048, 1, 4096, device=DEV)
     results = {}
-    for rebuild in (False, True):
+    for run, rebuild in ((0, False), (1, False), (2, True)):
         torch.manual_seed(0)
         model = build_llama("small", dtype=torch.bfloat16, device=DEV, attn_implementation="sdpa", num_hidden_layers=3)
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0))
@@ -406,10 +413,10 @@ def test_rebuilt_norm_outputs_bitwise_on_cuda():
         if not rebuild:
             handle._norms = set()  # the reference: every tiled module saves its own input
         ckpt = apply_activation_checkpointing(model)
-        results[rebuild] = run_step(model, batch)
-        results[rebuild, "rebuilt"] = handle.rebuilt_inputs
+        results[run] = run_step(model, batch)
+        results[run, "rebuilt"] = handle.rebuilt_inputs
         ckpt.remove()
         handle.remove()
-    assert_bitwise_equal(results[False][0], results[True][0], "loss")
-    assert_bitwise_equal(results[False][1], results[True][1], "grads")
-    assert results[True, "rebuilt"] > 0 and results[False, "rebuilt"] == 0
+    assert_bitwise_equal(results[0][0], results[2][0], "loss")
+    assert_equal_as_reruns(results[0][1], results[1][1], results[2][1], "grads")
+    assert results[2, "rebuilt"] > 0 and results[0, "rebuilt"] == 0

@@ -1,0 +1,181 @@
+"""Attention over groups of key/value heads: one fused-kernel call per group.
+
+At long context a layer's GPU peak is its attention backward: besides the saved q, k, v,
+output and log-sum-exp, the kernel's backward takes a workspace as large as the query in
+fp32, twice over (32,896 bytes a token for Llama-3-8B's 32 heads with cuDNN on an H100, 23
+GiB at 750K tokens), and returns the three input gradients at once. Heads do not interact
+in attention, so the same kernel can run one group of key/value heads at a time (with its
+query heads under grouped-query attention): forward concatenates the groups' outputs, and in
+backward each group's kernel holds its group's workspace only, 1/G of the whole.
+
+:func:`apply_attention_head_groups` wraps each decoder layer's attention module so that,
+inside it, ``F.scaled_dot_product_attention`` runs that way (a ``TorchFunctionMode`` scoped
+to the module's forward; nothing global is patched). Each group is an ordinary SDPA call
+with the kernel PyTorch picks, so every backend, the checkpoint's recompute and
+``keep_attention_outputs`` see ordinary kernel calls. Calls with dropout, 3-D inputs or a
+head count the groups do not divide run whole. The outputs are laid out as the kernels lay
+theirs out (``[B, S, H, D]`` memory), so a caller's ``transpose(1, 2)`` copies nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from offloadkit.models.blocks import find_blocks
+from offloadkit.models.heads import unwrap_model
+
+__all__ = ["AttentionHeadGroups", "apply_attention_head_groups", "grouped_attention"]
+
+_MARK = "_offloadkit_head_groups"
+
+
+def _groups_for(kv_heads: int, groups: int) -> int:
+    """The largest divisor of ``kv_heads`` not above ``groups``."""
+    return max(g for g in range(1, max(1, min(groups, kv_heads)) + 1) if kv_heads % g == 0)
+
+
+def grouped_attention(
+    groups: int,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale=None,
+    enable_gqa: bool = False,
+):
+    """``F.scaled_dot_product_attention`` over ``groups`` groups of key/value heads, or None
+    where it cannot be split (dropout, fewer than 4 dimensions, one group).
+
+    Args:
+        groups: groups wanted (the largest divisor of the key/value heads not above it is used).
+        query, key, value, ...: as for ``F.scaled_dot_product_attention``.
+
+    Returns:
+        ``[B, H, S, D]`` in ``[B, S, H, D]`` memory, or None.
+    """
+    if dropout_p or query.dim() != 4 or key.dim() != 4:
+        return None
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq != hkv and not (enable_gqa and hq % hkv == 0):
+        return None
+    g = _groups_for(hkv, groups)
+    if g <= 1:
+        return None
+    per_q, per_kv = hq // g, hkv // g
+    mask = None
+    if attn_mask is not None:
+        if attn_mask.dim() == 4 and attn_mask.shape[1] == hq:
+            mask = attn_mask.split(per_q, dim=1)
+        elif attn_mask.dim() == 4 and attn_mask.shape[1] != 1:
+            return None  # a per-head mask of another head count: leave it to SDPA
+    # split(): one backward node that joins the groups' gradients once, not a full-size
+    # zero-filled gradient per group.
+    qs, ks, vs = query.split(per_q, dim=1), key.split(per_kv, dim=1), value.split(per_kv, dim=1)
+    outs = []
+    for i in range(g):
+        m = attn_mask if mask is None else mask[i]
+        o = F.scaled_dot_product_attention(
+            qs[i], ks[i], vs[i], attn_mask=m, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+        outs.append(o.transpose(1, 2))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+class _Grouping(TorchFunctionMode):
+    """Within it, ``F.scaled_dot_product_attention`` runs over head groups."""
+
+    def __init__(self, handle: "AttentionHeadGroups") -> None:
+        super().__init__()
+        self.handle = handle
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = grouped_attention(self.handle.groups, *args, **kwargs)
+            if out is not None:
+                self.handle.grouped_calls += 1
+                return out
+        return func(*args, **kwargs)
+
+
+class AttentionHeadGroups:
+    """What :func:`apply_attention_head_groups` attached; ``remove()`` restores the modules.
+
+    Attributes:
+        modules: ``(qualified name, attention module)`` pairs wrapped.
+        groups: key/value head groups per call.
+        grouped_calls: attention calls run over groups so far.
+    """
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], groups: int) -> None:
+        self.modules, self.groups = modules, groups
+        self.grouped_calls = 0
+        self._saved: list[tuple[nn.Module, object]] = []
+
+    def _attach(self) -> None:
+        for name, module in self.modules:
+            if _MARK in module.__dict__:
+                raise ValueError(f"{name} already runs attention over head groups; remove() the first handle")
+        for _, module in self.modules:
+            previous = module.__dict__.get("forward")
+            wrapper = functools.partial(self._call, module.forward)
+            module.forward = wrapper
+            module.__dict__[_MARK] = wrapper
+            self._saved.append((module, previous))
+
+    def _call(self, original, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        with _Grouping(self):
+            return original(*args, **kwargs)
+
+    def remove(self) -> None:
+        """Restore every module's forward."""
+        for module, previous in self._saved:
+            ours = module.__dict__.pop(_MARK, None)
+            if ours is not None and module.__dict__.get("forward") is ours:
+                if previous is None:
+                    del module.forward
+                else:
+                    module.forward = previous  # type: ignore[method-assign, assignment]
+        self._saved.clear()
+
+
+def apply_attention_head_groups(model: nn.Module, groups: int) -> AttentionHeadGroups:
+    """Run each decoder layer's attention over ``groups`` groups of key/value heads.
+
+    Args:
+        model: a Hugging Face model (PEFT wrappers are looked through) whose decoder layers
+            have an attention module (``self_attn``, ``attn`` or ``attention``).
+        groups: groups per call (>= 2; the largest divisor of the key/value heads not above it).
+
+    Returns:
+        An :class:`AttentionHeadGroups`; ``handle.remove()`` restores the modules.
+
+    Example:
+        >>> handle = apply_attention_head_groups(model, 8)
+        >>> model(input_ids=ids, labels=ids).loss.backward()
+        >>> handle.remove()
+    """
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 2:
+        raise ValueError(f"groups={groups!r} must be an integer >= 2 (1 runs attention whole: do not apply)")
+    base = unwrap_model(model)
+    modules = []
+    for name, block in find_blocks(base):
+        for attr in ("self_attn", "attn", "attention"):
+            attn = getattr(block, attr, None)
+            if isinstance(attn, nn.Module):
+                modules.append((f"{name}.{attr}", attn))
+                break
+    if not modules:
+        raise ValueError(f"no attention modules found in the decoder layers of {type(base).__name__}")
+    handle = AttentionHeadGroups(modules, groups)
+    handle._attach()
+    return handle

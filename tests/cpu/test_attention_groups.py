@@ -1,0 +1,79 @@
+"""Attention over groups of key/value heads: the same outputs and gradients as one call
+(heads do not interact), the kernel's layout kept, GQA and per-head masks handled, dropout
+and unsplittable calls left whole, and remove() restoring the modules."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.longctx.attention_groups import apply_attention_head_groups, grouped_attention
+from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+
+
+def _qkv(hq=8, hkv=4, s=64, d=16, b=2):
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, s, d, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("groups,hq,hkv", [(4, 8, 4), (2, 8, 4), (8, 8, 8), (3, 8, 4)])
+def test_grouped_equals_one_call(groups, hq, hkv):
+    q, k, v = _qkv(hq, hkv)
+    g = torch.randn(2, hq, 64, 16)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    out = grouped_attention(groups, q, k, v, is_causal=True, enable_gqa=hq != hkv)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_per_head_masks_are_split_and_dropout_runs_whole():
+    q, k, v = _qkv(8, 8)
+    mask = torch.rand(2, 8, 64, 64) > 0.3
+    mask[..., 0] = True
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(grouped_attention(4, q, k, v, attn_mask=mask), ref, rtol=0, atol=1e-6)
+    assert grouped_attention(4, q, k, v, dropout_p=0.1) is None
+    assert grouped_attention(4, q[0], k[0], v[0]) is None  # 3-D
+    assert grouped_attention(4, *_qkv(8, 4)) is None  # grouped query heads without enable_gqa
+
+
+def test_outputs_in_the_kernels_layout():
+    q, k, v = _qkv(8, 8)
+    out = grouped_attention(4, q, k, v, is_causal=True)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def _model():
+    torch.manual_seed(0)
+    model = build_llama(
+        "tiny", num_hidden_layers=2, attn_implementation="sdpa", num_attention_heads=4, num_key_value_heads=2
+    )
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_model_step_matches_and_remove_restores(checkpointing):
+    batch = make_batch(256, 2, 48)
+    model = _model()
+    ref = run_step(model, batch)
+    handle = apply_attention_head_groups(model, 2)
+    ckpt = apply_activation_checkpointing(model) if checkpointing else None
+    got = run_step(model, batch)
+    assert handle.grouped_calls == 2 * (2 if checkpointing else 1)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-6)
+    for name in ref[1]:
+        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=1e-6)
+    if ckpt is not None:
+        ckpt.remove()
+    handle.remove()
+    assert_bitwise_equal(run_step(model, batch)[1], ref[1], "grads after remove()")
+    with pytest.raises(ValueError, match="groups=1"):
+        apply_attention_head_groups(model, 1)
