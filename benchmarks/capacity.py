@@ -84,6 +84,7 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
 
     from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, plan, resolve_shape
     from offloadkit.planning.memory import region_length
+    from offloadkit.planning.planner import _keep_attention
 
     budgets = budgets or Budgets.detect(host_bytes=host_budget)
     if mode == "auto":
@@ -108,6 +109,13 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
             if mode == "everything" and replayed > 1 and layers > replayed:
                 # The full plan drops block inputs: the probe holds its longest replayed run.
                 f = replace(f, recompute_blocks=replayed - 1)
+            if f.keep_attention:
+                # No more than the probe's own RAM holds beside what it keeps there (everything
+                # mode streams the layers, which the full plan may not).
+                own = replace(f, keep_attention=0)
+                om = estimate_memory(w, own)
+                kept = _keep_attention(w, own, budgets, estimate_time(w, own, budgets.rates, om.block_placement))
+                f = replace(f, keep_attention=min(f.keep_attention, kept[0].keep_attention if kept else 0))
         m = estimate_memory(w, f)
         t = estimate_time(w, f, budgets.rates, m.block_placement)
     return {

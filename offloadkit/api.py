@@ -31,7 +31,9 @@ class _WholeModel(TimelineListener):
     backward starts prefetching when it reaches the head.
 
     The head's own saved input is offloaded like any activation: at the loss's memory peak it
-    would otherwise sit on the device, and it comes back while the head's backward starts."""
+    would otherwise sit on the device, and it comes back while the head's backward starts.
+    Under offloadkit's checkpointing the tail starts earlier, after the last block (see
+    ``CheckpointedBlocks._run_block``): there the blocks' inputs are all the manager offloads."""
 
     def __init__(self, manager: OffloadActivations) -> None:
         self.manager = manager

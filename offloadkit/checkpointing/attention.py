@@ -14,19 +14,22 @@ in place of running the kernel. Autograd builds the kernel's own backward node a
 the kernels' forward is deterministic and the recompute calls it on the same values, so the
 bytes are the ones the kernel would have produced and gradients are bitwise those of a full
 recompute. Where the storage has no room, or the recompute calls a kernel with other shapes,
-the kernel runs again.
+the kernel runs again; so does a kernel with dropout, whose draws the rest of the recompute's
+random numbers follow.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from offloadkit.engine.spans import span_view
-from offloadkit.runtime.attention_ops import LARGE_OUTPUTS, AttentionCalls
+from offloadkit.runtime.attention_ops import LARGE_OUTPUTS, AttentionCalls, dropout_of
 from offloadkit.runtime.device import current_stream
 from offloadkit.runtime.recompute import output_discarded, output_read
 from offloadkit.transfer.completion import order_after
@@ -64,6 +67,7 @@ class _Output:
     stride: tuple
     offset: int
     loaded: Any = None
+    consumed: bool = False  # handed to autograd (its bytes were waited for on the consumer's stream)
 
 
 @dataclass
@@ -86,10 +90,37 @@ def _key(args, kwargs) -> tuple:
 def _free(tier, calls: list) -> None:
     for call in calls:
         for out in call.outputs:
-            if isinstance(out, _Output) and out.stored is not None:
+            if not isinstance(out, _Output):
+                continue
+            loaded, out.loaded = out.loaded, None
+            if loaded is not None and not out.consumed:
+                # Brought back but never used: the copy may still be writing the buffer, whose
+                # memory returns to the stream it was allocated on. That stream waits first.
+                order_after(loaded.alloc_stream, loaded.ready)
+            if out.stored is not None:
                 tier.free(out.stored)
                 out.stored = None
     calls.clear()
+
+
+# Copies given up by the garbage collector: freed at the next call, not inside the collector,
+# which may run while the storage pool holds its lock on this thread.
+_given_up: deque = deque()
+_given_up_lock = threading.Lock()
+
+
+def _give_up(tier, calls: list) -> None:
+    with _given_up_lock:
+        _given_up.append((tier, calls))
+
+
+def _free_given_up() -> None:
+    while True:
+        with _given_up_lock:
+            if not _given_up:
+                return
+            tier, calls = _given_up.popleft()
+        _free(tier, calls)
 
 
 class KeptAttention:
@@ -110,9 +141,10 @@ class KeptAttention:
         self._kept: list[_Call] = []
         self._next = 0
         # Freed when the graph holding this function goes (a forward never backpropagated).
-        self._release = weakref.finalize(self, _free, tier, self._kept)
+        self._release = weakref.finalize(self, _give_up, tier, self._kept)
 
     def __call__(self, *args, **kwargs):
+        _free_given_up()
         self.calls += 1
         if self.calls == 1:
             with output_read(), AttentionCalls(self._keep):
@@ -123,11 +155,16 @@ class KeptAttention:
             with output_discarded(), AttentionCalls(self._replay):
                 return self.fn(*args, **kwargs)
         finally:
-            self._release()  # once replayed the copies are spent; a second recompute runs the kernels
+            # Once replayed the copies are spent; a second recompute runs the kernels.
+            self._release.detach()
+            _free(self.tier, self._kept)
 
     # -- forward -------------------------------------------------------------------------
     def _keep(self, op, args, kwargs, run):
         outputs = run()
+        if dropout_of(op, args, kwargs):
+            self._kept.append(_Call(op, None))  # runs again: its draws must be drawn again
+            return outputs
         call = _Call(op, _key(args, kwargs))
         for i, value in enumerate(outputs):
             call.outputs.append(self._store(value) if i in LARGE_OUTPUTS else value)
@@ -148,7 +185,7 @@ class KeptAttention:
         out = _Output(stored, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         if stored is None:
             return out
-        self.stats.kept_bytes += storage.nbytes()
+        self.stats.kept_bytes += storage.nbytes()  # counted when stored, kept or not
         if stored.done_stream is not None and stored.done_stream != current_stream(t.device):
             # The copy stream reads the kernel's output: its memory is not reused before that.
             src.record_stream(stored.done_stream)
@@ -176,6 +213,7 @@ class KeptAttention:
             # Small outputs (RNG state, offsets) as the kernel gave them, each call its own tensor.
             return out.clone() if torch.is_tensor(out) else out
         loaded = out.loaded
+        out.consumed = True
         consumer = current_stream(loaded.data.device)
         ready = loaded.ready
         if hasattr(ready, "resolve"):

@@ -70,11 +70,10 @@ def grouped_attention(
         return None
     per_q, per_kv = hq // g, hkv // g
     mask = None
-    if attn_mask is not None:
-        if attn_mask.dim() == 4 and attn_mask.shape[1] == hq:
-            mask = attn_mask.split(per_q, dim=1)
-        elif attn_mask.dim() == 4 and attn_mask.shape[1] != 1:
-            return None  # a per-head mask of another head count: leave it to SDPA
+    if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] != 1:
+        if attn_mask.dim() != 4 or attn_mask.shape[1] != hq:
+            return None  # a per-head mask laid out otherwise: leave it to SDPA
+        mask = attn_mask.split(per_q, dim=1)
     # split(): one backward node that joins the groups' gradients once, not a full-size
     # zero-filled gradient per group.
     qs, ks, vs = query.split(per_q, dim=1), key.split(per_kv, dim=1), value.split(per_kv, dim=1)

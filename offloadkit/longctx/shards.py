@@ -125,15 +125,23 @@ class Prenorm:
         self.norm, self.bounds = norm, bounds
 
     def mark(self, out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        """Tag the norm's output ``out`` with this and the norm's input ``source``."""
-        setattr(out, self.ATTR, (self, source))
+        """Tag the norm's output ``out`` with this and the norm's input ``source`` (and the
+        versions both have now)."""
+        setattr(out, self.ATTR, (self, source, out._version, source._version))
         return out
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "tuple[Prenorm, torch.Tensor] | None":
-        """``(prenorm, source)`` if ``t`` is a tiled norm's output (the tensor itself, not a view)."""
+        """``(prenorm, source)`` if ``t`` is a tiled norm's output (the tensor itself, not a
+        view) and neither it nor the norm's input was written in place since: a rebuilt output
+        would otherwise not be the one the consumer read."""
         tag = getattr(t, cls.ATTR, None)
-        return tag if isinstance(tag, tuple) and isinstance(tag[0], cls) else None
+        if not (isinstance(tag, tuple) and len(tag) == 4 and isinstance(tag[0], cls)):
+            return None
+        pre, source, version, source_version = tag
+        if t._version != version or source._version != source_version:
+            return None
+        return pre, source
 
 
 class PrenormRows:

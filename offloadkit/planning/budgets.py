@@ -116,8 +116,9 @@ class Budgets:
         measured = []
         if torch.cuda.is_available() and shape is not None:
             try:
-                rates = dataclasses.replace(rates, attention_flops_per_s=_attention_rate(shape))
-                measured.append("attention")
+                rate, backend = _attention_rate(shape)
+                rates = dataclasses.replace(rates, attention_flops_per_s=rate)
+                measured.append(f"attention ({backend} kernel)")
             except torch.cuda.OutOfMemoryError:  # no fused kernel for these heads: keep the default
                 torch.cuda.empty_cache()
         if torch.cuda.is_available():
@@ -151,11 +152,13 @@ class Budgets:
 ATTENTION_PROBE_TOKENS = 1 << 16
 
 
-def _attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> float:
+def _attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> tuple[float, str]:
     """Causal SDPA forward and backward with the model's heads (key/value heads as they are,
-    as transformers calls it without a mask), in executed FLOP/s: 2 S^2 heads x head_dim
-    forward, twice that backward."""
+    as transformers calls it without a mask), in executed FLOP/s (2 S^2 heads x head_dim
+    forward, twice that backward), and the kernel that ran."""
     import torch.nn.functional as F
+
+    from offloadkit.runtime.attention_ops import sdpa_backend
 
     gqa = shape.kv_heads != shape.heads
 
@@ -164,6 +167,7 @@ def _attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> float:
         return torch.randn(size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     q, k, v = tensor(shape.heads), tensor(shape.kv_heads), tensor(shape.kv_heads)
+    backend = sdpa_backend(q, k, v, is_causal=True, enable_gqa=gqa)
     grad = torch.ones(1, shape.heads, tokens, shape.head_dim, device="cuda", dtype=torch.bfloat16)
     times = []
     for _ in range(3):
@@ -176,7 +180,7 @@ def _attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> float:
     del q, k, v, out, grad
     torch.cuda.empty_cache()
     flops = 3 * 2.0 * tokens * tokens * shape.heads * shape.head_dim
-    return flops / statistics.median(times[1:])
+    return flops / statistics.median(times[1:]), backend
 
 
 def _disk_rates(nbytes: int, disk_dir: str | None) -> tuple[float, float]:

@@ -50,6 +50,7 @@ __all__ = [
     "tiles_final_norm",
     "attention_kept_bytes",
     "attention_workspace_bytes",
+    "attention_groups",
     "keeps_attention",
 ]
 
@@ -184,6 +185,13 @@ class Features:
     head_groups: int = 1
 
 
+def attention_groups(head_groups: int, kv_heads: int) -> int:
+    """Groups attention really runs in: the largest divisor of the key/value heads not above
+    ``head_groups`` (as ``longctx/attention_groups.py`` splits them)."""
+    wanted = max(1, min(head_groups, kv_heads))
+    return max(g for g in range(1, wanted + 1) if kv_heads % g == 0)
+
+
 def attention_workspace_bytes(w: Workload) -> int:
     """The fused attention backward's workspace for all heads: two fp32 query-sized buffers
     and an fp32 value per head and token (32,896 bytes a token for Llama-3-8B with cuDNN on
@@ -286,8 +294,11 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     if mlp_shards > 1:  # the shard's own saved set is rebuilt in backward
         mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
     attn = t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
-    groups = max(1, min(head_groups, s.kv_heads))
+    groups = attention_groups(head_groups, s.kv_heads)
     if groups > 1:
+        # The groups' outputs are joined into one more copy, which the o projection saves
+        # until its backward, before the attention's: the MLP's backward sees it.
+        mlp += t * b * q
         # The workspace is not a part above (it was absorbed by the calibration against measured
         # peaks); what grouping takes off is counted less the input gradients, which the groups
         # hold apart until the last one is done and then join into one more copy.

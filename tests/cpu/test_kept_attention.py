@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.checkpointing.attention import _free_given_up
 from offloadkit.runtime.attention_ops import AttentionCalls
 from offloadkit.storage.disk import DiskOptions
 from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
@@ -90,6 +91,7 @@ def test_a_forward_without_backward_gives_its_copies_back():
         held[keep, "forward"] = handle.offloader.tier.host_bytes_in_use()
         del out
         gc.collect()
+        _free_given_up()  # what the next call does first
         held[keep, "dropped"] = handle.offloader.tier.host_bytes_in_use()
         kept_bytes = handle.attention_stats.kept_bytes
         handle.remove()
@@ -172,3 +174,35 @@ def test_the_config_key_takes_true_or_a_layer_count():
         OffloadConfig.from_dict({**base, "keep_attention_outputs": "all"})
     with pytest.warns(UserWarning, match="keep_attention_outputs needs gradient_checkpointing"):
         OffloadConfig.from_dict({"keep_attention_outputs": True})
+
+
+def test_attention_with_dropout_is_not_kept():
+    """A kernel with dropout runs again in the recompute: its draws, and every draw after it,
+    must be the forward's."""
+    model = _model()
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    handle = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True, keep_attention=True)
+    batch = make_batch(256, 2, 64)
+    torch.manual_seed(1)
+    model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+    stats = handle.attention_stats
+    assert stats.kept == 0 and stats.replayed == 0
+    handle.remove()
+
+
+def test_copies_given_up_by_the_collector_are_freed_at_the_next_call():
+    from offloadkit.checkpointing import attention
+
+    model = _model()
+    handle = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True, keep_attention=True)
+    batch = make_batch(256, 2, 64)
+    out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+    held = handle.offloader.tier.host_bytes_in_use()
+    del out
+    gc.collect()
+    assert attention._given_up  # not freed inside the collector
+    model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+    assert not attention._given_up and handle.offloader.tier.host_bytes_in_use() < held
+    handle.remove()

@@ -140,3 +140,12 @@ def test_a_norm_that_writes_its_input_is_refused_at_rebuild():
     y = TiledMLP.apply(lambda h: h @ w, 2, 1, pre, xn, source.detach().clone(), w)
     with pytest.raises(RuntimeError, match="must not write its input in place"):
         y.sum().backward()
+
+
+def test_an_output_written_in_place_is_not_rebuilt():
+    x = torch.randn(6, 8, requires_grad=True)
+    xn = tiled_forward(_norm, x, 2)
+    Prenorm(_norm, shard_bounds(6, 2)).mark(xn, x)
+    with torch.no_grad():
+        xn.mul_(2.0)
+    assert Prenorm.of(xn) is None  # the consumer saves what it reads
