@@ -27,6 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from offloadkit.models.blocks import find_blocks
+from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
 
 __all__ = ["AttentionHeadGroups", "apply_attention_head_groups", "grouped_attention"]
@@ -116,18 +117,14 @@ class AttentionHeadGroups:
     def __init__(self, modules: list[tuple[str, nn.Module]], groups: int) -> None:
         self.modules, self.groups = modules, groups
         self.grouped_calls = 0
-        self._saved: list[tuple[nn.Module, object]] = []
+        self._wraps = ForwardWraps(_MARK)
 
     def _attach(self) -> None:
         for name, module in self.modules:
-            if _MARK in module.__dict__:
+            if self._wraps.holds(module):
                 raise ValueError(f"{name} already runs attention over head groups; remove() the first handle")
         for _, module in self.modules:
-            previous = module.__dict__.get("forward")
-            wrapper = functools.partial(self._call, module.forward)
-            module.forward = wrapper
-            module.__dict__[_MARK] = wrapper
-            self._saved.append((module, previous))
+            self._wraps.wrap(module, functools.partial(self._call, module.forward))
 
     def _call(self, original, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -137,14 +134,7 @@ class AttentionHeadGroups:
 
     def remove(self) -> None:
         """Restore every module's forward."""
-        for module, previous in self._saved:
-            ours = module.__dict__.pop(_MARK, None)
-            if ours is not None and module.__dict__.get("forward") is ours:
-                if previous is None:
-                    del module.forward
-                else:
-                    module.forward = previous  # type: ignore[method-assign, assignment]
-        self._saved.clear()
+        self._wraps.remove()
 
 
 def apply_attention_head_groups(model: nn.Module, groups: int) -> AttentionHeadGroups:

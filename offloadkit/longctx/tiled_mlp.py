@@ -60,6 +60,7 @@ from offloadkit.longctx.shards import (
     tokens_view,
 )
 from offloadkit.models.blocks import find_blocks
+from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
 from offloadkit.runtime.recompute import recomputing_for_saves
 
@@ -261,30 +262,19 @@ class TiledMLPHandle:
         # Modules whose recomputed output nothing reads (MLPs of OUTPUT_ONLY_ADDED layers).
         self._unread = {id(m) for m in output_unread_in_recompute}
         self.skipped_recomputes = 0  # tiled calls whose shards a recompute skipped
-        self._saved: list[tuple[nn.Module, object]] = []
+        self._wraps = ForwardWraps(_MARK)
 
     def _attach(self) -> None:
         for name, module in self.modules:
-            if _MARK in module.__dict__:
+            if self._wraps.holds(module):
                 raise ValueError(f"{name} is already tiled by offloadkit; remove() the first handle")
         for name, module in self.modules:
-            previous = module.__dict__.get("forward")
             width = self._widths.get(name, _width(module))
-            wrapper = functools.partial(self._call, module, module.forward, width, self.num_shards)
-            module.forward = wrapper
-            module.__dict__[_MARK] = wrapper
-            self._saved.append((module, previous))
+            self._wraps.wrap(module, functools.partial(self._call, module, module.forward, width, self.num_shards))
 
     def remove(self) -> None:
         """Restore every module's forward."""
-        for module, previous in self._saved:
-            ours = module.__dict__.pop(_MARK, None)
-            if ours is not None and module.__dict__.get("forward") is ours:
-                if previous is None:
-                    del module.forward
-                else:
-                    module.forward = previous  # type: ignore[method-assign, assignment]
-        self._saved.clear()
+        self._wraps.remove()
 
     def shards_for(self, x: torch.Tensor, width: int | None, fixed: int | None = None) -> int:
         tokens = x.numel() // x.shape[-1]

@@ -77,3 +77,21 @@ def test_a_model_step_matches_and_remove_restores(checkpointing):
     assert_bitwise_equal(run_step(model, batch)[1], ref[1], "grads after remove()")
     with pytest.raises(ValueError, match="groups=1"):
         apply_attention_head_groups(model, 1)
+
+
+def test_forward_wraps_restore_what_the_instance_held():
+    """An instance-level forward set before the wrap comes back on remove(); one set by someone
+    else after the wrap is left alone."""
+    from offloadkit.models.forwards import ForwardWraps
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    own = lambda x: x  # noqa: E731
+    a.forward = own
+    wraps = ForwardWraps("_test_mark")
+    wraps.wrap(a, lambda x: 2 * x)
+    wraps.wrap(b, lambda x: 3 * x)
+    assert wraps.holds(a) and wraps.holds(b)
+    later = lambda x: 4 * x  # noqa: E731
+    b.forward = later
+    wraps.remove()
+    assert a.forward is own and b.forward is later and not wraps.holds(a)

@@ -16,3 +16,17 @@ def slow():
     yield start
     for h in handles:
         h.remove()
+
+
+@pytest.fixture
+def clean_cuda():
+    """Free cached device memory before and after a test that measures or needs much of it."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()

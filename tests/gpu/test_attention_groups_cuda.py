@@ -16,19 +16,14 @@ from offloadkit.planning import Workload, resolve_shape
 from offloadkit.planning.memory import attention_workspace_bytes
 from offloadkit.testing import assert_bitwise_equal, assert_equal_as_reruns
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("clean_cuda"),
+]
 
 DEV = "cuda"
 HQ, HKV, D = 32, 8, 128  # Llama-3-8B's heads
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _qkv(seq, seed=0):

@@ -22,7 +22,11 @@ from offloadkit.testing import (
 )
 from offloadkit.transfer.streams import copy_stream
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("clean_cuda"),
+]
 
 DEV = "cuda"
 LAYERS = 3
@@ -32,15 +36,6 @@ BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture

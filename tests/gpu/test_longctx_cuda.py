@@ -27,20 +27,15 @@ from offloadkit.testing import (
     run_step,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("clean_cuda"),
+]
 
 DEV = "cuda"
 GIB = 2**30
 VOCAB = 128256
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def peak(fn):
