@@ -382,13 +382,6 @@ def tiles_final_norm(f: Features) -> bool:
     return f.tiled_projections and f.mlp_shards > 1
 
 
-def _off_gpu_extra(w: Workload, f: Features) -> int:
-    """Bytes besides the block inputs that leave the GPU with them: none. What is saved after
-    the last block (see :func:`final_norm_saves`) stays on the GPU, where the loss phase
-    counts it: backward needs it first, before any block's recompute."""
-    return 0
-
-
 def streams_weights(w: Workload, f: Features) -> bool:
     """Whether the layers' weights stream from host memory: a LoRA model's frozen base, or a
     full fine-tune's trainable weights when the optimizer updates them in backward."""
@@ -484,17 +477,15 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     parts.update(extra)
     gpu_peak = int(fixed + max(loss_bytes, layer_bytes))
 
+    # What is saved after the last block (see :func:`final_norm_saves`) stays on the GPU, where
+    # the loss phase counts it: backward needs it first, before any block's recompute.
     host = HOST_BASELINE_BYTES + placement.count("ram") * block + disk_staging_bytes(w, f, placement)
-    # The final norm's saves go where unplaced saves go: RAM first, disk when only disk is used.
-    norm_saves = _off_gpu_extra(w, f)
-    only_disk = "disk" in placement and "ram" not in placement
-    host += 0 if only_disk else norm_saves
     if streams_weights(w, f):
         host += s.layers * s.layer_params * b  # pinned host copies of the streamed layers
     if f.optimizer_offloading and not w.lora_rank:
         host += s.params * w.optimizer_state_bytes  # pinned AdamW state
     host += keeps_attention(f) * attention_kept_bytes(w)
-    disk = placement.count("disk") * block + (norm_saves if only_disk else 0)
+    disk = placement.count("disk") * block
     return MemoryEstimate(
         gpu_peak=gpu_peak,
         gpu_reserved=int(gpu_peak * FRAGMENTATION),

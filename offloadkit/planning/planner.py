@@ -30,16 +30,13 @@ from offloadkit.planning.memory import (
     Features,
     MemoryEstimate,
     Workload,
-    _off_gpu_extra,
     attention_kept_bytes,
     auto_loss_chunks,
     auto_mlp_shards,
     estimate_memory,
     final_norm_bytes,
-    final_norm_saves,
     streams_weights,
     tiered_reserve_bytes,
-    tiles_final_norm,
     tiles_projections,
 )
 from offloadkit.planning.shape import ModelShape, resolve_shape
@@ -90,7 +87,6 @@ class Plan:
             return None
         w, f = self.workload, self.features
         ram = self.placement.count("ram") * size_class(w.block_input_bytes) + _streamed_host_bytes(w, f)
-        ram += _norm_host_bytes(w, f)  # the final norm's saves, in RAM beside the block inputs
         # The tiered tier keeps some of its cap free, demoting ahead of need; the disk tier's
         # staging buffers are reserved outside the cap (the plan's host figure counts them).
         return max(ram + tiered_reserve_bytes(ram), 1 << 20)
@@ -221,11 +217,6 @@ def _streamed_host_bytes(w: Workload, f: Features) -> int:
     return 0
 
 
-def _norm_host_bytes(w: Workload, f: Features) -> int:
-    """Host buffers of the final norm's saves (each in its own size class)."""
-    return sum(size_class(n) for n in final_norm_saves(w, tiles_final_norm(f))) if _off_gpu_extra(w, f) else 0
-
-
 def _held_host_bytes(w: Workload, f: Features) -> int:
     """Host RAM held beside the block inputs: the streamed layers, and a full fine-tune's
     AdamW state in host memory (the optimizer's own, outside the engine's budget)."""
@@ -238,7 +229,6 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     disk, also beside the disk tier's staging buffers and the room the tiered tier keeps free
     (what the engine does with the cap :meth:`Plan.host_budget_bytes` gives it)."""
     streamed, state = _streamed_host_bytes(w, f), _held_host_bytes(w, f) - _streamed_host_bytes(w, f)
-    streamed += _norm_host_bytes(w, f)  # held under the same cap as the streamed weights
     room = b.host_bytes - streamed - state
     per = size_class(w.block_input_bytes)
     if room // per >= w.shape.layers - 1 - f.gpu_blocks - f.recompute_blocks:
