@@ -76,10 +76,21 @@ def _features(mode: str, workload, host_budget: int):
     )
 
 
-def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_budget: int, budgets=None) -> dict:
+def predict(
+    shape: str,
+    mode: str,
+    seq: int,
+    layers: int,
+    lora_rank: int,
+    host_budget: int,
+    budgets=None,
+    recompute_blocks: int | None = None,
+) -> dict:
     """The planner's memory and time for a probe (``auto``: the plan it would choose;
     ``everything``: every feature on, with the tiling and prefetch horizon the planner picks
-    for the full-depth model, so that a reduced-depth probe holds what a full step holds)."""
+    for the full-depth model, so that a reduced-depth probe holds what a full step holds;
+    ``recompute_blocks``: that many block inputs dropped and replayed, whatever the plan says,
+    to time the recompute placement against storage at one length)."""
     from dataclasses import replace
 
     from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, plan, resolve_shape
@@ -109,6 +120,8 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
             if mode == "everything" and replayed > 1 and layers > replayed:
                 # The full plan drops block inputs: the probe holds its longest replayed run.
                 f = replace(f, recompute_blocks=replayed - 1)
+            if mode == "everything" and recompute_blocks is not None:
+                f = replace(f, recompute_blocks=recompute_blocks)
             if f.keep_attention:
                 # No more than the probe's own RAM holds beside what it keeps there (everything
                 # mode streams the layers, which the full plan may not).
@@ -126,6 +139,9 @@ def predict(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_b
         "step_s": t.seconds,
         "bound": t.bound,
         "flops": t.flops,
+        # The model's parts: attention and linear compute at the rates it was given.
+        "attention_s": t.attention_flops / budgets.rates.attention_flops_per_s,
+        "linear_s": t.linear_flops / budgets.rates.matmul_flops_per_s,
         "placement": placement_code(m.block_placement),
         "loss_chunks": f.loss_chunks,
         "mlp_shards": f.mlp_shards,
@@ -217,6 +233,10 @@ def run_probe(spec: dict) -> dict:
                 torch.cuda.memory._record_memory_history(enabled=None)
                 continue
             times.append(time.perf_counter() - t0)
+        if spec.get("kernel_breakdown"):  # one more step, profiled (not timed with the others)
+            from kernel_time import profile_step
+
+            out["kernel_breakdown"] = profile_step(step)
         out["step_times_s"] = [round(x, 3) for x in times]
         out["step_s"] = sorted(times)[len(times) // 2] if times else None
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
@@ -276,7 +296,7 @@ def _detect_budgets(args) -> dict:
         host_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib else None, disk_dir=args.disk_dir
     )
     try:
-        budgets = budgets.measure(disk_dir=args.disk_dir, shape=resolve_shape(args.shape))
+        budgets = budgets.measure(disk_dir=args.disk_dir, shape=resolve_shape(args.shape), lora_rank=args.lora_rank)
     except Exception as exc:  # keep the defaults where timing is impossible
         print(f"capacity: rates not measured ({exc}); using defaults", file=sys.stderr, flush=True)
     return {
@@ -307,6 +327,17 @@ def main(argv=None) -> int:
         "--peak-breakdown",
         action="store_true",
         help="record the last step's allocations and list what is alive at its peak (that step is not timed)",
+    )
+    ap.add_argument(
+        "--kernel-breakdown",
+        action="store_true",
+        help="profile one more step and group its GPU time (attention, gemm, copies, other; idle)",
+    )
+    ap.add_argument(
+        "--recompute-blocks",
+        type=int,
+        default=None,
+        help="everything probes: drop and replay this many block inputs (0: none), whatever the plan says",
     )
     ap.add_argument("--out", default="capacity-results")
     ap.add_argument("--name", default="capacity")
@@ -374,7 +405,16 @@ def main(argv=None) -> int:
     for alts in _parse(args.probes, args.warmup, args.steps):
         chosen, skipped = None, []
         for alt in alts:
-            pred = predict(args.shape, alt["mode"], alt["seq_len"], alt["layers"], args.lora_rank, host_budget, budgets)
+            pred = predict(
+                args.shape,
+                alt["mode"],
+                alt["seq_len"],
+                alt["layers"],
+                args.lora_rank,
+                host_budget,
+                budgets,
+                recompute_blocks=args.recompute_blocks,
+            )
             est = _setup_s(alt["layers"], full_layers) + TIME_MARGIN * pred["step_s"] * (alt["warmup"] + alt["steps"])
             left = args.budget_s - (time.monotonic() - start)
             if est <= left:
@@ -401,6 +441,7 @@ def main(argv=None) -> int:
             host_budget=host_budget,
             disk_dir=args.disk_dir,
             breakdown=args.peak_breakdown,
+            kernel_breakdown=args.kernel_breakdown,
         )
         full = predict(args.shape, chosen["mode"], chosen["seq_len"], full_layers, args.lora_rank, host_budget, budgets)
         left = args.budget_s - (time.monotonic() - start)

@@ -75,7 +75,9 @@ def run_plan(args, log=print) -> int:
     if args.measure:
         from offloadkit.planning import resolve_shape
 
-        budgets = budgets.measure(disk_dir=args.disk_dir, shape=resolve_shape(model, args.layers))
+        budgets = budgets.measure(
+            disk_dir=args.disk_dir, shape=resolve_shape(model, args.layers), lora_rank=args.lora_rank
+        )
     common = {
         "batch": args.batch,
         "lora_rank": args.lora_rank,

@@ -769,3 +769,21 @@ def test_attention_outputs_are_kept_for_the_layers_ram_holds():
     # At the edge storage is short: nothing is kept.
     edge = longest_sequence("llama-3-8b", lora_rank=16, budgets=H100).plan
     assert edge.features.keep_attention == 0
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_the_layer_linear_rate_counts_what_the_planner_counts(lora_rank):
+    """``--measure`` times one layer's linear work; its FLOPs are the planner's own count for
+    one layer (a one-layer step's linear FLOPs less the head's), so the measured rate
+    converts back into the planner's time."""
+    from offloadkit.planning.rates import layer_linear_flops, linear_rate
+    from offloadkit.planning.timing import step_flops
+
+    shape = resolve_shape("llama-3-8b").with_layers(1)
+    shape = replace(shape, hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16, vocab=100)
+    tokens = 32
+    fwd, bwd, _, _ = step_flops(Workload(shape, tokens, lora_rank=lora_rank), Features(checkpointing=False))
+    head = shape.vocab * shape.hidden * tokens * (2 + (4 if not lora_rank else 2))
+    assert layer_linear_flops(shape, lora_rank, tokens) == fwd + bwd - head
+    rate = linear_rate(shape, lora_rank, tokens=tokens, device="cpu")
+    assert 1e6 < rate < 1e15

@@ -60,8 +60,11 @@ def test_measured_rates_time_the_models_attention():
     from offloadkit.planning import Budgets, resolve_shape
 
     budgets = Budgets(8 << 30, 8 << 30, 1 << 30)
-    measured = budgets.measure(nbytes=64 << 20, shape=resolve_shape("llama-3-8b"))
+    measured = budgets.measure(nbytes=64 << 20, shape=resolve_shape("llama-3-8b"), lora_rank=16)
     assert "attention" in measured.rates.source and "pcie" in measured.rates.source
+    assert "layer linears" in measured.rates.source
+    # bf16 GEMMs with their norms and adapters: between a tenth of the dense peak and the peak.
+    assert 5e13 < measured.rates.matmul_flops_per_s < 2e15
     # A fused SDPA kernel on a current GPU: tens to hundreds of TFLOP/s, not the default by chance.
     assert 1e13 < measured.rates.attention_flops_per_s < 3e15
     assert measured.rates.attention_flops_per_s != budgets.rates.attention_flops_per_s

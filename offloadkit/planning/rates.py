@@ -1,0 +1,195 @@
+"""Throughputs of this machine, timed: what :meth:`Budgets.measure` puts in :class:`Rates`.
+
+- ``attention``: the model's causal SDPA call, forward and backward, through the kernel
+  SDPA picks by default (named in the result).
+- ``layer linears``: one decoder layer without its attention (norms, the seven linears with
+  their LoRA adapters or weight gradients, SiLU gating, residual adds), forward and backward
+  at a long-context tile's token count. Counted in the planner's linear FLOPs, so the norms,
+  activations and adapters ride on the rate as they do in a step.
+- ``pcie``: a pinned copy each way (the slower one).
+- ``disk``: an O_DIRECT write and read in the spill directory.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+__all__ = [
+    "attention_rate",
+    "linear_rate",
+    "layer_linear_flops",
+    "pcie_rate",
+    "disk_rates",
+    "ATTENTION_PROBE_TOKENS",
+    "LINEAR_PROBE_TOKENS",
+]
+
+# Tokens of the attention timing: long enough for the kernel's long-context rate (64K is
+# within 5% of 512K on an H200), short enough to take a fraction of a second.
+ATTENTION_PROBE_TOKENS = 1 << 16
+# Tokens of the layer-linear timing: the size of a tiled MLP's or projection's shard at long
+# context (offloadkit.planning.memory.auto_mlp_shards keeps shards near this).
+LINEAR_PROBE_TOKENS = 1 << 13
+
+
+def _median_time(fn, repeats: int = 3) -> float:
+    """Median wall time of ``fn`` over ``repeats`` synchronized runs after the first."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> tuple[float, str]:
+    """Causal SDPA forward and backward with the model's heads (key/value heads as they are,
+    as transformers calls it without a mask).
+
+    Returns:
+        (executed FLOP/s counting 2 S^2 heads x head_dim forward and twice that backward,
+        the kernel that ran).
+    """
+    import torch.nn.functional as F
+
+    from offloadkit.runtime.attention_ops import sdpa_backend
+
+    gqa = shape.kv_heads != shape.heads
+
+    def tensor(heads: int) -> torch.Tensor:
+        size = (1, heads, tokens, shape.head_dim)
+        return torch.randn(size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    q, k, v = tensor(shape.heads), tensor(shape.kv_heads), tensor(shape.kv_heads)
+    backend = sdpa_backend(q, k, v, is_causal=True, enable_gqa=gqa)
+    grad = torch.ones(1, shape.heads, tokens, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    seconds = _median_time(run, repeats=2)
+    run = None  # drops the closure's tensors before the cache is emptied
+    q = k = v = grad = None
+    torch.cuda.empty_cache()
+    return 3 * 2.0 * tokens * tokens * shape.heads * shape.head_dim / seconds, backend
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # As Llama-family models compute it: in fp32, cast back before the weight.
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def layer_linear_flops(shape, lora_rank: int, tokens: int) -> int:
+    """One layer's linear FLOPs over ``tokens``, forward and backward, as the planner counts
+    them (:func:`offloadkit.planning.timing.step_flops`): 2 x weights forward, as much again
+    for the input gradients, as much again for a full fine-tune's weight gradients; LoRA
+    adapters 2 x forward and 4 x backward."""
+    layer_linear = sum(a * b for a, b in shape.linears)
+    adapters = sum(lora_rank * (a + b) for a, b in shape.linears)
+    return 2 * layer_linear * tokens * (2 if lora_rank else 3) + 6 * adapters * tokens
+
+
+def linear_rate(shape, lora_rank: int, tokens: int = LINEAR_PROBE_TOKENS, device: str = "cuda") -> float:
+    """One decoder layer's work outside attention, forward and backward, in the planner's
+    linear FLOP/s (:func:`offloadkit.planning.timing.step_flops`'s count for one layer).
+
+    The query projection's output stands in for attention's (same width), so the output
+    projection's input is real; the key and value projections get their gradients directly.
+
+    Args:
+        shape: a :class:`~offloadkit.planning.ModelShape`.
+        lora_rank: LoRA rank on every linear (frozen weights: input gradients only); 0 for a
+            full fine-tune (weight gradients too).
+        tokens: tokens per call.
+        device: where to run it.
+    """
+    import torch.nn.functional as F
+
+    dev, dt = device, torch.bfloat16
+    full = not lora_rank
+
+    def weight(n_in: int, n_out: int) -> tuple:
+        w = (torch.randn(n_out, n_in, device=dev, dtype=dt) * n_in**-0.5).requires_grad_(full)
+        if full:
+            return w, None, None
+        a = (torch.randn(lora_rank, n_in, device=dev, dtype=dt) * n_in**-0.5).requires_grad_()
+        b = torch.zeros(n_out, lora_rank, device=dev, dtype=dt, requires_grad=True)
+        return w, a, b
+
+    def linear(x: torch.Tensor, wab: tuple) -> torch.Tensor:
+        w, a, b = wab
+        y = F.linear(x, w)
+        return y if a is None else y + F.linear(F.linear(x, a), b)
+
+    wq, wk, wv, wo, wg, wu, wd = (weight(a, b) for a, b in shape.linears)
+    norms = [torch.ones(shape.hidden, device=dev, dtype=dt, requires_grad=full) for _ in range(2)]
+    x = torch.randn(1, tokens, shape.hidden, device=dev, dtype=dt, requires_grad=True)
+    leaves = [x] + [p for wab in (wq, wk, wv, wo, wg, wu, wd) for p in wab if p is not None and p.requires_grad]
+    leaves += [n for n in norms if n.requires_grad]
+
+    def run():
+        h = _rms_norm(x, norms[0])
+        q, k, v = linear(h, wq), linear(h, wk), linear(h, wv)
+        x1 = x + linear(q, wo)
+        h = _rms_norm(x1, norms[1])
+        out = x1 + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
+        torch.autograd.grad((out, k, v), leaves, (torch.ones_like(out), torch.ones_like(k), torch.ones_like(v)))
+
+    seconds = _median_time(run)
+    run = None  # drops the closure's tensors before the cache is emptied
+    wq = wk = wv = wo = wg = wu = wd = x = norms = leaves = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return layer_linear_flops(shape, lora_rank, tokens) / seconds
+
+
+def pcie_rate(nbytes: int) -> float:
+    """The slower direction of a pinned host<->device copy of ``nbytes``, bytes/s."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    speeds = []
+    for dst, src in ((dev, host), (host, dev)):
+        speeds.append(nbytes / _median_time(lambda d=dst, s=src: d.copy_(s, non_blocking=True)))
+    return min(speeds)
+
+
+def disk_rates(nbytes: int, disk_dir: str | None) -> tuple[float, float]:
+    """O_DIRECT (when the file system allows it) write and read of ``nbytes``, bytes/s."""
+    import mmap
+
+    directory = disk_dir or tempfile.gettempdir()
+    path = os.path.join(directory, f"offloadkit-plan-probe-{os.getpid()}")
+    buf = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(1 << 20) * (nbytes >> 20))
+    flags = getattr(os, "O_DIRECT", 0)
+    try:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        except OSError:  # tmpfs and some file systems refuse O_DIRECT
+            flags = 0
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        t0 = time.perf_counter()
+        os.write(fd, buf)
+        os.fsync(fd)
+        write = nbytes / (time.perf_counter() - t0)
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | flags)
+        t0 = time.perf_counter()
+        os.readv(fd, [buf])
+        read = nbytes / (time.perf_counter() - t0)
+        os.close(fd)
+    finally:
+        buf.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return write, read

@@ -1,0 +1,54 @@
+"""The kernel-time breakdown that ``benchmarks/capacity.py --kernel-breakdown`` records:
+groups by kernel name, the busiest stream as the compute stream, its idle time."""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import kernel_time  # noqa: E402
+
+
+def _kernel(name, start_us, end_us, stream=7, device=DeviceType.CUDA):
+    interval = SimpleNamespace(start=start_us, end=end_us)
+    return SimpleNamespace(name=name, time_range=interval, device_resource_id=stream, device_type=device)
+
+
+@pytest.mark.parametrize(
+    "name, group",
+    [
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+        ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
+        ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "attention"),
+        ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_NNT", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("Memcpy HtoD (Pinned -> Device)", "copy"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
+        ("triton_red_fused__to_copy_mean_pow_0", "other"),
+    ],
+)
+def test_kernel_names_fall_in_their_group(name, group):
+    assert kernel_time.group_of(name) == group
+
+
+def test_the_busiest_stream_is_compute_and_its_gaps_are_idle():
+    events = [
+        _kernel("nvjet_tst_gemm", 0, 1_000_000),
+        _kernel("flash_fwd_kernel", 1_500_000, 3_500_000),
+        _kernel("elementwise_kernel", 3_000_000, 4_000_000),  # overlaps the attention kernel's end
+        _kernel("Memcpy DtoH", 0, 2_000_000, stream=20),  # the side stream's copy
+        _kernel("host op", 0, 9_000_000, device=DeviceType.CPU),  # not a kernel
+    ]
+    out = kernel_time.breakdown(events)
+    assert out["compute_stream"] == 7
+    assert out["compute_span_s"] == 4.0
+    assert out["compute_busy_s"] == 3.5  # 1 + (1.5..4.0)
+    assert out["compute_idle_s"] == 0.5
+    assert out["groups_s"] == {"attention": 2.0, "gemm": 1.0, "other": 1.0}
+    assert out["streams_busy_s"] == {"7": 3.5, "20": 2.0}
+    assert out["top_kernels_s"][0] == ["flash_fwd_kernel", 2.0]
