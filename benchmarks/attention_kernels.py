@@ -32,31 +32,39 @@ BACKENDS = {
 }
 
 
-def _run(seq: int, backend: str | None, gqa: bool, repeats: int) -> dict:
+def _run(seq: int, backend: str | None, gqa: bool, repeats: int, layout: str = "bhsd", groups: int = 1) -> dict:
+    from offloadkit.longctx.attention_groups import grouped_attention
+
     torch.cuda.empty_cache()
-    q = torch.randn(1, HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(1, KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def tensor(heads: int) -> torch.Tensor:
+        if layout == "bshd":  # projections seen as [B, heads, S, D], as attention modules call SDPA
+            return torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(1, heads, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = (tensor(h).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
     ctx = sdpa_kernel([BACKENDS[backend]]) if backend else torch.enable_grad()
 
     def forward():
+        if groups > 1:
+            return grouped_attention(groups, q, k, v, is_causal=True, enable_gqa=True)
         if gqa:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         kr, vr = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
         return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
 
     fwd_ms, bwd_ms, workspace = [], [], 0
-    out: dict = {"seq": seq, "backend": backend or "default", "gqa": gqa}
+    out: dict = {"seq": seq, "backend": backend or "default", "gqa": gqa, "layout": layout, "groups": groups}
     try:
         with ctx:
             for _ in range(repeats + 1):
                 q.grad = k.grad = v.grad = None
-                grad = torch.randn(1, HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                 a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
                 torch.cuda.synchronize()
                 a.record()
                 o = forward()
                 b.record()
+                grad = torch.randn_like(o)  # the output's own layout, as the layer above hands it back
                 torch.cuda.synchronize()
                 live = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
@@ -90,9 +98,26 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", default="65536,262144")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--repeat-kv-up-to", type=int, default=1 << 18, help="longest seq also run with repeat_kv")
+    ap.add_argument(
+        "--layouts",
+        action="store_true",
+        help="default kernel only: contiguous [B, H, S, D] against projections seen as [B, H, S, D] from "
+        "[B, S, H, D] memory, whole and over 8 key/value head groups (bitwise compared)",
+    )
     ap.add_argument("--out", default="attention-results")
     args = ap.parse_args(argv)
     rows = []
+    if args.layouts:
+        for seq in (int(s) for s in args.seq.split(",")):
+            for layout, groups in (("bhsd", 1), ("bshd", 1), ("bhsd", 8), ("bshd", 8)):
+                row = _run(seq, None, True, args.repeats, layout=layout, groups=groups)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+        with open(os.path.join(args.out, "attention-layouts.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        return 0
     for seq in (int(s) for s in args.seq.split(",")):
         for backend in (None, *BACKENDS):
             for gqa in (True, False) if seq <= args.repeat_kv_up_to else (True,):

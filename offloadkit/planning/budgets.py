@@ -112,7 +112,8 @@ class Budgets:
         measured = []
         if torch.cuda.is_available() and shape is not None:
             try:
-                rate, backend = timed.attention_rate(shape)
+                # Over the key/value head groups long plans split attention into.
+                rate, backend = timed.attention_rate(shape, groups=shape.kv_heads)
                 rates = dataclasses.replace(rates, attention_flops_per_s=rate)
                 measured.append(f"attention ({backend} kernel)")
             except torch.cuda.OutOfMemoryError:  # no fused kernel for these heads: keep the default

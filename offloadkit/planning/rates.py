@@ -50,9 +50,11 @@ def _median_time(fn, repeats: int = 3) -> float:
     return statistics.median(times[1:])
 
 
-def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> tuple[float, str]:
-    """Causal SDPA forward and backward with the model's heads (key/value heads as they are,
-    as transformers calls it without a mask).
+def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS, groups: int = 1) -> tuple[float, str]:
+    """Causal SDPA forward and backward with the model's heads, called as a Llama-family
+    attention module calls it: query, key and value are ``[B, S, heads, D]`` projections seen
+    as ``[B, heads, S, D]``, key/value heads as they are (no mask), over ``groups`` key/value
+    head groups (:func:`offloadkit.longctx.grouped_attention`, what long plans use).
 
     Returns:
         (executed FLOP/s counting 2 S^2 heads x head_dim forward and twice that backward,
@@ -60,25 +62,27 @@ def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS) -> tuple[float, 
     """
     import torch.nn.functional as F
 
+    from offloadkit.longctx.attention_groups import grouped_attention
     from offloadkit.runtime.attention_ops import sdpa_backend
 
     gqa = shape.kv_heads != shape.heads
 
     def tensor(heads: int) -> torch.Tensor:
-        size = (1, heads, tokens, shape.head_dim)
-        return torch.randn(size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        projected = torch.randn(1, tokens, heads, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+        return projected.transpose(1, 2).requires_grad_()
 
     q, k, v = tensor(shape.heads), tensor(shape.kv_heads), tensor(shape.kv_heads)
     backend = sdpa_backend(q, k, v, is_causal=True, enable_gqa=gqa)
-    grad = torch.ones(1, shape.heads, tokens, shape.head_dim, device="cuda", dtype=torch.bfloat16)
 
     def run():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        torch.autograd.grad(out, (q, k, v), grad)
+        out = grouped_attention(groups, q, k, v, is_causal=True, enable_gqa=gqa) if groups > 1 else None
+        if out is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     seconds = _median_time(run, repeats=2)
     run = None  # drops the closure's tensors before the cache is emptied
-    q = k = v = grad = None
+    q = k = v = None
     torch.cuda.empty_cache()
     return 3 * 2.0 * tokens * tokens * shape.heads * shape.head_dim / seconds, backend
 
@@ -99,12 +103,24 @@ def layer_linear_flops(shape, lora_rank: int, tokens: int) -> int:
     return 2 * layer_linear * tokens * (2 if lora_rank else 3) + 6 * adapters * tokens
 
 
-def linear_rate(shape, lora_rank: int, tokens: int = LINEAR_PROBE_TOKENS, device: str = "cuda") -> float:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotary embedding as Llama-family models apply it: halves swapped through a concatenation.
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def linear_rate(
+    shape, lora_rank: int, tokens: int = LINEAR_PROBE_TOKENS, device: str = "cuda", adapter_dtype=torch.float32
+) -> float:
     """One decoder layer's work outside attention, forward and backward, in the planner's
     linear FLOP/s (:func:`offloadkit.planning.timing.step_flops`'s count for one layer).
 
-    The query projection's output stands in for attention's (same width), so the output
-    projection's input is real; the key and value projections get their gradients directly.
+    What a Llama-family layer under PEFT runs around its matmuls rides on the rate: the norms
+    in fp32, the rotary embedding of queries and keys, SiLU gating, residual adds, and each
+    adapter as PEFT computes it (input cast to the adapters' dtype, fp32 by default, scaled
+    and added, cast back). The rotated queries stand in for attention's output (same width),
+    so the output projection's input is real; the rotated keys and the values get their
+    gradients directly.
 
     Args:
         shape: a :class:`~offloadkit.planning.ModelShape`.
@@ -112,6 +128,7 @@ def linear_rate(shape, lora_rank: int, tokens: int = LINEAR_PROBE_TOKENS, device
             full fine-tune (weight gradients too).
         tokens: tokens per call.
         device: where to run it.
+        adapter_dtype: the LoRA weights' dtype.
     """
     import torch.nn.functional as F
 
@@ -122,25 +139,37 @@ def linear_rate(shape, lora_rank: int, tokens: int = LINEAR_PROBE_TOKENS, device
         w = (torch.randn(n_out, n_in, device=dev, dtype=dt) * n_in**-0.5).requires_grad_(full)
         if full:
             return w, None, None
-        a = (torch.randn(lora_rank, n_in, device=dev, dtype=dt) * n_in**-0.5).requires_grad_()
-        b = torch.zeros(n_out, lora_rank, device=dev, dtype=dt, requires_grad=True)
+        a = (torch.randn(lora_rank, n_in, device=dev, dtype=adapter_dtype) * n_in**-0.5).requires_grad_()
+        b = torch.zeros(n_out, lora_rank, device=dev, dtype=adapter_dtype, requires_grad=True)
         return w, a, b
 
     def linear(x: torch.Tensor, wab: tuple) -> torch.Tensor:
         w, a, b = wab
         y = F.linear(x, w)
-        return y if a is None else y + F.linear(F.linear(x, a), b)
+        if a is None:
+            return y
+        return (y + F.linear(F.linear(x.to(a.dtype), a), b) * 2.0).to(y.dtype)
 
     wq, wk, wv, wo, wg, wu, wd = (weight(a, b) for a, b in shape.linears)
     norms = [torch.ones(shape.hidden, device=dev, dtype=dt, requires_grad=full) for _ in range(2)]
     x = torch.randn(1, tokens, shape.hidden, device=dev, dtype=dt, requires_grad=True)
+    angles = torch.arange(tokens, device=dev, dtype=torch.float32)[:, None] * torch.linspace(
+        0, 1, shape.head_dim, device=dev
+    )
+    cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+
+    def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.view(1, tokens, n, shape.head_dim).transpose(1, 2)
+
     leaves = [x] + [p for wab in (wq, wk, wv, wo, wg, wu, wd) for p in wab if p is not None and p.requires_grad]
     leaves += [n for n in norms if n.requires_grad]
 
     def run():
         h = _rms_norm(x, norms[0])
-        q, k, v = linear(h, wq), linear(h, wk), linear(h, wv)
-        x1 = x + linear(q, wo)
+        q = _rotate(heads(linear(h, wq), shape.heads), cos, sin)
+        k = _rotate(heads(linear(h, wk), shape.kv_heads), cos, sin)
+        v = linear(h, wv)
+        x1 = x + linear(q.transpose(1, 2).reshape(1, tokens, -1), wo)
         h = _rms_norm(x1, norms[1])
         out = x1 + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
         torch.autograd.grad((out, k, v), leaves, (torch.ones_like(out), torch.ones_like(k), torch.ones_like(v)))
