@@ -35,6 +35,29 @@ __all__ = ["AttentionHeadGroups", "apply_attention_head_groups", "grouped_attent
 _MARK = "_offloadkit_head_groups"
 
 
+class _GradInOutputLayout(torch.autograd.Function):
+    """Identity whose backward hands the gradient on in the output's own memory layout.
+
+    A group's output gradient is a slice of the joined output's gradient, laid out however
+    the layer above produced it; SDPA's fused backwards are built and tested for a gradient
+    laid out like the output they wrote (a cuDNN backward read out of bounds on an H200 with
+    a [B, H, S, D] gradient for a [B, S, H, D] output at 64K tokens). One copy of a group's
+    gradient where the layouts differ; the values are unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.layout = (out.shape, out.stride())
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, stride = ctx.layout
+        if grad.stride() == stride:
+            return grad
+        return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
 def _groups_for(kv_heads: int, groups: int) -> int:
     """The largest divisor of ``kv_heads`` not above ``groups``."""
     return max(g for g in range(1, max(1, min(groups, kv_heads)) + 1) if kv_heads % g == 0)
@@ -84,7 +107,7 @@ def grouped_attention(
         o = F.scaled_dot_product_attention(
             qs[i], ks[i], vs[i], attn_mask=m, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
-        outs.append(o.transpose(1, 2))
+        outs.append(_GradInOutputLayout.apply(o).transpose(1, 2))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 

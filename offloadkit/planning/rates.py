@@ -29,9 +29,10 @@ __all__ = [
     "LINEAR_PROBE_TOKENS",
 ]
 
-# Tokens of the attention timing: long enough for the kernel's long-context rate (64K is
-# within 5% of 512K on an H200), short enough to take a fraction of a second.
-ATTENTION_PROBE_TOKENS = 1 << 16
+# Tokens of the attention timing: where a step starts to be attention-bound. The forward's
+# rate falls with length (cuDNN on an H200: 632 TFLOP/s at 64K, 522 at 256K; the backward
+# holds 430), so a shorter probe overstates a long step's. About a second.
+ATTENTION_PROBE_TOKENS = 1 << 17
 # Tokens of the layer-linear timing: the size of a tiled MLP's or projection's shard at long
 # context (offloadkit.planning.memory.auto_mlp_shards keeps shards near this).
 LINEAR_PROBE_TOKENS = 1 << 13
@@ -78,7 +79,9 @@ def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS, groups: int = 1)
         out = grouped_attention(groups, q, k, v, is_causal=True, enable_gqa=gqa) if groups > 1 else None
         if out is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        # Random values, as a step's gradients are: the kernels run measurably faster on
+        # constant data (a gradient of ones gave an H100's backward 505 TFLOP/s, 390 in a step).
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
 
     seconds = _median_time(run, repeats=2)
     run = None  # drops the closure's tensors before the cache is emptied
@@ -172,6 +175,7 @@ def linear_rate(
         x1 = x + linear(q.transpose(1, 2).reshape(1, tokens, -1), wo)
         h = _rms_norm(x1, norms[1])
         out = x1 + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
+        # Constant gradients stop being constant at the first matmul they meet backward.
         torch.autograd.grad((out, k, v), leaves, (torch.ones_like(out), torch.ones_like(k), torch.ones_like(v)))
 
     seconds = _median_time(run)

@@ -95,3 +95,22 @@ def test_forward_wraps_restore_what_the_instance_held():
     b.forward = later
     wraps.remove()
     assert a.forward is own and b.forward is later and not wraps.holds(a)
+
+
+def test_each_groups_kernel_gets_its_gradient_in_its_outputs_layout():
+    """The joined output's gradient may come laid out otherwise ([B, H, S, D] for [B, S, H, D]
+    outputs); each group's backward receives it in its own output's layout, same values."""
+    from offloadkit.longctx.attention_groups import _GradInOutputLayout
+
+    out = torch.randn(1, 16, 4, 8).transpose(1, 2).requires_grad_()  # [B, H, S, D] in [B, S, H, D] memory
+    seen = []
+    out.register_hook(lambda g: seen.append(g) or g)
+    grad = torch.randn(1, 4, 16, 8)  # contiguous [B, H, S, D]
+    _GradInOutputLayout.apply(out).backward(grad)
+    assert seen[0].stride() == out.stride()
+    assert torch.equal(seen[0], grad)
+    # Already in the output's layout: handed on as it is.
+    seen.clear()
+    same = torch.randn(1, 16, 4, 8).transpose(1, 2)
+    _GradInOutputLayout.apply(out).backward(same)
+    assert seen[0].data_ptr() == same.data_ptr()
