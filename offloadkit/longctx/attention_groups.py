@@ -39,10 +39,11 @@ class _GradInOutputLayout(torch.autograd.Function):
     """Identity whose backward hands the gradient on in the output's own memory layout.
 
     A group's output gradient is a slice of the joined output's gradient, laid out however
-    the layer above produced it; SDPA's fused backwards are built and tested for a gradient
-    laid out like the output they wrote (a cuDNN backward read out of bounds on an H200 with
-    a [B, H, S, D] gradient for a [B, S, H, D] output at 64K tokens). One copy of a group's
-    gradient where the layouts differ; the values are unchanged.
+    the layer above produced it. The fused backwards are written for a gradient laid out like
+    the output they wrote; a cuDNN backward over 8 groups once stopped with an illegal memory
+    access on an H200 at 64K tokens, given [B, H, S, D] gradients for [B, S, H, D] outputs
+    (not reproduced since). One copy of a group's gradient where the layouts differ; the
+    values are unchanged.
     """
 
     @staticmethod
