@@ -42,8 +42,10 @@ class _GradInOutputLayout(torch.autograd.Function):
     the layer above produced it. The fused backwards are written for a gradient laid out like
     the output they wrote; a cuDNN backward over 8 groups once stopped with an illegal memory
     access on an H200 at 64K tokens, given [B, H, S, D] gradients for [B, S, H, D] outputs
-    (not reproduced since). One copy of a group's gradient where the layouts differ; the
-    values are unchanged.
+    (not reproduced since). A gradient whose dimensions are ordered as the output's passes as
+    it is, wider rows included (what a Hugging Face layer hands back: a slice of the joined
+    output's gradient); one ordered otherwise is copied into the output's layout, 1/G of the
+    query's bytes for the group's backward. The values are unchanged.
     """
 
     @staticmethod
@@ -54,9 +56,14 @@ class _GradInOutputLayout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shape, stride = ctx.layout
-        if grad.stride() == stride:
+        if _dim_order(grad.shape, grad.stride()) == _dim_order(shape, stride):
             return grad
         return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+def _dim_order(shape, stride) -> list[int]:
+    """Dimensions from the outermost in memory to the innermost (those of size 1 left out)."""
+    return sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: -stride[d])
 
 
 def _groups_for(kv_heads: int, groups: int) -> int:
