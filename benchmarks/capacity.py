@@ -233,10 +233,6 @@ def run_probe(spec: dict) -> dict:
                 torch.cuda.memory._record_memory_history(enabled=None)
                 continue
             times.append(time.perf_counter() - t0)
-        if spec.get("kernel_breakdown"):  # one more step, profiled (not timed with the others)
-            from kernel_time import profile_step
-
-            out["kernel_breakdown"] = profile_step(step)
         out["step_times_s"] = [round(x, 3) for x in times]
         out["step_s"] = sorted(times)[len(times) // 2] if times else None
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
@@ -248,13 +244,22 @@ def run_probe(spec: dict) -> dict:
         stop.set()
         sampler.join()
     out["host_rss_gib"] = peak_rss[0] / GiB
-    if runtime is not None:
+    if runtime is not None:  # the timed steps' totals, before any profiled step
         report = runtime.report()
         storage = report.get("storage") or {}
         disk = storage.get("disk") or {}
         out["disk_written_gib"] = disk.get("bytes_written", 0) / GiB
         out["offloaded_gib"] = report.get("activations", {}).get("offloaded_bytes", 0) / GiB
         out["tiered"] = storage.get("tiered")
+    if spec.get("kernel_breakdown") and out["status"] == "ok":
+        # One more step, profiled: not timed with the others, and its failure is its own.
+        from kernel_time import profile_step
+
+        try:
+            out["kernel_breakdown"] = profile_step(step)
+        except torch.cuda.OutOfMemoryError as exc:
+            out["kernel_breakdown"] = {"note": "oom: " + str(exc).split("\n")[0][:160]}
+    if runtime is not None:
         runtime.close()
     return out
 
@@ -415,7 +420,9 @@ def main(argv=None) -> int:
                 budgets,
                 recompute_blocks=args.recompute_blocks,
             )
-            est = _setup_s(alt["layers"], full_layers) + TIME_MARGIN * pred["step_s"] * (alt["warmup"] + alt["steps"])
+            est = _setup_s(alt["layers"], full_layers) + TIME_MARGIN * pred["step_s"] * (
+                alt["warmup"] + alt["steps"] + int(args.kernel_breakdown)
+            )
             left = args.budget_s - (time.monotonic() - start)
             if est <= left:
                 chosen = dict(alt, predicted=pred, estimate_s=est)

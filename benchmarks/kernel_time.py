@@ -3,8 +3,8 @@
 Groups, by kernel name: attention (SDPA's fused kernels: cuDNN, flash, memory-efficient),
 gemm (cuBLAS/cuBLASLt/CUTLASS matmuls), copy (memcpy/memset), other (elementwise,
 reductions, casts, Triton kernels). Per CUDA stream: busy seconds (the union of its kernels'
-intervals); the compute stream is the busiest one, and its idle time inside the step is what
-the GPU waited for (copies, the host, synchronizations).
+intervals); the compute stream is the one with the most kernel time other than copies, and
+its idle time inside the step is what the GPU waited for (copies, the host, synchronizations).
 
 Used by ``benchmarks/capacity.py --kernel-breakdown``.
 """
@@ -55,7 +55,13 @@ def breakdown(events, top: int = 12) -> dict:
     if not per_stream:
         return {"note": "no CUDA kernels recorded"}
     busy = {s: _union([(e.time_range.start, e.time_range.end) for e in evs]) / 1e6 for s, evs in per_stream.items()}
-    compute = max(busy, key=lambda s: busy[s])
+
+    def kernel_time(stream: int) -> float:
+        return sum(e.time_range.end - e.time_range.start for e in per_stream[stream] if group_of(e.name) != "copy")
+
+    # The stream that runs the most kernels other than copies: in a copy-bound step the side
+    # stream's copies may keep it busier.
+    compute = max(per_stream, key=kernel_time)
     kernels = per_stream[compute]
     span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e6
     groups: dict[str, float] = defaultdict(float)

@@ -117,13 +117,15 @@ class Budgets:
                 rates = dataclasses.replace(rates, attention_flops_per_s=rate)
                 measured.append(f"attention ({backend} kernel)")
             except torch.cuda.OutOfMemoryError:  # no fused kernel for these heads: keep the default
-                torch.cuda.empty_cache()
+                pass
             if lora_rank is not None:
                 try:
                     rates = dataclasses.replace(rates, matmul_flops_per_s=timed.linear_rate(shape, lora_rank))
                     measured.append("layer linears")
                 except torch.cuda.OutOfMemoryError:  # a GPU too full for one layer: keep the default
-                    torch.cuda.empty_cache()
+                    pass
+            # Outside the handlers, whose tracebacks hold the probes' tensors.
+            torch.cuda.empty_cache()
         if torch.cuda.is_available():
             rates = dataclasses.replace(rates, pcie_bytes_per_s=timed.pcie_rate(nbytes))
             measured.append("pcie")

@@ -188,11 +188,17 @@ def linear_rate(
 
 def pcie_rate(nbytes: int) -> float:
     """The slower direction of a pinned host<->device copy of ``nbytes``, bytes/s."""
+    from offloadkit.runtime.device import empty_host_cache
+
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     speeds = []
     for dst, src in ((dev, host), (host, dev)):
         speeds.append(nbytes / _median_time(lambda d=dst, s=src: d.copy_(s, non_blocking=True)))
+    del host, dev, dst, src
+    # The buffers' memory goes back: a caller (a benchmark's parent process) may live on.
+    torch.cuda.empty_cache()
+    empty_host_cache()
     return min(speeds)
 
 

@@ -116,3 +116,28 @@ def test_each_groups_kernel_gets_its_gradient_in_its_outputs_layout():
         same = same.transpose(1, 2)
         _GradInOutputLayout.apply(out).backward(same)
         assert seen[0].data_ptr() == same.data_ptr()
+
+
+def test_grouped_attention_hands_each_kernel_a_gradient_ordered_as_its_output(monkeypatch):
+    """Through :func:`grouped_attention`: a [B, H, S, D] gradient for the joined output
+    reaches each group's SDPA call in that call's own output layout; a gradient ordered as
+    the output (what a layer hands back) reaches it without a copy."""
+    from offloadkit.longctx import attention_groups
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.register_hook(lambda g, o=out: seen.append((g.stride(), o.stride())))
+        return out
+
+    monkeypatch.setattr(attention_groups.F, "scaled_dot_product_attention", recording)
+    q = torch.randn(1, 16, 8, 4).transpose(1, 2).requires_grad_()  # [B, H, S, D] seen from [B, S, H, D]
+    k = torch.randn(1, 16, 4, 4).transpose(1, 2).requires_grad_()
+    v = torch.randn(1, 16, 4, 4).transpose(1, 2).requires_grad_()
+    out = attention_groups.grouped_attention(4, q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(torch.randn(1, 8, 16, 4))  # contiguous [B, H, S, D]
+    assert len(seen) == 4
+    order = attention_groups._dim_order
+    assert all(order((1, 2, 16, 4), g) == order((1, 2, 16, 4), o) for g, o in seen)

@@ -52,3 +52,13 @@ def test_the_busiest_stream_is_compute_and_its_gaps_are_idle():
     assert out["groups_s"] == {"attention": 2.0, "gemm": 1.0, "other": 1.0}
     assert out["streams_busy_s"] == {"7": 3.5, "20": 2.0}
     assert out["top_kernels_s"][0] == ["flash_fwd_kernel", 2.0]
+
+
+def test_a_copy_bound_steps_compute_stream_is_not_its_copy_stream():
+    events = [
+        _kernel("nvjet_tst_gemm", 0, 1_000_000),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 0, 5_000_000, stream=20),  # busier, but copies
+    ]
+    out = kernel_time.breakdown(events)
+    assert out["compute_stream"] == 7
+    assert out["groups_s"] == {"gemm": 1.0}

@@ -45,10 +45,21 @@ def _run(groups, seq, grad):
     return out.detach(), dict(zip("qkv", grads))
 
 
+def _grad(seq, layout):
+    """The joined output's gradient: contiguous [B, H, S, D]; [B, S, H, D] memory as a layer's
+    output projection hands it back; or a slice of wider rows."""
+    if layout == "bhsd":
+        return torch.randn(1, HQ, seq, D, device=DEV, dtype=torch.bfloat16)
+    if layout == "bshd":
+        return torch.randn(1, seq, HQ, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    return torch.randn(1, seq, 2 * HQ, D, device=DEV, dtype=torch.bfloat16)[:, :, :HQ].transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "wide"])
 @pytest.mark.parametrize("groups", [2, 8])
-def test_grouped_forward_is_the_whole_calls_bytes(groups):
+def test_grouped_forward_is_the_whole_calls_bytes(groups, layout):
     seq = 8192
-    grad = torch.randn(1, HQ, seq, D, device=DEV, dtype=torch.bfloat16)
+    grad = _grad(seq, layout)
     out, grads = _run(1, seq, grad)
     _, grads_again = _run(1, seq, grad)
     got, got_grads = _run(groups, seq, grad)
@@ -59,7 +70,7 @@ def test_grouped_forward_is_the_whole_calls_bytes(groups):
 
 def test_grouped_backward_holds_one_groups_workspace():
     seq = 65536
-    grad = torch.randn(1, HQ, seq, D, device=DEV, dtype=torch.bfloat16)
+    grad = _grad(seq, "bshd")  # as a layer hands it back: no copy of any group's gradient
     peaks = {}
     for groups in (1, 8):
         q, k, v = _qkv(seq)
