@@ -151,11 +151,11 @@ class AttentionHeadGroups:
         self._wraps = ForwardWraps(_MARK)
 
     def _attach(self) -> None:
-        for name, module in self.modules:
-            if self._wraps.holds(module):
-                raise ValueError(f"{name} already runs attention over head groups; remove() the first handle")
-        for _, module in self.modules:
-            self._wraps.wrap(module, functools.partial(self._call, module.forward))
+        self._wraps.wrap_all(
+            self.modules,
+            lambda _, module: functools.partial(self._call, module.forward),
+            "already runs attention over head groups",
+        )
 
     def _call(self, original, *args, **kwargs):
         if torch.compiler.is_compiling():

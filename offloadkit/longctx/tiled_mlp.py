@@ -265,12 +265,11 @@ class TiledMLPHandle:
         self._wraps = ForwardWraps(_MARK)
 
     def _attach(self) -> None:
-        for name, module in self.modules:
-            if self._wraps.holds(module):
-                raise ValueError(f"{name} is already tiled by offloadkit; remove() the first handle")
-        for name, module in self.modules:
+        def tiled_forward(name: str, module: nn.Module):
             width = self._widths.get(name, _width(module))
-            self._wraps.wrap(module, functools.partial(self._call, module, module.forward, width, self.num_shards))
+            return functools.partial(self._call, module, module.forward, width, self.num_shards)
+
+        self._wraps.wrap_all(self.modules, tiled_forward, "is already tiled by offloadkit")
 
     def remove(self) -> None:
         """Restore every module's forward."""

@@ -37,6 +37,23 @@ class ForwardWraps:
         module.__dict__[self.mark] = wrapper
         self._saved.append((module, previous))
 
+    def wrap_all(self, modules: list[tuple[str, nn.Module]], make_wrapper: Callable, already: str) -> None:
+        """Wrap every module, or none: each is checked before any is touched.
+
+        Args:
+            modules: (name, module) pairs.
+            make_wrapper: ``(name, module) -> wrapper`` (called before the module is wrapped).
+            already: what a module already wrapped this way does, for the error.
+
+        Raises:
+            ValueError: naming the first module already wrapped this way.
+        """
+        for name, module in modules:
+            if self.holds(module):
+                raise ValueError(f"{name} {already}; remove() the first handle")
+        for name, module in modules:
+            self.wrap(module, make_wrapper(name, module))
+
     def remove(self) -> None:
         """Restore every wrapped module's forward."""
         for module, previous in self._saved:
