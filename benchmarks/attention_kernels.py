@@ -107,29 +107,29 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", default="attention-results")
     args = ap.parse_args(argv)
-    rows = []
+    seqs = [int(s) for s in args.seq.split(",")]
     if args.layouts:
-        for seq in (int(s) for s in args.seq.split(",")):
-            for layout, groups in (("bhsd", 1), ("bshd", 1), ("bhsd", 8), ("bshd", 8)):
-                row = _run(seq, None, True, args.repeats, layout=layout, groups=groups)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        os.makedirs(args.out, exist_ok=True)
-        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-        with open(os.path.join(args.out, "attention-layouts.json"), "w") as f:
-            json.dump(report, f, indent=2)
-        return 0
-    for seq in (int(s) for s in args.seq.split(",")):
-        for backend in (None, *BACKENDS):
-            for gqa in (True, False) if seq <= args.repeat_kv_up_to else (True,):
-                t0 = time.perf_counter()
-                row = _run(seq, backend, gqa, args.repeats)
-                row["wall_s"] = round(time.perf_counter() - t0, 1)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        cases = [
+            (seq, None, True, dict(layout=lo, groups=g)) for seq in seqs for lo in ("bhsd", "bshd") for g in (1, 8)
+        ]
+    else:
+        cases = [
+            (seq, backend, gqa, {})
+            for seq in seqs
+            for backend in (None, *BACKENDS)
+            for gqa in ((True, False) if seq <= args.repeat_kv_up_to else (True,))
+        ]
+    rows = []
+    for seq, backend, gqa, variant in cases:
+        t0 = time.perf_counter()
+        row = _run(seq, backend, gqa, args.repeats, **variant)
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-    with open(os.path.join(args.out, "attention-kernels.json"), "w") as f:
+    name = "attention-layouts.json" if args.layouts else "attention-kernels.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(report, f, indent=2)
     return 0
 

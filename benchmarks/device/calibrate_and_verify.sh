@@ -10,12 +10,7 @@
 #  6. the whole GPU suite.
 # About 25 minutes: run it in the background (setsid) and read $OUT/progress.txt.
 #   bash benchmarks/device/calibrate_and_verify.sh
-set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-start=$(date +%s)
-say() { echo "$(( $(date +%s) - start )) s: $*" | tee -a "$OUT/progress.txt"; }
-cap() { python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 "$@"; }
+source benchmarks/device/common.sh
 md5sum offloadkit/*/*.py benchmarks/*.py > "$OUT/tree.txt"
 say "long-context GPU tests"
 OUT=$OUT/new SUITE_TIMEOUT=300 bash benchmarks/device/gpu_suite.sh tests/gpu/test_kept_attention_cuda.py \

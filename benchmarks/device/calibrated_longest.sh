@@ -8,12 +8,7 @@
 #     (GPU side), then at full depth without the compute (host and disk side).
 # About 25 minutes: run it in the background (setsid) and read $OUT/progress.txt.
 #   bash benchmarks/device/calibrated_longest.sh
-set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-start=$(date +%s)
-say() { echo "$(( $(date +%s) - start )) s: $*" | tee -a "$OUT/progress.txt"; }
-cap() { python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 "$@"; }
+source benchmarks/device/common.sh
 md5sum offloadkit/*/*.py benchmarks/*.py > "$OUT/tree.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())" \
   > "$OUT/env.txt"

@@ -6,11 +6,7 @@
 # longest under enforced 16 and 24 GiB budgets; then the whole GPU suite. About 25 minutes:
 # run it in the background (setsid) and read $OUT/progress.txt.
 #   bash benchmarks/device/capacity_past_750k.sh
-set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-start=$(date +%s)
-say() { echo "$(( $(date +%s) - start )) s: $*" | tee -a "$OUT/progress.txt"; }
+source benchmarks/device/common.sh
 md5sum offloadkit/checkpointing/*.py offloadkit/longctx/*.py offloadkit/planning/*.py > "$OUT/tree.txt"
 say "new GPU tests"
 OUT=$OUT/new SUITE_TIMEOUT=300 bash benchmarks/device/gpu_suite.sh -s tests/gpu/test_kept_attention_cuda.py \

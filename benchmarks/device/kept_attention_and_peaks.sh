@@ -5,12 +5,8 @@
 # and of a 753,664-token 3-layer step. About 25 minutes: run it in the background (setsid)
 # and read $OUT/progress.txt.
 #   bash benchmarks/device/kept_attention_and_peaks.sh BASE
-set -uo pipefail
+source benchmarks/device/common.sh
 BASE=$1
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-start=$(date +%s)
-say() { echo "$(( $(date +%s) - start )) s: $*" | tee -a "$OUT/progress.txt"; }
 md5sum offloadkit/checkpointing/*.py offloadkit/longctx/*.py offloadkit/runtime/*.py > "$OUT/tree.txt"
 say "new GPU tests"
 OUT=$OUT/new SUITE_TIMEOUT=300 bash benchmarks/device/gpu_suite.sh tests/gpu/test_kept_attention_cuda.py \
