@@ -310,7 +310,12 @@ def prepare(
 
     if ckpt.enabled:
         if _hf_checkpointing_on(model):
-            for key in ("selective_checkpointing", "recompute_block_inputs", "block_input_placement"):
+            for key in (
+                "selective_checkpointing",
+                "recompute_block_inputs",
+                "block_input_placement",
+                "keep_attention_outputs",
+            ):
                 if getattr(config, key):
                     runtime._note(
                         f"{key} has no effect: Hugging Face gradient checkpointing is already on (turn it off "
@@ -323,7 +328,8 @@ def prepare(
                 keep_last_input=1 + ckpt.gpu_block_inputs,
                 recompute_inputs=ckpt.recompute_block_inputs,
                 placement=ckpt.block_input_placement or None,
-                keep_attention=ckpt.keep_attention,
+                # Without offloading the config has already said it has no effect.
+                keep_attention=ckpt.keep_attention if config.activation_offloading else False,
             )
 
     budget = HostMemoryBudget(budgets.host_budget_bytes, budgets.host_min_free_bytes)

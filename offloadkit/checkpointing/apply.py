@@ -211,10 +211,15 @@ class CheckpointedBlocks:
             return self._run_in_region(index, block, original, args, kwargs)
         return self._run_block(index, block, original, args, kwargs)
 
+    @property
+    def _manager(self):
+        """What stores block inputs: the blocks' own offloader, else the whole-model manager."""
+        return self.offloader if self.offloader is not None else self._outer
+
     def _placed(self, index: int):
         """The planned place of block ``index``'s input, for the manager that takes it."""
         where = self.places[index]
-        manager = self.offloader if self.offloader is not None else self._outer
+        manager = self._manager
         if where is None or manager is None:
             return contextlib.nullcontext()
         return manager.placed(where)
@@ -230,7 +235,7 @@ class CheckpointedBlocks:
         its attention outputs go to the block-input storage for the recompute. Not inside
         replayed runs (their blocks run forward again in backward anyway) nor in a block
         compiled whole (a graph runs the kernels, not the dispatcher)."""
-        manager = self.offloader if self.offloader is not None else self._outer
+        manager = self._manager
         if index not in self.keep_attention or self._context_fn is not noop_context_fn or compiled_as_a_whole(block):
             return self._recompute(fn)
         if manager is None:
@@ -366,7 +371,7 @@ class CheckpointedBlocks:
         finally:
             if outer is not None:
                 outer.keep_exit()
-        if kept and index == len(self.blocks) - 1 and self._outer is not None and self.offloader is None:
+        if outer is not None and index == len(self.blocks) - 1:
             # What is saved after the last block (the final norm, the loss) is what backward
             # needs first, before any block's recompute, when the GPU is below its peak: it
             # stays where it is rather than go to the host and straight back.

@@ -376,11 +376,12 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
             self._flush_stash()
 
     def mark_tail(self) -> None:
-        """The output head has run: keep everything saved in the rest of this forward.
+        """Keep everything saved in the rest of this forward on the GPU: called once the
+        output head has run, or after the last checkpointed block.
 
-        What follows the head (the loss over full-vocabulary logits) is needed first in
-        backward; offloading it only to fetch it straight back costs time and saves nothing
-        at the peak.
+        What follows (the final norm, the head, the loss over full-vocabulary logits) is
+        needed first in backward; offloading it only to fetch it straight back costs time and
+        saves nothing at the peak.
         """
         with self._lock:
             self._state().tail = True

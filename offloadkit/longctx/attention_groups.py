@@ -12,8 +12,9 @@ backward each group's kernel holds its group's workspace only, 1/G of the whole.
 inside it, ``F.scaled_dot_product_attention`` runs that way (a ``TorchFunctionMode`` scoped
 to the module's forward; nothing global is patched). Each group is an ordinary SDPA call
 with the kernel PyTorch picks, so every backend, the checkpoint's recompute and
-``keep_attention_outputs`` see ordinary kernel calls. Calls with dropout, 3-D inputs or a
-head count the groups do not divide run whole. The outputs are laid out as the kernels lay
+``keep_attention_outputs`` see ordinary kernel calls. A group count that does not divide the
+key/value heads falls to its largest divisor that does; calls with dropout, 3-D inputs, or
+where that divisor is 1 run whole. The outputs are laid out as the kernels lay
 theirs out (``[B, S, H, D]`` memory), so a caller's ``transpose(1, 2)`` copies nothing.
 """
 
@@ -26,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from offloadkit.models.blocks import find_blocks
+from offloadkit.models.blocks import attention_module, find_blocks
 from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
+from offloadkit.planning.memory import attention_groups
 
 __all__ = ["AttentionHeadGroups", "apply_attention_head_groups", "grouped_attention"]
 
@@ -66,11 +68,6 @@ def _dim_order(shape, stride) -> list[int]:
     return sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: -stride[d])
 
 
-def _groups_for(kv_heads: int, groups: int) -> int:
-    """The largest divisor of ``kv_heads`` not above ``groups``."""
-    return max(g for g in range(1, max(1, min(groups, kv_heads)) + 1) if kv_heads % g == 0)
-
-
 def grouped_attention(
     groups: int,
     query,
@@ -97,7 +94,7 @@ def grouped_attention(
     hq, hkv = query.shape[1], key.shape[1]
     if hq != hkv and not (enable_gqa and hq % hkv == 0):
         return None
-    g = _groups_for(hkv, groups)
+    g = attention_groups(groups, hkv)
     if g <= 1:
         return None
     per_q, per_kv = hq // g, hkv // g
@@ -189,11 +186,9 @@ def apply_attention_head_groups(model: nn.Module, groups: int) -> AttentionHeadG
     base = unwrap_model(model)
     modules = []
     for name, block in find_blocks(base):
-        for attr in ("self_attn", "attn", "attention"):
-            attn = getattr(block, attr, None)
-            if isinstance(attn, nn.Module):
-                modules.append((f"{name}.{attr}", attn))
-                break
+        found = attention_module(block)
+        if found is not None:
+            modules.append((f"{name}.{found[0]}", found[1]))
     if not modules:
         raise ValueError(f"no attention modules found in the decoder layers of {type(base).__name__}")
     handle = AttentionHeadGroups(modules, groups)

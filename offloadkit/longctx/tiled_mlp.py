@@ -37,7 +37,8 @@ norm, the MLP after the post-attention norm) saves the norm's input, which the n
 anyway, instead of the norm's output, and rebuilds its input shard by shard in backward by
 running the norm over the norm's own shards (``longctx/shards.py``): the same shapes, so the
 same bytes. A layer then saves two ``[S, H]`` tensors fewer (16 KiB a token for an 8B model)
-for two norm forwards more in backward.
+for four norm forwards more in backward (q, k and v each rebuild their input, the MLP its own;
+a norm is a pass over ``[S, H]``, far below a projection's cost).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from offloadkit.longctx.shards import (
     shard_bounds,
     tokens_view,
 )
-from offloadkit.models.blocks import find_blocks
+from offloadkit.models.blocks import attention_module, find_blocks
 from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
 from offloadkit.runtime.recompute import recomputing_for_saves
@@ -302,10 +303,10 @@ class TiledMLPHandle:
         if graph and id(module) in self._norms:
             # Remember how this output was made: a tiled module it feeds saves the norm's
             # input (which the norm saves anyway) instead of this output.
+            # Marked also where the norm itself builds no graph (a frozen input): a LoRA
+            # projection it feeds still saves its input.
             y = tiled_forward(original, args, shards, params)
-            if torch.is_tensor(y):  # also without a graph: a LoRA projection still saves its input
-                bounds = shard_bounds(tokens_view(args[0]).shape[-2], shards)
-                Prenorm(original, bounds).mark(y, args[0])
+            Prenorm(original, shard_bounds(tokens_view(args[0]).shape[-2], shards)).mark(y, args[0])
             return y
         tag = Prenorm.of(args[0]) if graph else None
         skip = graph and id(module) in self._unread and recomputing_for_saves()
@@ -338,11 +339,10 @@ def _projection_parts(name: str, block: nn.Module) -> list[tuple[str, nn.Module]
     """The token-wise modules of a decoder layer besides its MLP: the layer's own norms
     (direct children named ``*norm``) and the attention module's linear projections."""
     parts = [(f"{name}.{n}", m) for n, m in block.named_children() if n.lower().endswith("norm")]
-    for attr in ("self_attn", "attn", "attention"):
-        attn = getattr(block, attr, None)
-        if isinstance(attn, nn.Module):
-            parts += [(f"{name}.{attr}.{n}", m) for n, m in attn.named_children() if _linear_like(m)]
-            break
+    found = attention_module(block)
+    if found is not None:
+        attr, attn = found
+        parts += [(f"{name}.{attr}.{n}", m) for n, m in attn.named_children() if _linear_like(m)]
     return parts
 
 

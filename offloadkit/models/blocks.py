@@ -15,7 +15,7 @@ from torch import nn
 
 from offloadkit.models.heads import unwrap_model
 
-__all__ = ["find_blocks"]
+__all__ = ["find_blocks", "attention_module"]
 
 Predicate = Callable[[str, nn.Module], bool]
 
@@ -99,3 +99,13 @@ def find_blocks(
             "block_types=(MyBlock,) or predicate=lambda name, module: ..."
         )
     return blocks
+
+
+def attention_module(block: nn.Module) -> tuple[str, nn.Module] | None:
+    """A decoder layer's attention module and its attribute name (``self_attn``, ``attn`` or
+    ``attention``, as Hugging Face models name it), or None."""
+    for attr in ("self_attn", "attn", "attention"):
+        module = getattr(block, attr, None)
+        if isinstance(module, nn.Module):
+            return attr, module
+    return None

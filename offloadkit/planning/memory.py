@@ -187,7 +187,7 @@ class Features:
 
 def attention_groups(head_groups: int, kv_heads: int) -> int:
     """Groups attention really runs in: the largest divisor of the key/value heads not above
-    ``head_groups`` (as ``longctx/attention_groups.py`` splits them)."""
+    ``head_groups`` (what ``longctx/attention_groups.py`` splits them into)."""
     wanted = max(1, min(head_groups, kv_heads))
     return max(g for g in range(1, wanted + 1) if kv_heads % g == 0)
 

@@ -456,14 +456,15 @@ def _keep_attention(w: Workload, f: Features, b: Budgets, t: StepTime):
         return None
     room = b.host_bytes + HOST_BASELINE_BYTES - m.host
     layers = min(w.shape.layers, max(0, room) // max(1, attention_kept_bytes(w)))
-    while layers > 0:
-        g = replace(f, keep_attention=layers)
-        gm = estimate_memory(w, g)
-        if not _check(w, gm, b):
-            gt = estimate_time(w, g, b.rates, gm.block_placement)
-            return (g, gm, gt) if gt.seconds < t.seconds else None
-        layers -= 1
-    return None
+    if layers <= 0:
+        return None
+    # Kept outputs add host bytes only, and ``room`` holds them: the plan fits as it did.
+    g = replace(f, keep_attention=layers)
+    gm = estimate_memory(w, g)
+    if _check(w, gm, b):
+        return None
+    gt = estimate_time(w, g, b.rates, gm.block_placement)
+    return (g, gm, gt) if gt.seconds < t.seconds else None
 
 
 def _drop_inputs(w: Workload, f: Features, b: Budgets, m: MemoryEstimate, t: StepTime):

@@ -55,7 +55,7 @@ def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS, groups: int = 1)
     """Causal SDPA forward and backward with the model's heads, called as a Llama-family
     attention module calls it: query, key and value are ``[B, S, heads, D]`` projections seen
     as ``[B, heads, S, D]``, key/value heads as they are (no mask), over ``groups`` key/value
-    head groups (:func:`offloadkit.longctx.grouped_attention`, what long plans use).
+    head groups (:func:`offloadkit.longctx.attention_groups.grouped_attention`, what long plans use).
 
     Returns:
         (executed FLOP/s counting 2 S^2 heads x head_dim forward and twice that backward,
@@ -76,7 +76,7 @@ def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS, groups: int = 1)
     backend = sdpa_backend(q, k, v, is_causal=True, enable_gqa=gqa)
 
     def run():
-        out = grouped_attention(groups, q, k, v, is_causal=True, enable_gqa=gqa) if groups > 1 else None
+        out = grouped_attention(groups, q, k, v, is_causal=True, enable_gqa=gqa)  # None: one group
         if out is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         # Random values, as a step's gradients are: the kernels run measurably faster on

@@ -3,6 +3,7 @@ once per layer per step instead of twice, gradients bitwise those of the full re
 kernel runs again where storage has no room, and the copies are freed with the graph."""
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -154,6 +155,31 @@ def test_the_config_route_keeps_them_in_the_whole_model_managers_storage():
     ref(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
     ref_runtime.close()
     assert_bitwise_equal({n: p.grad for n, p in ref.named_parameters()}, grads, "grads")
+
+
+def test_the_config_route_says_where_keeping_cannot_take_effect():
+    """Under Hugging Face's own checkpointing, or without offloading, the key says once that it
+    has no effect, and nothing is kept."""
+    from offloadkit.compose import prepare
+
+    model = _model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.warns(UserWarning, match="keep_attention_outputs has no effect: Hugging Face"):
+        runtime = prepare(
+            model, {"gradient_checkpointing": True, "activation_offloading": True, "keep_attention_outputs": True}
+        )
+    assert runtime.checkpointing is None
+    runtime.close()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = _model()
+        runtime = prepare(model, {"gradient_checkpointing": True, "keep_attention_outputs": True})
+        batch = make_batch(256, 1, 32)
+        model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+    said = [w for w in seen if "keep_attention" in str(w.message)]
+    assert len(said) == 1 and "needs gradient_checkpointing" in str(said[0].message)
+    assert not runtime.checkpointing.keep_attention
+    runtime.close()
 
 
 def test_an_int_keeps_the_last_layers_only():
