@@ -38,16 +38,18 @@ _MARK = "_offloadkit_head_groups"
 
 
 class _GradInOutputLayout(torch.autograd.Function):
-    """Identity whose backward hands the gradient on in the output's own memory layout.
+    """Identity whose backward hands the gradient on with the output's own strides.
 
-    A group's output gradient is a slice of the joined output's gradient, laid out however
-    the layer above produced it. The fused backwards are written for a gradient laid out like
-    the output they wrote; a cuDNN backward over 8 groups once stopped with an illegal memory
-    access on an H200 at 64K tokens, given [B, H, S, D] gradients for [B, S, H, D] outputs
-    (not reproduced since). A gradient whose dimensions are ordered as the output's passes as
-    it is, wider rows included (what a Hugging Face layer hands back: a slice of the joined
-    output's gradient); one ordered otherwise is copied into the output's layout, 1/G of the
-    query's bytes for the group's backward. The values are unchanged.
+    A group's output gradient is a slice of the joined output's gradient: wider rows than the
+    output the group's kernel wrote, or dimensions ordered otherwise, as the layer above
+    produced it. PyTorch's cuDNN attention (torch 2.11) builds its backward graph for the
+    gradient's strides at the first call and caches it under the query/key/value strides
+    alone; a later call with the same inputs and a gradient laid out otherwise runs the cached
+    graph on it, giving wrong gradients or reading out of bounds (an illegal memory access on
+    an H200 at 64K tokens). A gradient with exactly the output's strides is the one layout the
+    cache always agrees with, so every other is copied into it: 1/G of the query's bytes for
+    the group's backward, a pass over memory beside a kernel quadratic in the length. The
+    values are unchanged.
     """
 
     @staticmethod
@@ -58,14 +60,14 @@ class _GradInOutputLayout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shape, stride = ctx.layout
-        if _dim_order(grad.shape, grad.stride()) == _dim_order(shape, stride):
+        if _strides(shape, grad.stride()) == _strides(shape, stride):
             return grad
         return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
-def _dim_order(shape, stride) -> list[int]:
-    """Dimensions from the outermost in memory to the innermost (those of size 1 left out)."""
-    return sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: -stride[d])
+def _strides(shape, stride) -> tuple[int, ...]:
+    """The strides that address memory (a dimension of size 1 has none)."""
+    return tuple(st for n, st in zip(shape, stride) if n > 1)
 
 
 def grouped_attention(

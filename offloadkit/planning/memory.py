@@ -303,6 +303,9 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
         # peaks); what grouping takes off is counted less the input gradients, which the groups
         # hold apart until the last one is done and then join into one more copy.
         attn -= max(0, attention_workspace_bytes(w) * (groups - 1) // groups - t * b * (q + 2 * kv))
+        # Each group's output gradient is copied into its output's strides for the kernel
+        # (longctx.attention_groups._GradInOutputLayout).
+        attn += t * b * q // groups
     return max(mlp, attn)
 
 

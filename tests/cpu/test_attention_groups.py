@@ -97,31 +97,32 @@ def test_forward_wraps_restore_what_the_instance_held():
     assert a.forward is own and b.forward is later and not wraps.holds(a)
 
 
-def test_each_groups_kernel_gets_its_gradient_in_its_outputs_layout():
-    """The joined output's gradient may come laid out otherwise ([B, H, S, D] for [B, S, H, D]
-    outputs); each group's backward receives it in its own output's layout, same values."""
+def test_each_groups_kernel_gets_its_gradient_with_its_outputs_strides():
+    """Whatever the joined gradient's layout ([B, H, S, D] for [B, S, H, D] outputs, or wider
+    rows: a slice of a joined gradient, as a layer hands it back), the group's backward
+    receives it with its own output's strides, same values; one with them already passes
+    without a copy."""
     from offloadkit.longctx.attention_groups import _GradInOutputLayout
 
     out = torch.randn(1, 16, 4, 8).transpose(1, 2).requires_grad_()  # [B, H, S, D] in [B, S, H, D] memory
     seen = []
     out.register_hook(lambda g: seen.append(g) or g)
-    grad = torch.randn(1, 4, 16, 8)  # contiguous [B, H, S, D]
-    _GradInOutputLayout.apply(out).backward(grad)
-    assert seen[0].stride() == out.stride()
-    assert torch.equal(seen[0], grad)
-    # Ordered as the output, even with wider rows (a slice of a joined gradient, as a layer
-    # hands it back): handed on as it is, no copy.
-    for same in (torch.randn(1, 16, 4, 8), torch.randn(1, 16, 12, 8)[:, :, 4:8]):
+    for grad in (torch.randn(1, 4, 16, 8), torch.randn(1, 16, 12, 8)[:, :, 4:8].transpose(1, 2)):
         seen.clear()
-        same = same.transpose(1, 2)
-        _GradInOutputLayout.apply(out).backward(same)
-        assert seen[0].data_ptr() == same.data_ptr()
+        _GradInOutputLayout.apply(out).backward(grad)
+        assert seen[0].stride() == out.stride()
+        assert torch.equal(seen[0], grad)
+    seen.clear()
+    same = torch.randn(1, 16, 4, 8).transpose(1, 2)
+    _GradInOutputLayout.apply(out).backward(same)
+    assert seen[0].data_ptr() == same.data_ptr()
 
 
-def test_grouped_attention_hands_each_kernel_a_gradient_ordered_as_its_output(monkeypatch):
-    """Through :func:`grouped_attention`: a [B, H, S, D] gradient for the joined output
-    reaches each group's SDPA call in that call's own output layout; a gradient ordered as
-    the output (what a layer hands back) reaches it without a copy."""
+def test_grouped_attention_hands_each_kernel_a_gradient_with_its_outputs_strides(monkeypatch):
+    """Through :func:`grouped_attention`: the joined output's gradient, contiguous
+    [B, H, S, D] or in [B, S, H, D] memory as a layer hands it back, reaches each group's SDPA
+    call with that call's own output strides (a fused backward's graph cache is keyed without
+    the gradient's strides)."""
     from offloadkit.longctx import attention_groups
 
     real = torch.nn.functional.scaled_dot_product_attention
@@ -136,8 +137,9 @@ def test_grouped_attention_hands_each_kernel_a_gradient_ordered_as_its_output(mo
     q = torch.randn(1, 16, 8, 4).transpose(1, 2).requires_grad_()  # [B, H, S, D] seen from [B, S, H, D]
     k = torch.randn(1, 16, 4, 4).transpose(1, 2).requires_grad_()
     v = torch.randn(1, 16, 4, 4).transpose(1, 2).requires_grad_()
-    out = attention_groups.grouped_attention(4, q, k, v, is_causal=True, enable_gqa=True)
-    out.backward(torch.randn(1, 8, 16, 4))  # contiguous [B, H, S, D]
-    assert len(seen) == 4
-    order = attention_groups._dim_order
-    assert all(order((1, 2, 16, 4), g) == order((1, 2, 16, 4), o) for g, o in seen)
+    for grad in (torch.randn(1, 8, 16, 4), torch.randn(1, 16, 8, 4).transpose(1, 2)):
+        seen.clear()
+        out = attention_groups.grouped_attention(4, q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(grad)
+        assert len(seen) == 4
+        assert all(g == o for g, o in seen), seen
