@@ -153,6 +153,17 @@ def predict(
     }
 
 
+def full_depth(shape: str, mode: str, seq: int, layers: int, lora_rank: int, host_budget: int, budgets) -> dict:
+    """What a probe of ``layers`` layers would need at the model's depth (:func:`predict`). A
+    reduced-depth ``everything`` probe stands for the planner's full-depth run, its block inputs
+    in RAM, on disk or replayed: that plan's figures, not those of every input stored."""
+    from offloadkit.planning import resolve_shape
+
+    full_layers = resolve_shape(shape).layers
+    mode = "auto" if mode == "everything" and layers < full_layers else mode
+    return predict(shape, mode, seq, full_layers, lora_rank, host_budget, budgets)
+
+
 # --------------------------------------------------------------------------- child side
 def _rss_sampler(peak: list, stop: threading.Event) -> None:
     import psutil
@@ -450,7 +461,9 @@ def main(argv=None) -> int:
             breakdown=args.peak_breakdown,
             kernel_breakdown=args.kernel_breakdown,
         )
-        full = predict(args.shape, chosen["mode"], chosen["seq_len"], full_layers, args.lora_rank, host_budget, budgets)
+        full = full_depth(
+            args.shape, chosen["mode"], chosen["seq_len"], chosen["layers"], args.lora_rank, host_budget, budgets
+        )
         left = args.budget_s - (time.monotonic() - start)
         t0 = time.monotonic()
         try:

@@ -51,3 +51,20 @@ def test_the_bench_skips_a_config_route_mode_naming_where_it_runs():
     rows = {r["mode"]: r for r in report["results"]}
     assert rows["none"]["status"] == "ok"
     assert rows["everything"]["status"] == "skipped" and "benchmarks/capacity.py" in rows["everything"]["note"]
+
+
+def test_a_reduced_depth_probe_reports_the_planners_full_depth_footprint():
+    """A 3-layer edge probe stands for the planner's full-depth run, whose block inputs fit the
+    disk because some are replayed: its full-depth figures are that plan's, not those of every
+    input stored."""
+    from offloadkit.planning import Budgets, plan
+
+    gib = 1 << 30
+    budgets = Budgets(80 * gib, 108 * gib, 55 * gib)
+    seq = 880640  # the longest on these budgets (test_planning)
+    full = capacity.full_depth("llama-3-8b", "everything", seq, 3, 16, 108 * gib, budgets)
+    p = plan("llama-3-8b", seq, lora_rank=16, budgets=budgets)
+    assert "x" in full["placement"] and full["disk_gib"] <= 55
+    assert full["disk_gib"] == p.memory.disk / gib and full["host_gib"] == p.memory.host / gib
+    whole = capacity.full_depth("llama-3-8b", "everything", 65536, 32, 16, 108 * gib, budgets)
+    assert whole == capacity.predict("llama-3-8b", "everything", 65536, 32, 16, 108 * gib, budgets)
