@@ -45,11 +45,12 @@ class _GradInOutputLayout(torch.autograd.Function):
     produced it. PyTorch's cuDNN attention (torch 2.11) builds its backward graph for the
     gradient's strides at the first call and caches it under the query/key/value strides
     alone; a later call with the same inputs and a gradient laid out otherwise runs the cached
-    graph on it, giving wrong gradients or reading out of bounds (an illegal memory access on
-    an H200 at 64K tokens). A gradient with exactly the output's strides is the one layout the
-    cache always agrees with, so every other is copied into it: 1/G of the query's bytes for
-    the group's backward, a pass over memory beside a kernel quadratic in the length. The
-    values are unchanged.
+    graph on it: wrong gradients (seen on an H100), or reads out of bounds (most likely the
+    illegal memory access seen once on an H200). The output's own strides are the one layout
+    the cache always agrees with. A gradient laid out otherwise is copied into them, 1/G of the
+    query's bytes for the group's backward, one pass over memory beside a kernel quadratic in
+    the length; one that differs only in a size-1 dimension's stride is restrided as a view.
+    The values are unchanged.
     """
 
     @staticmethod
@@ -60,8 +61,11 @@ class _GradInOutputLayout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shape, stride = ctx.layout
-        if _strides(shape, grad.stride()) == _strides(shape, stride):
+        if grad.stride() == stride:
             return grad
+        if _strides(shape, grad.stride()) == _strides(shape, stride):
+            # Only a size-1 dimension's stride differs: the same addresses, restrided as a view.
+            return grad.as_strided(shape, stride)
         return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 

@@ -116,6 +116,12 @@ def test_each_groups_kernel_gets_its_gradient_with_its_outputs_strides():
     same = torch.randn(1, 16, 4, 8).transpose(1, 2)
     _GradInOutputLayout.apply(out).backward(same)
     assert seen[0].data_ptr() == same.data_ptr()
+    # The same addresses with another stride on the size-1 batch dimension: restrided, not copied.
+    seen.clear()
+    batch = torch.randn(16, 4, 8).as_strided((1, 16, 4, 8), (1, 32, 8, 1)).transpose(1, 2)
+    _GradInOutputLayout.apply(out).backward(batch)
+    assert seen[0].stride() == out.stride() and seen[0].data_ptr() == batch.data_ptr()
+    assert torch.equal(seen[0], batch)
 
 
 def test_grouped_attention_hands_each_kernel_a_gradient_with_its_outputs_strides(monkeypatch):
