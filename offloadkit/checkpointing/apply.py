@@ -224,11 +224,11 @@ class CheckpointedBlocks:
             return contextlib.nullcontext()
         return manager.placed(where)
 
-    def _recompute(self, fn: Callable) -> Callable:
-        """``fn`` for one checkpoint, its recompute marked as one whose output nothing reads
-        (``runtime/recompute.py``). Not with selective checkpointing, whose recompute
-        replays the forward's cached results in order."""
-        return discarding_recompute(fn) if self._context_fn is noop_context_fn else fn
+    def _recompute(self, fn: Callable, block: nn.Module) -> Callable:
+        """``fn`` (``block``'s forward) for one checkpoint, its recompute marked as one whose
+        output, ``block``'s, nothing reads (``runtime/recompute.py``). Not with selective
+        checkpointing, whose recompute replays the forward's cached results in order."""
+        return discarding_recompute(fn, block) if self._context_fn is noop_context_fn else fn
 
     def _recompute_block(self, fn: Callable, index: int, block: nn.Module) -> Callable:
         """As :meth:`_recompute`, for a block checkpointed on its own: with ``keep_attention``
@@ -237,7 +237,7 @@ class CheckpointedBlocks:
         compiled whole (a graph runs the kernels, not the dispatcher)."""
         manager = self._manager
         if index not in self.keep_attention or self._context_fn is not noop_context_fn or compiled_as_a_whole(block):
-            return self._recompute(fn)
+            return self._recompute(fn, block)
         if manager is None:
             if not self._warned_keep:
                 self._warned_keep = True
@@ -247,8 +247,8 @@ class CheckpointedBlocks:
                     RuntimeWarning,
                     stacklevel=4,
                 )
-            return self._recompute(fn)
-        return KeptAttention(fn, manager.tier, self.attention_stats)
+            return self._recompute(fn, block)
+        return KeptAttention(fn, manager.tier, self.attention_stats, block)
 
     def _selective(self) -> dict:
         # The default context is left implicit: torch.compile traces checkpoint() only with a
@@ -290,7 +290,9 @@ class CheckpointedBlocks:
                     f"recompute_inputs: block {index} was not called with the previous block's output as its first "
                     "argument; a dropped input is replayed from the block before it, so blocks must be chained"
                 )
-            out = checkpoint(self._recompute(original), *args, use_reentrant=False, **self._selective(), **kwargs)
+            out = checkpoint(
+                self._recompute(original, block), *args, use_reentrant=False, **self._selective(), **kwargs
+            )
             # The output by weak reference: holding it would keep the dropped input alive. The
             # first block replays from the region's own saved arguments: nothing kept for it.
             more, kw = (args[1:], kwargs) if calls else ((), {})
@@ -329,7 +331,13 @@ class CheckpointedBlocks:
                 hook(self.blocks[index][1])
             args, kw = (flat, rest) if n == 0 else ((hidden, *more), kwargs)
             hidden = first_tensor(
-                checkpoint(self._recompute(original), *args, use_reentrant=False, **self._selective(), **kw)
+                checkpoint(
+                    self._recompute(original, self.blocks[index][1]),
+                    *args,
+                    use_reentrant=False,
+                    **self._selective(),
+                    **kw,
+                )
             )
 
     def _after_block(self, block: nn.Module, out):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from offloadkit.engine.spans import span_view
 from offloadkit.runtime.attention_ops import LARGE_OUTPUTS, AttentionCalls, dropout_of
@@ -133,10 +134,11 @@ class KeptAttention:
         fn: the block's forward.
         tier: the storage tier of the block inputs (``OffloadActivations.tier``).
         stats: counters shared by the blocks.
+        unit: the block, whose output the recompute drops.
     """
 
-    def __init__(self, fn: Callable, tier, stats: AttentionKeepStats) -> None:
-        self.fn, self.tier, self.stats = fn, tier, stats
+    def __init__(self, fn: Callable, tier, stats: AttentionKeepStats, unit: nn.Module | None = None) -> None:
+        self.fn, self.tier, self.stats, self.unit = fn, tier, stats, unit
         self.calls = 0
         self._kept: list[_Call] = []
         self._next = 0
@@ -152,7 +154,7 @@ class KeptAttention:
         self._load_all()
         self._next = 0
         try:
-            with output_discarded(), AttentionCalls(self._replay):
+            with output_discarded(self.unit), AttentionCalls(self._replay):
                 return self.fn(*args, **kwargs)
         finally:
             # Once replayed the copies are spent; a second recompute runs the kernels.

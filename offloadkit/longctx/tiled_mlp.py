@@ -20,11 +20,13 @@ Inside a checkpointed layer the tiled forward runs again during the layer's reco
 only its saved input is wanted: nothing reads the recomputed output when the MLP's output only
 meets the residual add (which saves nothing) before the layer returns. For decoder layers known
 to end that way (``OUTPUT_ONLY_ADDED``: Llama, Mistral, Qwen2/3, Gemma) under offloadkit's
-non-selective checkpointing, the recompute saves the input and skips the shards, so the MLP's
-forward is computed twice per step, not three times. Elsewhere (selective checkpointing,
-Hugging Face's checkpointing, layers that norm or scale the MLP's output with saved tensors,
-projections, MoE experts) it runs in full. A forward hook on such an MLP sees an unwritten
-output during the recompute.
+non-selective checkpointing of each layer on its own, the recompute saves the input and skips
+the shards, so the MLP's forward is computed twice per step, not three times. It runs in full
+wherever the output may be read: a checkpointed unit larger than the layer (``block_types`` or
+a predicate naming a wrapper or a container of layers, where the next layer reads it), a
+forward hook on the MLP or a global one (``register_module_forward_hook``), selective
+checkpointing, Hugging Face's checkpointing, layers that norm or scale the MLP's output with
+saved tensors, projections, MoE experts.
 
 Past the MLP, what a LoRA layer saves grows with length through its norms (fp32 upcasts of
 the input) and its attention projections (PEFT keeps an fp32 copy of each adapter's input):
@@ -63,15 +65,16 @@ from offloadkit.longctx.shards import (
 from offloadkit.models.blocks import attention_module, find_blocks
 from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
-from offloadkit.runtime.recompute import recomputing_for_saves
+from offloadkit.runtime.recompute import output_hooked, recomputing
 
 __all__ = ["apply_tiled_mlp", "tiled_forward", "auto_num_shards", "TiledMLP", "SHARD_ELEMENTS", "OUTPUT_ONLY_ADDED"]
 
 SHARD_ELEMENTS = 2**28
 _MARK = "_offloadkit_tiled_mlp"
 # Decoder layers whose forward ends ``residual + self.mlp(norm(h))`` and returns: between the
-# MLP and the layer's output nothing saves a tensor, so a recompute that only harvests saved
-# tensors never reads the MLP's output. Checked against each class's source in transformers.
+# MLP and the layer's output nothing saves a tensor, so a recompute of the layer that only
+# harvests saved tensors never reads the MLP's output. Checked against each class's source in
+# transformers.
 OUTPUT_ONLY_ADDED = frozenset(
     {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer"}
 )
@@ -260,8 +263,9 @@ class TiledMLPHandle:
         self.rebuilt_inputs = 0  # tiled calls that saved a norm's input instead of their own
         self.num_shards = num_shards
         self._widths = widths or {}
-        # Modules whose recomputed output nothing reads (MLPs of OUTPUT_ONLY_ADDED layers).
-        self._unread = {id(m) for m in output_unread_in_recompute}
+        # ``(module, layer)`` pairs: modules whose output nothing reads in a recompute of their
+        # layer's forward (MLPs of OUTPUT_ONLY_ADDED layers), by id -> that layer.
+        self._unread = {id(m): layer for m, layer in output_unread_in_recompute}
         self.skipped_recomputes = 0  # tiled calls whose shards a recompute skipped
         self._wraps = ForwardWraps(_MARK)
 
@@ -292,6 +296,14 @@ class TiledMLPHandle:
             return args[0].dim() >= 2
         return all(a.dim() == 2 and a.shape[0] == args[0].shape[0] for a in args)
 
+    def _output_unread(self, module: nn.Module) -> bool:
+        """Whether nothing will read ``module``'s output from this call: a recompute of exactly
+        its layer's forward (inside a larger unit the next layer reads it), with no forward hook
+        to see it. The layer's own hooks do not run in its recompute: the checkpoint wraps the
+        layer's forward, inside its hooks."""
+        layer = self._unread.get(id(module))
+        return layer is not None and recomputing(layer) and not output_hooked(module)
+
     def _call(self, module: nn.Module, original: Callable, width: int | None, fixed: int | None, *args, **kwargs):
         if not self._tileable(args, kwargs):
             return original(*args, **kwargs)
@@ -309,7 +321,7 @@ class TiledMLPHandle:
             Prenorm(original, shard_bounds(tokens_view(args[0]).shape[-2], shards)).mark(y, args[0])
             return y
         tag = Prenorm.of(args[0]) if graph else None
-        skip = graph and id(module) in self._unread and recomputing_for_saves()
+        skip = graph and self._output_unread(module)
         if skip:
             self.skipped_recomputes += 1
         if tag is not None:
@@ -421,7 +433,7 @@ def apply_tiled_mlp(
             else:
                 modules.append((mlp_name, mlp))
                 if type(block).__name__ in OUTPUT_ONLY_ADDED and getattr(block, "mlp", None) is mlp:
-                    unread.append(mlp)
+                    unread.append((mlp, block))
         how = "layer.mlp of the decoder layers"
     if projections:
         blocks = find_blocks(base)
