@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from offloadkit.longctx.attention_groups import AttentionHeadGroups
     from offloadkit.longctx.causal_lm import ChunkedLossHandle
     from offloadkit.longctx.tiled_mlp import TiledMLPHandle
-    from offloadkit.planning import Plan
+    from offloadkit.planning import OptimizerSetup, Plan
 
 __all__ = ["OffloadRuntime", "plan_for", "prepare"]
 
@@ -109,6 +109,9 @@ class OffloadRuntime:
                 "predicted_disk_bytes": self.plan.memory.disk,
                 "predicted_step_s": self.plan.time.seconds,
                 "bound": self.plan.time.bound,
+                # What the plan assumed of a full fine-tune's optimizer (when it updates).
+                "updates_in_backward": self.plan.workload.updates_in_backward,
+                "optimizer": self.plan.optimizer.describe(),
             }
         out["prefetch"] = {
             "window_bytes": self.scheduler.window_bytes,
@@ -195,9 +198,15 @@ def _lora_rank(model: nn.Module) -> int:
     return 0
 
 
-def plan_for(model: nn.Module, config: OffloadConfig, seq_len: int | None = None):
+def plan_for(
+    model: nn.Module,
+    config: OffloadConfig,
+    seq_len: int | None = None,
+    optimizer: OptimizerSetup | None = None,
+):
     """The planner's :class:`~offloadkit.planning.Plan` for ``model`` at ``seq_len`` (else
-    ``config.seq_len``), under this machine's budgets (``host_budget_bytes`` caps the RAM).
+    ``config.seq_len``), under this machine's budgets (``host_budget_bytes`` caps the RAM),
+    for the optimizer ``optimizer`` describes (None: see :func:`prepare`).
 
     Raises:
         ConfigError: without a sequence length, or for a model without a decoder config.
@@ -230,11 +239,16 @@ def plan_for(model: nn.Module, config: OffloadConfig, seq_len: int | None = None
         dtype_bytes=dtype_bytes,
         stream_depth=config.layer_offloading_depth,
         optimizer_precision=config.optimizer_precision,
+        optimizer=optimizer,
     )
 
 
 def prepare(
-    model: nn.Module, config: OffloadConfig | dict | None = None, *, seq_len: int | None = None
+    model: nn.Module,
+    config: OffloadConfig | dict | None = None,
+    *,
+    seq_len: int | None = None,
+    optimizer: OptimizerSetup | None = None,
 ) -> OffloadRuntime:
     """Attach what ``config`` asks for to ``model``; returns the :class:`OffloadRuntime`.
 
@@ -249,6 +263,11 @@ def prepare(
     config applied). Such a run (and one with ``gpu_budget_bytes``) switches the CUDA caching
     allocator to expandable segments, unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
 
+    ``optimizer`` tells the planner when a full fine-tune's optimizer updates (the Trainer
+    mixins pass what their arguments say); None assumes the Trainer's default clipping
+    (``max_grad_norm=1.0``), which holds every gradient until ``step()``. A loop that steps
+    BackwardAdamW without clipping passes ``OptimizerSetup(updates_in_backward=True)``.
+
     Raises:
         ConfigError: the disk tier's directory is a file or cannot be written.
 
@@ -261,7 +280,7 @@ def prepare(
     gpu_cap = _cap_gpu_memory(config.gpu_budget_bytes)  # before anything allocates under the plan
     chosen = None
     if config.offload_plan == "auto":
-        chosen = plan_for(model, config, seq_len)
+        chosen = plan_for(model, config, seq_len, optimizer)
         config = config.replace(**chosen.to_config())
     runtime = OffloadRuntime(model, config)
     runtime._gpu_cap = gpu_cap

@@ -36,6 +36,14 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         help="a full fine-tune's AdamW state: moments in the weights' dtype (params), bf16 moments with "
         "stochastic rounding (compact), or fp32 master weights and moments (fp32_master)",
     )
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="a full fine-tune's gradient clipping, as TrainingArguments.max_grad_norm (default 1.0, the "
+        "Trainer's): with the AdamW state in host memory, clipping holds every gradient until step(); 0 "
+        "updates each parameter in backward",
+    )
     p.add_argument("--layers", type=int, default=None, help="override the depth (same layer shape)")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU budget (default: this GPU's memory less 1 GiB)")
     p.add_argument(
@@ -61,10 +69,18 @@ def _gib(value: float | None, name: str) -> int | None:
 
 
 def run_plan(args, log=print) -> int:
-    from offloadkit.planning import Budgets, longest_sequence, plan
+    from offloadkit.planning import Budgets, OptimizerSetup, longest_sequence, plan
 
     if args.seq_len < 1 or args.batch < 1:
         raise ValueError(f"--seq-len={args.seq_len} and --batch={args.batch} must be >= 1")
+    if not args.max_grad_norm >= 0:
+        raise ValueError(f"--max-grad-norm={args.max_grad_norm} must be >= 0 (0: no clipping)")
+    clipping = args.max_grad_norm > 0
+    optimizer = OptimizerSetup(
+        updates_in_backward=not clipping,
+        source=f"--max-grad-norm {args.max_grad_norm:g}"
+        + (", the Trainer's default" if args.max_grad_norm == 1.0 else ""),
+    )
     budgets = Budgets.detect(
         gpu_bytes=_gib(args.gpu_gib, "gpu-gib"),
         host_bytes=_gib(args.host_gib, "host-gib"),
@@ -84,11 +100,14 @@ def run_plan(args, log=print) -> int:
         "budgets": budgets,
         "layers": args.layers,
         "optimizer_precision": args.optimizer_precision,
+        "optimizer": optimizer,
     }
     p = plan(model, args.seq_len, **common)
     log(p.table())
     log("")
     log("budgets: " + ", ".join(f"{k}: {v}" for k, v in budgets.source.items()))
+    if not args.lora_rank:
+        log(f"optimizer, with its state in host memory: {optimizer.describe()}")
     log("config keys: " + ", ".join(f"{k}={v}" for k, v in p.to_config().items()))
     if not args.no_search:
         cap = longest_sequence(model, **common)

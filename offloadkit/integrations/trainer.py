@@ -179,15 +179,21 @@ class _OffloadingTrainerMixin:
         for note in notes:
             warnings.warn(f"offloadkit: {note}", UserWarning, stacklevel=2)
         self._checkpointing_active: bool | None = None
+        # The optimizer create_optimizer made for optimizer_offloading (None: the Trainer's own).
+        self._backward_optimizer: Any = None
 
     def train(self, *args, **kwargs):
         was_on = model_checkpointing_on(unwrap_model(self.model))
         config, restore_args = _use_hf_checkpointing(self.args, self.offload_config)
-        self.offload_runtime = prepare(self.model, config)
+        self.offload_runtime = prepare(self.model, config, optimizer=_planned_optimizer(self))
         self._checkpointing_active = None
         try:
             return super().train(*args, **kwargs)
         finally:
+            if self._backward_optimizer is not None:
+                # Its hooks belong to this run: a later backward (evaluation, the user's own
+                # loop) must leave the gradients alone; the next train() attaches them again.
+                self._backward_optimizer.remove()
             report = self.offload_runtime.report()
             report["config"] = self.offload_config.to_dict()  # as asked, checkpointing included
             report["checkpointing_active"] = bool(self._checkpointing_active)
@@ -225,16 +231,27 @@ class _OffloadingTrainerMixin:
         self._checkpointing_active = active
 
     def create_optimizer(self, *args, **kwargs):
-        # The config in effect: offload_plan: auto may have chosen optimizer offloading.
-        config = self.offload_runtime.config if self.offload_runtime is not None else self.offload_config
-        if not config.optimizer_offloading or getattr(self, "optimizer", None) is not None:
-            return super().create_optimizer(*args, **kwargs)
-        from offloadkit.integrations.optimizer import backward_adamw_for
+        from offloadkit.integrations.optimizer import attach_for_run, backward_adamw_for
 
-        self.optimizer, note = backward_adamw_for(self, config)
-        self.offload_notes.append(note)
-        warnings.warn(f"offloadkit: {note}", UserWarning, stacklevel=2)
-        return self.optimizer
+        # The config in effect: offload_plan: auto may have chosen optimizer offloading.
+        in_run = self.offload_runtime is not None
+        config = self.offload_runtime.config if in_run else self.offload_config
+        current = getattr(self, "optimizer", None)
+        if config.optimizer_offloading and current is None:
+            current, note = backward_adamw_for(self, config)
+            self.optimizer = self._backward_optimizer = current
+            self.offload_notes.append(note)
+            warnings.warn(f"offloadkit: {note}", UserWarning, stacklevel=2)
+        ours = self._backward_optimizer
+        if ours is None or not (current is ours or getattr(current, "optimizer", None) is ours):
+            return super().create_optimizer(*args, **kwargs)
+        # Kept across train() calls, as the Trainer keeps its own (prepared by Accelerate after
+        # the first run): attached for this run's settings, or detached until a run begins.
+        if in_run and config.optimizer_offloading:
+            attach_for_run(self, ours)
+        else:
+            ours.remove()
+        return current
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         runtime = self.offload_runtime
@@ -302,3 +319,24 @@ class OffloadCallback(_CallbackBase):
             self.report = self.runtime.report()
             self.runtime.close()
             self.runtime = None
+
+
+def _planned_optimizer(trainer: Any):
+    """What ``offload_plan: auto`` may assume of this Trainer's optimizer: its updates wait
+    for ``step()`` under clipping, fp16 loss scaling or gradient accumulation (every gradient
+    held), as :func:`~offloadkit.integrations.optimizer.backward_adamw_for` sets it up."""
+    from offloadkit.planning import OptimizerSetup
+
+    args = trainer.args
+    norm = getattr(args, "max_grad_norm", None) or 0
+    deferring = [
+        *([f"max_grad_norm={norm}"] if norm > 0 else []),
+        *(["fp16 loss scaling"] if getattr(args, "fp16", False) else []),
+        *(
+            [f"gradient_accumulation_steps={args.gradient_accumulation_steps}"]
+            if getattr(args, "gradient_accumulation_steps", 1) > 1
+            else []
+        ),
+    ]
+    source = "Trainer: " + (", ".join(deferring) if deferring else "max_grad_norm=0, no fp16, no accumulation")
+    return OptimizerSetup(updates_in_backward=not deferring, source=source)

@@ -15,7 +15,7 @@ Example:
 
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import Features, MemoryEstimate, Workload, estimate_memory
-from offloadkit.planning.planner import Capacity, Plan, longest_sequence, physical_limit, plan
+from offloadkit.planning.planner import Capacity, OptimizerSetup, Plan, longest_sequence, physical_limit, plan
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import Rates, StepTime, estimate_time
 
@@ -25,6 +25,7 @@ __all__ = [
     "Features",
     "MemoryEstimate",
     "ModelShape",
+    "OptimizerSetup",
     "Plan",
     "Rates",
     "StepTime",

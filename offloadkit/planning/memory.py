@@ -107,6 +107,10 @@ class Workload:
         optimizer_precision: a full fine-tune's AdamW state: "params" (two moments in the
             weights' dtype), "fp32_master" (fp32 master weights and moments: 12 bytes) or
             "compact" (bf16 moments, stochastic rounding: 4 bytes).
+        updates_in_backward: with the optimizer state in host memory, each parameter is
+            updated in backward as its gradient completes (no clipping, no fp16 loss scaling,
+            no gradient accumulation). False, the Trainer's default (``max_grad_norm=1.0``):
+            the updates wait for ``step()``, and every gradient is held until then.
     """
 
     shape: ModelShape
@@ -116,6 +120,7 @@ class Workload:
     dtype_bytes: int = 2
     adapter_bytes: int = 4
     optimizer_precision: str = "params"
+    updates_in_backward: bool = False
 
     @property
     def optimizer_state_bytes(self) -> int:
@@ -146,16 +151,18 @@ class Features:
         gpu_blocks: block inputs kept on the GPU besides the last layer's (the newest ones,
             needed first in backward), where the GPU has room the RAM and disk lack.
         layer_streaming / stream_depth: stream the layers' weights, layers resident (a full
-            fine-tune's only with ``optimizer_offloading``: the update runs in backward).
+            fine-tune's only with ``optimizer_offloading``: the update runs in backward, or,
+            deferred to ``step()``, reads and writes the weights where they rest).
         loss_chunks: chunks of the chunked loss; 0: the unchunked loss.
         mlp_shards: shards of the tiled MLP; 1: untiled.
         tiled_projections: the norms and attention projections run tiled too (they save
             only their bf16 inputs).
         horizon: offloaded block inputs brought back ahead in backward (None: the engine's
             default, 2 from RAM and 4 from disk).
-        optimizer_offloading: a full fine-tune's AdamW state in host memory, each parameter
-            updated in backward (BackwardAdamW): no gradients or state held on the GPU beyond
-            one parameter's and the copy window.
+        optimizer_offloading: a full fine-tune's AdamW state in host memory (BackwardAdamW):
+            no state held on the GPU beyond one parameter's and the copy window, and, with
+            ``Workload.updates_in_backward``, one gradient at a time (else every gradient,
+            until ``step()``).
         copy_window_bytes: GPU bytes of optimizer state in flight, each way (None: BackwardAdamW's
             default for the precision).
         recompute_blocks: offloaded block inputs dropped instead (kept nowhere, recomputed in
@@ -423,12 +430,19 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     if w.lora_rank:
         parts["trainable state"] = s.lora_params(w.lora_rank) * w.adapter_bytes * 4  # param, grad, AdamW m and v
     elif f.optimizer_offloading:
-        # One parameter's gradient (widened to fp32 with master weights) and the state in
-        # flight: fetched ahead and on its way back, a window each. The two hold different
-        # parameters (not yet updated, already updated), so together never more than the state.
+        # The gradients and the state in flight: fetched ahead and on its way back, a window
+        # each. The two hold different parameters (not yet updated, already updated), so
+        # together never more than the state.
         largest = max(max(a * c for a, c in s.linears), s.embed_params, s.head_params)
-        # fp32 master weights widen the whole gradient; the compact update widens one chunk.
-        grad = largest * (b + 4 if w.optimizer_precision == "fp32_master" else b)
+        # Updated in backward, each gradient is freed at its update: one is held at a time.
+        # Clipping needs every gradient's norm first, the fp16 scaler its inf/nan check, and
+        # accumulation sums them over micro-steps: then all wait for step(), in the
+        # parameters' dtype.
+        held = largest if w.updates_in_backward else s.params
+        grad = held * b
+        # fp32 master weights widen one whole gradient at its update; the compact update one chunk.
+        if w.optimizer_precision == "fp32_master":
+            grad += largest * 4
         if w.optimizer_precision == "compact":
             grad += min(largest, COMPACT_CHUNK_ELEMENTS) * COMPACT_CHUNK_BYTES_PER_ELEMENT
         state = s.params * w.optimizer_state_bytes

@@ -43,11 +43,40 @@ from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import StepTime, estimate_time
 from offloadkit.storage.pool import size_class
 
-__all__ = ["Plan", "plan", "longest_sequence", "physical_limit", "Capacity", "SEQ_STEP"]
+__all__ = ["Plan", "plan", "longest_sequence", "physical_limit", "Capacity", "OptimizerSetup", "SEQ_STEP"]
 
 GiB = float(1 << 30)
 # Sequence lengths are searched in multiples of this (kernels prefer aligned lengths).
 SEQ_STEP = 1024
+
+
+@dataclass(frozen=True)
+class OptimizerSetup:
+    """What a full fine-tune's optimizer lets the plan assume.
+
+    Attributes:
+        updates_in_backward: with the state in host memory, each parameter is updated in
+            backward and its gradient freed at once. False, the Trainer's default
+            (``max_grad_norm=1.0``): clipping, fp16 loss scaling or gradient accumulation
+            defer the updates to ``step()``, and every gradient is held until then.
+        source: where this was read from, for the plan's table.
+
+    Example:
+        >>> OptimizerSetup(updates_in_backward=True, source="max_grad_norm=0").updates_in_backward
+        True
+    """
+
+    updates_in_backward: bool = False
+    source: str = "assumed: the Trainer's default max_grad_norm=1.0"
+
+    def describe(self) -> str:
+        """When the updates happen, and why that was assumed."""
+        when = (
+            "updated in backward, one gradient held at a time"
+            if self.updates_in_backward
+            else "updates at step(), every gradient held until then"
+        )
+        return f"{when} ({self.source})"
 
 
 @dataclass
@@ -61,6 +90,7 @@ class Plan:
         fits: whether every budget holds.
         reasons: why it does not fit (empty when it does).
         rejected: the faster candidates that did not fit, with why.
+        optimizer: what was assumed of a full fine-tune's optimizer.
     """
 
     workload: Workload
@@ -72,6 +102,7 @@ class Plan:
     fits: bool
     reasons: list[str] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
+    optimizer: OptimizerSetup = field(default_factory=OptimizerSetup)
 
     @property
     def placement(self) -> list[str]:
@@ -164,7 +195,7 @@ class Plan:
                 ""
                 if w.lora_rank
                 else f";  AdamW state ({w.optimizer_precision}, {w.optimizer_state_bytes} bytes a parameter): "
-                + ("host memory, updated in backward" if f.optimizer_offloading else "GPU")
+                + ("host memory, " + self.optimizer.describe() if f.optimizer_offloading else "GPU")
             ),
             "",
             "| | predicted | budget |",
@@ -261,8 +292,8 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, F
         ("checkpointing + block-input offload", replace(offload, ram_blocks=_ram_blocks(w, offload, b))),
     ]
     if not w.lora_rank:
-        # A full fine-tune's AdamW state (and gradients) in host memory, updated in backward;
-        # with it, the layers' weights can stream too.
+        # A full fine-tune's AdamW state in host memory (its gradients too, where the updates
+        # run in backward); with it, the layers' weights can stream too.
         for name, f in list(out):
             out.append((name + " + optimizer state in host memory", replace(f, optimizer_offloading=True)))
         streamed = replace(offload, optimizer_offloading=True, layer_streaming=True)
@@ -327,6 +358,7 @@ def _workload(
     layers: int | None,
     dtype_bytes: int,
     optimizer_precision: str = "params",
+    optimizer: OptimizerSetup | None = None,
 ) -> Workload:
     if optimizer_precision not in OPTIMIZER_STATE_BYTES:
         names = ", ".join(OPTIMIZER_STATE_BYTES)
@@ -336,7 +368,16 @@ def _workload(
     if lora_rank < 0:
         raise ValueError(f"lora_rank={lora_rank!r} must be >= 0 (0: full fine-tune)")
     shape = model if isinstance(model, ModelShape) and layers is None else resolve_shape(model, layers)
-    return Workload(shape, seq_len, batch, lora_rank, dtype_bytes, optimizer_precision=optimizer_precision)
+    updates_in_backward = (optimizer or OptimizerSetup()).updates_in_backward
+    return Workload(
+        shape,
+        seq_len,
+        batch,
+        lora_rank,
+        dtype_bytes,
+        optimizer_precision=optimizer_precision,
+        updates_in_backward=updates_in_backward,
+    )
 
 
 def plan(
@@ -350,6 +391,7 @@ def plan(
     dtype_bytes: int = 2,
     stream_depth: int = STREAM_DEPTH,
     optimizer_precision: str = "params",
+    optimizer: OptimizerSetup | None = None,
 ) -> Plan:
     """Choose the features for one step and predict its cost.
 
@@ -362,6 +404,8 @@ def plan(
         dtype_bytes: 2 for bf16/fp16 weights and activations.
         stream_depth: layers resident when streaming.
         optimizer_precision: a full fine-tune's AdamW state: "params", "fp32_master" or "compact".
+        optimizer: when a full fine-tune's optimizer updates (None: :class:`OptimizerSetup`'s
+            defaults, the Trainer's clipping).
 
     Returns:
         The fastest :class:`Plan` that fits, or the most frugal one with ``fits=False``.
@@ -371,7 +415,8 @@ def plan(
         >>> p.fits, p.to_config()["chunked_cross_entropy"]
         (True, True)
     """
-    w = _workload(model, seq_len, batch, lora_rank, layers, dtype_bytes, optimizer_precision)
+    optimizer = optimizer or OptimizerSetup()
+    w = _workload(model, seq_len, batch, lora_rank, layers, dtype_bytes, optimizer_precision, optimizer)
     b = budgets if budgets is not None else Budgets.detect()
     results = []
     for name, f in _candidates(w, b, stream_depth):
@@ -411,7 +456,7 @@ def plan(
             name += f", {f.recompute_blocks} block inputs recomputed"
         if f.keep_attention:
             name += f", attention outputs of {f.keep_attention} layers kept"
-        results.append(Plan(w, f, b, name, m, t, not reasons, reasons))
+        results.append(Plan(w, f, b, name, m, t, not reasons, reasons, optimizer=optimizer))
     fitting = [p for p in results if p.fits]
     if fitting:
         # Equal times (small workloads round to the same hundredth): the optimizer state and
@@ -602,6 +647,7 @@ def physical_limit(
     layers: int | None = None,
     dtype_bytes: int = 2,
     optimizer_precision: str = "params",
+    optimizer: OptimizerSetup | None = None,
 ) -> tuple[int, str]:
     """Longest sequence whose irreducible bytes fit the budgets (see :class:`Capacity`), and
     what limits it.
@@ -616,13 +662,13 @@ def physical_limit(
     inputs the GPU holds beside the working set; storage is short only when no number of
     drops fits both.
     """
-    w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes, optimizer_precision)
+    w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes, optimizer_precision, optimizer)
     pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
     # A full fine-tune's AdamW state lives in host RAM where RAM holds it.
     state = 0 if lora_rank else w0.shape.params * w0.optimizer_state_bytes
     state_on_host = bool(state) and state <= budgets.host_bytes
-    # Streamed weights (frozen, or trainable ones updated in backward) live in host RAM beside
-    # the state; where RAM cannot hold them they stay on the GPU.
+    # Streamed weights (frozen, or trainable ones whose state is in host RAM) live in host RAM
+    # beside the state; where RAM cannot hold them they stay on the GPU.
     streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes
     streaming = (bool(lora_rank) or state_on_host) and streamed + (state if state_on_host else 0) <= budgets.host_bytes
 
@@ -673,6 +719,7 @@ def longest_sequence(
     dtype_bytes: int = 2,
     stream_depth: int = STREAM_DEPTH,
     optimizer_precision: str = "params",
+    optimizer: OptimizerSetup | None = None,
 ) -> Capacity:
     """Binary search for the longest sequence :func:`plan` fits under ``budgets``.
 
@@ -694,6 +741,7 @@ def longest_sequence(
             dtype_bytes=dtype_bytes,
             stream_depth=stream_depth,
             optimizer_precision=optimizer_precision,
+            optimizer=optimizer,
         ).fits
 
     longest = _search(fits, 1 << 16)
@@ -705,6 +753,7 @@ def longest_sequence(
         layers=layers,
         dtype_bytes=dtype_bytes,
         optimizer_precision=optimizer_precision,
+        optimizer=optimizer,
     )
     best = (
         plan(
@@ -717,6 +766,7 @@ def longest_sequence(
             dtype_bytes=dtype_bytes,
             stream_depth=stream_depth,
             optimizer_precision=optimizer_precision,
+            optimizer=optimizer,
         )
         if longest
         else None

@@ -19,7 +19,9 @@ capacity benchmark is hardware FLOPs, not "model FLOPs".
 Copies overlap compute on side streams: forward takes max(compute, device->host copies,
 disk writes) and backward max(compute, host->device copies, disk reads). With the optimizer
 state in host memory (a full fine-tune's BackwardAdamW), all of it crosses the link to the
-GPU and back during backward, each direction on its own stream. With a prefetch
+GPU and back during backward, each direction on its own stream; with the updates deferred to
+``step()`` (clipping, fp16 loss scaling) it crosses after backward, exposed, together with
+any streamed trainable weights, which the deferred updates read and write in host memory. With a prefetch
 horizon of 0 nothing is fetched ahead, so every block input's fetch adds to backward.
 """
 
@@ -158,7 +160,11 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     fwd_pcie = (moved + streamed) / rates.pcie_bytes_per_s  # inputs out and weights in share the link
     # Backward's host->device queue carries the block inputs, streamed weights and optimizer
     # state; the state's way back is the other direction's queue, as long.
-    bwd_pcie = (moved + streamed + state) / rates.pcie_bytes_per_s
+    in_backward = state if w.updates_in_backward else 0
+    bwd_pcie = (moved + streamed + in_backward) / rates.pcie_bytes_per_s
+    # Updates deferred to step() move the state each way after backward, with no compute to
+    # hide behind, and read and write streamed weights where they rest in host memory.
+    update_pcie = (state + streamed) / rates.pcie_bytes_per_s if state and not in_backward else 0.0
     on_disk = placement.count("disk") * block
     fwd_disk = on_disk / rates.disk_write_bytes_per_s
     bwd_disk = on_disk / rates.disk_read_bytes_per_s
@@ -175,13 +181,21 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
         exposed += streamed / rates.pcie_bytes_per_s
     fwd = max(fwd_compute + fwd_exposed, fwd_pcie, fwd_disk)
     bwd = max(bwd_compute + exposed, bwd_pcie, bwd_disk)
-    totals = {"compute": fwd_compute + bwd_compute, "pcie": fwd_pcie + bwd_pcie, "disk": fwd_disk + bwd_disk}
-    # The bound is the resource that sets the longer phase's time.
-    phases = [(fwd, (fwd_compute, fwd_pcie, fwd_disk)), (bwd, (bwd_compute, bwd_pcie + exposed, bwd_disk))]
+    totals = {
+        "compute": fwd_compute + bwd_compute,
+        "pcie": fwd_pcie + bwd_pcie + update_pcie,
+        "disk": fwd_disk + bwd_disk,
+    }
+    # The bound is the resource that sets the longest phase's time.
+    phases = [
+        (fwd, (fwd_compute, fwd_pcie, fwd_disk)),
+        (bwd, (bwd_compute, bwd_pcie + exposed, bwd_disk)),
+        (update_pcie, (0.0, update_pcie, 0.0)),
+    ]
     _, parts = max(phases, key=lambda x: x[0])
     bound = ("compute", "pcie", "disk")[max(range(3), key=lambda k: parts[k])]
     return StepTime(
-        seconds=fwd + bwd,
+        seconds=fwd + bwd + update_pcie,
         compute_s=totals["compute"],
         pcie_s=totals["pcie"],
         disk_s=totals["disk"],

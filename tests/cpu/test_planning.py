@@ -671,10 +671,11 @@ def test_physical_limit_keeps_frozen_weights_on_the_gpu_when_ram_cannot_hold_the
 
 
 def test_a_full_fine_tune_keeps_its_adamw_state_in_host_memory_when_that_fits_longer():
-    """The 8B shape on an H100 with 108 GiB of RAM: with the AdamW state in host memory,
-    updated in backward, the planner fits 384K tokens and more, the state counted in host RAM
-    and its copies in the step; with the state and gradients on the GPU (45 GiB beside the
-    weights), the same step does not fit."""
+    """The 8B shape on an H100 with 108 GiB of RAM: with the AdamW state in host memory
+    (updated at step() after the Trainer's clipping, every gradient held until then), the
+    planner fits 384K tokens and more, the state counted in host RAM and its copies in the
+    step; with the state and gradients on the GPU (45 GiB beside the weights), the same step
+    does not fit."""
     budgets = Budgets(79 << 30, 108 << 30, 55 << 30)
     cap = longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets)
     assert cap.longest >= 384 * 1024, cap.summary()
@@ -724,13 +725,20 @@ def test_lora_plans_never_offload_the_optimizer():
 
 
 def test_a_full_fine_tune_streams_its_weights_when_the_gpu_is_small():
-    """8B full fine-tune at 16K: on 79 GiB the weights stay on the GPU (as fast, less host RAM);
-    on 16 GiB the plan streams the layers' weights with the state on the host, counts their
-    host copies, and hands over the keys that turn it on."""
+    """8B full fine-tune at 16K, updated in backward (no clipping): on 79 GiB the weights stay
+    on the GPU (as fast, less host RAM); on 16 GiB the plan streams the layers' weights with
+    the state on the host, counts their host copies, and hands over the keys that turn it on.
+    Under the Trainer's clipping the 15 GiB of gradients held until step() do not fit 16 GiB."""
+    from offloadkit.planning import OptimizerSetup
+
+    in_backward = OptimizerSetup(updates_in_backward=True)
     roomy = plan("llama-3-8b", 16384, lora_rank=0, budgets=Budgets(79 << 30, 108 << 30, 55 << 30))
-    small = plan("llama-3-8b", 16384, lora_rank=0, budgets=Budgets(16 << 30, 108 << 30, 55 << 30))
+    small = plan(
+        "llama-3-8b", 16384, lora_rank=0, budgets=Budgets(16 << 30, 108 << 30, 55 << 30), optimizer=in_backward
+    )
     assert roomy.fits and not roomy.features.layer_streaming
     assert small.fits and small.features.layer_streaming and small.features.optimizer_offloading
+    assert not plan("llama-3-8b", 16384, lora_rank=0, budgets=Budgets(16 << 30, 108 << 30, 55 << 30)).fits
     shape = small.workload.shape
     weights = shape.layers * shape.layer_params * 2
     assert small.memory.gpu_reserved <= 16 << 30

@@ -1,0 +1,133 @@
+"""Plans that hold what the run will hold: a full fine-tune's gradients when clipping defers
+the updates to ``step()``, only the optimizers the run can replace, and the depth of the
+model as built."""
+
+from dataclasses import replace
+
+import pytest
+
+from offloadkit.planning import Budgets, estimate_memory, estimate_time, plan
+from offloadkit.testing import build_llama
+
+transformers = pytest.importorskip("transformers")
+
+GiB = 1 << 30
+
+
+def _in_backward():
+    from offloadkit.planning import OptimizerSetup
+
+    return OptimizerSetup(updates_in_backward=True, source="max_grad_norm=0")
+
+
+def _largest(shape) -> int:
+    return max(max(a * c for a, c in shape.linears), shape.embed_params, shape.head_params)
+
+
+def test_clipping_holds_every_gradient_until_step():
+    """The 8B full fine-tune at 128K tokens on 48 GiB: with the Trainer's clipping (the
+    default) the plan counts every bf16 gradient on the GPU until step(), and its reservation
+    still fits; without clipping, one parameter's gradient at a time. The plan that counted
+    one gradient under clipping would have needed 62.8 GiB."""
+    budgets = Budgets(48 * GiB, 108 * GiB, 200 * GiB)
+    clipped = plan("llama-3-8b", 131072, lora_rank=0, budgets=budgets)
+    shape = clipped.workload.shape
+    state = shape.params * 4  # two bf16 moments
+    in_flight = 2 * (1 << 30) + _largest(shape) * 4  # two 1 GiB copy windows and one parameter's state
+    assert clipped.features.optimizer_offloading and state > in_flight
+    assert clipped.memory.gpu_parts["trainable state"] == shape.params * 2 + in_flight
+    assert clipped.fits and clipped.memory.gpu_reserved <= budgets.gpu_bytes
+    free = plan("llama-3-8b", 131072, lora_rank=0, budgets=budgets, optimizer=_in_backward())
+    assert free.features.optimizer_offloading
+    assert free.memory.gpu_parts["trainable state"] == _largest(shape) * 2 + in_flight
+    assert not clipped.workload.updates_in_backward and free.workload.updates_in_backward
+    # The plan made for updates in backward, run with clipping: every gradient on top.
+    run = estimate_memory(replace(free.workload, updates_in_backward=False), free.features)
+    assert run.gpu_peak - free.memory.gpu_peak == (shape.params - _largest(shape)) * 2
+    assert round(run.gpu_reserved / GiB, 1) == 62.8 and run.gpu_reserved > budgets.gpu_bytes
+    assert "updates at step(), every gradient held until then" in clipped.table()
+
+
+def test_deferred_updates_move_the_state_after_backward():
+    """Deferred to step(), the state's trip each way is no longer hidden behind backward."""
+    budgets = Budgets(48 * GiB, 108 * GiB, 200 * GiB)
+    free = plan("llama-3-8b", 131072, lora_rank=0, budgets=budgets, optimizer=_in_backward())
+    w, f = free.workload, free.features
+    assert not f.layer_streaming
+    deferred = estimate_time(replace(w, updates_in_backward=False), f, budgets.rates, free.placement)
+    state = w.shape.params * w.optimizer_state_bytes
+    assert deferred.seconds - free.time.seconds == pytest.approx(state / budgets.rates.pcie_bytes_per_s)
+
+
+def _trainer_args(tmp_path, **kw):
+    return transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+
+
+@pytest.mark.parametrize(
+    "kw,in_backward",
+    [
+        ({}, False),  # the Trainer's default: max_grad_norm=1.0
+        ({"max_grad_norm": 0.0}, True),
+        ({"max_grad_norm": 0.0, "gradient_accumulation_steps": 4}, False),
+    ],
+)
+def test_the_trainer_tells_the_plan_when_its_optimizer_updates(tmp_path, kw, in_backward):
+    """The mixin's plan assumes what BackwardAdamW will do under the Trainer's arguments:
+    clipping and accumulation hold every gradient until step()."""
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    args = _trainer_args(tmp_path, max_steps=1, per_device_train_batch_size=2, save_strategy="no", **kw)
+    trainer = OffloadTrainer(
+        model=build_llama("tiny", vocab_size=259, attn_implementation="sdpa"),
+        args=args,
+        train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32),
+        offload_config={"offload_plan": "auto", "seq_len": 32, "batch_size": 2, "host_budget_bytes": GiB},
+    )
+    trainer.train()
+    assert trainer.offload_report["plan"]["updates_in_backward"] is in_backward
+
+
+def test_plain_prepare_assumes_the_trainers_clipping():
+    from offloadkit.compose import prepare
+
+    model = build_llama("tiny", attn_implementation="sdpa")
+    runtime = prepare(model, {"offload_plan": "auto", "host_budget_bytes": "1GiB"}, seq_len=64)
+    try:
+        assert runtime.plan.workload.updates_in_backward is False
+    finally:
+        runtime.close()
+    runtime = prepare(
+        model, {"offload_plan": "auto", "host_budget_bytes": "1GiB"}, seq_len=64, optimizer=_in_backward()
+    )
+    try:
+        assert runtime.plan.workload.updates_in_backward is True
+        assert runtime.report()["plan"]["updates_in_backward"] is True
+    finally:
+        runtime.close()
+
+
+def test_cli_plan_assumes_clipping_and_takes_max_grad_norm():
+    from offloadkit.cli.main import build_parser
+    from offloadkit.cli.plan import run_plan
+
+    def run(*extra):
+        lines: list[str] = []
+        argv = ["plan", "--shape", "llama-3-8b", "--seq-len", "131072", "--lora-rank", "0", "--no-search"]
+        argv += ["--gpu-gib", "48", "--host-gib", "108", "--disk-gib", "200", *extra]
+        run_plan(build_parser().parse_args(argv), log=lines.append)
+        return "\n".join(lines)
+
+    budgets = Budgets(48 * GiB, 108 * GiB, 200 * GiB)
+    clipped = plan("llama-3-8b", 131072, lora_rank=0, budgets=budgets)
+    free = plan("llama-3-8b", 131072, lora_rank=0, budgets=budgets, optimizer=_in_backward())
+    out = run()
+    assert f"| GPU peak allocated | {clipped.memory.gpu_peak / GiB:.2f} GiB" in out
+    assert "updates at step(), every gradient held until then (--max-grad-norm 1, the Trainer's default)" in out
+    out = run("--max-grad-norm", "0")
+    assert f"| GPU peak allocated | {free.memory.gpu_peak / GiB:.2f} GiB" in out
+    assert "updated in backward, one gradient held at a time" in out
+    assert clipped.memory.gpu_peak != free.memory.gpu_peak
