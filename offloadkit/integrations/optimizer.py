@@ -1,7 +1,11 @@
 """The Trainer's AdamW (or SGD) replaced by :class:`~offloadkit.optim.BackwardAdamW` (or
 :class:`~offloadkit.optim.BackwardSGD`) (``optimizer_offloading: true``): the same parameter
 groups and hyperparameters as the Trainer's own, the Trainer's learning-rate schedule,
-clipping and checkpoints around it."""
+clipping and checkpoints around it.
+
+Its backward hooks belong to one ``train()``: the mixin detaches them when the run ends, and a
+later run attaches the same optimizer (its state, as the Trainer keeps its own) with
+:func:`attach_for_run`, under that run's clipping and prefetch scheduler."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Any
 from offloadkit.config import ConfigError
 from offloadkit.optim import BackwardAdamW, BackwardOptimizer, BackwardSGD
 
-__all__ = ["backward_adamw_for"]
+__all__ = ["attach_for_run", "backward_adamw_for"]
 
 # The Trainer's AdamW variants this replaces (the math is torch.optim.AdamW's), and its SGD.
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -48,27 +52,9 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
         {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-    clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
-    # fp16's loss scaler unscales the gradients and skips steps with inf/nan at step(): an
-    # update in backward would apply scaled gradients and bypass that check.
-    scaled = bool(getattr(args, "fp16", False))
-    accelerator = trainer.accelerator
+    clipping, scaled, scheduler = _run_settings(trainer)
     config = config or trainer.offload_config
     precision, state_dir = config.optimizer_precision, config.optimizer_state_dir
-    # The state's look-ahead shares the run's one prefetch scheduler (and its window) with the
-    # activations and streamed weights.
-    runtime = getattr(trainer, "offload_runtime", None)
-    scheduler = getattr(runtime, "scheduler", None)
-    streamer = getattr(runtime, "streamer", None)
-    in_files = streamer.stats.disk_layers if streamer is not None and streamer.trainable else 0
-    if in_files and (clipping or scaled):
-        # Refused here, before the first step, rather than at the first deferred update.
-        why = f"max_grad_norm={args.max_grad_norm}" if clipping else "fp16 loss scaling"
-        raise ConfigError(
-            f"layer_offloading_dir put {in_files} trainable layers in files, whose weights are updated in backward "
-            f"only; {why} defers the updates to step(). Use max_grad_norm: 0 (and bf16 rather than fp16), or raise "
-            "host_budget_bytes so the trainable layers stay in pinned RAM"
-        )
     optimizer: BackwardOptimizer
     if optim in _SGD:
         if precision != "params":
@@ -81,7 +67,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
             groups,
             **{k: kwargs[k] for k in _SGD_KEYS if k in kwargs},
             defer_to_step=clipping or scaled,
-            update_when=lambda: accelerator.sync_gradients,
+            update_when=lambda: _syncs(trainer),
             state_dir=state_dir,
             scheduler=scheduler,
         )
@@ -95,7 +81,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
         # The Trainer clips (and the fp16 scaler unscales) between backward and step():
         # updates then wait for step().
         defer_to_step=clipping or scaled,
-        update_when=lambda: accelerator.sync_gradients,
+        update_when=lambda: _syncs(trainer),
         # The kernel the Trainer's own AdamW would run, so the updates are bitwise its own.
         fused=optim == "adamw_torch_fused",
         state_dir=state_dir,
@@ -107,6 +93,52 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
     }.get(precision, "moments in the parameters' dtype")
     kernel = "the same kernel, in fp32 on widened copies" if precision == "compact" else "the same kernel"
     return optimizer, _note(trainer, optim, f"BackwardAdamW ({kernel})", state, clipping, scaled, args)
+
+
+def attach_for_run(trainer: Any, optimizer: BackwardOptimizer) -> None:
+    """Attach ``optimizer`` (made by :func:`backward_adamw_for` for an earlier run, detached
+    since) to ``trainer``'s run starting now: its hooks again, that run's clipping or fp16
+    deciding whether updates wait for ``step()``, and that run's prefetch scheduler.
+
+    Raises:
+        ConfigError: as :func:`backward_adamw_for`, for this run's settings.
+    """
+    clipping, scaled, scheduler = _run_settings(trainer)
+    optimizer.defer_to_step = clipping or scaled
+    optimizer.use_scheduler(scheduler)
+    optimizer.attach()
+
+
+def _syncs(trainer: Any) -> bool:
+    # Read from the trainer at each call: a hyperparameter search makes a new accelerator.
+    return bool(trainer.accelerator.sync_gradients)
+
+
+def _run_settings(trainer: Any) -> tuple[bool, bool, Any]:
+    """``(clipping, fp16 scaling, scheduler)`` of ``trainer``'s arguments and current run.
+
+    Raises:
+        ConfigError: trainable layers in files with updates deferred to ``step()``.
+    """
+    args = trainer.args
+    clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
+    # fp16's loss scaler unscales the gradients and skips steps with inf/nan at step(): an
+    # update in backward would apply scaled gradients and bypass that check.
+    scaled = bool(getattr(args, "fp16", False))
+    # The state's look-ahead shares the run's one prefetch scheduler (and its window) with the
+    # activations and streamed weights.
+    runtime = getattr(trainer, "offload_runtime", None)
+    streamer = getattr(runtime, "streamer", None)
+    in_files = streamer.stats.disk_layers if streamer is not None and streamer.trainable else 0
+    if in_files and (clipping or scaled):
+        # Refused here, before the first step, rather than at the first deferred update.
+        why = f"max_grad_norm={args.max_grad_norm}" if clipping else "fp16 loss scaling"
+        raise ConfigError(
+            f"layer_offloading_dir put {in_files} trainable layers in files, whose weights are updated in backward "
+            f"only; {why} defers the updates to step(). Use max_grad_norm: 0 (and bf16 rather than fp16), or raise "
+            "host_budget_bytes so the trainable layers stay in pinned RAM"
+        )
+    return clipping, scaled, getattr(runtime, "scheduler", None)
 
 
 def _note(trainer: Any, optim: str, by: str, state: str, clipping: bool, scaled: bool, args: Any) -> str:

@@ -89,12 +89,8 @@ class BackwardOptimizer(Optimizer):
         self._accumulating = False
         self._copies = StateCopies(self._travelling, copy_window_bytes, scheduler)
         self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.requires_grad
-        ]
+        self._handles: list | None = None  # the hooks while attached
+        self.attach()
 
     # -- what a subclass provides ---------------------------------------------------------
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
@@ -252,8 +248,31 @@ class BackwardOptimizer(Optimizer):
                 group.setdefault(key, value)  # a torch.optim checkpoint lacks ours
         return [(p, state_dict["state"].get(i)) for i, p in zip(saved_ids, ours)]
 
+    # -- the hooks' lifetime ------------------------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        """Whether backward updates the parameters (between construction or :meth:`attach`
+        and :meth:`remove`)."""
+        return self._handles is not None
+
+    def attach(self) -> None:
+        """Attach the backward hooks again after :meth:`remove`; nothing when attached."""
+        if self._handles is None:
+            self._handles = [
+                p.register_post_accumulate_grad_hook(self._on_grad)
+                for group in self.param_groups
+                for p in group["params"]
+                if p.requires_grad
+            ]
+
     def remove(self) -> None:
-        """Detach the backward hooks (the optimizer then updates only in :meth:`step`)."""
-        for handle in self._handles:
+        """Detach the backward hooks: a backward then leaves every gradient in place, and the
+        optimizer updates only in :meth:`step`. Nothing when detached."""
+        for handle in self._handles or ():
             handle.remove()
-        self._handles = []
+        self._handles = None
+
+    def use_scheduler(self, scheduler: PrefetchScheduler | None) -> None:
+        """Run the state's look-ahead in ``scheduler`` from now on (a new run's shared window);
+        None: one of its own."""
+        self._copies.use_scheduler(scheduler)

@@ -26,7 +26,7 @@ import torch
 
 from offloadkit.storage.pool import HostBlock
 from offloadkit.transfer import copy_stream, queue_copy
-from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler, Status
+from offloadkit.transfer.prefetch import Ahead, Lane, PrefetchScheduler, Status
 
 __all__ = ["StateCopies"]
 
@@ -49,15 +49,9 @@ class StateCopies:
     def __init__(self, lookup: Lookup, window_bytes: int, scheduler: PrefetchScheduler | None = None) -> None:
         if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 0:
             raise ValueError(f"copy_window_bytes={window_bytes!r} is invalid; use a byte count >= 0")
-        if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
-            raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         self.lookup = lookup
         self.window_bytes = window_bytes
-        self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
-        # A byte window only: parameters come in the learned update order, one group each.
-        self._lane = self.scheduler.lane(
-            "optimizer state", self._fetch_ahead, Ahead(min_bytes=window_bytes, max_bytes=window_bytes)
-        )
+        self.scheduler, self._lane = self._lane_in(scheduler)
         self._order: list[torch.Tensor] = []  # the last pass's update order
         self._position: dict[int, int] = {}
         self._seen: list[torch.Tensor] = []  # this pass's, so far
@@ -69,6 +63,23 @@ class StateCopies:
         self._updating: set[int] = set()  # fetched, not yet stored
         self._devices: dict[int, torch.device] = {}  # where each parameter was last updated
         self._lock = threading.RLock()
+
+    def _lane_in(self, scheduler: PrefetchScheduler | None) -> tuple[PrefetchScheduler, Lane]:
+        if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
+            raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
+        scheduler = scheduler if scheduler is not None else PrefetchScheduler()
+        # A byte window only: parameters come in the learned update order, one group each.
+        ahead = Ahead(min_bytes=self.window_bytes, max_bytes=self.window_bytes)
+        return scheduler, scheduler.lane("optimizer state", self._fetch_ahead, ahead)
+
+    def use_scheduler(self, scheduler: PrefetchScheduler | None) -> None:
+        """Move the look-ahead into ``scheduler`` (None: one of its own): what was fetched ahead
+        is released, and the old scheduler no longer counts this lane."""
+        with self._lock:
+            self._ahead.clear()
+            self._lane.reset()
+            self._lane.close()
+            self.scheduler, self._lane = self._lane_in(scheduler)
 
     # -- host blocks ----------------------------------------------------------------------
     def _block(self, p: torch.Tensor, key: str, host: torch.Tensor) -> HostBlock:

@@ -299,3 +299,67 @@ def test_optimizer_state_dir_keeps_the_state_in_mapped_files(tmp_path):
     assert any("memory-mapped files in" in n for n in trainer.offload_report["notes"])
     assert losses == ref_losses
     assert_bitwise_equal(ref_weights, weights, "weights after training")
+
+
+def _plain_backward_leaves_the_model_alone(model):
+    """A backward outside train(): every gradient stays for the user's own optimizer, and no
+    weight moves."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ids = torch.arange(64).remainder(259).view(2, 32)
+    model(input_ids=ids, labels=ids).loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, f"{len(missing)} gradients were taken by an update: {missing[:3]}"
+    assert_bitwise_equal(before, {n: p.detach().clone() for n, p in model.named_parameters()}, "weights")
+    model.zero_grad(set_to_none=True)
+
+
+def test_the_optimizer_updates_only_inside_train_and_a_second_train_continues_it(tmp_path):
+    """The backward hooks live as long as the run: after train() the model is the user's again,
+    and a second train() (here with clipping on) continues the same optimizer and state under
+    that run's settings, bitwise the plain Trainer's two runs."""
+    runs = {}
+    for cls in (transformers.Trainer, OffloadTrainer):
+        torch.manual_seed(0)
+        model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa")
+        extra = {"offload_config": OFFLOAD} if cls is OffloadTrainer else {}
+        args = _args(tmp_path / cls.__name__, max_grad_norm=0.0, max_steps=3)
+        trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        first = trainer.optimizer.optimizer
+        if cls is OffloadTrainer:
+            assert isinstance(first, BackwardAdamW) and first.updates_in_backward
+            _plain_backward_leaves_the_model_alone(model)
+        trainer.args.max_grad_norm = 1.0  # the Trainer clips now: updates must wait for it
+        trainer.train()
+        assert trainer.optimizer.optimizer is first  # as the Trainer keeps its own
+        losses += [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs[cls] = losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+        if cls is OffloadTrainer:
+            assert "optimizer state" in trainer.offload_report["prefetch"]["lanes"]  # the second run's scheduler
+            _plain_backward_leaves_the_model_alone(model)
+    (ref_losses, ref_weights), (losses, weights) = runs[transformers.Trainer], runs[OffloadTrainer]
+    assert losses == ref_losses and len(losses) == 6
+    assert_bitwise_equal(ref_weights, weights, "weights after two runs")
+
+
+def test_a_train_that_raises_detaches_the_optimizer(tmp_path):
+    class Fail(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("stopped by the test")
+
+    torch.manual_seed(0)
+    model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa")
+    trainer = OffloadTrainer(
+        model=model,
+        args=_args(tmp_path, max_grad_norm=0.0),
+        train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32),
+        callbacks=[Fail()],
+        offload_config=OFFLOAD,
+    )
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, BackwardAdamW)
+    _plain_backward_leaves_the_model_alone(model)
