@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from offloadkit.data import byte_tokenizer, load_texts  # noqa: E402
 from offloadkit.testing import build_llama  # noqa: E402
+from tests.cpu.workdir import foreign_working_directory  # noqa: E402, F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -21,6 +21,7 @@ from offloadkit.integrations.trainer import (  # noqa: E402
     OffloadCallback,
 )
 from offloadkit.testing import build_llama  # noqa: E402
+from tests.cpu.workdir import foreign_working_directory  # noqa: E402, F401
 
 
 class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
@@ -235,8 +236,13 @@ def test_config_aliases_units_and_warnings(tmp_path):
         OffloadConfig.from_file(str(tmp_path / "missing.yaml"))
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _cli(*args, cwd=None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The package under test, whatever the working directory of the command.
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, "-m", "offloadkit", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600
     )
@@ -272,7 +278,7 @@ def test_cli_train_end_to_end_writes_report_plot_and_adapter(tmp_path):
 )
 def test_cli_user_mistakes_are_one_line_errors(tmp_path, content, message):
     config = tmp_path / "bad.yaml"
-    config.write_text(content)
+    config.write_text(f"{content}output_dir: {tmp_path / 'out'}\n")
     proc = _cli("train", str(config))
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.strip().splitlines() if line]
@@ -355,6 +361,9 @@ def test_cli_train_local_model_directory_and_jsonl(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")  # full fine-tune saved
     assert reloaded.config.vocab_size == 259
     bad = tmp_path / "bad.yaml"
-    bad.write_text(f"model: {model_dir}\ndataset: {data}\ntext_field: text\nmax_steps: 1\nseq_len: 32\n")
+    bad.write_text(
+        f"model: {model_dir}\ndataset: {data}\ntext_field: text\nmax_steps: 1\nseq_len: 32\n"
+        f"output_dir: {tmp_path / 'bad-out'}\n"
+    )
     proc = _cli("train", str(bad))
     assert proc.returncode == 2 and "no 'text' field" in proc.stderr
