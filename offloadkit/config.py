@@ -3,9 +3,9 @@
 Keys follow the names users already know (``gradient_checkpointing``,
 ``activation_offloading: true | legacy | disk``, ``layer_offloading``,
 ``activation_loading_horizon``); SageMaker's ``sm_activation_offloading`` is accepted as an
-alias. Unknown keys, wrong types and impossible combinations raise
-:class:`ConfigError` naming the key, the value and the fix; settings that cannot take
-effect produce one warning each.
+alias. Wrong types and impossible combinations raise :class:`ConfigError` naming the key,
+the value and the fix; unknown keys, one short line naming them (the first few), any close
+match and where the keys are listed. Settings that cannot take effect produce one warning each.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, Iterable, TypeVar
 
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.engine.options import ActivationOptions
@@ -39,6 +39,8 @@ __all__ = [
     "load_mapping",
     "check_keys",
     "check_writable_dir",
+    "unknown_keys",
+    "KEYS_HELP",
 ]
 
 ALIASES = {"sm_activation_offloading": "activation_offloading"}
@@ -159,20 +161,48 @@ def load_mapping(path: str) -> dict:
     return data
 
 
+# Where a user finds every key; the messages name it rather than list 100+ keys.
+KEYS_HELP = "see offloadkit train --help for the keys"
+
+
+def _shown(key: Any, width: int = 40) -> str:
+    text = repr(key)
+    return text if len(text) <= width else text[: width - 4] + "...'"
+
+
+def unknown_keys(keys: list, known: Iterable[str], cutoff: float = 0.75, width: int = 110) -> str:
+    """``unknown key 'x' (did you mean 'y'?)``, or for several ``3 unknown keys: ...``: those with
+    a close match in ``known`` first, as many as fit in about ``width`` characters, then how
+    many more. The caller adds the fix (e.g. :data:`KEYS_HELP`)."""
+    candidates = sorted({str(k) for k in known})
+    described = []
+    for key in keys:
+        close = difflib.get_close_matches(str(key), candidates, n=1, cutoff=cutoff)
+        described.append((not close, f"{_shown(key)} (did you mean {close[0]!r}?)" if close else _shown(key)))
+    parts = [text for _, text in sorted(described, key=lambda item: item[0])]  # close matches first (stable)
+    if len(parts) == 1:
+        return f"unknown key {parts[0]}"
+    shown = parts[:1]
+    for part in parts[1:]:
+        if len(", ".join(shown + [part])) > width:
+            break
+        shown.append(part)
+    more = f" and {len(parts) - len(shown)} more" if len(shown) < len(parts) else ""
+    return f"{len(parts)} unknown keys: {', '.join(shown)}{more}"
+
+
 def check_keys(data: dict, known: list[str], source: str) -> dict:
-    """Apply aliases and reject unknown keys with a suggestion."""
+    """Apply aliases and reject unknown keys, all in one line: each with a close match, if any."""
     out = {}
-    problems: list[tuple[str, bool]] = []
+    unknown = []
     for key, value in data.items():
         key = ALIASES.get(key, key)
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
-            problems.append((f"unknown key {key!r} (value {value!r}); {hint}", False))
+            unknown.append(key)
             continue
         out[key] = value
-    if problems:
-        raise ConfigProblemsError(source, problems)  # every unknown key at once
+    if unknown:
+        raise ConfigProblemsError(source, [(f"{unknown_keys(unknown, known)}; {KEYS_HELP}", False)])
     return out
 
 

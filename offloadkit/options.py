@@ -1,6 +1,7 @@
 """What every component's options dataclass shares: each field names the config key it is
-read from (``field(metadata={"key": ...})``), and its checks raise ``ValueError`` naming that
-key, the value and the fix.
+read from (``field(metadata={"key": ...})``), and its checks raise ``ValueError`` naming the
+setting as the caller wrote it (the config key when a config builds the options, the field
+when Python code does: ``DiskOptions(directory=...)``), the value and the fix.
 
 A component owns its options beside it (``engine/options.py``, ``layers/options.py``, ...):
 the fields, their defaults and their documentation are stated there once.
@@ -10,10 +11,15 @@ no default.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any
 
 __all__ = ["Options", "option"]
+
+# True while a config builds options (``Options.from_config``): their messages then name the
+# config keys the user wrote rather than the fields.
+_FROM_CONFIG: contextvars.ContextVar[bool] = contextvars.ContextVar("offloadkit_options_from_config", default=False)
 
 
 def option(default: Any, key: str) -> Any:
@@ -37,16 +43,27 @@ class Options:
     @classmethod
     def from_config(cls, config: Any):
         """These options as ``config`` (anything with the config keys as attributes) sets them."""
-        return cls(**{name: getattr(config, key) for key, name in cls.keys().items()})
+        values = {name: getattr(config, key) for key, name in cls.keys().items()}
+        token = _FROM_CONFIG.set(True)
+        try:
+            return cls(**values)
+        finally:
+            _FROM_CONFIG.reset(token)
 
     def key(self, name: str) -> str:
+        """The config key of field ``name``."""
         return next(f.metadata.get("key", f.name) for f in dataclasses.fields(self) if f.name == name)  # type: ignore[arg-type]
+
+    def named(self, name: str) -> str:
+        """Field ``name`` as the caller wrote it, for messages: its config key while a config
+        builds these options, else the field's own name."""
+        return self.key(name) if _FROM_CONFIG.get() else name
 
     def _bool(self, name: str) -> None:
         value = getattr(self, name)
         if not isinstance(value, bool):
             raise ValueError(
-                f"{self.key(name)}={value!r} has the wrong type ({type(value).__name__}); expected true or false"
+                f"{self.named(name)}={value!r} has the wrong type ({type(value).__name__}); expected true or false"
             )
 
     def _int(self, name: str, low: int, what: str, optional: bool = False) -> None:
@@ -56,15 +73,15 @@ class Options:
         if not isinstance(value, int) or isinstance(value, bool):
             extra = ", or omit it" if optional else ""
             raise ValueError(
-                f"{self.key(name)}={value!r} has the wrong type ({type(value).__name__}); "
+                f"{self.named(name)}={value!r} has the wrong type ({type(value).__name__}); "
                 f"expected an integer >= {low}{extra}"
             )
         if value < low:
-            raise ValueError(f"{self.key(name)}={value!r} is too small; it must be >= {low} ({what})")
+            raise ValueError(f"{self.named(name)}={value!r} is too small; it must be >= {low} ({what})")
 
     def _path(self, name: str) -> None:
         value = getattr(self, name)
         if value is not None and not isinstance(value, str):
             raise ValueError(
-                f"{self.key(name)}={value!r} has the wrong type ({type(value).__name__}); expected a directory path"
+                f"{self.named(name)}={value!r} has the wrong type ({type(value).__name__}); expected a directory path"
             )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offloadkit.data.text import FORMATS, TokenBlocks, load_texts
+from offloadkit.data.text import FORMATS, TokenBlocks, load_texts, read_text
 
 __all__ = [
     "DatasetSpec",
@@ -90,10 +90,9 @@ def load_records(path: str) -> list:
     """The records of a ``.jsonl`` file (one per line) or a ``.json`` array (or JSON Lines).
 
     Raises:
-        ValueError: malformed JSON, naming the file and line.
+        ValueError: not UTF-8 or malformed JSON, naming the file and where.
     """
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(path)
     if path.lower().endswith(".json"):
         try:
             data = json.loads(text)

@@ -2,18 +2,66 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from importlib import resources
 
 import torch
 
-__all__ = ["DEFAULT_CORPUS", "FORMATS", "load_texts", "TokenBlocks"]
+__all__ = ["DEFAULT_CORPUS", "FORMATS", "load_texts", "not_utf8", "read_text", "TokenBlocks"]
 
 DEFAULT_CORPUS = "shakespeare.txt"
 
 
 FORMATS = (".txt", ".jsonl", ".json")
+
+
+def not_utf8(path: str) -> ValueError:
+    """The error for a dataset file that is not UTF-8: its first invalid byte and the fix.
+
+    The file is decoded again in chunks to find the byte: the error of a text-mode read counts
+    from the start of its read buffer, not of the file."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = newlines = 0  # bytes and newlines before the chunk being decoded
+    head = b""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            head = head or chunk[:2]
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                # The decoder holds back an unfinished character's bytes: they lead its input.
+                held = len(exc.object) - len(chunk)
+                at = offset - held + exc.start
+                line = newlines + exc.object.count(b"\n", 0, exc.start) + 1
+                break
+            if not chunk:
+                at, line = offset, newlines + 1  # decodes after all: report where it ends
+                break
+            offset += len(chunk)
+            newlines += chunk.count(b"\n")
+    source = "utf-16" if head in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE) else "latin1"
+    name = os.path.basename(path)
+    stem, ext = os.path.splitext(name)
+    return ValueError(
+        f"{path}: not UTF-8 (byte {at}, line {line}); re-encode it as UTF-8, "
+        f"e.g. iconv -f {source} -t utf-8 {name} > {stem}.utf8{ext}"
+    )
+
+
+def read_text(path: str) -> str:
+    """The whole of a dataset file as text (UTF-8, universal newlines).
+
+    Raises:
+        ValueError: the file is not UTF-8 (naming the file, the byte and the fix).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
 
 
 def _record_text(record, text_field: str, where: str) -> str:
@@ -33,22 +81,24 @@ def _record_text(record, text_field: str, where: str) -> str:
 
 def _json_lines(path: str, text_field: str) -> list[str]:
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-            texts.append(_record_text(record, text_field, f"{path}:{number}"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+                texts.append(_record_text(record, text_field, f"{path}:{number}"))
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
     return texts
 
 
 def _json_document(path: str, text_field: str) -> list[str]:
     """A ``.json`` file: an array of records (or strings), else JSON Lines under that name."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -75,7 +125,7 @@ def load_texts(path: str | None = None, text_field: str = "text") -> list[str]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: another format, malformed JSON, a missing field, or no text.
+        ValueError: another format, not UTF-8, malformed JSON, a missing field, or no text.
     """
     if path is None:
         return [resources.files("offloadkit.data").joinpath(DEFAULT_CORPUS).read_text(encoding="utf-8")]
@@ -88,8 +138,7 @@ def load_texts(path: str | None = None, text_field: str = "text") -> list[str]:
             'to .jsonl (one {"text": ...} per line), .json or .txt'
         )
     if ext == ".txt":
-        with open(path, encoding="utf-8") as f:
-            texts = [f.read()]
+        texts = [read_text(path)]
     elif ext == ".jsonl":
         texts = _json_lines(path, text_field)
     else:

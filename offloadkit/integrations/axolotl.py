@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import warnings
 
-from offloadkit.config import ConfigProblemsError
+from offloadkit.config import KEYS_HELP, ConfigProblemsError, unknown_keys
 
 __all__ = ["looks_like_axolotl", "to_train_dict", "RENAMED", "WITHOUT_EFFECT", "UNSUPPORTED"]
 
@@ -330,11 +330,6 @@ def _unset(value) -> bool:
     return value is None or value == "" or value == [] or value == {}
 
 
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.8)
-    return f"did you mean {close[0]!r}?" if close else "see offloadkit train --help for the keys"
-
-
 class _Mapper:
     """One config's mapping: the output dict, names as written, warnings and problems."""
 
@@ -372,7 +367,16 @@ class _Mapper:
             return None
         unknown = [k for k in entry if k not in _DATASET_KEYS]
         if unknown:
-            self.fail(f"{where} has unknown keys {unknown}; offloadkit reads {', '.join(_DATASET_KEYS)}")
+            shown = [str(k) for k in unknown[:3]]
+            more = f" and {len(unknown) - len(shown)} more" if len(unknown) > len(shown) else ""
+            close = {k: difflib.get_close_matches(k, _DATASET_KEYS, n=1, cutoff=0.8) for k in shown}
+            hints = [f"{c[0]!r} for {k!r}" for k, c in close.items() if c]
+            shown = [k if len(k) <= 40 else k[:37] + "..." for k in shown]
+            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            self.fail(
+                f"{where} has unknown keys {shown}{more}{hint}; drop them (offloadkit reads Axolotl's path, type, "
+                "field and chat_template keys)"
+            )
         kind = entry.get("type", "completion")
         if not isinstance(kind, str) or kind not in _TYPES:
             self.refuse(
@@ -417,7 +421,7 @@ class _Mapper:
 
 
 def _map_keys(data: dict, m: _Mapper) -> None:
-    known = sorted(set(m.native) | _AXOLOTL_ONLY)
+    unknown = []
     for key, value in data.items():
         if key == "batch_size" and "micro_batch_size" in data:
             # Axolotl's batch_size is the whole step (micro-batches x accumulation); offloadkit's
@@ -462,7 +466,9 @@ def _map_keys(data: dict, m: _Mapper) -> None:
         elif key in m.native:
             m.put(key, value, key)
         else:
-            m.fail(f"unknown key {key!r} (value {value!r}); {_suggest(key, known)}")
+            unknown.append(key)
+    if unknown:
+        m.fail(f"{unknown_keys(unknown, set(m.native) | _AXOLOTL_ONLY, cutoff=0.8)}; {KEYS_HELP}")
 
 
 def _map_adapter(data: dict, m: _Mapper) -> None:

@@ -82,13 +82,13 @@ class DiskOptions(Options):
 
     def __post_init__(self) -> None:
         if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
-            raise ValueError(f"disk_dir={self.directory!r} is invalid; pass a path (str) or None")
+            raise ValueError(f"{self.named('directory')}={self.directory!r} is invalid; pass a path (str) or None")
         if self.directory is not None:
             self.directory = os.fspath(self.directory)
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
-            raise ValueError(f"disk_threads={self.threads!r} is invalid; pass an int >= 1")
+            raise ValueError(f"{self.named('threads')}={self.threads!r} is invalid; pass an int >= 1")
         if self.direct_io not in (True, False, "auto"):
-            raise ValueError(f"direct_io={self.direct_io!r} is invalid; use true, false or auto")
+            raise ValueError(f"{self.named('direct_io')}={self.direct_io!r} is invalid; use true, false or auto")
         for name in ("max_inflight_bytes", "segment_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

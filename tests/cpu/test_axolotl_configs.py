@@ -251,3 +251,38 @@ def test_survey_script_tallies_a_checkout(tmp_path):
         "does not have, 1 failing"
     ) in proc.stdout, proc.stdout
     assert "typo.yml" in proc.stdout and "did you mean 'lora_alpha'?" in proc.stdout
+
+
+def test_unknown_keys_of_an_axolotl_config_are_one_short_line():
+    """Axolotl's modal.yaml keys (the cloud runner's) next to a training config: named, the first
+    few and how many, with where the keys are listed; not every known key, nor the values."""
+    modal = {
+        "project_name": "x" * 300,
+        "volumes": [{"name": "axolotl-data", "mount": "/workspace/data"}] * 20,
+        "secrets": ["HF_TOKEN", "WANDB_API_KEY"],
+        "branch": "main",
+        "gpu": "h100",
+        "gpu_count": 1,
+        "memory": 128,
+        "timeout": 86400,
+        "memory_preprocess": 32,
+        "timeout_preprocess": 14400,
+    }
+    with pytest.raises(ConfigProblemsError) as info:
+        TrainConfig.from_dict(dict(BASE, lerning_rate=1e-4, **modal), source="axolotl.yaml", cuda=False)
+    message = str(info.value)
+    assert len(message) <= 200 and "\n" not in message, (len(message), message)
+    assert message.startswith("axolotl.yaml: 11 unknown keys: 'lerning_rate' (did you mean 'learning_rate'?)")
+    assert "more; see offloadkit train --help for the keys" in message
+    assert "wandb_project" not in message and "HF_TOKEN" not in message
+
+
+def test_unknown_dataset_keys_are_named_without_listing_every_key():
+    entry = {"path": "a.jsonl", "type": "completion", "fields": "text", "foo": 1, "bar": 2, "baz": 3}
+    with pytest.raises(ConfigProblemsError) as info:
+        TrainConfig.from_dict(dict(BASE, datasets=[entry]), source="axolotl.yaml", cuda=False)
+    message = str(info.value)
+    assert len(message) <= 200 and "\n" not in message, (len(message), message)
+    assert "datasets[0] has unknown keys ['fields', 'foo', 'bar'] and 1 more" in message
+    assert "did you mean 'field' for 'fields'?" in message and "drop them" in message
+    assert "preprocess_shards" not in message  # not the list of the keys offloadkit reads

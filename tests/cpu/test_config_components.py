@@ -56,14 +56,11 @@ def test_a_config_gives_each_component_its_options():
 @pytest.mark.parametrize(
     "component, kwargs, message",
     [
-        (StreamingOptions, {"depth": 0}, "layer_offloading_depth=0 is too small"),
-        (ActivationOptions, {"max_fwd_stash_size": 0}, "max_fwd_stash_size=0 is too small"),
         (ActivationOptions, {"mode": "sometimes"}, "activation_offloading='sometimes' is not a mode"),
         (ActivationOptions, {"mode": 1}, "activation_offloading=1 is not a mode"),
         (OptimizerOptions, {"precision": "fp8"}, "optimizer_precision='fp8' is not a precision"),
         (LongContextOptions, {"tiled_projections": True}, "needs tiled_mlp: true"),
         (CheckpointOptions, {"block_input_placement": ("recompute", "gpu")}, "layer 0's input cannot be recomputed"),
-        (DiskOptions, {"threads": 0}, "disk_threads=0 is invalid"),
     ],
 )
 def test_a_component_names_the_config_key_in_its_errors(component, kwargs, message):
@@ -72,6 +69,64 @@ def test_a_component_names_the_config_key_in_its_errors(component, kwargs, messa
     key = next(k for k, n in component.keys().items() if n == next(iter(kwargs)))
     with pytest.raises(ConfigError, match=message):
         OffloadConfig.from_dict({key: next(iter(kwargs.values()))})
+
+
+@pytest.mark.parametrize(
+    "component, field, value, message",
+    [
+        (DiskOptions, "directory", 123, "=123 is invalid; pass a path"),
+        (DiskOptions, "threads", 0, "=0 is invalid; pass an int >= 1"),
+        (StreamingOptions, "depth", 0, "=0 is too small"),
+        (StreamingOptions, "disk_dir", 5, "=5 has the wrong type"),
+        (ActivationOptions, "loading_horizon", -1, "=-1 is too small"),
+        (LongContextOptions, "mlp_shards", "many", "='many' has the wrong type"),
+        (OptimizerOptions, "enabled", "yes", "='yes' has the wrong type"),
+    ],
+)
+def test_an_error_names_the_setting_as_the_caller_wrote_it(component, field, value, message):
+    """Python code passed the field (``DiskOptions(directory=123)``); a config, the key (``disk_dir``)."""
+    key = component().key(field)
+    assert key != field
+    for source in ("python", "config", "python again"):  # the config's naming ends with it
+        with pytest.raises(ValueError) as err:
+            if source == "config":
+                OffloadConfig.from_dict({key: value})
+            else:
+                component(**{field: value})
+        expected = f"{key if source == 'config' else field}{message}"
+        assert str(err.value).startswith(expected), (source, str(err.value))
+    assert isinstance(err.value, ValueError) and not isinstance(err.value, ConfigError)
+
+
+@pytest.mark.parametrize(
+    "data, named, close",
+    [
+        ({"activation_offlaoding": True}, "'activation_offlaoding'", "did you mean 'activation_offloading'?"),
+        ({"volumes": [{"name": "data", "mount": "/workspace/data"}] * 50}, "unknown key 'volumes'", None),
+        (
+            {k: 1 for k in ("gpu", "gpu_count", "memory", "timeout", "memory_preprocess", "timeout_preprocess")}
+            | {"project_name": "x" * 500, "branch": None, "secrets": ["HF_TOKEN"] * 200, "dockerfile_commands": None},
+            "10 unknown keys: 'gpu', 'gpu_count',",
+            None,
+        ),
+        (
+            {"a" * 300: 1, "gradient_checkpoint": True, "b": 2},
+            "3 unknown keys: 'gradient_checkpoint' (did you mean 'gradient_checkpointing'?)",
+            None,
+        ),
+    ],
+    ids=["close match", "no close match", "many keys", "long key"],
+)
+def test_unknown_keys_are_one_short_line_with_the_fix(data, named, close):
+    """Named (the first few, and how many), with a close match if any, and where the keys are
+    listed: not every key offloadkit knows, nor the values."""
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig.from_dict(data, source="modal.yaml")
+    message = str(err.value)
+    assert len(message) <= 200 and "\n" not in message, (len(message), message)
+    assert named in message and "offloadkit train --help" in message
+    assert close is None or close in message
+    assert "host_budget_bytes" not in message  # no list of the known keys
 
 
 def test_keys_of_different_components_are_checked_together():
