@@ -263,10 +263,13 @@ def prepare(
     config applied). Such a run (and one with ``gpu_budget_bytes``) switches the CUDA caching
     allocator to expandable segments, unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
 
-    ``optimizer`` tells the planner when a full fine-tune's optimizer updates (the Trainer
-    mixins pass what their arguments say); None assumes the Trainer's default clipping
-    (``max_grad_norm=1.0``), which holds every gradient until ``step()``. A loop that steps
-    BackwardAdamW without clipping passes ``OptimizerSetup(updates_in_backward=True)``.
+    ``optimizer`` tells the planner whether a full fine-tune's optimizer may be replaced by
+    BackwardAdamW (its state in host memory) and when it updates; the Trainer mixins pass
+    what their arguments and optimizer say. None, for a loop that builds its own optimizer:
+    the state is planned in host memory only with ``optimizer_offloading: true`` (the loop
+    then steps BackwardAdamW), under the Trainer's default clipping (``max_grad_norm=1.0``,
+    every gradient held until ``step()``). A loop that steps BackwardAdamW without clipping
+    passes ``OptimizerSetup(updates_in_backward=True)``.
 
     Raises:
         ConfigError: the disk tier's directory is a file or cannot be written.
@@ -280,6 +283,16 @@ def prepare(
     gpu_cap = _cap_gpu_memory(config.gpu_budget_bytes)  # before anything allocates under the plan
     chosen = None
     if config.offload_plan == "auto":
+        if optimizer is None:
+            from offloadkit.planning import OptimizerSetup
+
+            # Without a Trainer nothing replaces the loop's optimizer: only one asked for moves.
+            asked = config.optimizer_offloading
+            optimizer = OptimizerSetup(
+                replaceable=asked,
+                source="assumed: max_grad_norm=1.0; optimizer_offloading: "
+                + ("true, BackwardAdamW" if asked else "false, the loop's own optimizer"),
+            )
         chosen = plan_for(model, config, seq_len, optimizer)
         config = config.replace(**chosen.to_config())
     runtime = OffloadRuntime(model, config)

@@ -322,12 +322,29 @@ class OffloadCallback(_CallbackBase):
 
 
 def _planned_optimizer(trainer: Any):
-    """What ``offload_plan: auto`` may assume of this Trainer's optimizer: its updates wait
-    for ``step()`` under clipping, fp16 loss scaling or gradient accumulation (every gradient
-    held), as :func:`~offloadkit.integrations.optimizer.backward_adamw_for` sets it up."""
+    """What ``offload_plan: auto`` may assume of this Trainer's optimizer: its AdamW or SGD
+    may be replaced by one with the state in host memory (not one passed in, another
+    algorithm, or DeepSpeed's); its updates wait for ``step()`` under clipping, fp16 loss
+    scaling or gradient accumulation (every gradient held), as
+    :func:`~offloadkit.integrations.optimizer.backward_adamw_for` sets it up."""
+    from offloadkit.integrations.optimizer import _ADAMW, _SGD
+    from offloadkit.optim import BackwardOptimizer
     from offloadkit.planning import OptimizerSetup
 
     args = trainer.args
+    optim = str(getattr(args.optim, "value", args.optim))
+    given = getattr(trainer, "optimizer", None)  # passed in, or kept from an earlier train()
+    given = getattr(given, "optimizer", given)  # inside Accelerate's wrapper
+    if given is not None and not isinstance(given, BackwardOptimizer):
+        fixed = f"the Trainer already has its optimizer, {type(given).__name__}"
+    elif getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+        fixed = "optimizer_cls_and_kwargs was given"
+    elif getattr(args, "deepspeed", None):
+        fixed = "DeepSpeed builds the optimizer"
+    elif optim not in _ADAMW + _SGD:
+        fixed = f"optim={optim!r} is not AdamW or SGD"
+    else:
+        fixed = ""
     norm = getattr(args, "max_grad_norm", None) or 0
     deferring = [
         *([f"max_grad_norm={norm}"] if norm > 0 else []),
@@ -337,6 +354,13 @@ def _planned_optimizer(trainer: Any):
             if getattr(args, "gradient_accumulation_steps", 1) > 1
             else []
         ),
+        *(
+            [f"the given {type(given).__name__} updates at step()"]
+            if given is not None and not fixed and not given.updates_in_backward
+            else []
+        ),
     ]
-    source = "Trainer: " + (", ".join(deferring) if deferring else "max_grad_norm=0, no fp16, no accumulation")
-    return OptimizerSetup(updates_in_backward=not deferring, source=source)
+    source = "Trainer: " + (
+        fixed or ", ".join(deferring) or f"optim={optim!r}, max_grad_norm=0, no fp16, no accumulation"
+    )
+    return OptimizerSetup(replaceable=not fixed, updates_in_backward=not deferring, source=source)

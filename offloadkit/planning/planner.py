@@ -55,6 +55,10 @@ class OptimizerSetup:
     """What a full fine-tune's optimizer lets the plan assume.
 
     Attributes:
+        replaceable: the run's optimizer may be replaced by BackwardAdamW (or BackwardSGD),
+            whose state lives in host memory, so the plan may offer that (the Trainer's own
+            AdamW or SGD). False: the state stays where the run's optimizer keeps it (one
+            passed to the Trainer, Adafactor, 8-bit Adam, ...), counted as AdamW's on the GPU.
         updates_in_backward: with the state in host memory, each parameter is updated in
             backward and its gradient freed at once. False, the Trainer's default
             (``max_grad_norm=1.0``): clipping, fp16 loss scaling or gradient accumulation
@@ -66,16 +70,18 @@ class OptimizerSetup:
         True
     """
 
+    replaceable: bool = True
     updates_in_backward: bool = False
     source: str = "assumed: the Trainer's default max_grad_norm=1.0"
 
     def describe(self) -> str:
-        """When the updates happen, and why that was assumed."""
-        when = (
-            "updated in backward, one gradient held at a time"
-            if self.updates_in_backward
-            else "updates at step(), every gradient held until then"
-        )
+        """When the updates happen (or that the state cannot move), and why that was assumed."""
+        if not self.replaceable:
+            when = "not replaceable, state on the GPU"
+        elif self.updates_in_backward:
+            when = "updated in backward, one gradient held at a time"
+        else:
+            when = "updates at step(), every gradient held until then"
         return f"{when} ({self.source})"
 
 
@@ -278,7 +284,7 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
 FINER_TILES = (2, 4, 8, 16, 32)
 
 
-def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, Features]]:
+def _candidates(w: Workload, b: Budgets, stream_depth: int, state_movable: bool = True) -> list[tuple[str, Features]]:
     mlp_shards = auto_mlp_shards(w.tokens, w.shape.intermediate)
     base = Features(
         checkpointing=True,
@@ -291,7 +297,7 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int) -> list[tuple[str, F
         ("checkpointing", base),
         ("checkpointing + block-input offload", replace(offload, ram_blocks=_ram_blocks(w, offload, b))),
     ]
-    if not w.lora_rank:
+    if not w.lora_rank and state_movable:
         # A full fine-tune's AdamW state in host memory (its gradients too, where the updates
         # run in backward); with it, the layers' weights can stream too.
         for name, f in list(out):
@@ -404,8 +410,9 @@ def plan(
         dtype_bytes: 2 for bf16/fp16 weights and activations.
         stream_depth: layers resident when streaming.
         optimizer_precision: a full fine-tune's AdamW state: "params", "fp32_master" or "compact".
-        optimizer: when a full fine-tune's optimizer updates (None: :class:`OptimizerSetup`'s
-            defaults, the Trainer's clipping).
+        optimizer: whether a full fine-tune's optimizer may keep its state in host memory,
+            and when it updates (None: :class:`OptimizerSetup`'s defaults: replaceable, the
+            Trainer's clipping).
 
     Returns:
         The fastest :class:`Plan` that fits, or the most frugal one with ``fits=False``.
@@ -419,7 +426,8 @@ def plan(
     w = _workload(model, seq_len, batch, lora_rank, layers, dtype_bytes, optimizer_precision, optimizer)
     b = budgets if budgets is not None else Budgets.detect()
     results = []
-    for name, f in _candidates(w, b, stream_depth):
+    # Only what the run can realise: an optimizer that cannot be replaced keeps its state.
+    for name, f in _candidates(w, b, stream_depth, optimizer.replaceable):
         m = estimate_memory(w, f)
         t = estimate_time(w, f, b.rates, m.block_placement)
         reasons = _check(w, m, b)
@@ -664,9 +672,11 @@ def physical_limit(
     """
     w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes, optimizer_precision, optimizer)
     pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
-    # A full fine-tune's AdamW state lives in host RAM where RAM holds it.
+    # A full fine-tune's AdamW state lives in host RAM where RAM holds it, and the optimizer
+    # can be replaced by one that keeps it there.
     state = 0 if lora_rank else w0.shape.params * w0.optimizer_state_bytes
-    state_on_host = bool(state) and state <= budgets.host_bytes
+    movable = (optimizer or OptimizerSetup()).replaceable
+    state_on_host = bool(state) and movable and state <= budgets.host_bytes
     # Streamed weights (frozen, or trainable ones whose state is in host RAM) live in host RAM
     # beside the state; where RAM cannot hold them they stay on the GPU.
     streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes

@@ -5,6 +5,7 @@ model as built."""
 from dataclasses import replace
 
 import pytest
+import torch
 
 from offloadkit.planning import Budgets, estimate_memory, estimate_time, plan
 from offloadkit.testing import build_llama
@@ -131,3 +132,92 @@ def test_cli_plan_assumes_clipping_and_takes_max_grad_norm():
     assert f"| GPU peak allocated | {free.memory.gpu_peak / GiB:.2f} GiB" in out
     assert "updated in backward, one gradient held at a time" in out
     assert clipped.memory.gpu_peak != free.memory.gpu_peak
+
+
+SMALL = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=259,
+)
+
+
+def _planned_trainer(tmp_path, optim, optimizers=None):
+    """A bf16 full fine-tune whose 48 MiB GPU budget holds the weights but not also the
+    gradients and AdamW state (with AdamW the plan moves the state to the host), trained two
+    steps; returns the trainer, the plan prepare() applied and the losses."""
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    class Recording(ActivationOffloadingMixin, transformers.Trainer):
+        def create_optimizer(self, *args, **kwargs):
+            self.applied_plan = self.offload_runtime.plan
+            return super().create_optimizer(*args, **kwargs)
+
+    model = build_llama(SMALL, attn_implementation="sdpa", dtype=torch.bfloat16)
+    extra = {"optimizers": optimizers(model)} if optimizers else {}
+    args = _trainer_args(
+        tmp_path,
+        optim=optim,
+        max_grad_norm=0.0,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+    )
+    trainer = Recording(
+        model=model,
+        args=args,
+        train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32),
+        offload_config={"offload_plan": "auto", "seq_len": 32, "batch_size": 2, "gpu_budget_bytes": 48 << 20},
+        **extra,
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, trainer.applied_plan, losses
+
+
+@pytest.mark.parametrize(
+    "optim,optimizers",
+    [
+        ("adafactor", None),
+        ("adamw_torch", lambda model: (torch.optim.AdamW(model.parameters(), lr=1e-3), None)),
+    ],
+    ids=["adafactor", "given-adamw"],
+)
+def test_a_trainer_whose_optimizer_cannot_be_replaced_is_planned_with_its_state_on_the_gpu(tmp_path, optim, optimizers):
+    """Adafactor, or an optimizer passed to the Trainer: nothing can replace it, so the plan
+    never offers the state in host memory (it would fail at create_optimizer, or leave the
+    state on the GPU it was not counted on); it counts gradients and state on the GPU, and
+    training runs."""
+    trainer, applied, losses = _planned_trainer(tmp_path, optim, optimizers)
+    assert not applied.features.optimizer_offloading and not applied.optimizer.replaceable
+    params = applied.workload.shape.params
+    assert applied.memory.gpu_parts["trainable state"] == params * (2 + 4)  # bf16 gradients and moments
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_the_trainers_own_adamw_still_moves_its_state_to_the_host(tmp_path):
+    from offloadkit.optim import BackwardAdamW
+
+    trainer, applied, losses = _planned_trainer(tmp_path, "adamw_torch")
+    assert applied.features.optimizer_offloading and applied.fits
+    assert isinstance(trainer.optimizer.optimizer, BackwardAdamW) and len(losses) == 2
+
+
+def test_plain_prepare_moves_the_optimizer_state_only_when_asked():
+    """Without a Trainer nothing replaces the loop's optimizer: the plan keeps the state on
+    the GPU unless ``optimizer_offloading: true`` says the loop steps BackwardAdamW."""
+    from offloadkit.compose import prepare
+
+    model = build_llama(SMALL, attn_implementation="sdpa", dtype=torch.bfloat16)
+    config = {"offload_plan": "auto", "seq_len": 32, "batch_size": 2, "gpu_budget_bytes": 48 << 20}
+    for asked in (False, True):
+        runtime = prepare(model, dict(config, optimizer_offloading=asked), optimizer=None)
+        try:
+            assert runtime.plan.features.optimizer_offloading is asked
+            assert runtime.plan.optimizer.replaceable is asked
+        finally:
+            runtime.close()
