@@ -9,6 +9,16 @@ gradients are held until then). Inside ``with optimizer.accumulating():`` backwa
 accumulates; the update happens in the backward after it. With a loss scaler (fp16) or a
 Trainer that clips between backward and ``step()``, ``defer_to_step=True``.
 
+A gradient that comes in pieces waits too. Reentrant checkpointing (``use_reentrant=True``)
+recomputes each segment in backward and runs a backward of its own through it, so a parameter
+used in two segments has its hook called once per segment, the first time with part of its
+gradient. A hook called inside such a nested backward leaves the gradient to accumulate, and
+:meth:`~BackwardOptimizer.step` updates the parameter once, with the whole gradient (held
+until then). Everywhere else a parameter's uses meet in one accumulation before its hook runs
+(tied weights included), so it is updated in backward. A parameter updated in backward before
+a nested backward adds to its gradient (used inside and outside reentrant checkpoints) is an
+error: non-reentrant checkpointing updates every parameter in backward.
+
 Where the state rests: pinned host memory by default. With ``state_dir`` each state tensor is
 a file in that directory mapped into memory (the file is unlinked at once, so nothing is left
 behind): the OS keeps in RAM what fits and pages the rest to disk, for hosts whose RAM cannot
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from typing import Callable, Iterable
 
@@ -35,6 +46,22 @@ from offloadkit.optim.state_copies import StateCopies
 from offloadkit.transfer.prefetch import PrefetchScheduler
 
 __all__ = ["BackwardOptimizer"]
+
+# The engine runs an autograd Function's backward through this method.
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _in_function_backward() -> bool:
+    """Whether this thread runs inside an autograd Function's backward: a backward started
+    there (a reentrant checkpoint's segment) is nested in another one, which may still add to
+    the gradients it accumulates. A nested backward runs on the thread of the Function that
+    started it, so that Function's frame is on this thread's stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class BackwardOptimizer(Optimizer):
@@ -87,6 +114,7 @@ class BackwardOptimizer(Optimizer):
         self.update_when = update_when
         self.defer_to_step = defer_to_step
         self._accumulating = False
+        self._updated: set[int] = set()  # parameters updated in backward since the last step()
         self._copies = StateCopies(self._travelling, copy_window_bytes, scheduler)
         self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
         self._handles: list | None = None  # the hooks while attached
@@ -191,6 +219,15 @@ class BackwardOptimizer(Optimizer):
             return  # clipping needs every gradient first, or accumulating: step() updates
         if self.update_when is not None and not self.update_when():
             return
+        if _in_function_backward():
+            if id(p) in self._updated:
+                raise RuntimeError(
+                    f"offloadkit: a {list(p.shape)} parameter was updated in backward, then got more gradient from "
+                    "a reentrant checkpoint's backward (it is used inside and outside reentrantly checkpointed code); "
+                    "checkpoint with use_reentrant=False, or pass defer_to_step=True to update at step()"
+                )
+            return  # another segment may add to this gradient: step() updates with the whole
+        self._updated.add(id(p))
         self._update(p)
 
     # -- the Optimizer interface -------------------------------------------------------------
@@ -206,7 +243,8 @@ class BackwardOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Update the parameters whose gradients are still waiting (clipping first when
-        ``max_grad_norm`` is set); those updated in backward have none left."""
+        ``max_grad_norm`` is set, or pieced together in reentrant checkpoints); those updated
+        in backward have none left."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -216,6 +254,7 @@ class BackwardOptimizer(Optimizer):
             torch.nn.utils.clip_grad_norm_(waiting, self.max_grad_norm)
         for p in waiting:
             self._update(p)
+        self._updated.clear()
         self._copies.end_pass()
         return loss
 

@@ -37,7 +37,9 @@ until the end of backward, as without this optimizer), which clips exactly as
 accumulation: inside ``with optimizer.accumulating():`` backward only accumulates; the
 update happens in the backward after it (or at :meth:`step` when deferred). With a loss
 scaler (fp16), pass ``defer_to_step=True`` and call ``scaler.step(optimizer)``: an update in
-backward would apply scaled gradients and skip the scaler's inf/nan check.
+backward would apply scaled gradients and skip the scaler's inf/nan check. Under reentrant
+checkpointing a parameter's gradient may come in pieces, one per segment's backward: such a
+parameter is updated in :meth:`step`, once (see :mod:`offloadkit.optim.backward`).
 """
 
 from __future__ import annotations

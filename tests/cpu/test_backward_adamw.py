@@ -1,7 +1,8 @@
 """BackwardAdamW against torch.optim.AdamW on the same model and data: every update bitwise
 equal (fp32 and bf16 parameters, two parameter groups, weight decay, a learning-rate
-schedule, gradient clipping, gradient accumulation, a state_dict round trip), gradients
-gone after backward, moments on the host."""
+schedule, gradient clipping, gradient accumulation, a state_dict round trip, a parameter
+used in two reentrant checkpoints, tied weights), gradients gone after backward, moments on
+the host."""
 
 import copy
 import os
@@ -9,6 +10,7 @@ import os
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from offloadkit.optim import BackwardAdamW
 from offloadkit.testing import Fp32MasterAdamW, assert_bitwise_equal
@@ -238,3 +240,82 @@ def test_two_optimizers_sharing_a_state_dir_never_share_a_file(tmp_path):
     assert opt_a.state[pa]["exp_avg"].data_ptr() != opt_b.state[pb]["exp_avg"].data_ptr()
     assert not torch.equal(opt_a.state[pa]["exp_avg_sq"], torch.zeros_like(pa))
     assert os.listdir(tmp_path) == []
+
+
+class SharedSegments(nn.Module):
+    """One block applied in two reentrant checkpoints: each segment's backward is a backward
+    of its own, and the block's gradient arrives in two pieces. With ``outside`` the block is
+    also applied once more outside the checkpoints."""
+
+    def __init__(self, outside: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+        self.outside = outside
+
+    def _segment(self, h):
+        return nn.functional.gelu(self.block(h))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(2):
+            h = checkpoint(self._segment, h, use_reentrant=True)
+        return self.out(self.block(h) if self.outside else h)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_a_parameter_in_two_reentrant_checkpoints_is_updated_once_with_its_whole_gradient(kernel):
+    ref, ours = SharedSegments(), SharedSegments()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, **KERNELS[kernel])
+    opt = BackwardAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, **KERNELS[kernel])
+    for step, batch in enumerate(_batches(torch.float32, 3)):
+        _loss(ref, batch).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        _loss(ours, batch).backward()
+        # Outside the checkpoints each parameter is updated (and its gradient freed) in
+        # backward; the block's update waits for step(), with both pieces of its gradient.
+        assert all(p.grad is None for m in (ours.inp, ours.out) for p in m.parameters())
+        assert all(p.grad is not None for p in ours.block.parameters())
+        opt.step()
+        assert all(p.grad is None for p in ours.parameters())
+        assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")
+
+
+def test_a_parameter_updated_before_a_reentrant_checkpoint_uses_it_is_refused():
+    """Used outside the checkpoints too, the block's last gradient there comes first: it was
+    updated before the checkpoints' pieces arrived, which must not pass silently."""
+    model = SharedSegments(outside=True)
+    BackwardAdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"a \[64(, 64)?\] parameter was updated.*use_reentrant=False"):
+        _loss(model, _batches(torch.float32, 1)[0]).backward()
+
+
+class TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mid, self.head = nn.Embedding(48, 32), nn.Linear(32, 32), nn.Linear(32, 48, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_tied_embedding_and_head_are_updated_once_in_backward(kernel):
+    """Both uses of a tied weight meet in one gradient accumulation: one update, in backward."""
+    ref, ours = TiedHead(), TiedHead()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, **KERNELS[kernel])
+    opt = BackwardAdamW(ours.parameters(), lr=1e-2, **KERNELS[kernel])
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        ids = torch.randint(0, 48, (4, 12), generator=g)
+        for model in (ref, ours):
+            logits = model(ids[:, :-1])
+            nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        assert all(p.grad is None for p in ours.parameters()), "updated and freed in backward"
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.step()
+        assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")

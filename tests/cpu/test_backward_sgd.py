@@ -11,7 +11,7 @@ from torch import nn
 from offloadkit.optim import BackwardSGD
 from offloadkit.testing import assert_bitwise_equal
 
-from .test_backward_adamw import _batches, _loss, _model, _params  # the same model, data and loss
+from .test_backward_adamw import SharedSegments, _batches, _loss, _model, _params  # the same models, data and loss
 
 
 def _groups(model, lr, **kw):
@@ -140,3 +140,18 @@ def test_without_momentum_no_state_is_kept():
     _loss(model, _batches(torch.float32, 1)[0]).backward()
     opt.step()
     assert dict(opt.state) == {} and opt.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_a_parameter_in_two_reentrant_checkpoints_is_updated_once(kernel):
+    ref, ours = SharedSegments(), SharedSegments()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9, **KERNELS[kernel])
+    opt = BackwardSGD(ours.parameters(), lr=1e-2, momentum=0.9, **KERNELS[kernel])
+    for step, batch in enumerate(_batches(torch.float32, 3)):
+        _loss(ref, batch).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        _loss(ours, batch).backward()
+        assert all(p.grad is not None for p in ours.block.parameters()), "waits for its whole gradient"
+        opt.step()
+        assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")

@@ -363,3 +363,30 @@ def test_a_train_that_raises_detaches_the_optimizer(tmp_path):
         trainer.train()
     assert isinstance(trainer.optimizer.optimizer, BackwardAdamW)
     _plain_backward_leaves_the_model_alone(model)
+
+
+def test_a_layer_shared_under_reentrant_checkpointing_and_tied_weights_match_the_trainers_adamw(tmp_path):
+    """Two decoder layers that are one module, each checkpointed reentrantly (its weights get
+    their gradient in two pieces, updated at step()), and a head tied to the embedding (one
+    gradient, updated in backward): bitwise the Trainer's own AdamW."""
+    runs = {}
+    for cls in (transformers.Trainer, OffloadTrainer):
+        torch.manual_seed(0)
+        model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa", tie_word_embeddings=True)
+        model.model.layers[1] = model.model.layers[0]
+        extra = {"offload_config": OFFLOAD} if cls is OffloadTrainer else {}
+        args = _args(
+            tmp_path / cls.__name__,
+            max_grad_norm=0.0,
+            activation_checkpointing=True,
+            activation_checkpointing_kwargs={"use_reentrant": True},
+        )
+        trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs[cls] = losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert trainer.optimizer.optimizer.updates_in_backward
+    (ref_losses, ref_weights), (losses, weights) = runs[transformers.Trainer], runs[OffloadTrainer]
+    assert losses == ref_losses and len(losses) == 4
+    assert_bitwise_equal(ref_weights, weights, "weights after training")
