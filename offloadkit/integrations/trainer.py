@@ -9,15 +9,21 @@ Mixins (compose with TRL's ``SFTTrainer`` or any Trainer subclass)::
 
 Callback, for code that cannot change its Trainer class::
 
-    trainer.add_callback(OffloadCallback({"activation_offloading": True}))
+    trainer.add_callback(OffloadCallback({"activation_offloading": True}, trainer=trainer))
 
 Everything is attached when ``train()`` starts and detached when it ends, so the model is
 an ordinary model for evaluation, generation and saving afterwards. Evaluation and
 generation run without offloading (no gradients, nothing saved). Gradient checkpointing
 is Hugging Face's own, switched to non-reentrant and set under the field name of every
 transformers version; it is checked to be on at the first training step (offloadkit's
-own takes over if not). Selective checkpointing uses offloadkit's. With TRL's
-``activation_offloading=True`` the mixin switches TRL's engine off and offloads itself.
+own takes over if not). Selective checkpointing uses offloadkit's.
+
+TRL's ``activation_offloading=True`` (``SFTConfig`` and the other TRL configs) builds TRL's own
+offloading engine in the trainer's constructor; stacked with offloadkit's, every activation
+would be copied twice. The mixin keeps TRL from building it and offloads itself. A callback
+comes after the constructor and is not handed the trainer by transformers: given it
+(``trainer=``), it switches TRL's engine off when training begins and offloads in its place;
+without it, it refuses to start, naming the fixes.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from offloadkit.models.heads import unwrap_model
 __all__ = ["ActivationOffloadingMixin", "LayerOffloadingMixin", "OffloadCallback", "resolve_config"]
 
 _TRL_NOTE = (
-    "TRL's activation_offloading is switched off: offloadkit's mixin offloads the activations "
+    "TRL's activation_offloading is switched off: offloadkit's {route} offloads the activations "
     "(one engine, not two stacked)"
 )
 
@@ -107,6 +113,16 @@ def _train_args(args: tuple, kwargs: dict):
     return args[1] if len(args) > 1 else None
 
 
+def _switch_off_trl_engine(trainer: Any) -> bool:
+    """Replace TRL's activation offloading context (built in its trainer's constructor) by a
+    no-op; returns whether there was one."""
+    own = getattr(trainer, "maybe_activation_offload_context", None)
+    if own is None or isinstance(own, contextlib.nullcontext):
+        return False
+    trainer.maybe_activation_offload_context = contextlib.nullcontext()
+    return True
+
+
 def deepspeed_zero_stage(args) -> int | None:
     """The ZeRO stage of ``TrainingArguments.deepspeed`` (a dict or a JSON file), or None."""
     config = getattr(args, "deepspeed", None)
@@ -157,13 +173,10 @@ class _OffloadingTrainerMixin:
             # TRL builds its own offloading context in __init__ when this is on; the mixin's
             # engine replaces it, so TRL must not build one (two stacked engines copy twice).
             train_args.activation_offloading = False
-            notes.append(_TRL_NOTE)
+            notes.append(_TRL_NOTE.format(route="mixin"))
         super().__init__(*args, **kwargs)
-        own = getattr(self, "maybe_activation_offload_context", None)
-        if own is not None and not isinstance(own, contextlib.nullcontext):
-            self.maybe_activation_offload_context = contextlib.nullcontext()
-            if not notes:
-                notes.append(_TRL_NOTE)
+        if _switch_off_trl_engine(self) and not notes:
+            notes.append(_TRL_NOTE.format(route="mixin"))
         defaults: dict = {}
         for cls in reversed(type(self).__mro__):  # both mixins' defaults when both are used
             defaults.update(cls.__dict__.get("_offload_defaults", {}))
@@ -299,10 +312,18 @@ class OffloadCallback(_CallbackBase):
 
     Args:
         offload_config: an :class:`OffloadConfig`, a dict or a YAML/JSON path.
+        trainer: the Trainer this callback is added to. Needed with TRL's
+            ``activation_offloading=True``: its engine is then switched off when training
+            begins, and offloadkit offloads instead.
+
+    Raises:
+        ConfigError: at ``on_train_begin``, with TRL's ``activation_offloading=True``, offloadkit
+            offloading activations too, and no ``trainer`` to switch TRL's engine off in.
     """
 
-    def __init__(self, offload_config: Any = None):
+    def __init__(self, offload_config: Any = None, *, trainer: Any = None):
         self.offload_config = offload_config
+        self.trainer = trainer
         self.runtime: OffloadRuntime | None = None
         self.report: dict | None = None
 
@@ -311,7 +332,20 @@ class OffloadCallback(_CallbackBase):
         # prepare() then leaves checkpointing to it.
         config = resolve_config(self.offload_config, args)
         check_deepspeed(config, args)
+        trl_asked = getattr(args, "activation_offloading", None) is True
+        # Transformers hands callbacks the model, not the trainer that holds TRL's engine.
+        reachable = hasattr(self.trainer, "maybe_activation_offload_context")
+        if config.activation_offloading and trl_asked and not reachable:
+            raise ConfigError(
+                "OffloadCallback: TRL's activation_offloading=True runs TRL's own engine, which would copy every "
+                "activation a second time beside offloadkit's, and the callback cannot switch it off without the "
+                "trainer that holds it: pass OffloadCallback(config, trainer=trainer), use ActivationOffloadingMixin, "
+                "or set activation_offloading=False in TRL's config and activation_offloading in the callback's"
+            )
+        switched = bool(config.activation_offloading) and _switch_off_trl_engine(self.trainer)
         self.runtime = prepare(model, config)
+        if switched:
+            self.runtime._note(_TRL_NOTE.format(route="callback"))
         self.runtime.attach_to_forward()
 
     def on_train_end(self, args, state, control, **kwargs):
