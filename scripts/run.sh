@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 if [ "$#" -eq 0 ]; then
-  # The built-in run into the default output_dir: running it again replaces the last one.
+  # The built-in run into the default output_dir: running it again replaces the last one once
+  # it has finished (a crash or Ctrl-C leaves the last one as it was).
   exec python -m offloadkit train --overwrite
 fi
 exec python -m offloadkit train "$@"

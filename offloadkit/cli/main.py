@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an earlier run in output_dir (its report, model and checkpoints)",
+        help="replace an earlier run in output_dir (its report, model and checkpoints) once this run has "
+        "saved; until then it trains in output_dir/incomplete-run and the earlier run stays as it is",
     )
 
     bench = sub.add_parser(

@@ -13,7 +13,19 @@ import warnings
 from offloadkit.config import ConfigError, ConfigProblemsError, check_writable_dir
 from offloadkit.data.text import FORMATS
 
-__all__ = ["preflight", "optimizer_package", "previous_run", "TOKENIZER_FILES"]
+__all__ = [
+    "preflight",
+    "optimizer_package",
+    "previous_run",
+    "incomplete_run",
+    "replaces_earlier_run",
+    "INCOMPLETE_RUN",
+    "TOKENIZER_FILES",
+]
+
+# Where an --overwrite run trains while output_dir still holds the earlier run (inside
+# output_dir: a rename into it never crosses filesystems, even when it is a mount point).
+INCOMPLETE_RUN = "incomplete-run"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Optimizers of the Trainer that need a package of their own: (name test, package, install).
@@ -57,6 +69,23 @@ def previous_run(output_dir: str) -> list[str]:
         elif name.startswith("checkpoint-") and os.path.isdir(path):
             found.append(name)
     return found
+
+
+def incomplete_run(output_dir: str) -> str:
+    """The folder an ``--overwrite`` run trains in until it has saved (see :data:`INCOMPLETE_RUN`)."""
+    return os.path.join(output_dir, INCOMPLETE_RUN)
+
+
+def replaces_earlier_run(cfg) -> bool:
+    """Whether this run trains in :func:`incomplete_run` and takes the earlier run's place in
+    output_dir only once it has saved: ``overwrite_output_dir`` over an earlier run, or the
+    continuation of such a run that stopped (resumed from a checkpoint in that folder)."""
+    if not cfg.overwrite_output_dir:
+        return False
+    if cfg.resume_from_checkpoint:
+        staged = os.path.realpath(incomplete_run(cfg.output_dir))
+        return os.path.realpath(str(cfg.resume_from_checkpoint)).startswith(staged + os.sep)
+    return bool(previous_run(cfg.output_dir))
 
 
 def _output_dir(cfg) -> None:
@@ -220,14 +249,17 @@ def _resume(cfg) -> None:
         return
     key = cfg.name("resume_from_checkpoint")
     if value is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        last = get_last_checkpoint(cfg.output_dir) if os.path.isdir(cfg.output_dir) else None
+        staged = _last_checkpoint(incomplete_run(cfg.output_dir))
+        # With --overwrite, the run that stopped before replacing the earlier one is continued.
+        last = staged if cfg.overwrite_output_dir and staged else _last_checkpoint(cfg.output_dir)
         if last is None:
-            raise ConfigError(
-                f"{key}=true but output_dir={cfg.output_dir!r} holds no checkpoint-N directory; set "
-                "save_steps to write checkpoints, or give the checkpoint directory"
+            fix = (
+                f"continue the stopped --overwrite run in {incomplete_run(cfg.output_dir)!r} with --overwrite "
+                "--resume-from-checkpoint"
+                if staged
+                else "set save_steps to write checkpoints, or give the checkpoint directory"
             )
+            raise ConfigError(f"{key}=true but output_dir={cfg.output_dir!r} holds no checkpoint-N directory; {fix}")
         cfg.resume_from_checkpoint = last
         value = last
     state = os.path.join(value, "trainer_state.json")
@@ -246,6 +278,12 @@ def _resume(cfg) -> None:
             f"{key}={value!r} is at step {done} and {cfg.name('max_steps')} is {cfg.max_steps}: there "
             f"is nothing left to train; raise max_steps past {done} (e.g. --max-steps {done + 100})"
         )
+
+
+def _last_checkpoint(folder: str) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(folder) if os.path.isdir(folder) else None
 
 
 def preflight(cfg) -> None:

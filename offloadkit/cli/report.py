@@ -284,11 +284,13 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: dict, out_dir: str, log=print) -> str:
-    """Write ``report.json`` and ``report.md`` to ``out_dir``, print the text; returns it."""
-    report["report_path"] = os.path.join(out_dir, "report.json")
+def write_report(report: dict, out_dir: str, log=print, shown_dir: str | None = None) -> str:
+    """Write ``report.json`` and ``report.md`` to ``out_dir``, print the text; returns it.
+    ``shown_dir``: where the files will be once the run has ended, which the report names
+    (default ``out_dir``)."""
+    report["report_path"] = os.path.join(shown_dir or out_dir, "report.json")
     text = format_report(report)
-    with open(report["report_path"], "w") as f:
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write("```\n" + text + "\n```\n")

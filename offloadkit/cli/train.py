@@ -10,6 +10,7 @@ data is a local ``.txt``/``.jsonl``/``.json`` file or the shipped public-domain 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -101,22 +102,72 @@ class _LossGuard:
         return LossGuardCallback()
 
 
-def _clear_previous_run(output_dir: str, log) -> None:
-    """``overwrite_output_dir``: remove what an earlier run left, so checkpoints of two runs
-    never sit side by side (``resume_from_checkpoint: true`` would pick the other run's)."""
+def _start_over(work: str) -> None:
+    """A new ``--overwrite`` run: clear what a stopped one left in the incomplete-run folder."""
+    import shutil
+
+    if os.path.exists(work):
+        shutil.rmtree(work)
+        print(
+            f"offloadkit: removed {work}, an --overwrite run that had stopped: this one starts over "
+            "(--resume-from-checkpoint continues it instead)",
+            file=sys.stderr,
+        )
+
+
+def _move_into(src: str, dst: str) -> None:
+    if os.path.isdir(src) and os.path.isdir(dst) and not os.path.islink(dst):
+        # A folder both have that is not part of a run (e.g. TensorBoard's runs/): merge.
+        for name in os.listdir(src):
+            _move_into(os.path.join(src, name), os.path.join(dst, name))
+        os.rmdir(src)
+    else:
+        os.replace(src, dst)
+
+
+def _replace_earlier_run(final: str, work: str) -> int:
+    """Put the run finished in ``work`` (inside ``final``) in place of ``final``'s earlier run:
+    the earlier run's entries move to a backup folder, this run's move in, and the backup is
+    deleted. Every step is a rename within one filesystem, so a crash part-way leaves both
+    runs (the earlier one in ``replaced-run``); entries that no run wrote stay. Returns the
+    number of entries replaced."""
     import shutil
 
     from offloadkit.cli.preflight import previous_run
 
-    found = previous_run(output_dir)
-    for name in found:
-        path = os.path.join(output_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
-    if found:
-        log(f"offloadkit: removed the earlier run in {output_dir} ({len(found)} entries): overwrite_output_dir")
+    backup = os.path.join(final, "replaced-run")
+    if os.path.exists(backup):  # from a replacement cut short, whose new run is gone by now
+        shutil.rmtree(backup)
+    os.mkdir(backup)
+    earlier = previous_run(final)
+    for name in earlier:
+        os.rename(os.path.join(final, name), os.path.join(backup, name))
+    for name in os.listdir(work):
+        _move_into(os.path.join(work, name), os.path.join(final, name))
+    os.rmdir(work)
+    shutil.rmtree(backup)
+    return len(earlier)
+
+
+def _after_stop(work: str, final: str, main: bool) -> str:
+    """What a run that stopped before its end left, and how to go on. A stopped ``--overwrite``
+    run (``work`` is not ``final``) is removed unless it saved a checkpoint: without one there
+    is nothing to continue, and it would only take disk space."""
+    import shutil
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(work) if os.path.isdir(work) else None
+    if work == final:
+        return f"the last checkpoint is {last}" if last else "nothing was saved"
+    if last is None:
+        if main:
+            shutil.rmtree(work, ignore_errors=True)
+        return f"nothing was saved, and the earlier run in {final} is untouched"
+    return (
+        f"the earlier run in {final} is untouched; this run's last checkpoint is {last}: continue it "
+        "with --overwrite --resume-from-checkpoint, or delete it"
+    )
 
 
 def load_dtype(cfg: TrainConfig, cuda: bool) -> torch.dtype:
@@ -377,13 +428,19 @@ def _sample(model, tokenizer, prompt: str, seed: int) -> str:
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def _save(cfg: TrainConfig, model, tokenizer, base_dir: str | None) -> tuple[str, str]:
-    save_dir = os.path.join(cfg.output_dir, "adapter" if cfg.lora_rank else "model")
-    if cfg.lora_rank and base_dir is not None:
-        for peft_config in model.peft_config.values():
-            peft_config.base_model_name_or_path = os.path.abspath(base_dir)
-    model.save_pretrained(save_dir)  # offloading is detached by now: an ordinary model/adapter
-    tokenizer.save_pretrained(save_dir)
+def _name_base(model, base_dir: str) -> None:
+    """The base a LoRA model's checkpoints and adapter name: where it will be once the run has ended."""
+    for peft_config in model.peft_config.values():
+        peft_config.base_model_name_or_path = os.path.abspath(base_dir)
+
+
+def _save(cfg: TrainConfig, model, tokenizer, final: str) -> tuple[str, str]:
+    """Save the model or adapter in output_dir; returns where it will be once the run has
+    ended (in ``final``) and how to load it."""
+    name = "adapter" if cfg.lora_rank else "model"
+    model.save_pretrained(os.path.join(cfg.output_dir, name))  # offloading is detached by now
+    tokenizer.save_pretrained(os.path.join(cfg.output_dir, name))
+    save_dir = os.path.join(final, name)
     if cfg.lora_rank:
         return save_dir, f"peft.AutoPeftModelForCausalLM.from_pretrained({save_dir!r})"
     return save_dir, f"transformers.AutoModelForCausalLM.from_pretrained({save_dir!r})"
@@ -398,31 +455,49 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         TrainingFailedError: a NaN or infinite training loss (nothing is saved).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
-    from offloadkit.cli.preflight import preflight
+    from offloadkit.cli.distributed import Ranks
+    from offloadkit.cli.preflight import incomplete_run, preflight, replaces_earlier_run
 
     wall = time.perf_counter()
     cuda = torch.cuda.is_available()
     cfg = cfg.resolved(cuda)
     preflight(cfg)
+    ranks = Ranks.from_env()
+    final = cfg.output_dir
+    if replaces_earlier_run(cfg):
+        # --overwrite: the earlier run stays whole until this one has saved everything, so a
+        # crash or Ctrl-C never leaves output_dir without a run.
+        cfg = dataclasses.replace(cfg, output_dir=incomplete_run(final))
+        if ranks.main and not cfg.resume_from_checkpoint:
+            _start_over(cfg.output_dir)
+    try:
+        return _run(cfg, final, ranks, cuda, wall, log)
+    except KeyboardInterrupt as exc:
+        where = str(exc) if isinstance(exc, TrainingInterrupted) else "interrupted"
+        raise TrainingInterrupted(f"{where}; {_after_stop(cfg.output_dir, final, ranks.main)}") from None
+    except BaseException:
+        if cfg.output_dir != final and ranks.main:
+            print(f"offloadkit: {_after_stop(cfg.output_dir, final, ranks.main)}", file=sys.stderr)
+        raise
 
+
+def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> dict:
+    """:func:`run_train` after the checks: train in ``cfg.output_dir``, and end in ``final``."""
     from transformers import Trainer
 
     from offloadkit.cli.compare import measure_in_own_process, measure_without_offloadkit, saving
-    from offloadkit.cli.distributed import Ranks, barrier, gather, rank_figures
+    from offloadkit.cli.distributed import barrier, gather, rank_figures
     from offloadkit.cli.measure import RunMeasure, StepProbe
     from offloadkit.cli.plot import plot_timelines
     from offloadkit.cli.report import ProgressBar, build_report, offload_probes, write_report
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
-    ranks = Ranks.from_env()
     if not ranks.main:
         log = _silent  # rank 0 speaks for the run
     device = ranks.device(cuda)
     if cuda:
         torch.cuda.set_device(device)
     dtype = load_dtype(cfg, cuda)
-    if cfg.overwrite_output_dir and ranks.main and not cfg.resume_from_checkpoint:
-        _clear_previous_run(cfg.output_dir, lambda m: print(m, file=sys.stderr))
     torch.manual_seed(cfg.seed)
     model, tokenizer, name = _load_model(cfg, device, dtype)
     base_dir = None
@@ -444,6 +519,8 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
             modules_to_save=cfg.lora_modules_to_save,
             use_dora=cfg.lora_use_dora,
         )
+        if base_dir is not None:
+            _name_base(model, os.path.join(final, "base"))
     dataset, collator, data_notes = _training_data(cfg, tokenizer)
     notes = [f"Axolotl keys without effect here: {', '.join(cfg._ignored)}"] if cfg._ignored else []
     notes += data_notes
@@ -498,14 +575,12 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
             trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint)
         if stop.requested:
             raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        progress.close()
+    except BaseException as exc:
+        progress.close()  # whatever is printed next starts on its own line
         probe.stop()
-        from transformers.trainer_utils import get_last_checkpoint
-
-        last = get_last_checkpoint(cfg.output_dir) if os.path.isdir(cfg.output_dir) else None
-        kept = f"; the last checkpoint is {last}" if last else "; nothing was saved"
-        raise TrainingInterrupted(f"interrupted at step {progress.step} of {progress.total}{kept}") from None
+        if isinstance(exc, KeyboardInterrupt):
+            raise TrainingInterrupted(f"interrupted at step {progress.step} of {progress.total}") from None
+        raise
     elapsed = time.perf_counter() - start
     if guard.bad is not None:
         progress.close()
@@ -540,7 +615,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         report["step_shape"] = f"{ranks.world} processes x {report['step_shape']}"
     report["ranks"] = gather(rank_figures(report, ranks))
     if ranks.main:
-        report["saved_to"], report["load_hint"] = _save(cfg, trainer.model, tokenizer, base_dir)
+        report["saved_to"], report["load_hint"] = _save(cfg, trainer.model, tokenizer, final)
         if cfg.model is None and cfg.dataset is None and not cfg.datasets:
             from offloadkit.data import load_texts
 
@@ -605,7 +680,7 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
     if not ranks.main:
         barrier()  # rank 0 writes the output directory
         return report
-    report["memory_plot"], report["plot_note"] = plot_timelines(
+    plot, report["plot_note"] = plot_timelines(
         [without, with_],
         os.path.join(cfg.output_dir, "memory_timeline.png"),
         title=title,
@@ -613,7 +688,15 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         profile_step=profile_step,
         steps_run=len(with_.step_times),
     )
+    report["memory_plot"] = plot and os.path.join(final, os.path.basename(plot))
     report["wall_seconds"] = time.perf_counter() - wall
-    write_report(report, cfg.output_dir, log)
+    text = write_report(report, cfg.output_dir, _silent, shown_dir=final)
+    if cfg.output_dir != final:
+        replaced = _replace_earlier_run(final, cfg.output_dir)
+        print(
+            f"offloadkit: replaced the earlier run in {final} ({replaced} entries): overwrite_output_dir",
+            file=sys.stderr,
+        )
+    log(text)
     barrier()
     return report

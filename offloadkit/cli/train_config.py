@@ -66,7 +66,9 @@ class TrainConfig:
         save_steps, save_total_limit: Trainer checkpoints every N steps, keeping the last K.
         resume_from_checkpoint: a checkpoint directory, or true for the newest in output_dir.
         overwrite_output_dir: replace an earlier run found in output_dir (its report, model
-            or adapter, and checkpoints); without it such a directory is refused.
+            or adapter, and checkpoints) once this run has saved: it trains in
+            ``output_dir/incomplete-run`` meanwhile, so a crash or Ctrl-C leaves the earlier run
+            as it was; without it such a directory is refused.
         report_to: "none", or a logger the Trainer supports (tensorboard, wandb, ...).
         lora_rank: LoRA rank (0: full fine-tune); lora_alpha (default 2 x rank),
             lora_dropout, lora_target_modules ("all-linear", a list of module names, or a
