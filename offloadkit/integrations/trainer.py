@@ -308,7 +308,9 @@ class OffloadCallback(_CallbackBase):
 
     The activation manager is entered around every training forward through model hooks
     (the loss computed inside the model's forward is covered; backward runs outside, as
-    usual). Attached at ``on_train_begin``, detached at ``on_train_end``.
+    usual). Attached at ``on_train_begin``, detached at ``on_train_end``. A ``train()`` that
+    raises never reaches ``on_train_end``: :meth:`close` detaches then (the next ``train()``
+    does it first).
 
     Args:
         offload_config: an :class:`OffloadConfig`, a dict or a YAML/JSON path.
@@ -328,6 +330,7 @@ class OffloadCallback(_CallbackBase):
         self.report: dict | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.close()  # what a run that raised left attached
         # Hugging Face checkpointing, when the arguments asked for it, is already on by now;
         # prepare() then leaves checkpointing to it.
         config = resolve_config(self.offload_config, args)
@@ -349,6 +352,10 @@ class OffloadCallback(_CallbackBase):
         self.runtime.attach_to_forward()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Detach everything the run attached, keeping its :attr:`report`; nothing when detached."""
         if self.runtime is not None:
             self.report = self.runtime.report()
             self.runtime.close()
