@@ -59,6 +59,14 @@ class Options:
         builds these options, else the field's own name."""
         return self.key(name) if _FROM_CONFIG.get() else name
 
+    def said(self, name: str, value: Any) -> str:
+        """``name`` set to ``value`` as the caller would write it: ``key: value`` in a config
+        (YAML), ``field=value`` in Python."""
+        if _FROM_CONFIG.get():
+            text = str(value).lower() if isinstance(value, bool) else value
+            return f"{self.key(name)}: {text}"
+        return f"{name}={value!r}"
+
     def _bool(self, name: str) -> None:
         value = getattr(self, name)
         if not isinstance(value, bool):

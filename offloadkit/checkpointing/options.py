@@ -47,22 +47,23 @@ class CheckpointOptions(Options):
         dropped = self.recompute_block_inputs
         if not isinstance(dropped, tuple) or any(type(i) is not int or i < 1 for i in dropped):
             raise ValueError(
-                f"recompute_block_inputs={dropped!r} is invalid; give layer indices >= 1 (layer 0's input has "
-                "nothing before it to be recomputed from), e.g. [2, 4, 6]"
+                f"{self.named('recompute_block_inputs')}={dropped!r} is invalid; give layer indices >= 1 "
+                "(layer 0's input has nothing before it to be recomputed from), e.g. [2, 4, 6]"
             )
         if self.selective is not None:
             if not isinstance(self.selective, (list, tuple)):
                 raise ValueError(
-                    f"selective_checkpointing={self.selective!r} has the wrong type ({type(self.selective).__name__}); "
+                    f"{self.named('selective')}={self.selective!r} has the wrong type "
+                    f"({type(self.selective).__name__}); "
                     'expected a list like ["mm", "attention"]'
                 )
             from offloadkit.checkpointing.selective import OP_GROUPS
 
             bad = [op for op in self.selective if op not in OP_GROUPS]
             if bad:
-                raise ValueError(f"selective_checkpointing has unknown op groups {bad}; use {sorted(OP_GROUPS)}")
+                raise ValueError(f"{self.named('selective')} has unknown op groups {bad}; use {sorted(OP_GROUPS)}")
             if not self.enabled:
-                raise ValueError("selective_checkpointing needs gradient_checkpointing: true")
+                raise ValueError(f"{self.named('selective')} needs {self.said('enabled', True)}")
         self._check_placement()
 
     def _check_placement(self) -> None:
@@ -71,7 +72,8 @@ class CheckpointOptions(Options):
             self.block_input_placement = places = tuple(places)  # YAML gives a list
         if not isinstance(places, tuple) or any(p not in BLOCK_INPUT_PLACES for p in places):
             raise ValueError(
-                f"block_input_placement={places!r} is invalid; give one place per decoder layer, each one of "
+                f"{self.named('block_input_placement')}={places!r} is invalid; give one place per decoder "
+                f"layer, each one of "
                 f"{', '.join(BLOCK_INPUT_PLACES)}, e.g. [ram, recompute, ram, gpu]"
             )
         if not places:

@@ -44,7 +44,7 @@ class ActivationOptions(Options):
     def __post_init__(self) -> None:
         if self.mode not in ACTIVATION_MODES or (self.mode in (0, 1) and not isinstance(self.mode, bool)):
             raise ValueError(
-                f"activation_offloading={self.mode!r} is not a mode; use false, true (pinned RAM with streams), "
+                f"{self.named('mode')}={self.mode!r} is not a mode; use false, true (pinned RAM with streams), "
                 "legacy (synchronous) or disk"
             )
         self._bool("disk_tiering")
@@ -54,7 +54,7 @@ class ActivationOptions(Options):
         self._int("min_offload_size", 0, "bytes")
         self._int("max_fwd_stash_size", 1, "device tensors kept alive while their copies are in flight")
         if self.disk_tiering and self.mode != "disk":
-            raise ValueError(f"disk_tiering: true needs activation_offloading: disk (got {self.mode!r})")
+            raise ValueError(f"{self.said('disk_tiering', True)} needs {self.said('mode', 'disk')} (got {self.mode!r})")
 
     @property
     def storage(self) -> str:

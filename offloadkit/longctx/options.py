@@ -45,6 +45,6 @@ class LongContextOptions(Options):
         )
         if self.tiled_projections and not self.tiled_mlp:
             raise ValueError(
-                "tiled_projections=True needs tiled_mlp: true (it extends the MLP's tiling to the "
-                "norms and attention projections)"
+                f"{self.said('tiled_projections', True)} needs {self.said('tiled_mlp', True)} "
+                "(it extends the MLP's tiling to the norms and attention projections)"
             )

@@ -32,7 +32,7 @@ class OptimizerOptions(Options):
         self._bool("enabled")
         if self.precision not in OPTIMIZER_STATE_BYTES:
             raise ValueError(
-                f"optimizer_precision={self.precision!r} is not a precision; use params (moments in the "
+                f"{self.named('precision')}={self.precision!r} is not a precision; use params (moments in the "
                 "parameters' dtype), compact (bf16 moments, stochastic rounding) or fp32_master (fp32 master weights "
                 "and moments)"
             )

@@ -25,10 +25,10 @@ class TransferOptions(Options):
         if self.window_bytes is not None:
             if not isinstance(self.window_bytes, int) or isinstance(self.window_bytes, bool):
                 raise ValueError(
-                    f"prefetch_window_bytes={self.window_bytes!r} has the wrong type; expected a byte count or a "
-                    "size like '4GiB'"
+                    f"{self.named('window_bytes')}={self.window_bytes!r} has the wrong type; "
+                    "expected a byte count or a size like '4GiB'"
                 )
             if self.window_bytes <= 0:
                 raise ValueError(
-                    f"prefetch_window_bytes={self.window_bytes!r} must be positive; omit it for no shared window"
+                    f"{self.named('window_bytes')}={self.window_bytes!r} must be positive; omit it for no shared window"
                 )

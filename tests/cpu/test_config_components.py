@@ -56,10 +56,6 @@ def test_a_config_gives_each_component_its_options():
 @pytest.mark.parametrize(
     "component, kwargs, message",
     [
-        (ActivationOptions, {"mode": "sometimes"}, "activation_offloading='sometimes' is not a mode"),
-        (ActivationOptions, {"mode": 1}, "activation_offloading=1 is not a mode"),
-        (OptimizerOptions, {"precision": "fp8"}, "optimizer_precision='fp8' is not a precision"),
-        (LongContextOptions, {"tiled_projections": True}, "needs tiled_mlp: true"),
         (CheckpointOptions, {"block_input_placement": ("recompute", "gpu")}, "layer 0's input cannot be recomputed"),
     ],
 )
@@ -81,6 +77,9 @@ def test_a_component_names_the_config_key_in_its_errors(component, kwargs, messa
         (ActivationOptions, "loading_horizon", -1, "=-1 is too small"),
         (LongContextOptions, "mlp_shards", "many", "='many' has the wrong type"),
         (OptimizerOptions, "enabled", "yes", "='yes' has the wrong type"),
+        (ActivationOptions, "mode", "sometimes", "='sometimes' is not a mode"),
+        (ActivationOptions, "mode", 1, "=1 is not a mode"),
+        (OptimizerOptions, "precision", "fp8", "='fp8' is not a precision"),
     ],
 )
 def test_an_error_names_the_setting_as_the_caller_wrote_it(component, field, value, message):
@@ -138,3 +137,16 @@ def test_keys_of_different_components_are_checked_together():
         )
     with pytest.warns(UserWarning, match="layer_offloading_depth only|min_offload_size only apply"):
         OffloadConfig.from_dict({"min_offload_size": 0})
+
+
+def test_a_rule_between_two_settings_is_said_as_the_caller_wrote_them():
+    """A config reads YAML (``key: true``); Python code, its keyword arguments."""
+    with pytest.raises(ValueError, match=r"^tiled_projections=True needs tiled_mlp=True \(") as err:
+        LongContextOptions(tiled_projections=True)
+    assert not isinstance(err.value, ConfigError)
+    with pytest.raises(ConfigError, match=r"^tiled_projections: true needs tiled_mlp: true \("):
+        OffloadConfig.from_dict({"tiled_projections": True})
+    with pytest.raises(ValueError, match=r"^disk_tiering=True needs mode='disk'"):
+        ActivationOptions(disk_tiering=True)
+    with pytest.raises(ConfigError, match=r"^disk_tiering: true needs activation_offloading: disk"):
+        OffloadConfig.from_dict({"disk_tiering": True, "activation_offloading": True})

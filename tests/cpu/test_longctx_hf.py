@@ -469,7 +469,7 @@ def test_tiled_projections_match_and_remove_restores(checkpointing):
 
 
 def test_tiled_projections_config_route():
-    with pytest.raises(ConfigError, match="tiled_projections=True needs tiled_mlp: true"):
+    with pytest.raises(ConfigError, match="tiled_projections: true needs tiled_mlp: true"):
         OffloadConfig.from_dict({"tiled_projections": True})
     model = lora(build_llama("tiny", attn_implementation="sdpa"))
     runtime = prepare(
