@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from typing import Any
 import psutil
 import torch
 
-from offloadkit.cli.measure import RunMeasure, StepProbe
+from offloadkit.cli.measure import RunMeasure, StepProbe, timed_steps
 
 __all__ = ["estimated_activation_bytes", "measure_without_offloadkit", "measure_in_own_process", "saving"]
 
@@ -171,18 +172,22 @@ def _child(request_path: str, answer_path: str) -> None:
         json.dump(dataclasses.asdict(measure), f)
 
 
-def _spread(measure: RunMeasure) -> list[float] | None:
-    times = measure.step_times[1:] or measure.step_times
-    return [min(times), max(times)] if times else None
+def saving(without: RunMeasure, with_: RunMeasure, profile_step: int) -> dict:
+    """Peak memory at ``profile_step`` and step time, without -> with, the relative change,
+    and the spread (fastest and slowest step) of each side's step times.
 
-
-def saving(without: RunMeasure, with_: RunMeasure) -> dict:
-    """Peak memory and step time, without -> with, the relative change, and the spread
-    (fastest and slowest step) of each side's step times."""
+    Both sides' step times are those of steps 0 to ``profile_step`` (less step 0, see
+    :func:`~offloadkit.cli.measure.timed_steps`), the steps the plain run measures: the run
+    with offloadkit goes on, and its later steps (a warm process, a warm cache) would be
+    compared with the plain run's first ones.
+    """
+    count = profile_step + 1
+    times = [timed_steps(without.step_times, count), timed_steps(with_.step_times, count)]
     out: dict[str, Any] = {
         "peak_bytes": [without.peak_bytes, with_.peak_bytes],
-        "median_step_s": [without.median_step_s, with_.median_step_s],
-        "step_s_spread": [_spread(without), _spread(with_)],
+        "median_step_s": [statistics.median(t) if t else None for t in times],
+        "step_s_spread": [[min(t), max(t)] if t else None for t in times],
+        "compared_steps": [min(1, profile_step), profile_step],
         "status": without.status,
         "note": without.note,
     }

@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - the train command needs transformers anyway
     TrainerCallback = object
 
-__all__ = ["StepProbe", "RunMeasure", "device_bytes"]
+__all__ = ["StepProbe", "RunMeasure", "device_bytes", "timed_steps"]
 
 
 def device_bytes() -> int:
@@ -38,6 +38,13 @@ def device_bytes() -> int:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed_steps(times: list, count: int | None = None) -> list:
+    """The step times a median is taken over: steps 0 to ``count - 1`` (default: all), less
+    step 0, which builds the optimizer state (unless it is the only one)."""
+    times = times[:count]
+    return times[1:] or times
 
 
 @dataclass
@@ -72,7 +79,8 @@ class RunMeasure:
 
     @property
     def median_step_s(self) -> float | None:
-        times = self.step_times[1:] or self.step_times  # the first step builds optimizer state
+        """The median over the whole run (see :func:`timed_steps`)."""
+        times = timed_steps(self.step_times)
         return statistics.median(times) if times else None
 
     def as_dict(self) -> dict:

@@ -200,17 +200,23 @@ def _pct(x) -> str:
     return "" if x is None else f" ({x * 100:+.0f}%)"
 
 
+def _seconds(x) -> str:
+    return "n/a" if x is None else f"{x:.3f} s"
+
+
 def _comparison_lines(report: dict) -> list[str]:
     c = report["comparison"]
     memory = "peak GPU memory" if report["device"] != "cpu" else "peak memory (process RSS)"
     (pa, pb), (ta, tb) = c["peak_bytes"], c["median_step_s"]
-    step = f"step {report.get('profile_step')}"
+    first, last = c.get("compared_steps") or (None, None)
+    over = f"step {last}" if first == last else f"median of steps {first}-{last}"
+    step = f"memory at step {report.get('profile_step')}; step time: {over} of each run"
     if c["status"] != "ok" or pa is None or pb is None:
         if c["status"] == "ok":
             return [f"  without -> with offloadkit ({step}): no memory sample was taken in that step"]
         return [
             f"  without -> with offloadkit ({step}): without offloadkit {c['status']} ({c['note']}); "
-            f"with offloadkit: {memory} {_gib(pb)}, step time {tb:.3f} s"
+            f"with offloadkit: {memory} {_gib(pb)}, step time {_seconds(tb)}"
         ]
     spread = c.get("step_s_spread") or [None, None]
     times = f"step time {ta:.3f} -> {tb:.3f} s{_pct(c['time_change'])}"

@@ -667,7 +667,7 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
             status="skipped",
             note="compare: false" if not cfg.compare else "the run was shorter than the profiled step",
         )
-    report["comparison"] = saving(without, with_)
+    report["comparison"] = saving(without, with_, profile_step)
     report["runs"] = {"without": without.as_dict(), "with": with_.as_dict()}
     c = report["comparison"]
     title = f"offloadkit train, {name}: step {profile_step}"

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -98,6 +99,23 @@ def test_default_run_compares_learns_and_saves_a_model(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
     assert model.config.vocab_size == len(tokenizer)
     assert wall < 300
+
+
+def test_step_time_comparison_takes_the_same_steps_on_both_sides(tmp_path):
+    """The plain run measures steps 0 to profile_step; the run with offloadkit's figure comes
+    from the same steps of its own (not from all of its steps), step 0 left out on both."""
+    proc = _cli("train", _tiny(tmp_path, max_steps=6, profile_step=2, compare="true"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    without, with_ = report["runs"]["without"]["step_times_s"], report["runs"]["with"]["step_times_s"]
+    assert len(without) == 3 and len(with_) == 6
+    comparison = report["comparison"]
+    assert comparison["status"] == "ok"
+    assert comparison["median_step_s"] == [statistics.median(without[1:3]), statistics.median(with_[1:3])]
+    assert comparison["step_s_spread"] == [[min(without[1:3]), max(without[1:3])], [min(with_[1:3]), max(with_[1:3])]]
+    assert comparison["compared_steps"] == [1, 2]
+    assert report["median_step_s"] == statistics.median(with_[1:])  # the whole run's figure is its own
+    assert "median of steps 1-2 of each run" in proc.stdout
 
 
 def test_axolotl_config_trains_with_lora_and_checkpoints(tmp_path):
