@@ -44,6 +44,7 @@ def main() -> None:
 
     from offloadkit.compose import prepare
     from offloadkit.integrations.peft_utils import apply_lora
+    from offloadkit.models.blocks import find_blocks
     from offloadkit.models.zoo import build_llama
     from offloadkit.parallel import apply_context_parallel
     from offloadkit.planning import Budgets, plan, resolve_shape
@@ -60,7 +61,6 @@ def main() -> None:
     # The plan for the tokens one GPU holds, at full depth (reduced-depth runs hold the same).
     budgets = Budgets.detect()
     p = plan(resolve_shape(args.shape), args.tokens_per_gpu, lora_rank=args.lora_rank, budgets=budgets)
-    config = p.to_config()
     model = build_llama(
         args.shape,
         dtype=torch.bfloat16,
@@ -73,6 +73,10 @@ def main() -> None:
     if args.lora_rank:
         model = apply_lora(model, rank=args.lora_rank)
     model.train()
+    # Realised on the layers built: one block-input place per layer the model has.
+    layers = len(find_blocks(model))
+    built = p.at_depth(layers)
+    config = built.to_config()
     runtime = prepare(model, config)
     cp = apply_context_parallel(model, mesh, rotation="alltoall" if shared else "allgather")
     params = [q for q in model.parameters() if q.requires_grad]
@@ -115,7 +119,7 @@ def main() -> None:
             "lora_rank": args.lora_rank,
             "world": world,
             "shared_gpu": shared,
-            "layers": args.layers or resolve_shape(args.shape).layers,
+            "layers": layers,
             "tokens": seq,
             "tokens_per_gpu": args.tokens_per_gpu,
             "step_s": step_s,
@@ -124,6 +128,9 @@ def main() -> None:
             "peak_allocated_gib": [g[0].item() for g in gathered],
             "peak_reserved_gib": [g[1].item() for g in gathered],
             "plan": p.name,
+            "plan_at_depth": built.name,
+            "predicted_full_depth_gpu_gib": p.memory.gpu_reserved / GiB,
+            "predicted_gpu_gib": built.memory.gpu_reserved / GiB,
             "config": config,
             "offloaded_gib": report.get("activations", {}).get("offloaded_bytes", 0) / GiB,
             "device": torch.cuda.get_device_name(),

@@ -30,6 +30,7 @@ from offloadkit.layers import apply_layer_streaming
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
 from offloadkit.longctx.options import LongContextOptions
+from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.optim.options import OptimizerOptions
 from offloadkit.planning.options import BudgetOptions
@@ -198,13 +199,45 @@ def _lora_rank(model: nn.Module) -> int:
     return 0
 
 
+def _built_layers(model: nn.Module) -> int | None:
+    """Decoder layers the model really has (its repeated blocks), which is what is
+    checkpointed and placed; None where none are found. A model's config may say otherwise
+    (layers cut off after loading, or a config shared with a deeper model)."""
+    try:
+        return len(find_blocks(model))
+    except ValueError:
+        return None
+
+
+def _check_placement_depth(model: nn.Module, config: OffloadConfig) -> None:
+    """Refuse a ``block_input_placement`` made for another depth than the model's.
+
+    Raises:
+        ConfigError: its length differs from the number of decoder layers built.
+    """
+    from offloadkit.config import ConfigError
+
+    ckpt = config.options(CheckpointOptions)
+    places = ckpt.block_input_placement
+    if not (places and ckpt.enabled) or _hf_checkpointing_on(model):
+        return  # nothing placed, or ignored with a note
+    layers = _built_layers(model)
+    if layers is not None and len(places) != layers:
+        raise ConfigError(
+            f"block_input_placement has {len(places)} places, but the model has {layers} decoder layers; give one "
+            f"place per layer built: plan the model as built (offload_plan: auto), or realise a deeper plan at "
+            f"this depth with Plan.at_depth({layers}).to_config()"
+        )
+
+
 def plan_for(
     model: nn.Module,
     config: OffloadConfig,
     seq_len: int | None = None,
     optimizer: OptimizerSetup | None = None,
 ):
-    """The planner's :class:`~offloadkit.planning.Plan` for ``model`` at ``seq_len`` (else
+    """The planner's :class:`~offloadkit.planning.Plan` for ``model`` as built (its config's
+    layer shape, at the depth of the decoder layers it has) at ``seq_len`` (else
     ``config.seq_len``), under this machine's budgets (``host_budget_bytes`` caps the RAM),
     for the optimizer ``optimizer`` describes (None: see :func:`prepare`).
 
@@ -225,6 +258,10 @@ def plan_for(
         shape = resolve_shape(base)
     except ValueError as exc:
         raise ConfigError(f"offload_plan: auto cannot read the model's shape: {exc}") from exc
+    layers = _built_layers(model)
+    if layers is not None and layers != shape.layers:
+        # Every layer built is checkpointed and placed: the plan must have one place for each.
+        shape = shape.with_layers(layers)
     embed = getattr(base, "get_input_embeddings", lambda: None)()
     dtype_bytes = embed.weight.element_size() if embed is not None else next(base.parameters()).element_size()
     budgets = Budgets.detect(
@@ -295,6 +332,7 @@ def prepare(
             )
         chosen = plan_for(model, config, seq_len, optimizer)
         config = config.replace(**chosen.to_config())
+    _check_placement_depth(model, config)  # before anything is attached
     runtime = OffloadRuntime(model, config)
     runtime._gpu_cap = gpu_cap
     if gpu_cap is not None or chosen is not None:

@@ -35,6 +35,7 @@ from offloadkit.planning.memory import (
     auto_mlp_shards,
     estimate_memory,
     final_norm_bytes,
+    region_length,
     streams_weights,
     tiered_reserve_bytes,
     tiles_projections,
@@ -171,6 +172,36 @@ class Plan:
                 out["disk_tiering"] = True
                 out["host_budget_bytes"] = self.host_budget_bytes()
         return out
+
+    def at_depth(self, layers: int) -> "Plan":
+        """This plan realised on a model of ``layers`` decoder layers of the same shape (a
+        reduced-depth run of a full-depth plan): the same tiling, streaming, prefetch horizon
+        and optimizer placement, block inputs placed for that depth with the plan's longest
+        replayed run where the depth allows, and memory, time and fit estimated again.
+
+        Example:
+            >>> p = plan("llama-3-8b", 131072, budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
+            >>> len(p.at_depth(2).to_config()["block_input_placement"])
+            2
+        """
+        if layers == self.workload.shape.layers:
+            return self
+        w = replace(self.workload, shape=self.workload.shape.with_layers(layers))
+        f = self.features
+        f = replace(
+            f,
+            # The oldest block inputs stay offloaded where the plan offloads them; the GPU
+            # holds no more of the newest than leave one to offload.
+            gpu_blocks=min(f.gpu_blocks, max(0, layers - 2)),
+            # A run of dropped inputs replays as many blocks as at full depth, where it fits.
+            recompute_blocks=region_length(self.placement) - 1 if f.recompute_blocks else 0,
+            keep_attention=min(f.keep_attention, layers),
+        )
+        m = estimate_memory(w, f)
+        t = estimate_time(w, f, self.budgets.rates, m.block_placement)
+        reasons = _check(w, m, self.budgets)
+        name = f"{self.name}, at {layers} of its {self.workload.shape.layers} layers"
+        return Plan(w, f, self.budgets, name, m, t, not reasons, reasons, optimizer=self.optimizer)
 
     def table(self) -> str:
         """The plan as a text table."""

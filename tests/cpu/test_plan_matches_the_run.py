@@ -221,3 +221,67 @@ def test_plain_prepare_moves_the_optimizer_state_only_when_asked():
             assert runtime.plan.optimizer.replaceable is asked
         finally:
             runtime.close()
+
+
+def _step(runtime, model, seq):
+    ids = torch.randint(0, 256, (1, seq))
+    with runtime.context():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss
+
+
+def test_offload_plan_auto_plans_the_layers_the_model_has():
+    """A model cut to 2 of the 6 decoder layers its config names: the plan is made for the 2
+    layers built (one block-input place each), and the step runs."""
+    from offloadkit.compose import prepare
+
+    model = build_llama("tiny", num_hidden_layers=6, attn_implementation="sdpa")
+    model.model.layers = torch.nn.ModuleList(list(model.model.layers)[:2])
+    assert model.config.num_hidden_layers == 6
+    config = {"offload_plan": "auto", "gpu_budget_bytes": 32 << 20, "host_budget_bytes": "1GiB"}
+    runtime = prepare(model, config, seq_len=8192)
+    try:
+        p = runtime.plan
+        assert p.workload.shape.layers == 2 and p.placement == ["ram", "gpu"] and p.fits
+        assert runtime.config.block_input_placement == ("ram", "gpu")
+        assert torch.isfinite(_step(runtime, model, 8192))
+    finally:
+        runtime.close()
+
+
+def test_a_deeper_plan_is_realised_at_the_depth_built():
+    """As the context-parallel benchmark does: a plan for the full depth, a model of fewer
+    layers. Its config is refused before anything is attached; the plan realised at the
+    model's depth (one place per layer built, the same features) runs."""
+    from offloadkit.compose import prepare
+    from offloadkit.config import ConfigError
+    from offloadkit.models.blocks import find_blocks
+    from offloadkit.planning import OptimizerSetup, resolve_shape
+
+    budgets = Budgets(32 << 20, GiB, GiB)
+    full = plan(
+        resolve_shape("tiny", layers=6),
+        8192,
+        lora_rank=0,
+        dtype_bytes=4,
+        budgets=budgets,
+        optimizer=OptimizerSetup(replaceable=False),
+    )
+    assert full.placement == ["ram"] * 5 + ["gpu"]
+    model = build_llama("tiny", num_hidden_layers=2, attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match="block_input_placement has 6 places, but the model has 2 decoder layers"):
+        prepare(model, full.to_config())
+    assert not [name for name, m in model.named_modules() if "forward" in vars(m)], "nothing was attached"
+    built = full.at_depth(len(find_blocks(model)))
+    assert built.placement == ["ram", "gpu"] and built.workload.shape.layers == 2
+    assert built.features == replace(full.features, keep_attention=min(full.features.keep_attention, 2))
+    # The GPU holds what the full plan holds: the same per-layer working set and block inputs.
+    for part in ("layer recompute", "layer backward", "block inputs"):
+        assert built.memory.gpu_parts[part] == full.memory.gpu_parts[part], part
+    runtime = prepare(model, built.to_config())
+    try:
+        assert runtime.checkpointing is not None and runtime.config.block_input_placement == ("ram", "gpu")
+        assert torch.isfinite(_step(runtime, model, 8192))
+    finally:
+        runtime.close()
