@@ -219,7 +219,9 @@ def _check_placement_depth(model: nn.Module, config: OffloadConfig) -> None:
 
     ckpt = config.options(CheckpointOptions)
     places = ckpt.block_input_placement
-    if not (places and ckpt.enabled) or _hf_checkpointing_on(model):
+    # A plan (offload_plan: auto) may turn checkpointing on, keeping a placement it sets none for.
+    checkpointed = ckpt.enabled or config.offload_plan == "auto"
+    if not (places and checkpointed) or _hf_checkpointing_on(model):
         return  # nothing placed, or ignored with a note
     layers = _built_layers(model)
     if layers is not None and len(places) != layers:
@@ -317,6 +319,7 @@ def prepare(
     if not isinstance(config, OffloadConfig):
         config = OffloadConfig.from_dict(config or {})
     config.check_paths()  # a bad disk directory fails here, not inside the first step
+    _check_placement_depth(model, config)  # before anything is capped or attached
     gpu_cap = _cap_gpu_memory(config.gpu_budget_bytes)  # before anything allocates under the plan
     chosen = None
     if config.offload_plan == "auto":
@@ -331,8 +334,7 @@ def prepare(
                 + ("true, BackwardAdamW" if asked else "false, the loop's own optimizer"),
             )
         chosen = plan_for(model, config, seq_len, optimizer)
-        config = config.replace(**chosen.to_config())
-    _check_placement_depth(model, config)  # before anything is attached
+        config = config.replace(**chosen.to_config())  # a placement it sets is for the depth built
     runtime = OffloadRuntime(model, config)
     runtime._gpu_cap = gpu_cap
     if gpu_cap is not None or chosen is not None:
