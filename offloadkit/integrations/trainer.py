@@ -349,6 +349,12 @@ class OffloadCallback(_CallbackBase):
         self.runtime = prepare(model, config)
         if switched:
             self.runtime._note(_TRL_NOTE.format(route="callback"))
+        if self.runtime.config.optimizer_offloading:
+            # The Trainer builds its optimizer before the first callback runs.
+            self.runtime._note(
+                "optimizer_offloading has no effect through OffloadCallback: the Trainer made its own optimizer "
+                "before training began; use ActivationOffloadingMixin to have it replaced"
+            )
         self.runtime.attach_to_forward()
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 from typing import Callable, Iterable
 
@@ -43,25 +42,10 @@ from torch.optim import Optimizer
 
 from offloadkit.layers.flat import order_after_write_back
 from offloadkit.optim.state_copies import StateCopies
+from offloadkit.runtime.autograd import in_function_backward
 from offloadkit.transfer.prefetch import PrefetchScheduler
 
 __all__ = ["BackwardOptimizer"]
-
-# The engine runs an autograd Function's backward through this method.
-_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
-
-
-def _in_function_backward() -> bool:
-    """Whether this thread runs inside an autograd Function's backward: a backward started
-    there (a reentrant checkpoint's segment) is nested in another one, which may still add to
-    the gradients it accumulates. A nested backward runs on the thread of the Function that
-    started it, so that Function's frame is on this thread's stack."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _FUNCTION_BACKWARD:
-            return True
-        frame = frame.f_back
-    return False
 
 
 class BackwardOptimizer(Optimizer):
@@ -219,7 +203,7 @@ class BackwardOptimizer(Optimizer):
             return  # clipping needs every gradient first, or accumulating: step() updates
         if self.update_when is not None and not self.update_when():
             return
-        if _in_function_backward():
+        if in_function_backward():
             if id(p) in self._updated:
                 raise RuntimeError(
                     f"offloadkit: a {list(p.shape)} parameter was updated in backward, then got more gradient from "

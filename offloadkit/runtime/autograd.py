@@ -6,12 +6,15 @@ PyTorch upgrade that moves one has a single place to mend.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = [
     "current_graph_task",
     "first_grad_fn",
     "in_backward",
+    "in_function_backward",
     "pop_saved_tensor_hooks",
     "push_saved_tensor_hooks",
     "queue_engine_callback",
@@ -84,3 +87,20 @@ def version_of(t: torch.Tensor) -> int:
     """``t``'s version counter: it moves on every in-place change of ``t`` or a view of it
     (an optimizer's update included), not when ``.data`` is reassigned."""
     return t._version
+
+
+# The engine runs an autograd Function's backward through this method.
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def in_function_backward() -> bool:
+    """Whether this thread runs inside an autograd Function's backward: a backward started
+    there (a reentrant checkpoint's segment) is nested in another one, which may still add to
+    the gradients it accumulates. A nested backward runs on the thread of the Function that
+    started it, so that Function's frame is on this thread's stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False

@@ -65,3 +65,18 @@ def test_a_train_that_raises_leaves_nothing_attached(tmp_path, detach):
         assert callback.runtime is None and trainer.state.global_step == 3
     assert failed.manager is None and failed.checkpointing is None
     assert not _offloads_a_training_step(trainer.model, manager)
+
+
+def test_optimizer_offloading_through_the_callback_says_it_cannot_take_effect(tmp_path):
+    """The Trainer makes its optimizer before the first callback runs: the callback cannot
+    replace it, and says so rather than leaving the user to believe the state is offloaded."""
+    callback = OffloadCallback({"optimizer_offloading": True})
+    trainer = _trainer(tmp_path, callback)
+    trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks if not isinstance(c, FailOnce)]
+    with pytest.warns(UserWarning, match="optimizer_offloading has no effect through OffloadCallback"):
+        trainer.train()
+    assert any("optimizer_offloading has no effect" in n for n in callback.report["notes"])
+    assert (
+        type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__
+        == "AdamW"
+    )
