@@ -241,6 +241,8 @@ def format_report(report: dict) -> str:
     mem, off, wait = report["memory"], report["offloaded"], report["waited_seconds"]
     first, final = report["first_loss"], report["final_loss"]
     loss = f"loss {first:.3f} -> {final:.3f} (logged first -> last)" if first is not None else "no loss logged"
+    start = report.get("resumed_from")
+    resumed = [f"  resumed  from step {start['step']} ({start['checkpoint']})"] if start else []
     lines = [
         f"offloadkit train report ({report['device']}, torch {report['torch']})",
         f"  model    {report['model']}, {report['parameters'] / 1e6:.2f}M parameters, {report['fine_tune']}, "
@@ -249,6 +251,7 @@ def format_report(report: dict) -> str:
         *_comparison_lines(report),
         f"  training {report['steps']} steps in {report['train_seconds']:.1f} s, {loss}, "
         f"{report['tokens_per_s']:.0f} tokens/s",
+        *resumed,
         f"  offloaded per step: activations {_gib(off['activations_to_ram_bytes_per_step'])} to RAM, "
         f"{_gib(off['activations_to_disk_bytes_per_step'])} to disk; weights streamed "
         f"{_gib(off['weights_loaded_bytes_per_step'])}",

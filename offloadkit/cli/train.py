@@ -33,14 +33,21 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class _StopAtStepEnd:
-    """The first Ctrl-C ends training at the end of the running step (a ``KeyboardInterrupt``
-    raised mid-step can land inside any constructor or finaliser); a second one stops at once.
+    """The first Ctrl-C ends training at the end of the running step, with a checkpoint of
+    it (a ``KeyboardInterrupt`` raised mid-step can land inside any constructor or
+    finaliser); a second one stops at once.
 
     Installed only around ``trainer.train()`` on the main thread, and restored after it.
+
+    Attributes:
+        requested: Ctrl-C was pressed.
+        saving: the step whose checkpoint is being written, else None (a second Ctrl-C then
+            leaves it half-written).
     """
 
     def __init__(self, log) -> None:
         self.requested = False
+        self.saving: int | None = None
         self._log = log
         self._previous = None
 
@@ -53,7 +60,11 @@ class _StopAtStepEnd:
             def on_step_end(self, args, state, control, **kwargs):
                 if owner.requested:
                     control.should_training_stop = True
-                    control.should_save = False
+                    control.should_save = True
+                owner.saving = state.global_step if control.should_save else None
+
+            def on_save(self, args, state, control, **kwargs):
+                owner.saving = None
 
         return StopCallback()
 
@@ -61,7 +72,10 @@ class _StopAtStepEnd:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        self._log("\noffloadkit: stopping at the end of this step (Ctrl-C again to stop now)")
+        self._log(
+            "\noffloadkit: stopping at the end of this step, with a checkpoint of it (Ctrl-C again to stop "
+            "now, without one)"
+        )
 
     @contextlib.contextmanager
     def installed(self):
@@ -159,7 +173,7 @@ def _after_stop(work: str, final: str, main: bool) -> str:
 
     last = get_last_checkpoint(work) if os.path.isdir(work) else None
     if work == final:
-        return f"the last checkpoint is {last}" if last else "nothing was saved"
+        return f"the last checkpoint is {last}: continue with --resume-from-checkpoint" if last else "nothing was saved"
     if last is None:
         if main:
             shutil.rmtree(work, ignore_errors=True)
@@ -428,6 +442,12 @@ def _sample(model, tokenizer, prompt: str, seed: int) -> str:
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
+def _in_final(path: str, work: str, final: str) -> str:
+    """Where ``path``, written in ``work``, will be once the run has ended in ``final``."""
+    inside = os.path.realpath(path).startswith(os.path.realpath(work) + os.sep)
+    return os.path.join(final, os.path.relpath(path, work)) if work != final and inside else path
+
+
 def _name_base(model, base_dir: str) -> None:
     """The base a LoRA model's checkpoints and adapter name: where it will be once the run has ended."""
     for peft_config in model.peft_config.values():
@@ -525,10 +545,14 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
     notes = [f"Axolotl keys without effect here: {', '.join(cfg._ignored)}"] if cfg._ignored else []
     notes += data_notes
     planned = _steps_planned(cfg, len(dataset))
+    resumed = None
     if cfg.resume_from_checkpoint:
         # preflight has resolved `true` to the newest checkpoint's directory
-        with open(os.path.join(str(cfg.resume_from_checkpoint), "trainer_state.json")) as f:
-            planned = max(1, planned - json.load(f).get("global_step", 0))
+        checkpoint = str(cfg.resume_from_checkpoint)
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            done = json.load(f).get("global_step", 0)
+        planned = max(1, planned - done)
+        resumed = {"step": done, "checkpoint": _in_final(checkpoint, cfg.output_dir, final)}
     profile_step = min(cfg.profile_step, planned - 1)
     if profile_step != cfg.profile_step:
         notes.append(
@@ -578,6 +602,11 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
     except BaseException as exc:
         progress.close()  # whatever is printed next starts on its own line
         probe.stop()
+        if isinstance(exc, KeyboardInterrupt) and stop.saving is not None:
+            # A second Ctrl-C while a checkpoint was written: `--resume-from-checkpoint` would pick it.
+            import shutil
+
+            shutil.rmtree(os.path.join(cfg.output_dir, f"checkpoint-{stop.saving}"), ignore_errors=True)
         if isinstance(exc, KeyboardInterrupt):
             raise TrainingInterrupted(f"interrupted at step {progress.step} of {progress.total}") from None
         raise
@@ -599,6 +628,7 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
         trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda, sequences_per_step)
     )
     report["profile_step"] = profile_step
+    report["resumed_from"] = resumed
     report["offload_summary"] = _effective_summary(cfg, report)
     report["notes"] = notes + report["notes"]
     report["world_size"] = trainer.args.world_size  # the Trainer's own view of the process group

@@ -63,7 +63,8 @@ class TrainConfig:
         learning_rate, lr_scheduler, warmup_steps, optimizer, gradient_accumulation_steps,
         logging_steps, seed, weight_decay, max_grad_norm: as in Hugging Face
         ``TrainingArguments`` (``max_grad_norm: 0``: no clipping).
-        save_steps, save_total_limit: Trainer checkpoints every N steps, keeping the last K.
+        save_steps, save_total_limit: Trainer checkpoints every N steps, keeping the last K
+            (Ctrl-C saves one too, of the step it stops at).
         resume_from_checkpoint: a checkpoint directory, or true for the newest in output_dir.
         overwrite_output_dir: replace an earlier run found in output_dir (its report, model
             or adapter, and checkpoints) once this run has saved: it trains in

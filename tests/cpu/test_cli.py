@@ -326,7 +326,7 @@ def test_ctrl_c_while_the_comparison_measures_keeps_the_report(tmp_path):
 
 
 def test_interrupted_message_on_its_own_line(tmp_path):
-    # save_steps far ahead: no checkpoint exists yet, and the message must not say there is one.
+    # save_steps far ahead: the only checkpoint is the one Ctrl-C saves, at the step it stops.
     config = _tiny(tmp_path, max_steps=100000, seq_len=64, save_steps=50000)
     env = _env()
     proc = subprocess.Popen(
@@ -348,7 +348,14 @@ def test_interrupted_message_on_its_own_line(tmp_path):
     stderr = (seen + (rest or b"")).decode()
     assert proc.returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr
-    assert re.search(r"\noffloadkit: interrupted at step \d+ of 100000; nothing was saved\n?$", stderr), stderr[-500:]
+    stopped = re.search(
+        r"\noffloadkit: interrupted at step (\d+) of 100000; the last checkpoint is (\S+/checkpoint-(\d+)): "
+        r"continue with --resume-from-checkpoint\n?$",
+        stderr,
+    )
+    assert stopped and stopped[1] == stopped[3], stderr[-500:]
+    state = json.loads((tmp_path / "out" / f"checkpoint-{stopped[1]}" / "trainer_state.json").read_text())
+    assert state["global_step"] == int(stopped[1]) and stopped[2] == str(tmp_path / "out" / f"checkpoint-{stopped[1]}")
     assert not [d for d in os.listdir(tmp_path) if d.startswith("offloadkit-")]  # spill directory removed
 
 

@@ -1,10 +1,11 @@
 """``offloadkit train`` in this process, with a callback slipped into its Trainer to make a
-run fail or be interrupted at a chosen step: what --overwrite keeps, what Ctrl-C saves, and
-what a resumed run reports."""
+run fail or be interrupted (a real SIGINT, to this process) at a chosen step: what
+--overwrite keeps, what Ctrl-C saves, and what a resumed run reports."""
 
 import hashlib
 import json
 import os
+import signal
 
 import pytest
 
@@ -124,3 +125,66 @@ def test_overwrite_replaces_only_the_earlier_run(tmp_path):
     for adapter in (out / "adapter", out / "checkpoint-1"):
         config = json.loads((adapter / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == str(out / "base"), adapter
+
+
+def _ctrl_c():
+    signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C: the run's handler takes it
+
+
+def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_resumed_run_says_so(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    config = _config(tmp_path, max_steps=6)  # no save_steps: the interrupt's is the only checkpoint
+    _at_step(monkeypatch, 2, _ctrl_c)
+    assert main(["train", config]) == 130
+    err = capsys.readouterr().err
+    checkpoint = out / "checkpoint-2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "model.safetensors").is_file()
+    assert not (out / "model").exists() and not (out / "report.json").exists()
+    assert f"offloadkit: interrupted at step 2 of 6; the last checkpoint is {checkpoint}: continue" in err, err
+
+    monkeypatch.undo()
+    assert main(["train", config, "--resume-from-checkpoint"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["resumed_from"] == {"step": 2, "checkpoint": str(checkpoint)}
+    assert report["steps"] == 4 and report["losses"][0][0] == 3
+    assert f"resumed  from step 2 ({checkpoint})" in capsys.readouterr().out
+
+
+def test_second_ctrl_c_while_the_checkpoint_is_written_leaves_no_half_checkpoint(tmp_path, monkeypatch, capsys):
+    save_model = transformers.Trainer.save_model
+
+    def interrupted_mid_save(self, *args, **kwargs):
+        save_model(self, *args, **kwargs)
+        _ctrl_c()  # the second one: the optimizer state is not written yet
+
+    monkeypatch.setattr(transformers.Trainer, "save_model", interrupted_mid_save)
+    _at_step(monkeypatch, 2, _ctrl_c)
+    assert main(["train", _config(tmp_path, max_steps=6)]) == 130
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    assert "interrupted at step 2 of 6; nothing was saved" in capsys.readouterr().err
+
+
+def test_ctrl_c_of_an_overwrite_run_keeps_both_runs_and_the_resumed_one_replaces_the_earlier(
+    tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "out"
+    assert main(["train", _config(tmp_path, save_steps=2)]) == 0
+    earlier = _files(out)
+    config = _config(tmp_path, name="again.yaml", max_steps=5)
+    _at_step(monkeypatch, 3, _ctrl_c)
+    assert main(["train", config, "--overwrite"]) == 130
+    err = capsys.readouterr().err
+    stopped = out / "incomplete-run" / "checkpoint-3"
+    assert json.loads((stopped / "trainer_state.json").read_text())["global_step"] == 3
+    assert {k: v for k, v in _files(out).items() if not k.startswith("incomplete-run/")} == earlier
+    assert f"the earlier run in {out} is untouched; this run's last checkpoint is {stopped}" in err, err
+    assert "--overwrite --resume-from-checkpoint" in err
+
+    monkeypatch.undo()
+    assert main(["train", config, "--overwrite", "--resume-from-checkpoint"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    # The checkpoint it resumed from has moved in with the rest of the run.
+    assert report["resumed_from"] == {"step": 3, "checkpoint": str(out / "checkpoint-3")}
+    assert (out / "checkpoint-3").is_dir() and not (out / "checkpoint-2").exists()
+    assert report["steps"] == 2 and not (out / "incomplete-run").exists()
