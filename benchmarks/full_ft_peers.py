@@ -72,10 +72,14 @@ def _model_fp32(shape: str, device: str):
 
 
 def _build_offloadkit(shape: str, chunked: bool, args):
+    from offloadkit import use_expandable_segments
     from offloadkit.checkpointing import apply_activation_checkpointing
     from offloadkit.longctx import apply_chunked_loss
     from offloadkit.optim import BackwardAdamW
 
+    # What prepare() does for a run it builds: components built by hand leave the allocator
+    # alone, so this route asks for segments that grow in place itself.
+    use_expandable_segments()
     model = _model_fp32(shape, "cuda").to(torch.bfloat16)  # the peers' weights, rounded as their bf16 compute
     model.train()
     handles = [apply_activation_checkpointing(model, offload_inputs=True)]

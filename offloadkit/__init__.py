@@ -23,6 +23,7 @@ from offloadkit.engine import (
     OffloadStats,
 )
 from offloadkit.longctx import apply_attention_head_groups, apply_chunked_loss, apply_tiled_mlp, chunked_cross_entropy
+from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.storage import HostBufferPool, HostMemoryBudget, HostTier
 
 __version__ = "0.1.0"
@@ -41,4 +42,5 @@ __all__ = [
     "chunked_cross_entropy",
     "get_act_offloading_ctx_manager",
     "get_lora_act_offloading_ctx_manager",
+    "use_expandable_segments",
 ]
