@@ -299,8 +299,8 @@ def prepare(
     With ``offload_plan: auto`` the planner decides checkpointing, activation offloading,
     layer streaming, loss chunks and MLP shards for ``seq_len`` (else ``config.seq_len``);
     its choice replaces those keys (``runtime.plan`` holds the plan, ``runtime.config`` the
-    config applied). Such a run (and one with ``gpu_budget_bytes``) switches the CUDA caching
-    allocator to expandable segments, unless ``PYTORCH_CUDA_ALLOC_CONF`` is set.
+    config applied). On a CUDA machine the caching allocator maps expandable segments while the
+    runtime is open, unless ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) is set.
 
     ``optimizer`` tells the planner whether a full fine-tune's optimizer may be replaced by
     BackwardAdamW (its state in host memory) and when it updates; the Trainer mixins pass
@@ -337,11 +337,11 @@ def prepare(
         config = config.replace(**chosen.to_config())  # a placement it sets is for the depth built
     runtime = OffloadRuntime(model, config)
     runtime._gpu_cap = gpu_cap
-    if gpu_cap is not None or chosen is not None:
-        # Near a cap fixed-size segments strand room no large block fits, and a plan's
-        # reservation assumes segments that grow in place (fixed ones reserved 1.66x the
-        # allocated bytes at 512K tokens, and left no room for SDPA's one large request).
-        runtime._expandable = use_expandable_segments()
+    # Segments that grow in place, for every run offloadkit prepares: fixed-size ones strand
+    # room that no large block fits (1.39x the allocated bytes reserved by a 3B full fine-tune,
+    # 1.66x at 512K tokens, no room for SDPA's one large request under a cap), and a plan's
+    # reservation figure assumes them. Put back by close(); a user's PYTORCH_CUDA_ALLOC_CONF wins.
+    runtime._expandable = use_expandable_segments()
     if config.gpu_budget_bytes is not None and gpu_cap is None:
         runtime._note("gpu_budget_bytes has no effect without a CUDA GPU")
     if chosen is not None:

@@ -295,6 +295,19 @@ def test_offload_plan_config_validation():
         OffloadConfig.from_dict({"offload_plans": "auto"})
 
 
+def test_every_prepared_run_maps_expandable_segments_until_closed(monkeypatch):
+    """Not only planned runs: fixed-size segments reserved 1.39x what a 3B full fine-tune
+    allocated (benchmarks/results/trainer-overheads)."""
+    import offloadkit.compose as compose
+
+    switched = []
+    monkeypatch.setattr(compose, "use_expandable_segments", lambda on=True: switched.append(on) or True)
+    runtime = prepare(build_llama("tiny", attn_implementation="sdpa"), {"gradient_checkpointing": True})
+    assert switched == [True]
+    runtime.close()
+    assert switched == [True, False]
+
+
 def test_prepare_applies_the_plan(monkeypatch):
     import offloadkit.compose as compose
     from offloadkit.integrations.peft_utils import apply_lora
