@@ -178,20 +178,30 @@ def _build_planned(shape: str, args) -> tuple:
 
     from offloadkit.compose import prepare
     from offloadkit.optim import BackwardAdamW
-    from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, longest_sequence, plan
+    from offloadkit.planning import (
+        Budgets,
+        OptimizerSetup,
+        Workload,
+        estimate_memory,
+        estimate_time,
+        longest_sequence,
+        plan,
+    )
     from offloadkit.planning.memory import region_length
     from offloadkit.planning.shape import resolve_shape
 
     gpu, host, disk = (int(float(x) * _GiB) for x in args.budgets.split(","))
     budgets = Budgets(gpu, host, disk)
-    seq = args.seq_len or longest_sequence(shape, lora_rank=0, budgets=budgets).longest
+    # This loop steps BackwardAdamW without clipping: every parameter is updated in backward.
+    optimizer = OptimizerSetup(updates_in_backward=True, source="BackwardAdamW without clipping")
+    seq = args.seq_len or longest_sequence(shape, lora_rank=0, budgets=budgets, optimizer=optimizer).longest
     precision = args.precision
-    full = plan(shape, seq, lora_rank=0, budgets=budgets, optimizer_precision=precision)
+    full = plan(shape, seq, lora_rank=0, budgets=budgets, optimizer_precision=precision, optimizer=optimizer)
     # The GPU side at reduced depth holds what the full plan holds at its peak: the last
     # block's input on the GPU and the longest run of blocks one kept input replays.
     replayed = region_length(full.placement)
     layers = max(args.layers, replayed + 1) if replayed > 1 else args.layers
-    w = Workload(resolve_shape(shape, layers), seq, 1, 0, optimizer_precision=precision)
+    w = Workload(resolve_shape(shape, layers), seq, 1, 0, optimizer_precision=precision, updates_in_backward=True)
     f = replace(full.features, ram_blocks=None, recompute_blocks=replayed - 1)
     memory = estimate_memory(w, f)
     predicted = estimate_time(w, f, budgets.rates, memory.block_placement)
