@@ -2,7 +2,8 @@
 # On one GPU: the whole GPU suite, then a full fine-tune's reserved memory and step time
 # (benchmarks/full_ft_peers.py, 3B at 16K, fp32 master weights, with and without the chunked
 # loss) and the Trainer-route probes (benchmarks/trainer_overheads.py, full fine-tune cases).
-# Results under $OUT: gpu_tests.txt, env.txt, full-ft-peers.{json,md}, trainer-overheads-after.json.
+# Then the default `offloadkit train` (benchmarks/device/first_run.sh). Results under $OUT: gpu_tests.txt,
+# env.txt, full-ft-peers.{json,md}, trainer-overheads-after.json, first-run-gpu.tar, progress.txt.
 . "$(dirname "$0")/common.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())" \
@@ -19,4 +20,7 @@ cp /tmp/peers/full-ft-peers.json /tmp/peers/full-ft-peers.md "$OUT/" 2>/dev/null
 say "Trainer-route probes"
 python3 benchmarks/trainer_overheads.py --out "$OUT" --cases fullft-plain,fullft-prepare,fullft-train --tag=-after \
   2>&1 | cut -c1-300
+say "the default offloadkit train (first run)"
+OUT=/tmp/first-run bash benchmarks/device/first_run.sh gpu > /dev/null 2>&1
+tar -C /tmp/first-run -cf "$OUT/first-run-gpu.tar" gpu && tail -3 /tmp/first-run/gpu/stdout.txt
 say "done"
