@@ -10,7 +10,12 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
   | tee "$OUT/env.txt"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.txt"
 say "GPU suite"
-timeout "${SUITE_TIMEOUT:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=10 tests/gpu \
+# The files nearest the latest changes first: a suite cut short by its timeout has run them.
+first="backward_adamw backward_sgd reentrant_updates trainable_streaming prefetch_scheduler cli edges kept_attention
+  recompute_inputs longctx engine layers disk transfer attention_groups trainer_cells compat matrix"
+files=$(for f in $first; do echo tests/gpu/test_${f}_cuda.py; done)
+rest=$(ls tests/gpu/test_*_cuda.py | grep -v -F "$files")
+timeout "${SUITE_TIMEOUT:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=10 $files $rest \
   > "$OUT/gpu_tests.txt" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -15
 say "full fine-tune peers (offloadkit modes), 3B"
