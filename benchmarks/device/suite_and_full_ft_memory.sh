@@ -11,7 +11,7 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.txt"
 say "GPU suite"
 # The files nearest the latest changes first: a suite cut short by its timeout has run them.
-first="backward_adamw backward_sgd reentrant_updates trainable_streaming prefetch_scheduler cli edges kept_attention
+first="full_ft_memory backward_adamw backward_sgd reentrant_updates trainable_streaming prefetch_scheduler cli edges kept_attention
   recompute_inputs longctx engine layers disk transfer attention_groups trainer_cells compat matrix"
 files=$(for f in $first; do echo tests/gpu/test_${f}_cuda.py; done)
 rest=$(ls tests/gpu/test_*_cuda.py | grep -v -F "$files")
