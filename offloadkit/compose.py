@@ -16,20 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import torch
 from torch import nn
 
 from offloadkit.api import attach_to_forward, get_act_offloading_ctx_manager
-from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.checkpointing.component import hf_checkpointing_on
 from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.components import COMPONENTS
 from offloadkit.config import OffloadConfig
 from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers import apply_layer_streaming
 from offloadkit.layers.options import StreamingOptions
-from offloadkit.longctx import apply_chunked_loss, apply_tiled_mlp
-from offloadkit.longctx.options import LongContextOptions
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.optim.options import OptimizerOptions
@@ -52,15 +51,34 @@ if TYPE_CHECKING:
 __all__ = ["OffloadRuntime", "plan_for", "prepare"]
 
 
-def _hf_checkpointing_on(model: nn.Module) -> bool:
-    base = unwrap_model(model)
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+H = TypeVar("H")
+
+
+class _Handle(Generic[H]):
+    """A public attribute of :class:`OffloadRuntime` that is the handle of component ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, run: None, owner: type) -> _Handle[H]: ...
+
+    @overload
+    def __get__(self, run: OffloadRuntime, owner: type) -> H | None: ...
+
+    def __get__(self, run, owner):
+        return self if run is None else run.handles.get(self.name)
+
+    def __set__(self, run: OffloadRuntime, handle: H | None) -> None:
+        run.handles[self.name] = handle
 
 
 class OffloadRuntime:
     """Everything a config attached to one model. Use :func:`prepare` to build it.
 
     Attributes:
+        handles: each component's handle by its name (:data:`offloadkit.components.COMPONENTS`),
+            None where it is off or could not take effect.
         manager: the activation offloading manager (or None).
         checkpointing: offloadkit's checkpointing handle (None when off, or when Hugging
             Face's own gradient checkpointing is on).
@@ -68,24 +86,33 @@ class OffloadRuntime:
         chunked_loss / tiled_mlp / head_groups: the long-context handles (or None).
     """
 
-    def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
+    checkpointing: _Handle[CheckpointedBlocks] = _Handle("checkpointing")
+    chunked_loss: _Handle[ChunkedLossHandle] = _Handle("chunked_loss")
+    tiled_mlp: _Handle[TiledMLPHandle] = _Handle("tiled_mlp")
+    head_groups: _Handle[AttentionHeadGroups] = _Handle("head_groups")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OffloadConfig,
+        *,
+        plan: Plan | None = None,
+        gpu_cap: tuple[int, float] | None = None,
+    ) -> None:
         self.model = model
         self.config = config
+        self.handles: dict[str, Any] = {component.name: None for component in COMPONENTS}
         self.manager: OffloadActivations | None = None
-        self.checkpointing: CheckpointedBlocks | None = None
         self.streamer: LayerStreamer | None = None
-        self.chunked_loss: ChunkedLossHandle | None = None
-        self.tiled_mlp: TiledMLPHandle | None = None
-        self.head_groups: AttentionHeadGroups | None = None
         self._forward_attachment: Any = None
-        self._gpu_cap: tuple[int, float] | None = None  # (device, fraction before) while a GPU budget is enforced
+        self._gpu_cap = gpu_cap  # (device, fraction) while a GPU budget is enforced
         self._expandable = False  # this runtime switched the allocator to expandable segments
-        self.plan: Plan | None = None  # the planner's Plan under offload_plan: auto
+        self.plan = plan  # the planner's Plan under offload_plan: auto
         # The one look-ahead over the link: activations, streamed weights and an optimizer
         # built with scheduler=runtime.scheduler fetch ahead within its window.
         self.scheduler = PrefetchScheduler(config.options(TransferOptions).window_bytes)
-        # The one set of step hooks those clients act on; made once checkpointing has wrapped
-        # the blocks (see prepare()).
+        # The one set of step hooks those clients act on; made by the first that needs it
+        # (step_timeline()), once checkpointing has wrapped the blocks.
         self.timeline: StepTimeline | None = None
         self.notes: list[str] = list(config._warnings)
 
@@ -97,6 +124,16 @@ class OffloadRuntime:
         """Offload around every training forward without wrapping the step (callback route)."""
         if self.manager is not None and self._forward_attachment is None:
             self._forward_attachment = attach_to_forward(self.manager, self.model)
+
+    def step_timeline(self) -> StepTimeline:
+        """The run's one :class:`~offloadkit.transfer.StepTimeline`, made on first use.
+
+        Made after checkpointing (an earlier component): a failed forward closes its stale
+        region (whose saved-tensor hooks are on top of the stack) before the manager's forward
+        end pops its own."""
+        if self.timeline is None:
+            self.timeline = StepTimeline(self.model, head=find_output_head(unwrap_model(self.model)))
+        return self.timeline
 
     def report(self) -> dict:
         out: dict = {"config": self.config.to_dict(), "notes": self.notes}
@@ -119,6 +156,10 @@ class OffloadRuntime:
             "peak_pending_bytes": self.scheduler.peak_pending_bytes,
             "lanes": self.scheduler.stats(),
         }
+        for component in COMPONENTS:
+            handle = self.handles.get(component.name)
+            if handle is not None and component.report is not None:
+                out.update(component.report(handle))
         if self.manager is not None:
             out["activations"] = self.manager.collect_stats().as_dict()
             out["storage"] = self.manager.storage_stats()
@@ -152,17 +193,14 @@ class OffloadRuntime:
         if self.manager is not None:
             self.manager.close()
             self.manager = None
-        if self.checkpointing is not None:
-            self.checkpointing.remove()
-            self.checkpointing = None
-        if self.timeline is not None:
+        for component in reversed(COMPONENTS):
+            handle = self.handles.get(component.name)
+            if handle is not None:
+                component.remove(handle)
+                self.handles[component.name] = None
+        if self.timeline is not None:  # after every client that subscribed to it
             self.timeline.remove()
             self.timeline = None
-        for name in ("tiled_mlp", "chunked_loss", "head_groups"):
-            handle = getattr(self, name)
-            if handle is not None:
-                handle.remove()
-                setattr(self, name, None)
         if self._gpu_cap is not None:
             device, _ = self._gpu_cap
             torch.cuda.set_per_process_memory_fraction(1.0, device)
@@ -171,9 +209,14 @@ class OffloadRuntime:
             use_expandable_segments(False)  # segments mapped from now on are the default kind again
             self._expandable = False
 
-    def _note(self, message: str) -> None:
+    def note(self, message: str) -> None:
+        """Record ``message`` (a setting that cannot take effect) from a component's build and
+        warn it, pointing at :func:`prepare`'s caller."""
+        self._note(message, stacklevel=5)  # _note, note, the build, prepare(), its caller
+
+    def _note(self, message: str, stacklevel: int = 3) -> None:
         self.notes.append(message)
-        warnings.warn(f"offloadkit: {message}", UserWarning, stacklevel=3)
+        warnings.warn(f"offloadkit: {message}", UserWarning, stacklevel=stacklevel)
 
 
 def _cap_gpu_memory(budget: int | None) -> tuple[int, float] | None:
@@ -221,7 +264,7 @@ def _check_placement_depth(model: nn.Module, config: OffloadConfig) -> None:
     places = ckpt.block_input_placement
     # A plan (offload_plan: auto) may turn checkpointing on, keeping a placement it sets none for.
     checkpointed = ckpt.enabled or config.offload_plan == "auto"
-    if not (places and checkpointed) or _hf_checkpointing_on(model):
+    if not (places and checkpointed) or hf_checkpointing_on(model):
         return  # nothing placed, or ignored with a note
     layers = _built_layers(model)
     if layers is not None and len(places) != layers:
@@ -282,6 +325,26 @@ def plan_for(
     )
 
 
+def _planned(
+    model: nn.Module, config: OffloadConfig, seq_len: int | None, optimizer: OptimizerSetup | None
+) -> tuple[OffloadConfig, Plan | None]:
+    """The config :func:`prepare` applies and, under ``offload_plan: auto``, the plan it comes from."""
+    if config.offload_plan != "auto":
+        return config, None
+    if optimizer is None:
+        from offloadkit.planning import OptimizerSetup
+
+        # Without a Trainer nothing replaces the loop's optimizer: only one asked for moves.
+        asked = config.optimizer_offloading
+        optimizer = OptimizerSetup(
+            replaceable=asked,
+            source="assumed: max_grad_norm=1.0; optimizer_offloading: "
+            + ("true, BackwardAdamW" if asked else "false, the loop's own optimizer"),
+        )
+    chosen = plan_for(model, config, seq_len, optimizer)
+    return config.replace(**chosen.to_config()), chosen  # a placement it sets is for the depth built
+
+
 def prepare(
     model: nn.Module,
     config: OffloadConfig | dict | None = None,
@@ -321,22 +384,8 @@ def prepare(
     config.check_paths()  # a bad disk directory fails here, not inside the first step
     _check_placement_depth(model, config)  # before anything is capped or attached
     gpu_cap = _cap_gpu_memory(config.gpu_budget_bytes)  # before anything allocates under the plan
-    chosen = None
-    if config.offload_plan == "auto":
-        if optimizer is None:
-            from offloadkit.planning import OptimizerSetup
-
-            # Without a Trainer nothing replaces the loop's optimizer: only one asked for moves.
-            asked = config.optimizer_offloading
-            optimizer = OptimizerSetup(
-                replaceable=asked,
-                source="assumed: max_grad_norm=1.0; optimizer_offloading: "
-                + ("true, BackwardAdamW" if asked else "false, the loop's own optimizer"),
-            )
-        chosen = plan_for(model, config, seq_len, optimizer)
-        config = config.replace(**chosen.to_config())  # a placement it sets is for the depth built
-    runtime = OffloadRuntime(model, config)
-    runtime._gpu_cap = gpu_cap
+    config, chosen = _planned(model, config, seq_len, optimizer)
+    runtime = OffloadRuntime(model, config, plan=chosen, gpu_cap=gpu_cap)
     # Segments that grow in place, for every run offloadkit prepares: fixed-size ones strand
     # room that no large block fits (1.39x the allocated bytes reserved by a 3B full fine-tune,
     # 1.66x at 512K tokens, no room for SDPA's one large request under a cap), and a plan's
@@ -344,75 +393,21 @@ def prepare(
     runtime._expandable = use_expandable_segments()
     if config.gpu_budget_bytes is not None and gpu_cap is None:
         runtime._note("gpu_budget_bytes has no effect without a CUDA GPU")
-    if chosen is not None:
-        runtime.plan = chosen
-        if not chosen.fits:
-            runtime._note(
-                f"offload_plan: auto found no plan within the budgets ({'; '.join(chosen.reasons)}); "
-                f"applying the most frugal one ({chosen.name})"
-            )
+    if chosen is not None and not chosen.fits:
+        runtime._note(
+            f"offload_plan: auto found no plan within the budgets ({'; '.join(chosen.reasons)}); "
+            f"applying the most frugal one ({chosen.name})"
+        )
+    # Each component in apply order, from its options and the handles built before it.
+    for component in COMPONENTS:
+        runtime.handles[component.name] = component.build(model, config.options(component.options), runtime)
     cuda = torch.cuda.is_available()
-    # Each component is built from its own options (the config's keys mapped onto them).
-    long_context = config.options(LongContextOptions)
     ckpt = config.options(CheckpointOptions)
     acts = config.options(ActivationOptions)
     budgets = config.options(BudgetOptions)
     streaming = config.options(StreamingOptions)
     mode = acts.mode
-
-    if long_context.chunked_loss:
-        try:
-            runtime.chunked_loss = apply_chunked_loss(model, long_context.loss_chunks)
-        except ValueError as exc:
-            runtime._note(f"chunked_cross_entropy has no effect: {exc}")
-    if long_context.tiled_mlp:
-        try:
-            runtime.tiled_mlp = apply_tiled_mlp(
-                model, long_context.mlp_shards, projections=long_context.tiled_projections
-            )
-        except ValueError as exc:
-            runtime._note(f"tiled_mlp has no effect: {exc}")
-    if long_context.head_groups:
-        from offloadkit.longctx.attention_groups import apply_attention_head_groups
-
-        try:
-            runtime.head_groups = apply_attention_head_groups(model, long_context.head_groups)
-        except ValueError as exc:
-            runtime._note(f"attention_head_groups has no effect: {exc}")
-
-    if ckpt.enabled:
-        if _hf_checkpointing_on(model):
-            for key in (
-                "selective_checkpointing",
-                "recompute_block_inputs",
-                "block_input_placement",
-                "keep_attention_outputs",
-            ):
-                if getattr(config, key):
-                    runtime._note(
-                        f"{key} has no effect: Hugging Face gradient checkpointing is already on (turn it off "
-                        "to use offloadkit's)"
-                    )
-        else:
-            runtime.checkpointing = apply_activation_checkpointing(
-                model,
-                selective=ckpt.selective,
-                keep_last_input=1 + ckpt.gpu_block_inputs,
-                recompute_inputs=ckpt.recompute_block_inputs,
-                placement=ckpt.block_input_placement or None,
-                # Without offloading the config has already said it has no effect.
-                keep_attention=ckpt.keep_attention if config.activation_offloading else False,
-            )
-
     budget = HostMemoryBudget(budgets.host_budget_bytes, budgets.host_min_free_bytes)
-
-    def timeline() -> StepTimeline:
-        # Made after checkpointing: a failed forward closes its stale region (whose saved-tensor
-        # hooks are on top of the stack) before the manager's forward end pops its own.
-        if runtime.timeline is None:
-            runtime.timeline = StepTimeline(model, head=find_output_head(unwrap_model(model)))
-        return runtime.timeline
-
     if mode:
         if mode in (True, "legacy") and not cuda:
             runtime._note(
@@ -436,9 +431,8 @@ def prepare(
                     disk=disk,
                     offload_cpu_tensors=not cuda,
                     scheduler=runtime.scheduler,
-                    timeline=timeline(),
+                    timeline=runtime.step_timeline(),
                 )
-
     if runtime.checkpointing is not None and runtime.manager is not None:
         runtime.checkpointing.keep_last_input_from(runtime.manager)  # needed first in backward
     elif ckpt.gpu_block_inputs:
@@ -446,7 +440,6 @@ def prepare(
             "gpu_block_inputs has no effect: it keeps block inputs of offloadkit's checkpointing on the GPU, "
             "and this run has no such checkpointing with activation offloading"
         )
-
     if streaming.enabled:
         if not cuda:
             runtime._note("layer_offloading has no effect without a CUDA GPU")
@@ -462,7 +455,7 @@ def prepare(
                     trainable=config.options(OptimizerOptions).enabled,
                     scheduler=runtime.scheduler,
                     disk_dir=streaming.disk_dir,
-                    timeline=timeline(),
+                    timeline=runtime.step_timeline(),
                 )
                 if runtime.checkpointing is not None and runtime.checkpointing.recompute_inputs:
                     # A replayed region runs blocks backward has not reached yet: load them first.

@@ -1,0 +1,23 @@
+"""The features :func:`~offloadkit.prepare` attaches, in the order it attaches them.
+
+Each feature states its :class:`~offloadkit.component.Component` record beside its code: its
+options, why it comes where it does, how it is built from them (and from the handles built
+before it), reported and detached. ``prepare()`` builds them in this order; ``close()``
+detaches them in the reverse order. A new feature is its folder's ``component.py`` and one
+line here.
+"""
+
+from __future__ import annotations
+
+from offloadkit.checkpointing.component import CHECKPOINTING
+from offloadkit.component import Component
+from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
+
+__all__ = ["COMPONENTS", "Component"]
+
+COMPONENTS: tuple[Component, ...] = (
+    CHUNKED_LOSS,
+    TILED_MLP,
+    HEAD_GROUPS,
+    CHECKPOINTING,
+)
