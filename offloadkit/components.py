@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from offloadkit.checkpointing.component import CHECKPOINTING
 from offloadkit.component import Component
+from offloadkit.engine.component import ACTIVATIONS
+from offloadkit.layers.component import LAYER_STREAMING
 from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
+from offloadkit.storage.component import HOST_BUDGET
 
 __all__ = ["COMPONENTS", "Component"]
 
@@ -20,4 +23,7 @@ COMPONENTS: tuple[Component, ...] = (
     TILED_MLP,
     HEAD_GROUPS,
     CHECKPOINTING,
+    HOST_BUDGET,
+    ACTIVATIONS,
+    LAYER_STREAMING,
 )

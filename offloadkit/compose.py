@@ -21,20 +21,14 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import torch
 from torch import nn
 
-from offloadkit.api import attach_to_forward, get_act_offloading_ctx_manager
+from offloadkit.api import attach_to_forward
 from offloadkit.checkpointing.component import hf_checkpointing_on
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.components import COMPONENTS
 from offloadkit.config import OffloadConfig
-from offloadkit.engine.options import ActivationOptions
-from offloadkit.layers import apply_layer_streaming
-from offloadkit.layers.options import StreamingOptions
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
-from offloadkit.optim.options import OptimizerOptions
-from offloadkit.planning.options import BudgetOptions
 from offloadkit.runtime.device import use_expandable_segments
-from offloadkit.storage import DiskOptions, HostMemoryBudget
 from offloadkit.transfer.options import TransferOptions
 from offloadkit.transfer.prefetch import PrefetchScheduler
 from offloadkit.transfer.timeline import StepTimeline
@@ -86,7 +80,9 @@ class OffloadRuntime:
         chunked_loss / tiled_mlp / head_groups: the long-context handles (or None).
     """
 
+    manager: _Handle[OffloadActivations] = _Handle("activations")
     checkpointing: _Handle[CheckpointedBlocks] = _Handle("checkpointing")
+    streamer: _Handle[LayerStreamer] = _Handle("layer_streaming")
     chunked_loss: _Handle[ChunkedLossHandle] = _Handle("chunked_loss")
     tiled_mlp: _Handle[TiledMLPHandle] = _Handle("tiled_mlp")
     head_groups: _Handle[AttentionHeadGroups] = _Handle("head_groups")
@@ -102,8 +98,6 @@ class OffloadRuntime:
         self.model = model
         self.config = config
         self.handles: dict[str, Any] = {component.name: None for component in COMPONENTS}
-        self.manager: OffloadActivations | None = None
-        self.streamer: LayerStreamer | None = None
         self._forward_attachment: Any = None
         self._gpu_cap = gpu_cap  # (device, fraction) while a GPU budget is enforced
         self._expandable = False  # this runtime switched the allocator to expandable segments
@@ -160,26 +154,6 @@ class OffloadRuntime:
             handle = self.handles.get(component.name)
             if handle is not None and component.report is not None:
                 out.update(component.report(handle))
-        if self.manager is not None:
-            out["activations"] = self.manager.collect_stats().as_dict()
-            out["storage"] = self.manager.storage_stats()
-        if self.streamer is not None:
-            st = self.streamer.collect_stats()
-            out["layer_streaming"] = {
-                "streamed_bytes": self.streamer.streamed_bytes,
-                "layers": len(self.streamer.layers),
-                "depth": self.streamer.depth,
-                "trainable": self.streamer.trainable,
-                "loads": st.loads,
-                "write_backs": st.write_backs,
-                "loaded_bytes": st.loaded_bytes,
-                "misses": st.misses,
-                "max_resident": st.max_resident,
-                "wait_seconds": st.wait_seconds,
-                "disk_layers": st.disk_layers,
-                "disk_bytes": st.disk_bytes,
-                "disk_read_bytes": st.disk_read_bytes,
-            }
         return out
 
     def close(self) -> None:
@@ -187,12 +161,6 @@ class OffloadRuntime:
         if self._forward_attachment is not None:
             self._forward_attachment.remove()
             self._forward_attachment = None
-        if self.streamer is not None:
-            self.streamer.remove()
-            self.streamer = None
-        if self.manager is not None:
-            self.manager.close()
-            self.manager = None
         for component in reversed(COMPONENTS):
             handle = self.handles.get(component.name)
             if handle is not None:
@@ -401,71 +369,4 @@ def prepare(
     # Each component in apply order, from its options and the handles built before it.
     for component in COMPONENTS:
         runtime.handles[component.name] = component.build(model, config.options(component.options), runtime)
-    cuda = torch.cuda.is_available()
-    ckpt = config.options(CheckpointOptions)
-    acts = config.options(ActivationOptions)
-    budgets = config.options(BudgetOptions)
-    streaming = config.options(StreamingOptions)
-    mode = acts.mode
-    budget = HostMemoryBudget(budgets.host_budget_bytes, budgets.host_min_free_bytes)
-    if mode:
-        if mode in (True, "legacy") and not cuda:
-            runtime._note(
-                f"activation_offloading: {mode} has no effect without a CUDA GPU "
-                "(use activation_offloading: disk to move CPU activations to disk)"
-            )
-        else:
-            disk = config.options(DiskOptions) if mode == "disk" else None
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # the CPU-only message is replaced by ours
-                runtime.manager = get_act_offloading_ctx_manager(
-                    model,
-                    use_pin_memory=acts.use_pin_memory,
-                    use_streams=mode != "legacy",
-                    min_offload_size=acts.min_offload_size,
-                    max_fwd_stash_size=acts.max_fwd_stash_size,
-                    prefetch=acts.loading_horizon,
-                    prefetch_bytes=acts.prefetch_bytes,
-                    budget=budget,
-                    storage=acts.storage,
-                    disk=disk,
-                    offload_cpu_tensors=not cuda,
-                    scheduler=runtime.scheduler,
-                    timeline=runtime.step_timeline(),
-                )
-    if runtime.checkpointing is not None and runtime.manager is not None:
-        runtime.checkpointing.keep_last_input_from(runtime.manager)  # needed first in backward
-    elif ckpt.gpu_block_inputs:
-        runtime._note(
-            "gpu_block_inputs has no effect: it keeps block inputs of offloadkit's checkpointing on the GPU, "
-            "and this run has no such checkpointing with activation offloading"
-        )
-    if streaming.enabled:
-        if not cuda:
-            runtime._note("layer_offloading has no effect without a CUDA GPU")
-        else:
-            try:
-                # Trainable weights stream only when the optimizer updates them in backward,
-                # while their block is resident; torch's AdamW would step over host memory.
-                runtime.streamer = apply_layer_streaming(
-                    model,
-                    depth=streaming.depth,
-                    use_pin_memory=acts.use_pin_memory,
-                    budget=budget,
-                    trainable=config.options(OptimizerOptions).enabled,
-                    scheduler=runtime.scheduler,
-                    disk_dir=streaming.disk_dir,
-                    timeline=runtime.step_timeline(),
-                )
-                if runtime.checkpointing is not None and runtime.checkpointing.recompute_inputs:
-                    # A replayed region runs blocks backward has not reached yet: load them first.
-                    runtime.checkpointing.register_replay_hook(runtime.streamer.make_resident)
-            except ValueError as exc:
-                if "layer streaming found no" not in str(exc):
-                    raise
-                runtime._note(
-                    "layer_offloading has no effect: the model's layers hold no frozen weights "
-                    "(it streams the frozen base of LoRA/QLoRA models, and a full fine-tune's weights "
-                    "with optimizer_offloading: true)"
-                )
     return runtime
