@@ -11,6 +11,8 @@ __all__ = [
     "MIN_OFFLOAD_SIZE",
     "OPTIMIZER_COPY_WINDOW_BYTES",
     "OPTIMIZER_STATE_BYTES",
+    "PREFETCH_FROM_DISK",
+    "PREFETCH_FROM_RAM",
     "STREAM_DEPTH",
 ]
 
@@ -19,6 +21,12 @@ __all__ = [
 MIN_OFFLOAD_SIZE = 1024
 # Device sources kept alive while their copy to the host is in flight, before forward waits.
 MAX_FWD_STASH_SIZE = 5
+# Save groups (layers, with checkpointing) brought back ahead in backward when the user sets no
+# ``activation_loading_horizon``: the storage tiers' ``default_prefetch``, and the planner's
+# horizon. Reads from disk take longer than pinned copies (measured on an 8B LoRA step at 16K
+# tokens: 3.86 s -> 3.77 s on disk, 3.33 s -> 3.17 s tiered with 4 instead of 2).
+PREFETCH_FROM_RAM = 2
+PREFETCH_FROM_DISK = 4
 # Blocks of streamed weights resident at once: 2 is double buffering (one computing, one
 # arriving).
 STREAM_DEPTH = 2

@@ -148,7 +148,7 @@ class BackwardAdamW(BackwardOptimizer):
             "stochastic_rounding": stochastic_rounding,
         }
         if copy_window_bytes is None:
-            precision = "fp32_master" if master_weights else "params"
+            precision = "fp32_master" if master_weights else "compact" if stochastic_rounding else "params"
             copy_window_bytes = OPTIMIZER_COPY_WINDOW_BYTES[precision]
         self.seed = seed
         self.chunk_elements = chunk_elements

@@ -23,9 +23,15 @@ from offloadkit.defaults import (
     COMPACT_CHUNK_ELEMENTS,
     OPTIMIZER_COPY_WINDOW_BYTES,
     OPTIMIZER_STATE_BYTES,
+    PREFETCH_FROM_DISK,
+    PREFETCH_FROM_RAM,
     STREAM_DEPTH,
 )
+from offloadkit.longctx.loss import auto_chunk_tokens
+from offloadkit.longctx.tiled_mlp import auto_num_shards
 from offloadkit.planning.shape import ModelShape
+from offloadkit.storage.disk import MAX_INFLIGHT_BYTES
+from offloadkit.storage.tiered import RESERVE_BYTES, RESERVE_CAP_DIVISOR
 
 __all__ = [
     "Features",
@@ -35,13 +41,10 @@ __all__ = [
     "layer_saved_bytes",
     "FRAGMENTATION",
     "UNCHUNKED_LOSS_BYTES_PER_LOGIT",
-    "LOSS_CHUNK_ELEMENTS",
-    "MLP_SHARD_ELEMENTS",
     "HOST_BASELINE_BYTES",
     "auto_loss_chunks",
     "disk_staging_bytes",
     "tiered_reserve_bytes",
-    "TIERED_RESERVE_BYTES",
     "auto_mlp_shards",
     "tiles_projections",
     "region_length",
@@ -65,22 +68,21 @@ FRAGMENTATION = 1.10
 # checkpointing peak measured on H200 (benchmarks/results/engine/llama-3-8b-lora-16k-h200.md:
 # 42.92 GiB allocated, minus this model's other parts, over 16384 x 128256 logits).
 UNCHUNKED_LOSS_BYTES_PER_LOGIT = 11.5
-# The automatic chunking of offloadkit.longctx (kept equal to its constants).
-LOSS_CHUNK_ELEMENTS = 2**28
-MLP_SHARD_ELEMENTS = 2**28
 # Bytes per element of one loss chunk at its peak: the bf16 matmul output while it becomes
 # fp32 (2 + 4), then fp32 exp in place with its bf16 gradient (4 + 2); see longctx/loss.py.
 LOSS_CHUNK_BYTES_PER_LOGIT = 6
 # Host RSS of a CUDA PyTorch process with transformers and peft imported, before any
 # offloading. Assumed (typical: 3-5 GiB).
 HOST_BASELINE_BYTES = 4 << 30
-# Block inputs brought back ahead in backward (the engine's default horizon).
-HORIZON_RAM, HORIZON_DISK = 2, 4
+# Block inputs brought back ahead in backward: the engine's default horizon, the storage
+# tiers' ``default_prefetch`` (from RAM, and from disk or RAM-then-disk).
+HORIZON_RAM, HORIZON_DISK = PREFETCH_FROM_RAM, PREFETCH_FROM_DISK
 
 
 def auto_loss_chunks(tokens: int, vocab: int) -> int:
-    """Chunks of the automatic chunked loss (at most 2**28 fp32 logits per chunk)."""
-    return max(1, math.ceil(tokens / max(1, LOSS_CHUNK_ELEMENTS // vocab)))
+    """Chunks of the automatic chunked loss (:func:`offloadkit.longctx.loss.auto_chunk_tokens`
+    tokens each: at most 2**28 fp32 logits per chunk)."""
+    return max(1, math.ceil(tokens / auto_chunk_tokens(vocab)))
 
 
 def tiles_projections(tokens: int, hidden: int) -> bool:
@@ -90,8 +92,9 @@ def tiles_projections(tokens: int, hidden: int) -> bool:
 
 
 def auto_mlp_shards(tokens: int, intermediate: int) -> int:
-    """Shards of the automatic tiled MLP (at most 2**28 intermediate elements per shard)."""
-    return max(1, math.ceil(tokens * intermediate / MLP_SHARD_ELEMENTS))
+    """Shards of the automatic tiled MLP (:func:`offloadkit.longctx.tiled_mlp.auto_num_shards`:
+    at most 2**28 intermediate elements per shard)."""
+    return auto_num_shards(tokens, intermediate)
 
 
 @dataclass(frozen=True)
@@ -316,16 +319,16 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     return max(mlp, attn)
 
 
-# offloadkit.storage.disk.DiskOptions.max_inflight_bytes: writes staged in host RAM at once.
-DISK_INFLIGHT_BYTES = 1 << 30
-# offloadkit.storage.tiered keeps this much of its RAM cap free (at most a quarter of the
-# cap), demoting the oldest entries to disk ahead of need.
-TIERED_RESERVE_BYTES = 512 << 20
+# Writes the disk tier stages in host RAM at once (offloadkit.storage.disk's default).
+DISK_INFLIGHT_BYTES = MAX_INFLIGHT_BYTES
 
 
 def tiered_reserve_bytes(base: int) -> int:
-    """The free room the tiered tier keeps under a cap of ``base`` plus this room."""
-    return min(TIERED_RESERVE_BYTES, base // 3)
+    """The free room the tiered tier keeps under a cap of ``base`` plus this room
+    (offloadkit.storage.tiered: ``min(RESERVE_BYTES, cap // RESERVE_CAP_DIVISOR)``, demoting
+    the oldest entries to disk ahead of need). With ``cap = base + room`` and the room a
+    ``1/D`` share of the cap, the room is ``base // (D - 1)``."""
+    return min(RESERVE_BYTES, base // (RESERVE_CAP_DIVISOR - 1))
 
 
 def disk_staging_bytes(w: Workload, f: Features, placement: list[str]) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from offloadkit.defaults import PREFETCH_FROM_RAM
 from offloadkit.runtime.device import current_stream
 from offloadkit.storage.base import Loaded, Stored
 from offloadkit.storage.pool import HostBufferPool
@@ -44,7 +45,7 @@ class HostTier:
     """
 
     name = "ram"
-    default_prefetch = 2
+    default_prefetch = PREFETCH_FROM_RAM
 
     def __init__(self, pool: HostBufferPool, use_streams: bool = True) -> None:
         self.pool = pool

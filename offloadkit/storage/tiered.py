@@ -20,12 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
+from offloadkit.defaults import PREFETCH_FROM_DISK
 from offloadkit.storage.base import Loaded, Stored
 from offloadkit.storage.disk import DiskTier
 from offloadkit.storage.host import HostTier
 from offloadkit.storage.pool import size_class
 
-__all__ = ["TieredTier", "TieredStats"]
+__all__ = ["TieredTier", "TieredStats", "RESERVE_BYTES", "RESERVE_CAP_DIVISOR"]
+
+# RAM headroom below which demotion starts in the background, by default; at most
+# ``cap // RESERVE_CAP_DIVISOR`` of a capped RAM budget (the planner leaves this room free).
+RESERVE_BYTES = 512 << 20
+RESERVE_CAP_DIVISOR = 4
 
 
 @dataclass
@@ -58,13 +64,13 @@ class TieredTier:
     """
 
     name = "tiered"
-    default_prefetch = 4  # what comes back from disk sets the pace (see DiskTier)
+    default_prefetch = PREFETCH_FROM_DISK  # what comes back from disk sets the pace (see DiskTier)
 
-    def __init__(self, ram: HostTier, disk: DiskTier, reserve_bytes: int = 512 << 20) -> None:
+    def __init__(self, ram: HostTier, disk: DiskTier, reserve_bytes: int = RESERVE_BYTES) -> None:
         self.ram, self.disk = ram, disk
         self.pools = (ram.pool, disk.pool)
         cap = ram.pool.budget.limit_bytes
-        self.reserve_bytes = reserve_bytes if cap is None else min(reserve_bytes, cap // 4)
+        self.reserve_bytes = reserve_bytes if cap is None else min(reserve_bytes, cap // RESERVE_CAP_DIVISOR)
         self.stats = TieredStats()
         self._in_ram: OrderedDict[int, Stored] = OrderedDict()  # oldest first
         self._demoting: dict[int, Stored] = {}
