@@ -30,9 +30,8 @@ from torch.overrides import TorchFunctionMode
 from offloadkit.models.blocks import attention_module, find_blocks
 from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
-from offloadkit.planning.memory import attention_groups
 
-__all__ = ["AttentionHeadGroups", "apply_attention_head_groups", "grouped_attention"]
+__all__ = ["AttentionHeadGroups", "apply_attention_head_groups", "grouped_attention", "kv_head_groups"]
 
 _MARK = "_offloadkit_head_groups"
 
@@ -69,6 +68,20 @@ class _GradInOutputLayout(torch.autograd.Function):
         return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
+def kv_head_groups(groups: int, kv_heads: int) -> int:
+    """Groups attention really runs in when ``groups`` are asked for over ``kv_heads``
+    key/value heads: the largest divisor of the key/value heads not above ``groups`` (each
+    group then holds ``kv_heads // g`` key/value heads and as many times more query heads).
+    The planner counts the workspace this way.
+
+    Example:
+        >>> kv_head_groups(6, 8), kv_head_groups(32, 8), kv_head_groups(1, 8)
+        (4, 8, 1)
+    """
+    wanted = max(1, min(groups, kv_heads))
+    return max(g for g in range(1, wanted + 1) if kv_heads % g == 0)
+
+
 def _strides(shape, stride) -> tuple[int, ...]:
     """The strides that address memory (a dimension of size 1 has none)."""
     return tuple(st for n, st in zip(shape, stride) if n > 1)
@@ -100,7 +113,7 @@ def grouped_attention(
     hq, hkv = query.shape[1], key.shape[1]
     if hq != hkv and not (enable_gqa and hq % hkv == 0):
         return None
-    g = attention_groups(groups, hkv)
+    g = kv_head_groups(groups, hkv)
     if g <= 1:
         return None
     per_q, per_kv = hq // g, hkv // g

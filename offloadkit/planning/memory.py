@@ -27,6 +27,7 @@ from offloadkit.defaults import (
     PREFETCH_FROM_RAM,
     STREAM_DEPTH,
 )
+from offloadkit.longctx.attention_groups import kv_head_groups
 from offloadkit.longctx.loss import auto_chunk_tokens
 from offloadkit.longctx.tiled_mlp import auto_num_shards
 from offloadkit.planning.shape import ModelShape
@@ -53,7 +54,6 @@ __all__ = [
     "tiles_final_norm",
     "attention_kept_bytes",
     "attention_workspace_bytes",
-    "attention_groups",
     "keeps_attention",
 ]
 
@@ -195,13 +195,6 @@ class Features:
     head_groups: int = 1
 
 
-def attention_groups(head_groups: int, kv_heads: int) -> int:
-    """Groups attention really runs in: the largest divisor of the key/value heads not above
-    ``head_groups`` (what ``longctx/attention_groups.py`` splits them into)."""
-    wanted = max(1, min(head_groups, kv_heads))
-    return max(g for g in range(1, wanted + 1) if kv_heads % g == 0)
-
-
 def attention_workspace_bytes(w: Workload) -> int:
     """The fused attention backward's workspace for all heads: two fp32 query-sized buffers
     and an fp32 value per head and token (32,896 bytes a token for Llama-3-8B with cuDNN on
@@ -304,7 +297,7 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     if mlp_shards > 1:  # the shard's own saved set is rebuilt in backward
         mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
     attn = t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
-    groups = attention_groups(head_groups, s.kv_heads)
+    groups = kv_head_groups(head_groups, s.kv_heads)  # as longctx/attention_groups.py splits them
     if groups > 1:
         # The groups' outputs are joined into one more copy, which the o projection saves
         # until its backward, before the attention's: the MLP's backward sees it.

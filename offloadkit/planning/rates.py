@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from offloadkit.longctx.attention_groups import grouped_attention
+
 __all__ = [
     "attention_rate",
     "linear_rate",
@@ -63,7 +65,6 @@ def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS, groups: int = 1)
     """
     import torch.nn.functional as F
 
-    from offloadkit.longctx.attention_groups import grouped_attention
     from offloadkit.runtime.attention_ops import sdpa_backend
 
     gqa = shape.kv_heads != shape.heads

@@ -141,6 +141,37 @@ def test_loss_chunks_are_the_chunked_losss(monkeypatch, tokens, vocab):
     assert auto_loss_chunks(tokens, vocab) == len(range(0, n, chunk_tokens)) == math.ceil(n / chunk_tokens)
 
 
+@pytest.mark.parametrize("wanted", [1, 2, 3, 5, 6, 8, 32])
+@pytest.mark.parametrize("kv_heads", [1, 4, 6, 8])
+def test_head_groups_are_the_groups_attention_runs_in(monkeypatch, wanted, kv_heads):
+    """The planner's attention workspace is counted for as many key/value head groups as
+    :func:`grouped_attention` runs SDPA calls (the one rule lives in longctx)."""
+    from offloadkit.longctx import attention_groups
+
+    real = attention_groups.F.scaled_dot_product_attention
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape[1])  # key/value heads of this call
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_groups.F, "scaled_dot_product_attention", counting)
+    q, k, v = (torch.randn(1, heads, 8, 4) for heads in (2 * kv_heads, kv_heads, kv_heads))
+    out = attention_groups.grouped_attention(wanted, q, k, v, is_causal=True, enable_gqa=True)
+    ran = len(calls) if out is not None else 1
+    assert sum(calls) == (kv_heads if out is not None else 0)
+    from offloadkit.planning.memory import _layer_transient_bytes
+
+    w = Workload(replace(EIGHT_B, heads=2 * kv_heads, kv_heads=kv_heads), 65536)
+
+    def layer_backward(groups: int) -> int:
+        return _layer_transient_bytes(w, 16, tiled_projections=True, head_groups=groups)
+
+    assert layer_backward(wanted) == layer_backward(ran)
+    if ran > 1:  # grouping shows in the estimate: the rule is not idle here
+        assert layer_backward(wanted) != layer_backward(1)
+
+
 # -- the storage tiers ---------------------------------------------------------------------
 
 
