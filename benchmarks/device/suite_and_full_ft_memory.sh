@@ -15,7 +15,7 @@ first="full_ft_memory backward_adamw backward_sgd reentrant_updates trainable_st
   recompute_inputs longctx engine layers disk transfer attention_groups trainer_cells compat matrix"
 files=$(for f in $first; do echo tests/gpu/test_${f}_cuda.py; done)
 rest=$(ls tests/gpu/test_*_cuda.py | grep -v -F "$files")
-timeout "${SUITE_TIMEOUT:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=10 $files $rest \
+timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=10 $files $rest \
   > "$OUT/gpu_tests.txt" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -15
 say "full fine-tune peers (offloadkit modes), 3B"
@@ -23,7 +23,7 @@ python3 benchmarks/full_ft_peers.py --out /tmp/peers --shapes llama-3.2-3b --mod
   2>&1 | grep -v "^{" | tail -8
 cp /tmp/peers/full-ft-peers.json /tmp/peers/full-ft-peers.md "$OUT/" 2>/dev/null
 say "Trainer-route probes"
-python3 benchmarks/trainer_overheads.py --out "$OUT" --cases fullft-plain,fullft-prepare,fullft-train --tag=-after \
+python3 benchmarks/trainer_overheads.py --out "$OUT" --cases "${CASES:-fullft-prepare,fullft-train}" --tag=-after \
   2>&1 | cut -c1-300
 say "the default offloadkit train (first run)"
 OUT=/tmp/first-run bash benchmarks/device/first_run.sh gpu > /dev/null 2>&1
