@@ -236,86 +236,9 @@ def check_writable_dir(path: str, key: str, fix: str) -> str:
 class OffloadConfig:
     """What to offload and how. Every field has a sensible default; all off by default.
 
-    Attributes:
-        gradient_checkpointing: checkpoint every decoder layer (non-reentrant).
-        selective_checkpointing: op groups saved instead of recomputed ("mm", "attention").
-        activation_offloading: False, True (pinned RAM, overlapped on a side stream),
-            "legacy" (synchronous copies) or "disk" (files; RAM up to ``host_budget_bytes``
-            first when ``disk_tiering``).
-        activation_loading_horizon: entries (layers, with checkpointing) brought back ahead
-            (None: 2 from RAM, 4 from disk).
-        prefetch_bytes: also keep this many bytes in flight ahead (None: 1/16 of the step's).
-        prefetch_window_bytes: the most bytes fetched ahead of need and not yet used, over
-            activations, streamed weights and optimizer state together (the run's one
-            :class:`~offloadkit.transfer.PrefetchScheduler`); None: each bounded by its own
-            horizon only.
-        min_offload_size: smallest saved tensor offloaded, bytes.
-        max_fwd_stash_size: device tensors kept alive while their copies are in flight.
-        gpu_block_inputs: with checkpointing and offloading, block inputs kept on the GPU
-            besides the last block's (the newest ones, needed first in backward): for a GPU
-            with room to spare where RAM and disk are short (``offload_plan: auto`` sets it).
-        recompute_block_inputs: indices of decoder layers whose inputs are kept nowhere (not on
-            the GPU, in RAM or on disk): backward recomputes each from the nearest kept input
-            before it, running the layers in between forward again (needs offloadkit's
-            checkpointing: ``gradient_checkpointing`` without the Trainer's own).
-        block_input_placement: per decoder layer, where its input waits for backward: "gpu",
-            "ram", "disk" or "recompute" (kept nowhere). Exactly what a plan chose
-            (``offload_plan: auto`` sets it); replaces ``gpu_block_inputs`` and
-            ``recompute_block_inputs``. "disk" needs ``activation_offloading: disk``.
-        keep_attention_outputs: with checkpointing and activation offloading, keep each
-            layer's fused attention output and log-sum-exp (SDPA's cuDNN, flash or efficient
-            kernel) from forward in the block-input storage, and give them to the recompute
-            instead of running the kernel again: one attention forward less per layer, the
-            gradients bitwise the same. Pays at long context (``offload_plan: auto`` sets it).
-            An integer keeps them for that many of the last layers (what RAM holds).
-        use_pin_memory: page-lock host buffers.
-        host_budget_bytes: cap on host RAM for offloaded bytes (int or "16GiB").
-        gpu_budget_bytes: cap on this process's GPU memory (int or "24GiB"), enforced by the
-            caching allocator's per-process fraction: a run on a larger GPU behaves, and
-            fails, as on a GPU of this size; ``offload_plan: auto`` plans for it.
-        host_min_free_bytes: system RAM that must stay available (default: 10% of RAM, at
-            least 2 GiB); lower it on VMs whose RAM grows as it is used.
-        disk_dir / disk_threads / direct_io / disk_tiering: the disk tier.
-        layer_offloading: stream decoder-layer weights from pinned host memory: the frozen
-            ones, and a full fine-tune's trainable ones when ``optimizer_offloading`` updates
-            them in backward.
-        optimizer_offloading: with the Trainer mixins, replace the Trainer's AdamW by
-            :class:`~offloadkit.optim.BackwardAdamW` (its SGD by
-            :class:`~offloadkit.optim.BackwardSGD`): state in host memory, each parameter
-            updated in backward (or at ``step()`` when the Trainer clips gradients).
-        optimizer_precision: "params" (moments in the parameters' dtype: pure bf16 for a
-            bf16 model, as torch.optim.AdamW), "compact" (bf16 moments; the update in fp32,
-            rounded stochastically to bf16: 4 bytes a parameter, closer to fp32 than pure
-            bf16) or "fp32_master" (fp32 master weights and
-            moments for bf16/fp16 parameters, in host memory).
-        optimizer_state_dir: keep that state in memory-mapped files in this directory, paged
-            to disk by the OS past what RAM holds (for hosts whose RAM cannot hold it; its
-            copies then wait for the host); None: pinned host memory.
-        layer_offloading_depth: layers of streamed weights resident at once.
-        layer_offloading_dir: past the host budget, streamed layers' weights wait in files in
-            a private directory made here (read back through pinned staging; trainable ones
-            need updates in backward); None: the budget must hold every streamed layer.
-        chunked_cross_entropy: compute the loss over token chunks, never holding the
-            full-vocabulary logits (Hugging Face causal LMs).
-        chunked_cross_entropy_num_chunks: chunks per loss (None: automatic, at most 1 GiB
-            of fp32 logits per chunk).
-        tiled_mlp: run each decoder layer's MLP over sequence shards (Axolotl's name).
-        tiled_mlp_num_shards: shards per MLP call (None or "auto": one shard's
-            intermediate at most 2**28 elements; untiled when that is one shard).
-        tiled_projections: with ``tiled_mlp``, also run each layer's norms and attention
-            projections (with their adapters) over sequence shards, so they save only their
-            bf16 inputs (no fp32 upcasts or adapter input copies). With automatic shards they
-            run untiled below ``2**28 / hidden`` tokens.
-        attention_head_groups: run each decoder layer's attention (SDPA) one group of
-            key/value heads at a time, so its backward holds one group's kernel workspace
-            (the largest transient at long context); None: whole. ``offload_plan: auto``
-            sets it at long context.
-        offload_plan: "none" (use the keys as given) or "auto": :func:`prepare` runs the
-            planner (:mod:`offloadkit.planning`) for the model and ``seq_len`` and sets
-            checkpointing, activation offloading (RAM, or RAM then disk), layer streaming,
-            the loss chunks and the MLP shards from its plan.
-        seq_len / batch_size: tokens per row and rows per step, read by ``offload_plan: auto``
-            only (the training keys of the same name fill them).
+    Each key sets one component's options (:data:`COMPONENTS`), documented there, beside the
+    component's code. ``docs/config.md`` lists every key with its component, default and
+    documentation (``python -m offloadkit.components --write-docs docs/config.md`` writes it).
 
     Example:
         >>> OffloadConfig.from_dict({"gradient_checkpointing": True, "activation_offloading": True})

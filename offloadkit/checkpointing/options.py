@@ -19,15 +19,22 @@ class CheckpointOptions(Options):
         selective: ``selective_checkpointing``: op groups saved instead of recomputed ("mm",
             "attention"); None recomputes everything.
         gpu_block_inputs: ``gpu_block_inputs``: with offloading, block inputs kept on the GPU
-            besides the last block's (the newest, needed first in backward).
+            besides the last block's (the newest, needed first in backward): for a GPU with
+            room to spare where RAM and disk are short (``offload_plan: auto`` sets it).
         recompute_block_inputs: ``recompute_block_inputs``: indices of layers whose inputs are
-            kept nowhere: backward recomputes each from the nearest kept input before it.
+            kept nowhere (not on the GPU, in RAM or on disk): backward recomputes each from the
+            nearest kept input before it, running the layers in between forward again (needs
+            offloadkit's checkpointing: ``gradient_checkpointing`` without the Trainer's own).
         block_input_placement: ``block_input_placement``: per layer, where its input waits for
-            backward: "gpu", "ram", "disk" or "recompute" (replaces the two keys above).
+            backward: "gpu", "ram", "disk" or "recompute" (kept nowhere); exactly what a plan
+            chose (``offload_plan: auto`` sets it). Replaces ``gpu_block_inputs`` and
+            ``recompute_block_inputs``; "disk" needs ``activation_offloading: disk``.
         keep_attention: ``keep_attention_outputs``: with block inputs offloaded, each fused
-            attention kernel's output and log-sum-exp wait in the same storage for the
-            recompute, which then skips the kernel (``checkpointing/attention.py``); true for
-            every layer, or how many of the last layers.
+            attention kernel's output and log-sum-exp (SDPA's cuDNN, flash or efficient kernel)
+            wait in the same storage for the recompute, which then skips the kernel
+            (``checkpointing/attention.py``): one attention forward less per layer, the
+            gradients bitwise the same; pays at long context (``offload_plan: auto`` sets it).
+            True for every layer, or how many of the last layers (what RAM holds).
     """
 
     enabled: bool = option(False, "gradient_checkpointing")

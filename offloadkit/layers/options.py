@@ -20,7 +20,8 @@ class StreamingOptions(Options):
         depth: ``layer_offloading_depth``: layers resident at once (2: one computing, one
             arriving).
         disk_dir: ``layer_offloading_dir``: past the host budget, layers' weights wait in files
-            in a private directory made here; None: the budget must hold every streamed layer.
+            in a private directory made here (read back through pinned staging; trainable ones
+            need updates in backward); None: the budget must hold every streamed layer.
     """
 
     enabled: bool = option(False, "layer_offloading")

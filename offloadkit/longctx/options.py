@@ -15,17 +15,22 @@ class LongContextOptions(Options):
     """The loss over token chunks and the MLP over sequence shards.
 
     Attributes:
-        chunked_loss: ``chunked_cross_entropy``: never hold the full-vocabulary logits.
+        chunked_loss: ``chunked_cross_entropy``: compute the loss over token chunks, never
+            holding the full-vocabulary logits (Hugging Face causal LMs).
         loss_chunks: ``chunked_cross_entropy_num_chunks``: chunks per loss; None: automatic (at
             most 1 GiB of fp32 logits a chunk).
-        tiled_mlp: ``tiled_mlp``: run each decoder layer's MLP over sequence shards.
-        mlp_shards: ``tiled_mlp_num_shards``: shards per MLP call; None: one shard's
-            intermediate at most 2**28 elements.
-        tiled_projections: ``tiled_projections``: with the tiled MLP, also run the norms and
-            attention projections over shards, so they save only their bf16 inputs.
-        head_groups: ``attention_head_groups``: run each layer's attention one group of
-            key/value heads at a time (>= 2), so its backward holds one group's workspace;
-            None: whole.
+        tiled_mlp: ``tiled_mlp``: run each decoder layer's MLP over sequence shards (Axolotl's
+            name).
+        mlp_shards: ``tiled_mlp_num_shards``: shards per MLP call; None or "auto": one shard's
+            intermediate at most 2**28 elements (untiled when that is one shard).
+        tiled_projections: ``tiled_projections``: with the tiled MLP, also run each layer's norms
+            and attention projections (with their adapters) over shards, so they save only
+            their bf16 inputs (no fp32 upcasts or adapter input copies); with automatic shards
+            they run untiled below ``2**28 / hidden`` tokens.
+        head_groups: ``attention_head_groups``: run each layer's attention (SDPA) one group of
+            key/value heads at a time (>= 2), so its backward holds one group's kernel
+            workspace (the largest transient at long context); None: whole
+            (``offload_plan: auto`` sets it at long context).
     """
 
     chunked_loss: bool = option(False, "chunked_cross_entropy")

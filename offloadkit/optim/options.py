@@ -16,12 +16,17 @@ class OptimizerOptions(Options):
 
     Attributes:
         enabled: ``optimizer_offloading``: with the Trainer mixins, replace the Trainer's
-            AdamW by :class:`~offloadkit.optim.BackwardAdamW` (its SGD by ``BackwardSGD``).
-        precision: ``optimizer_precision``: "params" (moments in the parameters' dtype, as
-            torch.optim.AdamW), "compact" (bf16 moments, the update rounded stochastically) or
-            "fp32_master" (fp32 master weights and moments).
+            AdamW by :class:`~offloadkit.optim.BackwardAdamW` (its SGD by ``BackwardSGD``):
+            state in host memory, each parameter updated in backward (or at ``step()`` when the
+            Trainer clips gradients).
+        precision: ``optimizer_precision``: "params" (moments in the parameters' dtype: pure
+            bf16 for a bf16 model, as torch.optim.AdamW), "compact" (bf16 moments; the update
+            in fp32, rounded stochastically to bf16: 4 bytes a parameter, closer to fp32 than
+            pure bf16) or "fp32_master" (fp32 master weights and moments for bf16/fp16
+            parameters, in host memory).
         state_dir: ``optimizer_state_dir``: keep the state in memory-mapped files here (paged by
-            the OS past what RAM holds); None: pinned host memory.
+            the OS past what RAM holds: for hosts whose RAM cannot hold it; its copies then wait
+            for the host); None: pinned host memory.
     """
 
     enabled: bool = option(False, "optimizer_offloading")

@@ -1,8 +1,10 @@
 """The features prepare() attaches are one record each (``offloadkit/components.py``), in the
 documented apply order; prepare() builds them in that order, close() detaches them in reverse,
 report() asks each handle. What the records build is checked against the handles, notes and
-wiring prepare() has always made."""
+wiring prepare() has always made. ``docs/config.md`` is generated from the options classes'
+docstrings: every config key documented there once, and the file current."""
 
+import dataclasses
 import os
 import re
 import warnings
@@ -11,8 +13,10 @@ import pytest
 import torch
 
 from offloadkit.checkpointing.apply import CheckpointedBlocks
-from offloadkit.components import COMPONENTS
+from offloadkit.components import COMPONENTS, config_docs, key_docs
 from offloadkit.compose import OffloadRuntime, _Handle, prepare
+from offloadkit.config import COMPONENTS as OPTIONS
+from offloadkit.config import OffloadConfig
 from offloadkit.engine import OffloadActivations
 from offloadkit.layers import LayerStreamer
 from offloadkit.longctx import AttentionHeadGroups, ChunkedLossHandle, TiledMLPHandle
@@ -260,3 +264,56 @@ def test_a_handle_set_after_prepare_is_detached_by_close():
     assert isinstance(runtime.handles["checkpointing"], CheckpointedBlocks)
     runtime.close()
     assert runtime.checkpointing is None and wrapped(model) == clean
+
+
+# -- docs/config.md --------------------------------------------------------------------------------
+
+
+def test_every_config_key_is_documented_by_exactly_one_options_field():
+    documented = {}
+    for cls in OPTIONS:
+        docs = key_docs(cls)
+        # Each field a key sets is documented with that key (``field: ``key``: text``), nothing else.
+        assert {key: field for key, (field, _) in docs.items()} == cls.keys(), cls.__name__
+        for key, (_, text) in docs.items():
+            assert text.strip() and key not in documented, (cls.__name__, key)
+            documented[key] = cls
+    assert sorted(documented) == sorted(OffloadConfig.keys())
+
+
+def test_key_docs_reads_each_keyed_field_of_the_attributes_section():
+    @dataclasses.dataclass
+    class Demo(Options):
+        """Options of a demo.
+
+        Attributes:
+            size: ``demo_size``: how big, over
+                two lines (a: b).
+            internal: not a config key.
+
+        Example:
+            >>> Demo(size: ``not_this``: no)
+        """
+
+    assert key_docs(Demo) == {"demo_size": ("size", "how big, over two lines (a: b).")}
+
+    class Twice(Options):
+        """Two fields read from one key.
+
+        Args:
+            a: ``k``: one.
+            b: ``k``: two.
+        """
+
+    with pytest.raises(ValueError, match="documents k twice"):
+        key_docs(Twice)
+
+
+def test_docs_config_md_is_current():
+    with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:
+        written = f.read()
+    assert written == config_docs(), (
+        "docs/config.md is stale: python -m offloadkit.components --write-docs docs/config.md"
+    )
+    for key in OffloadConfig.keys():
+        assert f"| `{key}` |" in written, key
