@@ -136,7 +136,7 @@ def _child(request_path: str, answer_path: str) -> None:
     """The plain run of :func:`measure_in_own_process`, in this (fresh) process."""
     from transformers import Trainer
 
-    from offloadkit.cli.train import _load_model, _quiet, _training_args, _training_data, load_dtype
+    from offloadkit.cli.build import load_dtype, load_model, quiet, training_args, training_data, with_lora
     from offloadkit.cli.train_config import TrainConfig
 
     with open(request_path, encoding="utf-8") as f:
@@ -144,26 +144,16 @@ def _child(request_path: str, answer_path: str) -> None:
     cfg = TrainConfig(**request["train"])
     dtype = load_dtype(cfg, False)
     torch.manual_seed(cfg.seed)
-    model, tokenizer, _ = _load_model(cfg, "cpu", dtype)
+    model, tokenizer, _ = load_model(cfg, "cpu", dtype)
     if cfg.lora_rank:
-        from offloadkit.integrations.peft_utils import apply_lora
-
-        model = apply_lora(
-            model,
-            rank=cfg.lora_rank,
-            alpha=cfg.lora_alpha,
-            target_modules=cfg.lora_target_modules,
-            dropout=cfg.lora_dropout,
-            modules_to_save=cfg.lora_modules_to_save,
-            use_dora=cfg.lora_use_dora,
-        )
-    dataset, collator, _ = _training_data(cfg, tokenizer)
+        model = with_lora(cfg, model)
+    dataset, collator, _ = training_data(cfg, tokenizer)
 
     def plain_trainer(max_steps, callbacks):
-        args = _training_args(
+        args = training_args(
             cfg, False, max_steps=max_steps, save_strategy="no", report_to="none", logging_strategy="no"
         )
-        return _quiet(
+        return quiet(
             Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
         )
 

@@ -21,9 +21,10 @@ import time
 
 import torch
 
+from offloadkit.cli.build import load_dtype, load_model, training_args, training_data, with_lora
+from offloadkit.cli.build import quiet as _quiet  # a module global: tests slip a callback in through it
 from offloadkit.cli.errors import TrainingFailedError
 from offloadkit.cli.train_config import TrainConfig, default_offload
-from offloadkit.config import ConfigError
 
 __all__ = ["TrainConfig", "TrainingFailedError", "TrainingInterrupted", "run_train", "default_offload"]
 
@@ -184,187 +185,6 @@ def _after_stop(work: str, final: str, main: bool) -> str:
     )
 
 
-def load_dtype(cfg: TrainConfig, cuda: bool) -> torch.dtype:
-    """The dtype the weights are loaded in. float16 is mixed precision, as the Trainer's and
-    Axolotl's fp16: what trains is fp32 (full fine-tune: every weight; LoRA: the adapters,
-    which PEFT keeps in fp32 over an fp16 frozen base), under fp16 autocast with a loss
-    scaler. fp16 weights trained with AdamW directly overflow within steps."""
-    if cfg.dtype == "float16":
-        frozen_base = cfg.lora_rank and not cfg.lora_modules_to_save
-        return torch.float16 if frozen_base else torch.float32
-    return {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[
-        cfg.dtype
-    ]
-
-
-def _load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
-    from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
-    from offloadkit.models.zoo import build_llama
-
-    if cfg.load_in_4bit:
-        return _load_4bit(cfg, device, dtype)
-    attention = cfg.attn_implementation or "sdpa"
-    if cfg.model is None:
-        # The vocabulary is the byte tokenizer's: ids past it would never be trained.
-        model = build_llama(
-            cfg.model_shape,
-            dtype=dtype,
-            device=device,
-            seed=cfg.seed,
-            attn_implementation=attention,
-            vocab_size=BYTE_VOCAB_SIZE,
-            max_position_embeddings=max(cfg.seq_len, 2048),
-        )
-        return model, _with_template(cfg, byte_tokenizer()), f"built-in '{cfg.model_shape}' Llama (random init)"
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = _load_tokenizer(cfg)
-    try:
-        kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
-            f"({' '.join(str(exc).split())})"
-        ) from None
-    return model.to(device), _with_template(cfg, tokenizer), cfg.model  # type: ignore[arg-type]
-
-
-def _load_tokenizer(cfg: TrainConfig):
-    from transformers import AutoTokenizer
-
-    tokenizer_dir = cfg.tokenizer or cfg.model
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"{cfg.name('tokenizer') if cfg.tokenizer else cfg.name('model')}={tokenizer_dir!r}: "
-            f"the tokenizer could not be loaded ({' '.join(str(exc).split())})"
-        ) from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def _load_4bit(cfg: TrainConfig, device: str, dtype: torch.dtype):
-    """QLoRA's base: NF4 weights with double quantisation, computing in ``dtype`` (the
-    built-in model is saved once to ``output_dir/base`` and loaded from there)."""
-    import dataclasses
-
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    plain = dataclasses.replace(cfg, load_in_4bit=False)
-    if cfg.model is None:
-        model, tokenizer, name = _load_model(plain, "cpu", dtype)
-        source = os.path.join(cfg.output_dir, "base")
-        model.save_pretrained(source)
-        tokenizer.save_pretrained(source)
-        del model
-    else:
-        source, name = cfg.model, cfg.model
-        tokenizer = _load_tokenizer(plain)
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
-    )
-    kwargs = {"attn_implementation": cfg.attn_implementation or "sdpa"}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            dtype=dtype,
-            quantization_config=quantization,
-            device_map={"": device},
-            local_files_only=True,
-            **kwargs,
-        )
-    except (OSError, ValueError, ImportError) as exc:
-        raise ConfigError(
-            f"{cfg.name('load_in_4bit')}=true: {source!r} could not be loaded in 4 bits ({' '.join(str(exc).split())})"
-        ) from None
-    return model, _with_template(cfg, tokenizer), f"{name} (4-bit NF4 base)"
-
-
-def _with_template(cfg: TrainConfig, tokenizer):
-    """The tokenizer with the chat template ``chat_template`` names (its own by default)."""
-    from offloadkit.data.sft import CHATML_TEMPLATE
-
-    if cfg.chat_template == "chatml":
-        tokenizer.chat_template = CHATML_TEMPLATE
-    elif cfg.chat_template and "{" in cfg.chat_template:
-        tokenizer.chat_template = cfg.chat_template
-    return tokenizer
-
-
-def _training_data(cfg: TrainConfig, tokenizer):
-    """The training dataset, its collator (None: fixed-length blocks) and notes."""
-    from offloadkit.data import TokenBlocks, load_texts
-    from offloadkit.data.sft import SFTExamples, build_examples, pad_collate
-
-    if not cfg.datasets:
-        try:
-            return TokenBlocks(tokenizer, load_texts(cfg.dataset, cfg.text_field), cfg.seq_len), None, []
-        except ValueError as exc:
-            hint = f"; use a smaller {cfg.name('seq_len')} or more text" if "fewer than one block" in str(exc) else ""
-            raise ConfigError(f"{cfg.name('dataset')}: {exc}{hint}") from None
-    examples, notes = [], []
-    for spec in cfg.dataset_specs():
-        try:
-            got, dropped = build_examples(spec, tokenizer, cfg.seq_len, cfg.train_on_inputs)
-        except ValueError as exc:
-            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
-        examples += got
-        if dropped:
-            notes.append(f"{spec.path}: {dropped} examples longer than {cfg.name('seq_len')}={cfg.seq_len} dropped")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return SFTExamples(examples), pad_collate(pad), notes
-
-
-def _training_args(cfg: TrainConfig, cuda: bool, **overrides):
-    from transformers import TrainingArguments
-
-    from offloadkit.integrations.hf_args import checkpointing_requested, set_checkpointing
-
-    reporters = [cfg.report_to] if isinstance(cfg.report_to, str) else list(cfg.report_to)
-    reporters = [r for r in reporters if r != "none"]
-    kwargs = dict(
-        output_dir=cfg.output_dir,
-        per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        max_steps=cfg.max_steps or -1,
-        num_train_epochs=cfg.num_epochs or 1.0,
-        learning_rate=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        lr_scheduler_type=cfg.lr_scheduler,
-        optim=cfg.optimizer,
-        logging_steps=cfg.logging_steps,
-        save_strategy="steps" if cfg.save_steps else "no",
-        save_steps=cfg.save_steps or 500,
-        save_total_limit=cfg.save_total_limit,
-        report_to=reporters or "none",
-        disable_tqdm=True,
-        seed=cfg.seed,
-        remove_unused_columns=False,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
-        fp16=cfg.dtype == "float16",
-        logging_nan_inf_filter=False,
-        weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm,
-    )
-    kwargs.update(overrides)
-    args = TrainingArguments(**kwargs)  # type: ignore[arg-type]  # values checked by TrainConfig
-    if cfg.gradient_checkpointing_kwargs:
-        set_checkpointing(args, checkpointing_requested(args), cfg.gradient_checkpointing_kwargs)
-    return args
-
-
-def _quiet(trainer):
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    for callback in (PrinterCallback, ProgressCallback):
-        trainer.remove_callback(callback)
-    return trainer
-
-
 def _steps_planned(cfg: TrainConfig, blocks: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
@@ -501,50 +321,93 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         raise
 
 
-def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> dict:
-    """:func:`run_train` after the checks: train in ``cfg.output_dir``, and end in ``final``."""
-    from transformers import Trainer
+@dataclasses.dataclass
+class _Steps:
+    """The run's steps as the data fills them.
 
-    from offloadkit.cli.compare import measure_in_own_process, measure_without_offloadkit, saving
-    from offloadkit.cli.distributed import barrier, gather, rank_figures
+    Attributes:
+        profile_step: the step whose memory is sampled (and the last one compared).
+        resumed: the step and checkpoint a resumed run continues from, else None.
+        sequences: sequences a step trains (fewer than asked for with a small dataset).
+        tokens: tokens a step trains.
+        notes: what the report says about the run's setup.
+    """
+
+    profile_step: int
+    resumed: dict | None
+    sequences: int
+    tokens: int
+    notes: list[str]
+
+
+def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> dict:
+    """:func:`run_train` after the checks: train in ``cfg.output_dir``, and end in ``final``.
+
+    The steps: load the model (with its adapters), the data and the step plan; train with
+    offloadkit; report; the same first steps without offloadkit; the comparison; write the
+    report and the plot, and put the run in ``final``."""
+    from offloadkit.cli.distributed import barrier
     from offloadkit.cli.measure import RunMeasure, StepProbe
-    from offloadkit.cli.plot import plot_timelines
-    from offloadkit.cli.report import ProgressBar, build_report, offload_probes, write_report
-    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+    from offloadkit.cli.report import ProgressBar, offload_probes
 
     if not ranks.main:
         log = _silent  # rank 0 speaks for the run
+    model, tokenizer, name, dtype = _load(cfg, final, ranks, cuda)
+    dataset, collator, data_notes = training_data(cfg, tokenizer)
+    steps = _plan_steps(cfg, final, len(dataset), ranks, data_notes)
+    trainer = _offload_trainer(cfg, model, dataset, collator, cuda)
+    with_ = RunMeasure("with offloadkit")
+    probe = StepProbe(with_, steps.profile_step, extra=offload_probes(trainer))
+    progress = ProgressBar(steps.tokens, with_.step_times, show=ranks.main)
+    elapsed = _train(cfg, trainer, probe, progress, ranks.main, cuda)
+    report = _report(cfg, trainer, progress, with_, elapsed, steps, name, dtype, cuda, ranks, tokenizer, final)
+    # The plain run builds its own optimizer: this one's state must not count against it.
+    trainer.accelerator.free_memory()
+    trainer.optimizer = trainer.lr_scheduler = None
+    del trainer
+    without = _without_offloadkit(cfg, model, dataset, collator, steps, report, with_, ranks, cuda)
+    title = _compare(report, without, with_, steps.profile_step, name)
+    if not ranks.main:
+        barrier()  # rank 0 writes the output directory
+        return report
+    _write(cfg, final, report, without, with_, title, steps.profile_step, wall, log)
+    barrier()
+    return report
+
+
+def _load(cfg: TrainConfig, final: str, ranks, cuda: bool):
+    """The model on this rank's device, with its LoRA adapters; a built-in base is saved in
+    ``output_dir/base`` first, so that the adapter can be used later.
+
+    Returns:
+        ``(model, tokenizer, name, dtype)``.
+    """
     device = ranks.device(cuda)
     if cuda:
         torch.cuda.set_device(device)
     dtype = load_dtype(cfg, cuda)
     torch.manual_seed(cfg.seed)
-    model, tokenizer, name = _load_model(cfg, device, dtype)
-    base_dir = None
+    model, tokenizer, name = load_model(cfg, device, dtype)
     if cfg.lora_rank:
-        from offloadkit.integrations.peft_utils import apply_lora
-
+        base_dir = None
         if cfg.model is None:
             # The built-in base exists only in this process: save it so the adapter can be used later.
             base_dir = os.path.join(cfg.output_dir, "base")
             if ranks.main and not cfg.load_in_4bit:  # a 4-bit base was saved there before quantising
                 model.save_pretrained(base_dir)
                 tokenizer.save_pretrained(base_dir)
-        model = apply_lora(
-            model,
-            rank=cfg.lora_rank,
-            alpha=cfg.lora_alpha,
-            target_modules=cfg.lora_target_modules,
-            dropout=cfg.lora_dropout,
-            modules_to_save=cfg.lora_modules_to_save,
-            use_dora=cfg.lora_use_dora,
-        )
+        model = with_lora(cfg, model)
         if base_dir is not None:
             _name_base(model, os.path.join(final, "base"))
-    dataset, collator, data_notes = _training_data(cfg, tokenizer)
+    return model, tokenizer, name, dtype
+
+
+def _plan_steps(cfg: TrainConfig, final: str, sequences: int, ranks, data_notes: list[str]) -> _Steps:
+    """The steps the run will take over a dataset of ``sequences``: the step to profile,
+    where a resumed run continues, and what a step holds."""
     notes = [f"Axolotl keys without effect here: {', '.join(cfg._ignored)}"] if cfg._ignored else []
     notes += data_notes
-    planned = _steps_planned(cfg, len(dataset))
+    planned = _steps_planned(cfg, sequences)
     resumed = None
     if cfg.resume_from_checkpoint:
         # preflight has resolved `true` to the newest checkpoint's directory
@@ -560,32 +423,50 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
             "is measured instead"
         )
     sequences_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * ranks.world
-    if len(dataset) < sequences_per_step:
+    if sequences < sequences_per_step:
         # A step cannot be filled: each step trains the whole (small) dataset once.
         notes.append(
-            f"the dataset has {len(dataset)} sequences of {cfg.seq_len} tokens, fewer than the {sequences_per_step} "
+            f"the dataset has {sequences} sequences of {cfg.seq_len} tokens, fewer than the {sequences_per_step} "
             f"a step asks for (batch_size x gradient_accumulation_steps x processes): each step trains "
-            f"{len(dataset)}; give more text or lower batch_size"
+            f"{sequences}; give more text or lower batch_size"
         )
-        sequences_per_step = len(dataset)
-    tokens_per_step = sequences_per_step * cfg.seq_len
+        sequences_per_step = sequences
+    return _Steps(profile_step, resumed, sequences_per_step, sequences_per_step * cfg.seq_len, notes)
+
+
+def _offload_trainer(cfg: TrainConfig, model, dataset, collator, cuda: bool):
+    """The Trainer with offloadkit's mixin, as ``cfg.offload`` sets it up."""
+    from transformers import Trainer
+
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
     class OffloadTrainer(ActivationOffloadingMixin, Trainer):
         pass
 
-    trainer = _quiet(
+    return _quiet(
         OffloadTrainer(
             model=model,
-            args=_training_args(cfg, cuda),
+            args=training_args(cfg, cuda),
             train_dataset=dataset,
             data_collator=collator,
             offload_config=cfg.offload,
         )
     )
-    with_ = RunMeasure("with offloadkit")
-    probe = StepProbe(with_, profile_step, extra=offload_probes(trainer))
-    progress = ProgressBar(tokens_per_step, with_.step_times, show=ranks.main)
-    stop = _StopAtStepEnd(lambda message: ranks.main and print(message, file=sys.stderr, flush=True))
+
+
+def _train(cfg: TrainConfig, trainer, probe, progress, main: bool, cuda: bool) -> float:
+    """Train, measured by ``probe`` and shown by ``progress``; the first Ctrl-C stops at the
+    end of a step with a checkpoint of it, and a NaN or infinite loss stops training. Only
+    the main process (``main``) speaks.
+
+    Returns:
+        The seconds training took.
+
+    Raises:
+        TrainingInterrupted: Ctrl-C.
+        TrainingFailedError: a NaN or infinite training loss.
+    """
+    stop = _StopAtStepEnd(lambda message: main and print(message, file=sys.stderr, flush=True))
     guard = _LossGuard()
     trainer.add_callback(probe)
     trainer.add_callback(progress)
@@ -623,14 +504,35 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
         raise TrainingFailedError(
             f"the training loss is {value} at step {step}: training stopped and no model was saved; {hint}"
         )
+    return elapsed
+
+
+def _report(
+    cfg: TrainConfig,
+    trainer,
+    progress,
+    with_,
+    elapsed: float,
+    steps: _Steps,
+    name: str,
+    dtype,
+    cuda: bool,
+    ranks,
+    tokenizer,
+    final: str,
+) -> dict:
+    """The run's report (the comparison comes later); the main process saves the model or
+    adapter, and a built-in model on the shipped corpus writes a sample."""
+    from offloadkit.cli.distributed import gather, rank_figures
+    from offloadkit.cli.report import build_report
 
     report = build_report(
-        trainer, progress.losses, with_, elapsed, tokens_per_step, _describe(cfg, name, dtype, cuda, sequences_per_step)
+        trainer, progress.losses, with_, elapsed, steps.tokens, _describe(cfg, name, dtype, cuda, steps.sequences)
     )
-    report["profile_step"] = profile_step
-    report["resumed_from"] = resumed
+    report["profile_step"] = steps.profile_step
+    report["resumed_from"] = steps.resumed
     report["offload_summary"] = _effective_summary(cfg, report)
-    report["notes"] = notes + report["notes"]
+    report["notes"] = steps.notes + report["notes"]
     report["world_size"] = trainer.args.world_size  # the Trainer's own view of the process group
     report["parallel"] = (
         "fsdp"
@@ -653,13 +555,21 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
                 report["sample"] = _sample(trainer.model, tokenizer, load_texts()[0][:15], cfg.seed)
             except (RuntimeError, AssertionError) as exc:  # bitsandbytes' CPU inference needs larger layers
                 report["notes"].append(f"no sample from the trained model: {' '.join(str(exc).split())[:120]}")
-    # The plain run builds its own optimizer: this one's state must not count against it.
-    trainer.accelerator.free_memory()
-    trainer.optimizer = trainer.lr_scheduler = None
-    del trainer
+    return report
+
+
+def _without_offloadkit(cfg: TrainConfig, model, dataset, collator, steps: _Steps, report: dict, with_, ranks, cuda):
+    """The first steps again without offloadkit, measured as the run was (here on a GPU, in a
+    process of its own on a CPU), or why not."""
+    from transformers import Trainer
+
+    from offloadkit.cli.compare import measure_in_own_process, measure_without_offloadkit
+    from offloadkit.cli.measure import RunMeasure
+
+    profile_step = steps.profile_step
 
     def plain_trainer(max_steps, callbacks):
-        args = _training_args(
+        args = training_args(
             cfg, cuda, max_steps=max_steps, save_strategy="no", report_to="none", logging_strategy="no"
         )
         return _quiet(
@@ -668,35 +578,39 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
 
     if ranks.distributed:
         # A rank that runs out of memory alone would leave the others waiting in a collective.
-        without = RunMeasure(
+        return RunMeasure(
             "without offloadkit", status="skipped", note=f"a {ranks.world}-process run; run one process to compare"
         )
-    elif report["offload_summary"].startswith("nothing"):
-        without = RunMeasure(
+    if report["offload_summary"].startswith("nothing"):
+        return RunMeasure(
             "without offloadkit",
             status="skipped",
             note="no memory option acted on this run, so it is the run without offloadkit",
         )
-    elif cfg.compare and len(with_.step_times) > profile_step:
+    if cfg.compare and len(with_.step_times) > profile_step:
         print(
             f"offloadkit: measuring steps 0-{profile_step} again without offloadkit, for comparison (Ctrl-C skips it)",
             file=sys.stderr,
         )
         try:
             if cuda:
-                without = measure_without_offloadkit(plain_trainer, model, profile_step, tokens_per_step)
-            else:
-                # RSS never falls: the plain run gets a fresh process, as the real run had.
-                without = measure_in_own_process(cfg, profile_step, tokens_per_step)
+                return measure_without_offloadkit(plain_trainer, model, profile_step, steps.tokens)
+            # RSS never falls: the plain run gets a fresh process, as the real run had.
+            return measure_in_own_process(cfg, profile_step, steps.tokens)
         except KeyboardInterrupt:
             # The run itself is finished and saved: keep its report and plot.
-            without = RunMeasure("without offloadkit", status="skipped", note="interrupted (Ctrl-C)")
-    else:
-        without = RunMeasure(
-            "without offloadkit",
-            status="skipped",
-            note="compare: false" if not cfg.compare else "the run was shorter than the profiled step",
-        )
+            return RunMeasure("without offloadkit", status="skipped", note="interrupted (Ctrl-C)")
+    return RunMeasure(
+        "without offloadkit",
+        status="skipped",
+        note="compare: false" if not cfg.compare else "the run was shorter than the profiled step",
+    )
+
+
+def _compare(report: dict, without, with_, profile_step: int, name: str) -> str:
+    """Put both runs and their comparison in the report; returns the plot's title."""
+    from offloadkit.cli.compare import saving
+
     report["comparison"] = saving(without, with_, profile_step)
     report["runs"] = {"without": without.as_dict(), "with": with_.as_dict()}
     c = report["comparison"]
@@ -707,9 +621,15 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
             f"\npeak {c['peak_bytes'][0] / 2**30:.3f} -> {c['peak_bytes'][1] / 2**30:.3f} GiB{change}, "
             f"step time {c['median_step_s'][0]:.3f} -> {c['median_step_s'][1]:.3f} s, without -> with offloadkit"
         )
-    if not ranks.main:
-        barrier()  # rank 0 writes the output directory
-        return report
+    return title
+
+
+def _write(cfg: TrainConfig, final: str, report: dict, without, with_, title: str, profile_step: int, wall: float, log):
+    """The main process's end of the run: the memory plot and the report in ``output_dir``,
+    which then takes the place of an earlier run in ``final`` (``--overwrite``)."""
+    from offloadkit.cli.plot import plot_timelines
+    from offloadkit.cli.report import write_report
+
     plot, report["plot_note"] = plot_timelines(
         [without, with_],
         os.path.join(cfg.output_dir, "memory_timeline.png"),
@@ -728,5 +648,3 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
             file=sys.stderr,
         )
     log(text)
-    barrier()
-    return report
