@@ -67,9 +67,16 @@ def test_a_full_fine_tune_reserves_within_15_percent_of_what_it_allocates(clean_
         runtime.close()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="on an H100 the GPU waits 6-19 ms of an 85 ms step for activations queued behind the state's copies "
+    "on the host->device stream (benchmarks/results/full-ft/reserved-h100-df4d55f); fetches are not yet ordered "
+    "by need across lanes",
+)
 def test_the_trainer_route_does_not_wait_for_activation_copies(tmp_path, clean_cuda):
     """Through the mixin, BackwardAdamW's state copies share the copy streams and the one
-    scheduler with the checkpoint inputs' prefetches: every prefetch lands before its use."""
+    scheduler with the checkpoint inputs' prefetches: every prefetch should land before its use.
+    At this size the state is about half of a step's time on the link each way."""
     import transformers
 
     from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
@@ -77,7 +84,8 @@ def test_the_trainer_route_does_not_wait_for_activation_copies(tmp_path, clean_c
 
     class Clock(transformers.TrainerCallback):
         def __init__(self):
-            self.times = []
+            self.times: list[float] = []
+            self.waits: list[float] = []  # per step after the first
 
         def on_step_begin(self, args, state, control, **kwargs):
             torch.cuda.synchronize()
@@ -89,6 +97,11 @@ def test_the_trainer_route_does_not_wait_for_activation_copies(tmp_path, clean_c
             end.record()
             end.synchronize()
             self.times.append(self.start.elapsed_time(end) / 1000)
+            manager = self.trainer.offload_runtime.manager
+            if state.global_step == 1:
+                manager.reset_stats()  # the first step builds caches and learns the orders
+            else:
+                self.waits.append(manager.collect_stats().wait_seconds - sum(self.waits))
 
     model = build_llama(dict(SHAPE, vocab_size=259), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     args = transformers.TrainingArguments(
@@ -111,9 +124,14 @@ def test_the_trainer_route_does_not_wait_for_activation_copies(tmp_path, clean_c
         callbacks=[clock],
         offload_config={"gradient_checkpointing": True, "optimizer_offloading": True},
     )
-    trainer.train()
-    acts = trainer.offload_report["activations"]
+    clock.trainer = trainer
+    try:
+        trainer.train()
+        acts = trainer.offload_report["activations"]
+        times, waits = clock.times[1:], clock.waits
+    finally:
+        trainer = model = clock = None  # a failure's traceback must not keep the model for later tests
     assert acts["prefetch_misses"] == 0 and acts["prefetch_hits"] > 0
-    step = statistics.median(clock.times[1:])
-    # Over the whole run, the first step included: a wait of a fraction of one step.
-    assert acts["wait_seconds"] < 0.1 * step, (acts["wait_seconds"], clock.times)
+    # The state's copies are about half of a step's time on the link each way at this size: the
+    # activations' prefetches must still land before their use.
+    assert max(waits) < 0.05 * statistics.median(times), (waits, times)
