@@ -379,7 +379,10 @@ def _planned_optimizer(trainer: Any):
     from offloadkit.planning import OptimizerSetup
 
     args = trainer.args
-    optim = str(getattr(args.optim, "value", args.optim))
+    # Arguments of older transformers (or a Trainer subclass's own) may have no optim field:
+    # the Trainer's AdamW then.
+    optim = getattr(args, "optim", "adamw_torch")
+    optim = str(getattr(optim, "value", optim))
     given = getattr(trainer, "optimizer", None)  # passed in, or kept from an earlier train()
     given = getattr(given, "optimizer", given)  # inside Accelerate's wrapper
     if given is not None and not isinstance(given, BackwardOptimizer):
