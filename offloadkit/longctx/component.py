@@ -3,7 +3,7 @@ MLP and attention over head groups, each wrapping modules before checkpointing w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
@@ -19,34 +19,33 @@ if TYPE_CHECKING:
 __all__ = ["CHUNKED_LOSS", "HEAD_GROUPS", "TILED_MLP"]
 
 
+def _attached(run: OffloadRuntime, key: str, attach: Callable[[], Any]) -> Any:
+    """``attach()``, or None with one note naming ``key`` where the model offers it nothing."""
+    try:
+        return attach()
+    except ValueError as exc:
+        run.note(f"{key} has no effect: {exc}")
+        return None
+
+
 def build_chunked_loss(model: nn.Module, options: LongContextOptions, run: OffloadRuntime) -> ChunkedLossHandle | None:
     if not options.chunked_loss:
         return None
-    try:
-        return apply_chunked_loss(model, options.loss_chunks)
-    except ValueError as exc:
-        run.note(f"chunked_cross_entropy has no effect: {exc}")
-        return None
+    return _attached(run, "chunked_cross_entropy", lambda: apply_chunked_loss(model, options.loss_chunks))
 
 
 def build_tiled_mlp(model: nn.Module, options: LongContextOptions, run: OffloadRuntime) -> TiledMLPHandle | None:
     if not options.tiled_mlp:
         return None
-    try:
-        return apply_tiled_mlp(model, options.mlp_shards, projections=options.tiled_projections)
-    except ValueError as exc:
-        run.note(f"tiled_mlp has no effect: {exc}")
-        return None
+    return _attached(
+        run, "tiled_mlp", lambda: apply_tiled_mlp(model, options.mlp_shards, projections=options.tiled_projections)
+    )
 
 
 def build_head_groups(model: nn.Module, options: LongContextOptions, run: OffloadRuntime) -> AttentionHeadGroups | None:
     if not options.head_groups:
         return None
-    try:
-        return apply_attention_head_groups(model, options.head_groups)
-    except ValueError as exc:
-        run.note(f"attention_head_groups has no effect: {exc}")
-        return None
+    return _attached(run, "attention_head_groups", lambda: apply_attention_head_groups(model, options.head_groups))
 
 
 CHUNKED_LOSS = Component(

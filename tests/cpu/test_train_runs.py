@@ -13,24 +13,12 @@ transformers = pytest.importorskip("transformers")
 
 import offloadkit.cli.train as train_module  # noqa: E402
 from offloadkit.cli.main import main  # noqa: E402
+from tests.cpu.test_cli import _tiny  # noqa: E402
 from tests.cpu.workdir import foreign_working_directory  # noqa: E402, F401
 
 
 def _config(tmp_path, name="run.yaml", **keys):
-    base = {
-        "model_shape": "tiny",
-        "seq_len": 32,
-        "batch_size": 2,
-        "max_steps": 2,
-        "compare": "false",
-        "output_dir": tmp_path / "out",
-        "activation_offloading": "disk",
-        "disk_dir": tmp_path,
-    }
-    base.update(keys)
-    path = tmp_path / name
-    path.write_text("".join(f"{k}: {v}\n" for k, v in base.items()))
-    return str(path)
+    return str(_tiny(tmp_path, name=name, **keys))
 
 
 _QUIET = train_module._quiet
