@@ -26,8 +26,9 @@ from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.optim.options import OptimizerOptions
 from offloadkit.options import Options
-from offloadkit.planning.options import BudgetOptions, PlanOptions
+from offloadkit.planning.options import PlanOptions
 from offloadkit.storage.disk import DiskOptions
+from offloadkit.storage.options import BudgetOptions
 from offloadkit.transfer.options import TransferOptions
 
 __all__ = [

@@ -1,10 +1,12 @@
-"""The planner's options and the run's budgets, read from the config keys of the same names."""
+"""The planner's options, read from the config keys of the same names (the run's budgets, which the
+planner plans for, are the storage's: :class:`~offloadkit.storage.options.BudgetOptions`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from offloadkit.options import Options, option
+from offloadkit.storage.options import BudgetOptions
 
 __all__ = ["BudgetOptions", "PlanOptions"]
 
@@ -16,8 +18,10 @@ class PlanOptions(Options):
     Attributes:
         offload_plan: ``offload_plan``: "none" (the keys as given) or "auto" (the planner
             chooses checkpointing, offloading, streaming, loss chunks and MLP shards).
-        seq_len: ``seq_len``: tokens per row the plan is for (None: given to ``prepare``).
-        batch_size: ``batch_size``: rows per step the plan is for.
+        seq_len: ``seq_len``: tokens per row the plan is for (None: given to ``prepare``;
+            ``offloadkit train`` fills it from its training key of the same name).
+        batch_size: ``batch_size``: rows per step the plan is for (``offloadkit train`` fills
+            it from its training key of the same name).
     """
 
     offload_plan: str = option("none", "offload_plan")
@@ -32,25 +36,3 @@ class PlanOptions(Options):
             )
         self._int("seq_len", 1, "tokens per row", optional=True)
         self._int("batch_size", 1, "rows per step")
-
-
-@dataclass
-class BudgetOptions(Options):
-    """What the run may hold in host and GPU memory.
-
-    Attributes:
-        host_budget_bytes: ``host_budget_bytes``: cap on host RAM for offloaded bytes and
-            streamed weights; None: what is available less ``host_min_free_bytes``.
-        host_min_free_bytes: ``host_min_free_bytes``: system RAM that must stay available
-            (None: 10% of RAM, at least 2 GiB).
-        gpu_budget_bytes: ``gpu_budget_bytes``: cap on this process's GPU memory, enforced by
-            the caching allocator's per-process fraction.
-    """
-
-    host_budget_bytes: int | None = option(None, "host_budget_bytes")
-    host_min_free_bytes: int | None = option(None, "host_min_free_bytes")
-    gpu_budget_bytes: int | None = option(None, "gpu_budget_bytes")
-
-    def __post_init__(self) -> None:
-        for name in ("host_budget_bytes", "host_min_free_bytes", "gpu_budget_bytes"):
-            self._int(name, 0, "bytes", optional=True)

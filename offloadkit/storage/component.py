@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from offloadkit.component import Component
-from offloadkit.planning.options import BudgetOptions
 from offloadkit.storage.budget import HostMemoryBudget
+from offloadkit.storage.options import BudgetOptions
 
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime

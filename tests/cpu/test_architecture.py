@@ -68,12 +68,8 @@ RUNTIME_PACKAGES = (
 # Other imports of the planner that remain, each with why.
 KNOWN_PLANNER_IMPORTS: dict[tuple[str, str], str] = {
     ("offloadkit.config", "offloadkit.planning.options"): (
-        "the config reads every component's options, the planner's (offload_plan, seq_len, batch_size) "
-        "and the budgets' among them; both are declared in planning/options.py"
-    ),
-    ("offloadkit.storage.component", "offloadkit.planning.options"): (
-        "the host budget's component reads BudgetOptions (host_budget_bytes, host_min_free_bytes), "
-        "declared in planning/options.py beside the planner's options"
+        "the config reads every component's options, among them the planner's (offload_plan, seq_len, "
+        "batch_size), declared in planning/options.py"
     ),
 }
 
