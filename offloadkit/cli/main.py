@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU memory: activation offloading, checkpoint-input offloading, layer streaming.",
     )
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,bench,plan,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,check,bench,plan,demo}")
 
     train = sub.add_parser(
         "train",
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace an earlier run in output_dir (its report, model and checkpoints) once this run has "
         "saved; until then it trains in output_dir/incomplete-run and the earlier run stays as it is",
     )
+
+    from offloadkit.cli.check import add_check_parser
+
+    add_check_parser(sub)
 
     bench = sub.add_parser(
         "bench",
@@ -198,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             _train(args)
             return 0
+        if args.command == "check":
+            from offloadkit.cli.check import run_check
+
+            return run_check(args)
         if args.command == "bench":
             from offloadkit.cli.bench import run_bench
 

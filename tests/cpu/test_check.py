@@ -1,0 +1,157 @@
+"""``offloadkit check``: every problem of a config as one line, a verdict per config, exit
+status 0 only when all are ok, and never a traceback; nothing is loaded or created."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("yaml")
+
+from offloadkit.cli.main import main  # noqa: E402
+from offloadkit.data import byte_tokenizer  # noqa: E402
+from offloadkit.testing import build_llama  # noqa: E402
+from tests.cpu.workdir import foreign_working_directory  # noqa: E402, F401
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def _check(capsys, *args):
+    code = main(["check", *map(str, args)])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    return code, out.out.splitlines()
+
+
+def _good(tmp_path, name="good.yaml", extra=""):
+    data = _write(tmp_path / "train.jsonl", "".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(5)))
+    return _write(
+        tmp_path / name,
+        f"model_shape: tiny\nseq_len: 32\nmax_steps: 2\ndataset: {data}\noutput_dir: {tmp_path / 'out'}\n" + extra,
+    )
+
+
+def test_valid_config_is_ok_and_creates_nothing(tmp_path, capsys):
+    config = _good(tmp_path)
+    code, lines = _check(capsys, config)
+    assert code == 0, lines
+    assert lines == [f"{config}: ok"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_problem_is_one_line(tmp_path, capsys):
+    config = _write(
+        tmp_path / "bad.yaml",
+        f"model_shape: tiny\nlerning_rate: 1e-4\nwarmup_steps: -3\ndataset: {tmp_path / 'missing.jsonl'}\n"
+        f"output_dir: {tmp_path / 'out'}\n",
+    )
+    code, lines = _check(capsys, config)
+    assert code == 1
+    problems, verdict = lines[:-1], lines[-1]
+    assert verdict == f"{config}: 3 problems"
+    assert len(problems) == 3, lines
+    assert any(": keys: " in line and "'lerning_rate' (did you mean 'learning_rate'?)" in line for line in problems)
+    assert any(": warmup_steps: " in line and "must be an integer >= 0" in line for line in problems)
+    assert any(": dataset: " in line and "does not exist" in line for line in problems)
+    assert all(line.startswith(f"{config}: ") and len(line) <= 200 for line in problems)
+
+
+def test_non_utf8_and_empty_datasets(tmp_path, capsys):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    _write(tmp_path / "empty.jsonl", "")
+    one = _write(tmp_path / "a.yaml", f"model_shape: tiny\ndataset: {latin}\noutput_dir: {tmp_path / 'o'}\n")
+    two = _write(
+        tmp_path / "b.yaml", f"model_shape: tiny\ndataset: {tmp_path / 'empty.jsonl'}\noutput_dir: {tmp_path / 'o'}\n"
+    )
+    code, lines = _check(capsys, one, two)
+    assert code == 1
+    assert any(line.startswith(f"{one}: dataset: ") and "not UTF-8 (byte 3, line 1)" in line for line in lines), lines
+    assert any(line.startswith(f"{two}: dataset: ") and "is empty" in line for line in lines), lines
+    assert f"{one}: 1 problem" in lines and f"{two}: 1 problem" in lines
+
+
+def test_axolotl_config(tmp_path, capsys):
+    model = tmp_path / "base"
+    build_llama("tiny", vocab_size=259).save_pretrained(model)
+    byte_tokenizer().save_pretrained(model)
+    data = _write(tmp_path / "alpaca.jsonl", json.dumps({"instruction": "add", "input": "1 2", "output": "3"}) + "\n")
+    text = f"""\
+base_model: {model}
+datasets:
+  - path: {data}
+    type: alpaca
+sequence_len: 64
+micro_batch_size: 2
+adapter: lora
+lora_r: 8
+lora_target_linear: true
+output_dir: {tmp_path / "out"}
+"""
+    good = _write(tmp_path / "axolotl.yml", text)
+    bad = _write(tmp_path / "typo.yml", text.replace("lora_r: 8", "lora_alhpa: 8") + "rl: dpo\n")
+    code, lines = _check(capsys, good, bad)
+    assert code == 1
+    assert f"{good}: ok" in lines
+    bad_lines = [line for line in lines if line.startswith(f"{bad}: ")]
+    assert any("'lora_alhpa'" in line for line in bad_lines), bad_lines
+    assert any(line.startswith(f"{bad}: rl: ") for line in bad_lines), bad_lines
+    assert bad_lines[-1] == f"{bad}: 2 problems"
+
+
+def test_hub_id_not_in_the_cache_and_an_earlier_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "report.json").write_text("{}")
+    config = _write(tmp_path / "hub.yaml", f"model: meta-llama/Llama-3.2-1B\noutput_dir: {out}\n")
+    code, lines = _check(capsys, config)
+    assert code == 1
+    assert any(
+        line.startswith(f"{config}: model: ") and "not in the local Hugging Face cache" in line for line in lines
+    ), lines
+    assert any(line.startswith(f"{config}: output_dir: ") and "holds an earlier run" in line for line in lines)
+    code, lines = _check(capsys, config, "--overwrite")
+    assert not any("earlier run" in line for line in lines)
+
+
+def test_plan_that_does_not_fit_the_budgets(tmp_path, capsys):
+    config = _good(tmp_path, extra="offload_plan: auto\n")
+    code, lines = _check(capsys, config, "--gpu-gib", "80", "--host-gib", "8", "--disk-gib", "8")
+    assert code == 0 and lines[-1].startswith(f"{config}: ok (plan fits: "), lines
+    big = _write(tmp_path / "big.yaml", f"model_shape: llama-3-8b\nseq_len: 1048576\noutput_dir: {tmp_path / 'o'}\n")
+    code, lines = _check(capsys, big, "--plan", "--gpu-gib", "20", "--host-gib", "8", "--disk-gib", "8")
+    assert code == 1
+    assert lines[0].startswith(f"{big}: offload_plan: no plan fits 1048576 tokens"), lines
+
+
+def test_garbage_never_a_traceback_and_fast(tmp_path):
+    garbage = _write(tmp_path / "garbage.yaml", "a: [1,\n")
+    listing = _write(tmp_path / "list.yaml", "- 1\n- 2\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00\x01model: x\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "offloadkit", "check", garbage, listing, binary, tmp_path / "none.yaml"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    elapsed = time.perf_counter() - start
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert f"{garbage}: 1 problem" in lines and f"{listing}: 1 problem" in lines
+    assert f"{binary}: 1 problem" in lines and f"{tmp_path / 'none.yaml'}: 1 problem" in lines
+    assert elapsed < 15, elapsed  # no model, no tokenising: a few seconds, mostly imports
