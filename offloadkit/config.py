@@ -145,10 +145,12 @@ def load_mapping(path: str) -> dict:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
     else:
+        from offloadkit.extras import MissingExtraError, require
+
         try:
-            import yaml
-        except ImportError as exc:
-            raise ConfigError("reading YAML needs PyYAML: pip install 'offloadkit[yaml]'") from exc
+            yaml = require("yaml", "yaml", f"reading {os.path.basename(path)}")
+        except MissingExtraError as exc:
+            raise ConfigError(f"{exc} (or give the config as .json)") from exc
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:

@@ -12,6 +12,7 @@ import torch
 
 from offloadkit.cli.train_config import TrainConfig
 from offloadkit.config import ConfigError
+from offloadkit.extras import check, needs
 
 __all__ = ["load_dtype", "load_model", "quiet", "training_args", "training_data", "with_lora"]
 
@@ -49,7 +50,8 @@ def load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
             max_position_embeddings=max(cfg.seq_len, 2048),
         )
         return model, _with_template(cfg, byte_tokenizer()), f"built-in '{cfg.model_shape}' Llama (random init)"
-    from transformers import AutoModelForCausalLM
+    with needs("offloadkit train"):
+        from transformers import AutoModelForCausalLM
 
     tokenizer = _load_tokenizer(cfg)
     try:
@@ -64,7 +66,8 @@ def load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
 
 
 def _load_tokenizer(cfg: TrainConfig):
-    from transformers import AutoTokenizer
+    with needs("offloadkit train"):
+        from transformers import AutoTokenizer
 
     tokenizer_dir = cfg.tokenizer or cfg.model
     try:
@@ -84,7 +87,9 @@ def _load_4bit(cfg: TrainConfig, device: str, dtype: torch.dtype):
     built-in model is saved once to ``output_dir/base`` and loaded from there)."""
     import dataclasses
 
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    check(("bitsandbytes",), "load_in_4bit (QLoRA)")
+    with needs("offloadkit train"):
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     plain = dataclasses.replace(cfg, load_in_4bit=False)
     if cfg.model is None:
@@ -153,7 +158,8 @@ def training_data(cfg: TrainConfig, tokenizer):
 
 def training_args(cfg: TrainConfig, cuda: bool, **overrides):
     """The Trainer's arguments for ``cfg`` (``overrides`` replace any)."""
-    from transformers import TrainingArguments
+    with needs("offloadkit train"):
+        from transformers import TrainingArguments
 
     from offloadkit.integrations.hf_args import checkpointing_requested, set_checkpointing
 
@@ -193,7 +199,8 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
 
 def quiet(trainer):
     """``trainer`` without its printing and progress callbacks (the CLI shows its own)."""
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    with needs("offloadkit train"):
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)

@@ -42,13 +42,13 @@ def plot_timelines(
     reason = _why_not(runs, profile_step, steps_run)
     if reason is not None:
         return None, reason
-    try:
-        import matplotlib
+    from offloadkit.extras import MissingExtraError, require
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None, "skipped: matplotlib is not installed (pip install 'offloadkit[plot]')"
+    try:
+        require("matplotlib", "plot", "the memory timeline").use("Agg")
+        plt = require("matplotlib.pyplot", "plot", "the memory timeline")
+    except MissingExtraError as exc:
+        return None, f"skipped: {exc}"
     runs = [r for r in runs if r.samples]
     fig, (ax, strip) = plt.subplots(
         2, 1, figsize=(10, 5.6), sharex=True, gridspec_kw={"height_ratios": [4, 0.32 * len(runs) + 0.25]}

@@ -25,6 +25,10 @@ from offloadkit.cli.build import load_dtype, load_model, training_args, training
 from offloadkit.cli.build import quiet as _quiet  # a module global: tests slip a callback in through it
 from offloadkit.cli.errors import TrainingFailedError
 from offloadkit.cli.train_config import TrainConfig, default_offload
+from offloadkit.extras import check, needs
+
+# Every run goes through the Trainer: say which extra installs it before anything else runs.
+check(("transformers", "accelerate"), "offloadkit train")
 
 __all__ = ["TrainConfig", "TrainingFailedError", "TrainingInterrupted", "run_train", "default_offload"]
 
@@ -53,7 +57,8 @@ class _StopAtStepEnd:
         self._previous = None
 
     def callback(self):
-        from transformers import TrainerCallback
+        with needs("offloadkit train"):
+            from transformers import TrainerCallback
 
         owner = self
 
@@ -102,7 +107,8 @@ class _LossGuard:
         self.bad: tuple[int, float] | None = None
 
     def callback(self):
-        from transformers import TrainerCallback
+        with needs("offloadkit train"):
+            from transformers import TrainerCallback
 
         owner = self
 
@@ -170,7 +176,8 @@ def _after_stop(work: str, final: str, main: bool) -> str:
     is nothing to continue, and it would only take disk space."""
     import shutil
 
-    from transformers.trainer_utils import get_last_checkpoint
+    with needs("offloadkit train"):
+        from transformers.trainer_utils import get_last_checkpoint
 
     last = get_last_checkpoint(work) if os.path.isdir(work) else None
     if work == final:
@@ -436,7 +443,8 @@ def _plan_steps(cfg: TrainConfig, final: str, sequences: int, ranks, data_notes:
 
 def _offload_trainer(cfg: TrainConfig, model, dataset, collator, cuda: bool):
     """The Trainer with offloadkit's mixin, as ``cfg.offload`` sets it up."""
-    from transformers import Trainer
+    with needs("offloadkit train"):
+        from transformers import Trainer
 
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
@@ -561,7 +569,8 @@ def _report(
 def _without_offloadkit(cfg: TrainConfig, model, dataset, collator, steps: _Steps, report: dict, with_, ranks, cuda):
     """The first steps again without offloadkit, measured as the run was (here on a GPU, in a
     process of its own on a CPU), or why not."""
-    from transformers import Trainer
+    with needs("offloadkit train"):
+        from transformers import Trainer
 
     from offloadkit.cli.compare import measure_in_own_process, measure_without_offloadkit
     from offloadkit.cli.measure import RunMeasure

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from offloadkit.extras import require
+
 __all__ = ["apply_lora", "require_peft"]
 
 
 def require_peft():
-    try:
-        import peft
-    except ImportError as exc:
-        raise ImportError("LoRA needs PEFT: pip install 'offloadkit[hf]'") from exc
-    return peft
+    return require("peft", "hf", "LoRA")
 
 
 def apply_lora(

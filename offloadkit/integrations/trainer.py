@@ -38,6 +38,7 @@ import torch
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.compose import OffloadRuntime, prepare
 from offloadkit.config import ALIASES, ConfigError, OffloadConfig, load_mapping
+from offloadkit.extras import require
 from offloadkit.integrations.hf_args import (
     checkpointing_kwargs,
     checkpointing_requested,
@@ -324,6 +325,8 @@ class OffloadCallback(_CallbackBase):
     """
 
     def __init__(self, offload_config: Any = None, *, trainer: Any = None):
+        if _CallbackBase is object:  # transformers is not installed: say which extra installs it
+            require("transformers", "hf", "OffloadCallback")
         self.offload_config = offload_config
         self.trainer = trainer
         self.runtime: OffloadRuntime | None = None
