@@ -55,8 +55,19 @@ def add_check_parser(sub) -> argparse.ArgumentParser:
 
 
 def _line(source: str, key: str, message: str) -> str:
-    text = f"{source}: {key}: {' '.join(message.split())}"
-    return text if len(text) <= _WIDTH else text[: _WIDTH - 3] + "..."
+    """``source: key: problem; fix`` in about :data:`_WIDTH` characters: a long problem is
+    shortened, the fix is kept whole where it can be."""
+    head = f"{source}: {key}: "
+    message = " ".join(message.split())
+    if len(head) + len(message) <= _WIDTH:
+        return head + message
+    problem, sep, fix = message.partition("; ")
+    room = max(_WIDTH - len(head), 150)  # a long config path does not squeeze out the problem
+    keep = min(len(problem), max(room - len(sep) - len(fix), room * 3 // 5))
+    if keep < len(problem):
+        problem = problem[: keep - 3] + "..."
+    text = problem + sep + fix
+    return head + (text if len(text) <= room else text[: room - 3] + "...")
 
 
 _KEY = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?:=|: | )")
@@ -412,8 +423,8 @@ def _check_plan(cfg, args, problems: _Problems) -> str | None:
     if not chosen.fits:
         problems.add(
             "offload_plan",
-            f"no plan fits {cfg.seq_len} tokens x {cfg.batch_size} of {shape.name} within the budgets "
-            f"({'; '.join(chosen.reasons)}); lower seq_len, or see offloadkit plan for the longest that fits",
+            f"no plan fits {cfg.seq_len} tokens x {cfg.batch_size}: {', '.join(chosen.reasons)}; lower seq_len "
+            "(offloadkit plan shows the longest that fits) or raise the budgets",
         )
         return None
     return (

@@ -21,7 +21,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _write(path, text):
     path.write_text(text)
-    return path
+    return path.relative_to(path.parent)  # the tests run from its folder
+
+
+@pytest.fixture(autouse=True)
+def short_paths(tmp_path, monkeypatch, foreign_working_directory):  # noqa: F811 (runs after it)
+    """Run from ``tmp_path``: configs and files are named relative to it, as a user would."""
+    monkeypatch.chdir(tmp_path)
 
 
 def _check(capsys, *args):
@@ -32,10 +38,10 @@ def _check(capsys, *args):
 
 
 def _good(tmp_path, name="good.yaml", extra=""):
-    data = _write(tmp_path / "train.jsonl", "".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(5)))
+    _write(tmp_path / "train.jsonl", "".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(5)))
     return _write(
         tmp_path / name,
-        f"model_shape: tiny\nseq_len: 32\nmax_steps: 2\ndataset: {data}\noutput_dir: {tmp_path / 'out'}\n" + extra,
+        "model_shape: tiny\nseq_len: 32\nmax_steps: 2\ndataset: train.jsonl\noutput_dir: out\n" + extra,
     )
 
 
@@ -50,8 +56,7 @@ def test_valid_config_is_ok_and_creates_nothing(tmp_path, capsys):
 def test_every_problem_is_one_line(tmp_path, capsys):
     config = _write(
         tmp_path / "bad.yaml",
-        f"model_shape: tiny\nlerning_rate: 1e-4\nwarmup_steps: -3\ndataset: {tmp_path / 'missing.jsonl'}\n"
-        f"output_dir: {tmp_path / 'out'}\n",
+        "model_shape: tiny\nlerning_rate: 1e-4\nwarmup_steps: -3\ndataset: missing.jsonl\noutput_dir: out\n",
     )
     code, lines = _check(capsys, config)
     assert code == 1
@@ -68,10 +73,8 @@ def test_non_utf8_and_empty_datasets(tmp_path, capsys):
     latin = tmp_path / "latin.txt"
     latin.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
     _write(tmp_path / "empty.jsonl", "")
-    one = _write(tmp_path / "a.yaml", f"model_shape: tiny\ndataset: {latin}\noutput_dir: {tmp_path / 'o'}\n")
-    two = _write(
-        tmp_path / "b.yaml", f"model_shape: tiny\ndataset: {tmp_path / 'empty.jsonl'}\noutput_dir: {tmp_path / 'o'}\n"
-    )
+    one = _write(tmp_path / "a.yaml", "model_shape: tiny\ndataset: latin.txt\noutput_dir: o\n")
+    two = _write(tmp_path / "b.yaml", "model_shape: tiny\ndataset: empty.jsonl\noutput_dir: o\n")
     code, lines = _check(capsys, one, two)
     assert code == 1
     assert any(line.startswith(f"{one}: dataset: ") and "not UTF-8 (byte 3, line 1)" in line for line in lines), lines
@@ -83,18 +86,18 @@ def test_axolotl_config(tmp_path, capsys):
     model = tmp_path / "base"
     build_llama("tiny", vocab_size=259).save_pretrained(model)
     byte_tokenizer().save_pretrained(model)
-    data = _write(tmp_path / "alpaca.jsonl", json.dumps({"instruction": "add", "input": "1 2", "output": "3"}) + "\n")
-    text = f"""\
-base_model: {model}
+    _write(tmp_path / "alpaca.jsonl", json.dumps({"instruction": "add", "input": "1 2", "output": "3"}) + "\n")
+    text = """\
+base_model: base
 datasets:
-  - path: {data}
+  - path: alpaca.jsonl
     type: alpaca
 sequence_len: 64
 micro_batch_size: 2
 adapter: lora
 lora_r: 8
 lora_target_linear: true
-output_dir: {tmp_path / "out"}
+output_dir: out
 """
     good = _write(tmp_path / "axolotl.yml", text)
     bad = _write(tmp_path / "typo.yml", text.replace("lora_r: 8", "lora_alhpa: 8") + "rl: dpo\n")
@@ -113,7 +116,7 @@ def test_hub_id_not_in_the_cache_and_an_earlier_run(tmp_path, capsys, monkeypatc
     out = tmp_path / "out"
     (out / "checkpoint-2").mkdir(parents=True)
     (out / "report.json").write_text("{}")
-    config = _write(tmp_path / "hub.yaml", f"model: meta-llama/Llama-3.2-1B\noutput_dir: {out}\n")
+    config = _write(tmp_path / "hub.yaml", "model: meta-llama/Llama-3.2-1B\noutput_dir: out\n")
     code, lines = _check(capsys, config)
     assert code == 1
     assert any(
@@ -128,7 +131,7 @@ def test_plan_that_does_not_fit_the_budgets(tmp_path, capsys):
     config = _good(tmp_path, extra="offload_plan: auto\n")
     code, lines = _check(capsys, config, "--gpu-gib", "80", "--host-gib", "8", "--disk-gib", "8")
     assert code == 0 and lines[-1].startswith(f"{config}: ok (plan fits: "), lines
-    big = _write(tmp_path / "big.yaml", f"model_shape: llama-3-8b\nseq_len: 1048576\noutput_dir: {tmp_path / 'o'}\n")
+    big = _write(tmp_path / "big.yaml", "model_shape: llama-3-8b\nseq_len: 1048576\noutput_dir: o\n")
     code, lines = _check(capsys, big, "--plan", "--gpu-gib", "20", "--host-gib", "8", "--disk-gib", "8")
     assert code == 1
     assert lines[0].startswith(f"{big}: offload_plan: no plan fits 1048576 tokens"), lines
