@@ -44,6 +44,12 @@ Example config:
 """
 
 
+def _shapes() -> list[str]:
+    from offloadkit.models.zoo import LLAMA_SHAPES
+
+    return list(LLAMA_SHAPES)
+
+
 def _version() -> str:
     from offloadkit import __version__
 
@@ -103,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--shape",
         default=None,
-        help="tiny, small, llama-3.2-1b or llama-3-8b (default: llama-3.2-1b on a GPU, small on a CPU)",
+        help=f"{', '.join(_shapes())} (default: llama-3.2-1b on a GPU, small on a CPU)",
     )
     bench.add_argument(
         "--seq-len", type=int, default=None, help="tokens in the sequence (default: 16384 on a GPU, 1024 on a CPU)"

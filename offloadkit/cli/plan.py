@@ -1,5 +1,7 @@
-"""``offloadkit plan``: the planner's table for a model and sequence length, and the longest
-sequence that fits this machine's (or the given) budgets."""
+"""``offloadkit plan``: whether a step of a model and sequence length fits this machine's (or the
+given) budgets, the config keys that realise the plan as YAML to paste into a config, the
+predicted step time, and the longest sequence that fits; ``--verbose`` adds the planner's table
+and the candidates not chosen."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         "search the longest sequence that fits the budgets.",
     )
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--shape", help="a built-in shape: tiny, small, llama-3.2-1b, llama-3-8b")
+    which.add_argument("--shape", help=f"a built-in shape: {', '.join(_shapes())}")
     which.add_argument("--model", help="a Hugging Face model directory (its config.json is read)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
@@ -57,7 +59,57 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         help="time PCIe copies, disk I/O and the model's attention here instead of the defaults",
     )
     p.add_argument("--no-search", action="store_true", help="skip the longest-sequence search")
+    p.add_argument(
+        "--verbose", action="store_true", help="also the planner's table: placement, memory parts, rates, not chosen"
+    )
     return p
+
+
+def _shapes() -> list[str]:
+    """The built-in shape names :func:`~offloadkit.planning.resolve_shape` accepts."""
+    from offloadkit.models.zoo import LLAMA_SHAPES
+
+    return list(LLAMA_SHAPES)
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def config_yaml(keys: dict) -> list[str]:
+    """``key: value`` lines of the config keys that differ from their defaults (YAML)."""
+    from offloadkit.config import OffloadConfig
+
+    defaults = OffloadConfig().to_dict()
+    lines = []
+    for key, value in keys.items():
+        default = defaults.get(key, object())
+        if isinstance(default, tuple):
+            default = list(default)
+        if (list(value) if isinstance(value, tuple) else value) == default:
+            continue
+        lines.append(f"{key}: {_yaml_value(value)}")
+    return lines
+
+
+def verdict(p) -> str:
+    """``fits: <plan>, GPU x/y GiB, host ..., disk ...``, or ``does not fit: <budget> needs X GiB of Y``."""
+    from offloadkit.planning.memory import HOST_BASELINE_BYTES
+
+    if not p.fits:
+        return "does not fit: " + "; ".join(p.reasons)
+    m, b = p.memory, p.budgets
+    host = m.host - HOST_BASELINE_BYTES  # the budget is what the process may add
+    return (
+        f"fits: {p.name}, GPU {m.gpu_reserved / _GiB:.1f}/{b.gpu_bytes / _GiB:.1f} GiB, host "
+        f"{host / _GiB:.1f}/{b.host_bytes / _GiB:.1f} GiB, disk {m.disk / _GiB:.1f}/{b.disk_bytes / _GiB:.1f} GiB"
+    )
 
 
 def _gib(value: float | None, name: str) -> int | None:
@@ -103,13 +155,33 @@ def run_plan(args, log=print) -> int:
         "optimizer": optimizer,
     }
     p = plan(model, args.seq_len, **common)
-    log(p.table())
+    w, t = p.workload, p.time
+    log(verdict(p))
     log("")
-    log("budgets: " + ", ".join(f"{k}: {v}" for k, v in budgets.source.items()))
+    log("# offloadkit config keys for this plan" + ("" if p.fits else " (it does not fit)"))
+    keys = {"seq_len": args.seq_len, **({"batch_size": args.batch} if args.batch != 1 else {}), **p.to_config()}
+    for line in config_yaml(keys):
+        log(line)
+    log("")
+    log(
+        f"predicted step time: {t.seconds:.2f} s ({t.bound}-bound), {w.tokens / t.seconds:.0f} tokens/s, "
+        f"{t.flops / t.seconds / 1e12:.0f} TFLOP/s"
+    )
     if not args.lora_rank:
         log(f"optimizer, with its state in host memory: {optimizer.describe()}")
-    log("config keys: " + ", ".join(f"{k}={v}" for k, v in p.to_config().items()))
+    log("budgets: " + ", ".join(f"{k}: {v}" for k, v in budgets.source.items()))
     if not args.no_search:
         cap = longest_sequence(model, **common)
+        if not p.fits:
+            log(
+                f"suggestion: seq_len: {cap.longest} fits these budgets (the longest that does)"
+                if cap.longest
+                else "suggestion: no sequence length fits these budgets; raise --gpu-gib, --host-gib or --disk-gib"
+            )
         log(cap.summary())
+    elif not p.fits:
+        log("suggestion: run without --no-search for the longest sequence that fits these budgets")
+    if args.verbose:
+        log("")
+        log(p.table())
     return 0 if p.fits else 1

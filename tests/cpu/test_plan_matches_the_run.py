@@ -118,7 +118,7 @@ def test_cli_plan_assumes_clipping_and_takes_max_grad_norm():
     def run(*extra):
         lines: list[str] = []
         argv = ["plan", "--shape", "llama-3-8b", "--seq-len", "131072", "--lora-rank", "0", "--no-search"]
-        argv += ["--gpu-gib", "48", "--host-gib", "108", "--disk-gib", "200", *extra]
+        argv += ["--gpu-gib", "48", "--host-gib", "108", "--disk-gib", "200", "--verbose", *extra]
         run_plan(build_parser().parse_args(argv), log=lines.append)
         return "\n".join(lines)
 

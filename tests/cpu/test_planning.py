@@ -463,12 +463,47 @@ def _cli(*args):
     )
 
 
-def test_cli_plan_prints_the_table_and_the_longest_sequence():
-    r = _cli("--shape", "llama-3-8b", "--seq-len", "131072", "--gpu-gib", "79", "--host-gib", "110", "--disk-gib", "60")
+def test_cli_plan_prints_the_verdict_the_keys_as_yaml_and_the_longest_sequence():
+    yaml = pytest.importorskip("yaml")
+    budgets = ("--gpu-gib", "79", "--host-gib", "110", "--disk-gib", "60")
+    r = _cli("--shape", "llama-3-8b", "--seq-len", "131072", *budgets)
     assert r.returncode == 0, r.stderr
-    assert "| layers | block input | kept in |" in r.stdout
+    lines = r.stdout.splitlines()
+    expected = plan("llama-3-8b", 131072, budgets=Budgets(79 * GiB, 110 * GiB, 60 * GiB))
+    assert lines[0].startswith(f"fits: {expected.name}, GPU {expected.memory.gpu_reserved / GiB:.1f}/79.0 GiB, host ")
+    start = lines.index("# offloadkit config keys for this plan") + 1
+    block = lines[start : lines.index("", start)]
+    keys = yaml.safe_load("\n".join(block))
+    placement = list(expected.to_config()["block_input_placement"])
+    assert keys["seq_len"] == 131072 and keys["block_input_placement"] == placement
+    assert "layer_offloading_depth" not in keys and "disk_tiering" not in keys  # at their defaults: omitted
+    assert all("(" not in line and "True" not in line for line in block)  # YAML, not Python reprs
+    # The keys as printed are a config offloadkit reads, with the plan's settings.
+    assert OffloadConfig.from_dict(keys).block_input_placement == tuple(placement)
+    assert any(line.startswith("predicted step time: ") for line in lines)
     assert "longest sequence that fits" in r.stdout and "physically allowed" in r.stdout
+    assert "not chosen" not in r.stdout and "| layers |" not in r.stdout
     assert "Traceback" not in r.stderr
+    verbose = _cli("--shape", "llama-3-8b", "--seq-len", "131072", "--no-search", "--verbose", *budgets)
+    assert "| layers | block input | kept in |" in verbose.stdout and "not chosen: " in verbose.stdout
+
+
+def test_cli_plan_that_does_not_fit_names_the_budget_and_the_nearest_that_fits():
+    budgets = ("--gpu-gib", "40", "--host-gib", "30", "--disk-gib", "60")
+    r = _cli("--shape", "llama-3-8b", "--seq-len", "1048576", "--lora-rank", "0", *budgets)
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("does not fit: GPU needs ") and " GiB of 40.0" in lines[0]
+    cap = longest_sequence("llama-3-8b", lora_rank=0, budgets=Budgets(40 * GiB, 30 * GiB, 60 * GiB))
+    assert f"suggestion: seq_len: {cap.longest} fits these budgets (the longest that does)" in lines
+
+
+def test_cli_plan_help_lists_every_built_in_shape():
+    from offloadkit.models.zoo import LLAMA_SHAPES
+
+    text = " ".join(_cli("--help").stdout.split())
+    for name in LLAMA_SHAPES:
+        assert name in text
 
 
 def test_cli_plan_bad_arguments_give_one_line():
