@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH=${TORCH_VERSION:-2.13.0}
-EXTRAS=hf,yaml,plot,dev
+# docs: mkdocs, its theme and mkdocstrings, for the documentation site scripts/test.sh builds.
+EXTRAS=hf,yaml,plot,dev,docs
 # What the last complete install was made from: pyproject.toml and the extras. A different
 # stamp (or none) reinstalls offloadkit; torch is installed only when it cannot be imported.
 STAMP=.venv/.offloadkit-setup
@@ -36,6 +37,9 @@ if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]
   exit 0
 fi
 
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" != "$want" ]; then
+  say "pyproject.toml or the extras ($EXTRAS) changed since .venv was last set up: installing again"
+fi
 if [ ! -x .venv/bin/python ]; then
   step "creating .venv with $("$PY" --version 2>&1)" "$PY" -m venv .venv
 fi
