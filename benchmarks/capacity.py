@@ -32,6 +32,7 @@ import threading
 import time
 
 from offloadkit.bench.modes import MODES, PROBE_MODES
+from offloadkit.bench.provenance import provenance
 
 GiB = float(1 << 30)
 # Seconds a probe spends outside its steps: interpreter, imports, building the model on the
@@ -512,6 +513,7 @@ def _fmt(x, spec=".2f") -> str:
 
 
 def _write(report: dict, out: str, name: str) -> None:
+    report.setdefault("provenance", provenance())
     with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
     lines = [

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from offloadkit.bench.provenance import provenance
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.models.zoo import build_llama, make_batch
 
@@ -133,7 +134,7 @@ def main() -> None:
         )
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fsdp2.json"), "w") as f:
-            json.dump(dict(setup=head, rows=rows), f, indent=1)
+            json.dump(dict(setup=head, rows=rows, provenance=provenance()), f, indent=1)
         with open(os.path.join(args.out, "fsdp2.md"), "w") as f:
             f.write(f"# FSDP2\n\n{head}\n\n" + "\n".join(lines) + "\n")
         print(head)

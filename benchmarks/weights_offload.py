@@ -161,9 +161,11 @@ def main() -> None:
             f"{r.get('streamed_weights_gib', 0):.2f} | {r.get('weights_copied_in_gib_per_step', 0):.2f} | "
             f"{r['losses'][0]:.6f} |"
         )
+    from offloadkit.bench.provenance import provenance
+
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "weights-offload.json"), "w") as f:
-        json.dump(dict(setup=head, rows=rows), f, indent=1)
+        json.dump(dict(setup=head, rows=rows, provenance=provenance()), f, indent=1)
     with open(os.path.join(args.out, "weights-offload.md"), "w") as f:
         f.write(
             f"# Frozen weights off the GPU: layer streaming vs FSDP2 CPUOffloadPolicy\n\n{head}\n\n"

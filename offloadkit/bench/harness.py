@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from offloadkit.bench.modes import MODES, ModeSetup
+from offloadkit.bench.provenance import provenance
 from offloadkit.bench.rss import PeakRss
 from offloadkit.defaults import MAX_FWD_STASH_SIZE, STREAM_DEPTH
 from offloadkit.models.zoo import LLAMA_SHAPES, build_llama
@@ -308,5 +309,8 @@ def format_table(report: dict) -> str:
 
 
 def save_report(report: dict, path: str) -> None:
+    """Write ``report`` as JSON, with the run's provenance (commit, GPU, versions, command line)
+    under ``"provenance"`` unless the report has its own."""
+    report = {**report, "provenance": report.get("provenance") or provenance()}
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)

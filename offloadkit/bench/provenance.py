@@ -1,0 +1,54 @@
+"""What a result file records about the run that made it: the commit, the GPU, the versions
+and the command line. Every writer of benchmark results adds it under ``"provenance"``, and
+``benchmarks/results_index.py`` reads it back."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+
+import torch
+
+__all__ = ["provenance", "source_commit"]
+
+COMMIT_ENV = "OFFLOADKIT_COMMIT"
+
+
+def source_commit() -> str | None:
+    """The commit of the offloadkit checkout that is running: ``git rev-parse HEAD`` in the
+    package's own directory (not the working directory, which may be another checkout), else
+    ``$OFFLOADKIT_COMMIT`` (for a tree copied without ``.git``), else None."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    if out is not None and out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip()
+    return os.environ.get(COMMIT_ENV) or None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """The run's commit, GPU name (None without CUDA), torch and transformers versions (None
+    when not installed) and command line (``sys.argv``, also as one shell-quoted string)."""
+    argv = list(sys.argv if argv is None else argv)
+    return {
+        "commit": source_commit(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "command": shlex.join(argv),
+        "argv": argv,
+    }
