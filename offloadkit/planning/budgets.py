@@ -2,7 +2,8 @@
 
 Read from the machine (free GPU memory, the host budget's headroom through
 :class:`offloadkit.storage.HostMemoryBudget`, which honours cgroup limits, free space in the
-spill directory), each overridable; throughputs default to the constants of
+spill directory), each overridable; ranks on one host share its RAM and disk, so each gets
+its share (the launcher's ``LOCAL_WORLD_SIZE``, or as given). Throughputs default to the constants of
 :mod:`offloadkit.planning.timing` and :meth:`Budgets.measure` replaces them with timings of
 this machine (:mod:`offloadkit.planning.rates`: a pinned copy each way, an O_DIRECT file
 write and read, the model's causal attention and one decoder layer's linear work).
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offloadkit.planning.timing import Rates
+from offloadkit.runtime.ranks import local_world_size
 
 __all__ = ["Budgets", "GPU_CONTEXT_BYTES"]
 
@@ -35,8 +37,9 @@ class Budgets:
 
     Attributes:
         gpu_bytes: device memory for the step (allocator reservation at the peak).
-        host_bytes: host RAM for offloaded block inputs and streamed weights.
-        disk_bytes: disk space for spilled block inputs.
+        host_bytes: host RAM for offloaded block inputs and streamed weights (this rank's:
+            :meth:`detect` shares a host's among its ranks).
+        disk_bytes: disk space for spilled block inputs (this rank's, as ``host_bytes``).
         rates: throughputs.
         source: how each figure was obtained.
 
@@ -59,16 +62,45 @@ class Budgets:
         disk_bytes: int | None = None,
         disk_dir: str | None = None,
         device: int | None = None,
+        *,
+        ranks_per_host: int | None = None,
+        host_bytes_per_rank: int | None = None,
     ) -> "Budgets":
-        """Read what is not given from this machine.
+        """Read what is not given from this machine; one rank's share of the host's RAM and disk.
 
         Args:
             gpu_bytes: default: the device's total memory minus :data:`GPU_CONTEXT_BYTES`
                 (the plan counts the model's weights itself); 80 GiB without CUDA.
-            host_bytes: default: the host budget's headroom now (available RAM, cgroup limits
-                included, minus the RAM it keeps free).
-            disk_bytes: default: free space in ``disk_dir`` (default: the temp dir) less 5%.
+            host_bytes: the host's, shared by its ranks; default: the host budget's headroom now
+                (available RAM, cgroup limits included, minus the RAM it keeps free).
+            disk_bytes: the host's, shared by its ranks; default: free space in ``disk_dir``
+                (default: the temp dir) less 5%.
+            ranks_per_host: ranks sharing this host's RAM and disk (default: the launcher's
+                ``LOCAL_WORLD_SIZE``, 1 outside a launcher); each rank's host and disk budgets
+                are the host's divided by it, so no rank plans on what the others use.
+            host_bytes_per_rank: instead of ``host_bytes``, one rank's own cap (as
+                ``host_budget_bytes`` is), used as it is.
+
+        Example:
+            >>> Budgets.detect(80 << 30, 400 << 30, 200 << 30, ranks_per_host=4).host_bytes >> 30
+            100
         """
+        ranks = local_world_size() if ranks_per_host is None else ranks_per_host
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(
+                f"ranks_per_host={ranks_per_host!r} is invalid; pass the ranks sharing this host's RAM and disk "
+                "(an int >= 1), or None for the launcher's LOCAL_WORLD_SIZE"
+            )
+        if host_bytes is not None and host_bytes_per_rank is not None:
+            raise ValueError(
+                f"host_bytes={host_bytes!r} and host_bytes_per_rank={host_bytes_per_rank!r} are both given; pass "
+                "the host's RAM (shared by its ranks) or one rank's cap, not both"
+            )
+        shared = ""
+        if ranks > 1:
+            shared = f", divided by {ranks} ranks on this host" + (
+                " (LOCAL_WORLD_SIZE)" if ranks_per_host is None else ""
+            )
         source = {}
         if gpu_bytes is None:
             if torch.cuda.is_available():
@@ -78,18 +110,22 @@ class Budgets:
                 gpu_bytes, source["gpu"] = 80 * GiB - GPU_CONTEXT_BYTES, "no CUDA: assumed an 80 GiB GPU"
         else:
             source["gpu"] = "given"
-        if host_bytes is None:
+        if host_bytes_per_rank is not None:
+            host_bytes, source["host"] = host_bytes_per_rank, "given for this rank"
+        elif host_bytes is None:
             from offloadkit.storage import HostMemoryBudget
 
-            host_bytes, source["host"] = HostMemoryBudget().headroom(), "available RAM minus the kept-free share"
+            # The budget itself takes one rank's share of the RAM above the kept-free share.
+            host_bytes = HostMemoryBudget(ranks_per_node=ranks).headroom()
+            source["host"] = "available RAM minus the kept-free share" + shared
         else:
-            source["host"] = "given"
+            host_bytes, source["host"] = int(host_bytes) // ranks, "given" + shared
         if disk_bytes is None:
             directory = disk_dir or tempfile.gettempdir()
-            disk_bytes = int(shutil.disk_usage(directory).free * (1 - DISK_MARGIN))
-            source["disk"] = f"free in {directory} less {DISK_MARGIN:.0%}"
+            disk_bytes = int(shutil.disk_usage(directory).free * (1 - DISK_MARGIN)) // ranks
+            source["disk"] = f"free in {directory} less {DISK_MARGIN:.0%}" + shared
         else:
-            source["disk"] = "given"
+            disk_bytes, source["disk"] = int(disk_bytes) // ranks, "given" + shared
         return cls(int(gpu_bytes), int(host_bytes), int(disk_bytes), Rates(), source)
 
     def with_rates(self, rates: Rates) -> "Budgets":
