@@ -30,6 +30,7 @@ from offloadkit.defaults import (
 from offloadkit.longctx.attention_groups import kv_head_groups
 from offloadkit.longctx.loss import auto_chunk_tokens
 from offloadkit.longctx.tiled_mlp import auto_num_shards
+from offloadkit.planning.parallelism import Parallelism, ring_buffer_bytes
 from offloadkit.planning.shape import ModelShape
 from offloadkit.storage.disk import MAX_INFLIGHT_BYTES
 from offloadkit.storage.tiered import RESERVE_BYTES, RESERVE_CAP_DIVISOR
@@ -114,6 +115,9 @@ class Workload:
             updated in backward as its gradient completes (no clipping, no fp16 loss scaling,
             no gradient accumulation). False, the Trainer's default (``max_grad_norm=1.0``):
             the updates wait for ``step()``, and every gradient is held until then.
+        parallel: the ranks of the run (:class:`~offloadkit.planning.parallelism.Parallelism`);
+            split over them, ``seq_len`` is still the whole sequence and :attr:`tokens` this
+            rank's share. Default: one GPU.
     """
 
     shape: ModelShape
@@ -124,6 +128,10 @@ class Workload:
     adapter_bytes: int = 4
     optimizer_precision: str = "params"
     updates_in_backward: bool = False
+    parallel: Parallelism = Parallelism()
+
+    def __post_init__(self) -> None:
+        self.parallel.check_seq_len(self.seq_len)
 
     @property
     def optimizer_state_bytes(self) -> int:
@@ -134,6 +142,13 @@ class Workload:
 
     @property
     def tokens(self) -> int:
+        """Tokens this rank holds: every row's, or its share of them when each sequence is
+        split over ranks. Everything token-wise is planned for these."""
+        return self.seq_len * self.batch // self.parallel.sequence_ranks
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens of the step's whole rows (every rank's)."""
         return self.seq_len * self.batch
 
     @property
@@ -276,7 +291,9 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool 
     return t * per_token
 
 
-def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool = False, head_groups: int = 1) -> int:
+def _layer_transient_bytes(
+    w: Workload, mlp_shards: int, tiled_projections: bool = False, head_groups: int = 1, ring_bytes: int = 0
+) -> int:
     """Largest set of temporaries while one layer runs backward: an MLP shard's recompute
     and gradients (two bf16 and one fp32 tensor of the intermediate width per token, plus
     the shard's saved set), or attention's input gradients with the fp32 norm gradient
@@ -289,7 +306,8 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
     is what fixed-size allocator segments cannot place at long context: see
     :data:`FRAGMENTATION`. Run over ``head_groups`` groups of key/value heads the backward
     holds one group's workspace: the rest, ``(1 - 1/G)`` of it, comes off, less the input
-    gradients the groups hold apart and then join."""
+    gradients the groups hold apart and then join. ``ring_bytes``: what ring attention holds
+    beside it (:func:`~offloadkit.planning.parallelism.ring_buffer_bytes`)."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
     shard_tokens = math.ceil(t / max(1, mlp_shards))
@@ -309,7 +327,7 @@ def _layer_transient_bytes(w: Workload, mlp_shards: int, tiled_projections: bool
         # Each group's output gradient is copied into its output's strides for the kernel
         # (longctx.attention_groups._GradInOutputLayout).
         attn += t * b * q // groups
-    return max(mlp, attn)
+    return max(mlp, attn + ring_bytes)
 
 
 # Writes the disk tier stages in host RAM at once (offloadkit.storage.disk's default).
@@ -482,6 +500,12 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
             # A run's replay holds the dropped inputs it recomputed until backward passes them.
             layer["replayed block inputs"] = (replayed - 1) * block
     layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections, f.head_groups)
+    ring = ring_buffer_bytes(w)
+    if ring:
+        # Held while the layer's attention runs backward, not while its MLP does: counted as
+        # what it adds to the larger of the two.
+        with_ring = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections, f.head_groups, ring)
+        layer["ring attention buffers"] = with_ring - layer["layer backward"]
     loss_bytes, layer_bytes = sum(loss.values()), sum(layer.values())
     if loss_bytes >= layer_bytes:
         phase, extra = "loss", loss

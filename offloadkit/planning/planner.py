@@ -13,6 +13,10 @@ the GPU, the prefetch horizon is shortened: first to what still hides the fetch 
 input behind the layers of backward ahead, then to 0 (each fetch is waited for, which the
 step time counts; at long context a fetch is a small part of a layer's backward). The fastest candidate whose predicted
 reservation, host and disk use fit wins; ties in time go to the lower peak.
+
+Over several GPUs (:class:`~offloadkit.planning.parallelism.Parallelism`) the plan is one
+rank's: its share of a sequence split over the ranks, within its share of the host's RAM and
+disk; ``seq_len`` and the longest sequence are the whole sequence's.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from offloadkit.planning.memory import (
     tiered_reserve_bytes,
     tiles_projections,
 )
+from offloadkit.planning.parallelism import Parallelism, search_step
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import StepTime, estimate_time
 from offloadkit.storage.pool import size_class
@@ -208,9 +213,17 @@ class Plan:
         w, m, t, b = self.workload, self.memory, self.time, self.budgets
         lora = f"LoRA r={w.lora_rank}" if w.lora_rank else "full fine-tune"
         runs = _runs(self.placement)
+        par = w.parallel
+        per_rank = ""
+        if par.world_size > 1:
+            per_rank = f" (per rank of {par.world_size}" + (
+                f": {w.tokens} tokens each)" if par.splits_sequence else ")"
+            )
+        ring = f", ring {t.ring_s:.2f} s, {t.ring_wait_s:.2f} s of it waited for" if par.splits_sequence else ""
+        link = b.rates.link_bytes_per_s if par.one_host else b.rates.network_bytes_per_s
         lines = [
-            f"plan for {w.shape.name} ({w.shape.layers} layers), {w.seq_len} tokens x {w.batch}, {lora}: {self.name}"
-            + ("" if self.fits else "  ** DOES NOT FIT: " + "; ".join(self.reasons) + " **"),
+            f"plan for {w.shape.name} ({w.shape.layers} layers), {w.seq_len} tokens x {w.batch}{per_rank}, {lora}: "
+            f"{self.name}" + ("" if self.fits else "  ** DOES NOT FIT: " + "; ".join(self.reasons) + " **"),
             "",
             "| layers | block input | kept in |",
             "|---|---|---|",
@@ -243,14 +256,17 @@ class Plan:
             f"{b.host_bytes / GiB:.2f} GiB + process |",
             f"| disk | {m.disk / GiB:.2f} GiB | {b.disk_bytes / GiB:.2f} GiB |",
             f"| step time | {t.seconds:.2f} s ({t.bound}-bound; compute {t.compute_s:.2f} s, PCIe {t.pcie_s:.2f} s, "
-            f"disk {t.disk_s:.2f} s) | |",
+            f"disk {t.disk_s:.2f} s{ring}) | |",
             f"| tokens/s, TFLOP/s | {w.tokens / t.seconds:.0f}, {t.flops / t.seconds / 1e12:.0f} | |",
             "",
             "GPU peak parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.gpu_parts.items()) + " GiB",
             f"rates ({b.rates.source}): matmul {b.rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s, attention "
             f"{b.rates.attention_flops_per_s / 1e12:.0f} TFLOP/s, PCIe {b.rates.pcie_bytes_per_s / 1e9:.1f} GB/s, "
             f"disk write/read {b.rates.disk_write_bytes_per_s / 1e9:.2f}/"
-            f"{b.rates.disk_read_bytes_per_s / 1e9:.2f} GB/s",
+            f"{b.rates.disk_read_bytes_per_s / 1e9:.2f} GB/s"
+            + (
+                f", ring {link / 1e9:.0f} GB/s ({'within a host' if par.one_host else 'between hosts'})" if ring else ""
+            ),
         ]
         for name, why in self.rejected:
             lines.append(f"not chosen: {name}: {why}")
@@ -396,6 +412,7 @@ def _workload(
     dtype_bytes: int,
     optimizer_precision: str = "params",
     optimizer: OptimizerSetup | None = None,
+    parallel: Parallelism | None = None,
 ) -> Workload:
     if optimizer_precision not in OPTIMIZER_STATE_BYTES:
         names = ", ".join(OPTIMIZER_STATE_BYTES)
@@ -414,6 +431,7 @@ def _workload(
         dtype_bytes,
         optimizer_precision=optimizer_precision,
         updates_in_backward=updates_in_backward,
+        parallel=parallel or Parallelism(),
     )
 
 
@@ -429,6 +447,7 @@ def plan(
     stream_depth: int = STREAM_DEPTH,
     optimizer_precision: str = "params",
     optimizer: OptimizerSetup | None = None,
+    parallel: Parallelism | None = None,
 ) -> Plan:
     """Choose the features for one step and predict its cost.
 
@@ -444,6 +463,10 @@ def plan(
         optimizer: whether a full fine-tune's optimizer may keep its state in host memory,
             and when it updates (None: :class:`OptimizerSetup`'s defaults: replaceable, the
             Trainer's clipping).
+        parallel: the run's ranks (None: one GPU). The plan is one rank's: with
+            ``context_parallel`` it holds ``seq_len / world_size`` tokens of each row
+            (``seq_len``, a multiple of ``2 x world_size``, is the whole sequence). ``budgets``
+            are this rank's; read here, they are its share of the host's.
 
     Returns:
         The fastest :class:`Plan` that fits, or the most frugal one with ``fits=False``.
@@ -454,8 +477,8 @@ def plan(
         (True, True)
     """
     optimizer = optimizer or OptimizerSetup()
-    w = _workload(model, seq_len, batch, lora_rank, layers, dtype_bytes, optimizer_precision, optimizer)
-    b = budgets if budgets is not None else Budgets.detect()
+    w = _workload(model, seq_len, batch, lora_rank, layers, dtype_bytes, optimizer_precision, optimizer, parallel)
+    b = budgets if budgets is not None else Budgets.detect(ranks_per_host=parallel.ranks_per_host if parallel else None)
     results = []
     # Only what the run can realise: an optimizer that cannot be replaced keeps its state.
     for name, f in _candidates(w, b, stream_depth, optimizer.replaceable):
@@ -534,6 +557,10 @@ def _keep_attention(w: Workload, f: Features, b: Budgets, t: StepTime):
         ``(features, memory, time)`` with ``keep_attention`` > 0, or None.
     """
     if not (f.checkpointing and f.offload_inputs) or f.recompute_blocks:
+        return None
+    if w.parallel.splits_sequence:
+        # Ring attention runs each layer's attention as several kernel calls and a merge; keeping
+        # their outputs for the recompute has not been made to work with it.
         return None
     m = estimate_memory(w, f)
     if "disk" in m.block_placement:
@@ -646,35 +673,39 @@ class Capacity:
             streamed weight somewhere on GPU, RAM or disk.
         plan: the plan at ``longest`` (None when even :data:`SEQ_STEP` does not fit).
         limit: what stops ``physical`` ("gpu" or "storage").
+        parallel: the ranks planned for; split over them, both lengths are the whole sequence's.
     """
 
     longest: int
     physical: int
     plan: Plan | None
     limit: str
+    parallel: Parallelism = Parallelism()
 
     @property
     def ratio(self) -> float:
         return self.longest / self.physical if self.physical else 0.0
 
     def summary(self) -> str:
+        ranks = self.parallel.sequence_ranks
+        across = f" across {ranks} ranks ({self.longest // ranks} each)" if ranks > 1 else ""
         return (
-            f"longest sequence that fits: {self.longest} tokens; physically allowed by the budgets: "
+            f"longest sequence that fits: {self.longest} tokens{across}; physically allowed by the budgets: "
             f"{self.physical} tokens ({self.limit}-limited); reached {self.ratio:.0%}"
         )
 
 
-def _search(fits, high: int) -> int:
-    lo, hi = 0, max(1, high // SEQ_STEP)
-    while fits(hi * SEQ_STEP) and hi < (1 << 40) // SEQ_STEP:  # grow past the guess if it fits
+def _search(fits, high: int, step: int = SEQ_STEP) -> int:
+    lo, hi = 0, max(1, high // step)
+    while fits(hi * step) and hi < (1 << 40) // step:  # grow past the guess if it fits
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(mid * SEQ_STEP):
+        if fits(mid * step):
             lo = mid
         else:
             hi = mid
-    return lo * SEQ_STEP
+    return lo * step
 
 
 def physical_limit(
@@ -687,6 +718,7 @@ def physical_limit(
     dtype_bytes: int = 2,
     optimizer_precision: str = "params",
     optimizer: OptimizerSetup | None = None,
+    parallel: Parallelism | None = None,
 ) -> tuple[int, str]:
     """Longest sequence whose irreducible bytes fit the budgets (see :class:`Capacity`), and
     what limits it.
@@ -699,9 +731,12 @@ def physical_limit(
     also free for block inputs. Block inputs may be dropped and recomputed (one kept input
     replays the run after it): each drop frees storage and lengthens a run, whose replayed
     inputs the GPU holds beside the working set; storage is short only when no number of
-    drops fits both.
+    drops fits both. Split over ranks (``parallel``), the lengths are the whole sequence's and
+    the budgets one rank's.
     """
-    w0 = _workload(model, SEQ_STEP, batch, lora_rank, layers, dtype_bytes, optimizer_precision, optimizer)
+    parallel = parallel or Parallelism()
+    step = search_step(parallel, SEQ_STEP)
+    w0 = _workload(model, step, batch, lora_rank, layers, dtype_bytes, optimizer_precision, optimizer, parallel)
     pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
     # A full fine-tune's AdamW state lives in host RAM where RAM holds it, and the optimizer
     # can be replaced by one that keeps it there.
@@ -745,8 +780,9 @@ def physical_limit(
                 return True
         return False
 
-    by_gpu = _search(gpu_ok, 1 << 16)
-    by_storage = _search(storage_ok, 1 << 16)
+    guess = (1 << 16) * parallel.sequence_ranks
+    by_gpu = _search(gpu_ok, guess, step)
+    by_storage = _search(storage_ok, guess, step)
     return (by_gpu, "gpu") if by_gpu <= by_storage else (by_storage, "storage")
 
 
@@ -761,15 +797,18 @@ def longest_sequence(
     stream_depth: int = STREAM_DEPTH,
     optimizer_precision: str = "params",
     optimizer: OptimizerSetup | None = None,
+    parallel: Parallelism | None = None,
 ) -> Capacity:
-    """Binary search for the longest sequence :func:`plan` fits under ``budgets``.
+    """Binary search for the longest sequence :func:`plan` fits under ``budgets`` (split over
+    ranks, ``parallel``: the whole sequence, in multiples of ``2 x world_size`` too).
 
     Example:
         >>> cap = longest_sequence("llama-3-8b", budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
         >>> cap.longest <= cap.physical
         True
     """
-    b = budgets if budgets is not None else Budgets.detect()
+    b = budgets if budgets is not None else Budgets.detect(ranks_per_host=parallel.ranks_per_host if parallel else None)
+    parallel = parallel or Parallelism()
 
     def fits(seq: int) -> bool:
         return plan(
@@ -783,9 +822,10 @@ def longest_sequence(
             stream_depth=stream_depth,
             optimizer_precision=optimizer_precision,
             optimizer=optimizer,
+            parallel=parallel,
         ).fits
 
-    longest = _search(fits, 1 << 16)
+    longest = _search(fits, (1 << 16) * parallel.sequence_ranks, search_step(parallel, SEQ_STEP))
     physical, limit = physical_limit(
         model,
         batch=batch,
@@ -795,6 +835,7 @@ def longest_sequence(
         dtype_bytes=dtype_bytes,
         optimizer_precision=optimizer_precision,
         optimizer=optimizer,
+        parallel=parallel,
     )
     best = (
         plan(
@@ -808,8 +849,9 @@ def longest_sequence(
             stream_depth=stream_depth,
             optimizer_precision=optimizer_precision,
             optimizer=optimizer,
+            parallel=parallel,
         )
         if longest
         else None
     )
-    return Capacity(longest, max(physical, longest), best, limit)
+    return Capacity(longest, max(physical, longest), best, limit, parallel)

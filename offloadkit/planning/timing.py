@@ -23,6 +23,10 @@ GPU and back during backward, each direction on its own stream; with the updates
 ``step()`` (clipping, fp16 loss scaling) it crosses after backward, exposed, together with
 any streamed trainable weights, which the deferred updates read and write in host memory. With a prefetch
 horizon of 0 nothing is fetched ahead, so every block input's fetch adds to backward.
+
+With a sequence split over several ranks (:mod:`offloadkit.planning.parallelism`) a rank
+counts its share of the tokens and ``1/W`` of the causal attention; ring attention's traffic
+takes the link between the ranks, and what attention does not hide adds to each pass.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offloadkit.planning.memory import Features, Workload, attention_kept_bytes, keeps_attention, streams_weights
+from offloadkit.planning.parallelism import ring_traffic
 
 __all__ = [
     "Rates",
@@ -41,6 +46,8 @@ __all__ = [
     "PCIE_BYTES_PER_S",
     "DISK_WRITE_BYTES_PER_S",
     "DISK_READ_BYTES_PER_S",
+    "LINK_BYTES_PER_S",
+    "NETWORK_BYTES_PER_S",
 ]
 
 # bf16 FLOP rates of a whole Llama step, not of one large matmul. Derived: the 8B LoRA
@@ -58,6 +65,13 @@ PCIE_BYTES_PER_S = 55.5e9
 # reach 1.3 GB/s under concurrent reads (the lower end reported for that disk).
 DISK_WRITE_BYTES_PER_S = 1.3e9
 DISK_READ_BYTES_PER_S = 2.7e9
+# Ring attention's traffic between the GPUs of one host, each way. Assumed, not measured:
+# NVLink 4 on an H100 SXM carries 450 GB/s each way, collectives reach less of it, and the
+# link also carries the data-parallel gradients; a third is assumed. GPUs without NVLink
+# exchange over PCIe, far slower (override with the rate of those links).
+LINK_BYTES_PER_S = 150e9
+# Between hosts: one 400 Gb/s InfiniBand port per GPU (50 GB/s), 80% of it reached. Assumed.
+NETWORK_BYTES_PER_S = 40e9
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,8 @@ class Rates:
     disk_write_bytes_per_s: float = DISK_WRITE_BYTES_PER_S
     disk_read_bytes_per_s: float = DISK_READ_BYTES_PER_S
     source: str = "defaults"
+    link_bytes_per_s: float = LINK_BYTES_PER_S
+    network_bytes_per_s: float = NETWORK_BYTES_PER_S
 
 
 @dataclass
@@ -84,8 +100,11 @@ class StepTime:
     Attributes:
         seconds: predicted step time.
         compute_s / pcie_s / disk_s: time each resource needs over the whole step.
-        bound: what sets the step time ("compute", "pcie" or "disk").
+        bound: what sets the step time ("compute", "pcie", "disk", or "ring": waits on the
+            other ranks' keys and values, past the attention that hides them).
         linear_flops / attention_flops: executed FLOPs.
+        ring_s / ring_wait_s: the link's time for ring attention's traffic, and the part of
+            it the step waits for (both 0 without a sequence split over ranks).
     """
 
     seconds: float
@@ -95,10 +114,22 @@ class StepTime:
     bound: str
     linear_flops: float
     attention_flops: float
+    ring_s: float = 0.0
+    ring_wait_s: float = 0.0
 
     @property
     def flops(self) -> float:
         return self.linear_flops + self.attention_flops
+
+
+def _replays(w: Workload, f: Features) -> int:
+    """Blocks run forward once more in backward to rebuild dropped block inputs (as many as
+    the placement drops)."""
+    if not (f.checkpointing and f.offload_inputs and f.recompute_blocks):
+        return 0
+    layers = w.shape.layers
+    offloaded = layers - 1 - max(0, min(layers - 1, f.gpu_blocks))
+    return max(0, min(f.recompute_blocks, offloaded - 1))
 
 
 def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
@@ -122,12 +153,12 @@ def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
         # forwards, as untiled. Tiled projections are recomputed and run again.
         if f.tiled_projections:
             bwd += 2 * (layer_linear - mlp_linear) * s.layers * t
-    attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers
+    # The whole sequence's causal attention; split over ranks, each computes an even share.
+    attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers / w.parallel.sequence_ranks
     attn_bwd = 2 * attn_fwd + (attn_fwd * (1 - keeps_attention(f) / s.layers) if f.checkpointing else 0)
     if f.checkpointing and f.offload_inputs and f.recompute_blocks:
         # A dropped input is the output of the block before it, run forward once more.
-        offloaded = s.layers - 1 - max(0, min(s.layers - 1, f.gpu_blocks))
-        replays = max(0, min(f.recompute_blocks, offloaded - 1))  # as many as the placement drops
+        replays = _replays(w, f)
         bwd += replays * t * (2 * layer_linear + (2 * adapters // s.layers if w.lora_rank else 0))
         attn_bwd += replays * attn_fwd / s.layers
     return float(fwd), float(bwd), attn_fwd, attn_bwd
@@ -179,8 +210,13 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
         # One streamed layer resident: each layer's weights arrive while it waits, in both passes.
         fwd_exposed = streamed / rates.pcie_bytes_per_s
         exposed += streamed / rates.pcie_bytes_per_s
-    fwd = max(fwd_compute + fwd_exposed, fwd_pcie, fwd_disk)
-    bwd = max(bwd_compute + exposed, bwd_pcie, bwd_disk)
+    # Ring attention's keys and values arrive again for every layer the recompute runs
+    # attention in (not those whose outputs are kept) and for every replayed block.
+    reruns = (w.shape.layers - keeps_attention(f) if f.checkpointing else 0) + _replays(w, f)
+    link = rates.link_bytes_per_s if w.parallel.one_host else rates.network_bytes_per_s
+    ring = ring_traffic(w, reruns, af / rates.attention_flops_per_s / w.shape.layers, link)
+    fwd = max(fwd_compute + fwd_exposed + ring.forward_wait_s, fwd_pcie, fwd_disk)
+    bwd = max(bwd_compute + exposed + ring.backward_wait_s, bwd_pcie, bwd_disk)
     totals = {
         "compute": fwd_compute + bwd_compute,
         "pcie": fwd_pcie + bwd_pcie + update_pcie,
@@ -188,12 +224,12 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     }
     # The bound is the resource that sets the longest phase's time.
     phases = [
-        (fwd, (fwd_compute, fwd_pcie, fwd_disk)),
-        (bwd, (bwd_compute, bwd_pcie + exposed, bwd_disk)),
-        (update_pcie, (0.0, update_pcie, 0.0)),
+        (fwd, (fwd_compute, fwd_pcie, fwd_disk, ring.forward_wait_s)),
+        (bwd, (bwd_compute, bwd_pcie + exposed, bwd_disk, ring.backward_wait_s)),
+        (update_pcie, (0.0, update_pcie, 0.0, 0.0)),
     ]
     _, parts = max(phases, key=lambda x: x[0])
-    bound = ("compute", "pcie", "disk")[max(range(3), key=lambda k: parts[k])]
+    bound = ("compute", "pcie", "disk", "ring")[max(range(4), key=lambda k: parts[k])]
     return StepTime(
         seconds=fwd + bwd + update_pcie,
         compute_s=totals["compute"],
@@ -202,4 +238,6 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
         bound=bound,
         linear_flops=lf + lb,
         attention_flops=af + ab,
+        ring_s=ring.seconds,
+        ring_wait_s=ring.wait_s,
     )
