@@ -5,6 +5,8 @@ chunk the loss and tile the MLP, and the predicted GPU peak, host and disk use a
 - :mod:`~offloadkit.planning.memory`: the byte model of one step;
 - :mod:`~offloadkit.planning.timing`: FLOPs, copies, disk I/O and the step-time bound;
 - :mod:`~offloadkit.planning.budgets`: GPU/RAM/disk budgets and rates, read or measured;
+- :mod:`~offloadkit.planning.parallelism`: one rank of a run over several GPUs (a sequence
+  split over them, ring attention's traffic, a host shared by its ranks);
 - :mod:`~offloadkit.planning.planner`: :func:`plan` and :func:`longest_sequence`.
 
 Example:
@@ -15,6 +17,7 @@ Example:
 
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import Features, MemoryEstimate, Workload, estimate_memory
+from offloadkit.planning.parallelism import Parallelism
 from offloadkit.planning.planner import Capacity, OptimizerSetup, Plan, longest_sequence, physical_limit, plan
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import Rates, StepTime, estimate_time
@@ -26,6 +29,7 @@ __all__ = [
     "MemoryEstimate",
     "ModelShape",
     "OptimizerSetup",
+    "Parallelism",
     "Plan",
     "Rates",
     "StepTime",
