@@ -16,9 +16,42 @@ from offloadkit.bench.modes import CPU_MODES, MODES, estimated_activation_bytes
 from offloadkit.config import ConfigError, check_writable_dir
 from offloadkit.models.zoo import LLAMA_SHAPES
 
-__all__ = ["run_bench", "plot_bench"]
+__all__ = ["run_bench", "plot_bench", "list_modes", "MODE_SUMMARIES"]
 
 _CPU_FLOPS_LIMIT = 2e13  # about ten minutes of a few CPU cores, for every step of every mode
+
+# One line for each mode of offloadkit/bench/modes.py (a test holds the two to the same names).
+# "HF checkpointing" is the model's gradient_checkpointing_enable (non-reentrant).
+MODE_SUMMARIES: dict[str, str] = {
+    "none": "no memory saving: autograd keeps every activation on the device (the baseline)",
+    "ckpt": "HF checkpointing: layer inputs kept, the rest recomputed in backward",
+    "ckpt+offload": "HF checkpointing, with what it saves offloaded by offloadkit (to RAM, or disk with --storage)",
+    "offload": "no checkpointing: offloadkit offloads every tensor autograd saves",
+    "ckpt+save_on_cpu": "HF checkpointing with torch.autograd.graph.save_on_cpu (pinned); needs a GPU",
+    "save_on_cpu": "torch.autograd.graph.save_on_cpu for every saved tensor, no checkpointing; needs a GPU",
+    "ok_ckpt": "offloadkit's own checkpointing of each decoder layer, nothing offloaded",
+    "ckpt+input_offload": "offloadkit's checkpointing with each layer's input offloaded (RAM, or disk with --storage)",
+    "ckpt+layer_stream": "HF checkpointing, frozen weights streamed from pinned RAM a layer at a time; needs a GPU",
+    "ckpt+input_offload+layer_stream": "offloadkit's checkpointing, layer inputs offloaded and frozen weights "
+    "streamed; needs a GPU",
+    "everything": "benchmarks/capacity.py only: the planner's checkpointing, input placement (RAM, disk, "
+    "replayed), layer streaming, chunked loss and tiling",
+    "in_gpu": "benchmarks/capacity.py only: everything's checkpointing, chunked loss and tiling, nothing moved",
+    "auto": "benchmarks/capacity.py only: whatever offload_plan: auto chooses",
+}
+
+
+def list_modes() -> str:
+    """Every mode ``--modes`` takes, one line each, and the defaults (``--list-modes``)."""
+    width = max(len(name) for name in MODES)
+    lines = [
+        "modes for --modes (';' between them; '@key=value,...' after one overrides a setting, "
+        "e.g. 'ckpt+offload@prefetch=4'):"
+    ]
+    lines += [f"  {name:<{width}}  {MODE_SUMMARIES.get(name, '(no description)')}" for name in MODES]
+    lines.append(f"default on a GPU: {';'.join(BenchConfig.modes)}")
+    lines.append(f"default on a CPU: {';'.join(CPU_MODES)} (offloadkit modes to disk)")
+    return "\n".join(lines)
 
 
 def plot_bench(report: dict, path: str) -> str | None:
@@ -130,7 +163,10 @@ def _bench_config(args) -> BenchConfig:
         cfg.modes = tuple(m for m in args.modes.split(";") if m)
     unknown = [m for m in cfg.modes if m.split("@")[0] not in MODES]
     if unknown:
-        raise ConfigError(f"--modes: unknown modes {unknown}; choose from {', '.join(sorted(MODES))}")
+        raise ConfigError(
+            f"--modes: unknown modes {unknown}; choose from {', '.join(MODES)} "
+            "(offloadkit bench --list-modes says what each does)"
+        )
     if cfg.shape not in LLAMA_SHAPES:
         raise ConfigError(f"--shape {cfg.shape!r} is unknown; choose one of {', '.join(LLAMA_SHAPES)}")
     if device == "cpu":

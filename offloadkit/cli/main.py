@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     bench.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     bench.add_argument("--name", default=None, help="file name stem (default <shape>-<seq_len>)")
+    bench.add_argument("--list-modes", action="store_true", help="print each mode with what it does, and exit")
 
     from offloadkit.cli.plan import add_plan_parser
 
@@ -213,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_check(args)
         if args.command == "bench":
-            from offloadkit.cli.bench import run_bench
+            from offloadkit.cli.bench import list_modes, run_bench
 
+            if args.list_modes:
+                print(list_modes())
+                return 0
             run_bench(args)
             return 0
         if args.command == "plan":
