@@ -1,11 +1,14 @@
 """``offloadkit plan``: whether a step of a model and sequence length fits this machine's (or the
 given) budgets, the config keys that realise the plan as YAML to paste into a config, the
 predicted step time, and the longest sequence that fits; ``--verbose`` adds the planner's table
-and the candidates not chosen."""
+and the candidates not chosen. With ``--world-size N`` the plan is one rank's of N splitting each
+sequence (context parallelism; ``--seq-len`` stays the whole sequence), within its share of the
+host's RAM and disk (``--ranks-per-host`` ranks share them)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from offloadkit.defaults import OPTIMIZER_STATE_BYTES
 
@@ -54,6 +57,33 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--disk-gib", type=float, default=None, help="disk budget (default: free space in --disk-dir)")
     p.add_argument("--disk-dir", default=None, help="spill directory whose free space is the disk budget")
     p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="GPUs of the run, each sequence split over them (context parallelism, unless "
+        "--no-context-parallel); the plan is one rank's and --seq-len the whole sequence (default 1)",
+    )
+    p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=None,
+        help="ranks on one host, sharing its RAM and disk: each plans on the host's budgets divided by this "
+        "(default: --world-size, one host)",
+    )
+    p.add_argument(
+        "--no-context-parallel",
+        action="store_true",
+        help="with --world-size: each rank trains its own sequences of --seq-len tokens (DDP) instead of a "
+        "share of one; only host RAM and disk are shared",
+    )
+    p.add_argument(
+        "--link-gb-s",
+        type=float,
+        default=None,
+        help="GB/s each way between the ranks of a sequence, for ring attention's keys and values (default "
+        "150 within a host, as NVLink on H100 SXM; 40 between hosts; GPUs on PCIe alone exchange far slower)",
+    )
+    p.add_argument(
         "--measure",
         action="store_true",
         help="time PCIe copies, disk I/O and the model's attention here instead of the defaults",
@@ -99,16 +129,33 @@ def config_yaml(keys: dict) -> list[str]:
 
 
 def verdict(p) -> str:
-    """``fits: <plan>, GPU x/y GiB, host ..., disk ...``, or ``does not fit: <budget> needs X GiB of Y``."""
+    """``fits: <plan>, GPU x/y GiB, host ..., disk ...``, or ``does not fit: <budget> needs X GiB of Y``;
+    over several GPUs led by ``per rank of N (...): ``."""
     from offloadkit.planning.memory import HOST_BASELINE_BYTES
 
+    w = p.workload
+    ranks = f"{w.parallel.describe(w.seq_len)}: " if w.parallel.world_size > 1 else ""
     if not p.fits:
-        return "does not fit: " + "; ".join(p.reasons)
+        return ranks + "does not fit: " + "; ".join(p.reasons)
     m, b = p.memory, p.budgets
     host = m.host - HOST_BASELINE_BYTES  # the budget is what the process may add
-    return (
+    return ranks + (
         f"fits: {p.name}, GPU {m.gpu_reserved / _GiB:.1f}/{b.gpu_bytes / _GiB:.1f} GiB, host "
         f"{host / _GiB:.1f}/{b.host_bytes / _GiB:.1f} GiB, disk {m.disk / _GiB:.1f}/{b.disk_bytes / _GiB:.1f} GiB"
+    )
+
+
+def _parallelism(args):
+    """The run's ranks from ``--world-size``, ``--ranks-per-host`` and ``--no-context-parallel``."""
+    from offloadkit.planning.parallelism import Parallelism
+
+    for flag, value in (("world-size", args.world_size), ("ranks-per-host", args.ranks_per_host)):
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag}={value} must be >= 1")
+    return Parallelism(
+        world_size=args.world_size,
+        context_parallel=args.world_size > 1 and not args.no_context_parallel,
+        ranks_per_host=args.ranks_per_host if args.ranks_per_host is not None else args.world_size,
     )
 
 
@@ -133,11 +180,16 @@ def run_plan(args, log=print) -> int:
         source=f"--max-grad-norm {args.max_grad_norm:g}"
         + (", the Trainer's default" if args.max_grad_norm == 1.0 else ""),
     )
+    parallel = _parallelism(args)
+    if args.link_gb_s is not None and not args.link_gb_s > 0:
+        raise ValueError(f"--link-gb-s={args.link_gb_s} must be positive")
+    parallel.check_seq_len(args.seq_len)
     budgets = Budgets.detect(
         gpu_bytes=_gib(args.gpu_gib, "gpu-gib"),
         host_bytes=_gib(args.host_gib, "host-gib"),
         disk_bytes=_gib(args.disk_gib, "disk-gib"),
         disk_dir=args.disk_dir,
+        ranks_per_host=parallel.ranks_per_host,
     )
     model = args.model or args.shape
     if args.measure:
@@ -146,6 +198,9 @@ def run_plan(args, log=print) -> int:
         budgets = budgets.measure(
             disk_dir=args.disk_dir, shape=resolve_shape(model, args.layers), lora_rank=args.lora_rank
         )
+    if args.link_gb_s is not None:
+        link = args.link_gb_s * 1e9
+        budgets = budgets.with_rates(replace(budgets.rates, link_bytes_per_s=link, network_bytes_per_s=link))
     common = {
         "batch": args.batch,
         "lora_rank": args.lora_rank,
@@ -153,30 +208,55 @@ def run_plan(args, log=print) -> int:
         "layers": args.layers,
         "optimizer_precision": args.optimizer_precision,
         "optimizer": optimizer,
+        "parallel": parallel,
     }
     p = plan(model, args.seq_len, **common)
     w, t = p.workload, p.time
     log(verdict(p))
     log("")
     log("# offloadkit config keys for this plan" + ("" if p.fits else " (it does not fit)"))
+    if parallel.splits_sequence:
+        log(
+            f"# the plan of one rank of {parallel.world_size} splitting each sequence (apply_context_parallel): "
+            f"seq_len is the whole sequence, {w.tokens // w.batch} tokens of it on each rank"
+        )
+    elif parallel.world_size > 1:
+        log(f"# the plan of one rank of {parallel.world_size}, each training its own sequences")
     keys = {"seq_len": args.seq_len, **({"batch_size": args.batch} if args.batch != 1 else {}), **p.to_config()}
     for line in config_yaml(keys):
         log(line)
     log("")
-    log(
-        f"predicted step time: {t.seconds:.2f} s ({t.bound}-bound), {w.tokens / t.seconds:.0f} tokens/s, "
-        f"{t.flops / t.seconds / 1e12:.0f} TFLOP/s"
-    )
+    if parallel.world_size == 1:
+        log(
+            f"predicted step time: {t.seconds:.2f} s ({t.bound}-bound), {w.tokens / t.seconds:.0f} tokens/s, "
+            f"{t.flops / t.seconds / 1e12:.0f} TFLOP/s"
+        )
+    else:
+        # Every rank steps together: the run's tokens/s are every rank's tokens over one step.
+        run_tokens = w.tokens * parallel.world_size
+        log(
+            f"predicted step time: {t.seconds:.2f} s ({t.bound}-bound), {run_tokens / t.seconds:.0f} tokens/s "
+            f"across the {parallel.world_size} ranks, {t.flops / t.seconds / 1e12:.0f} TFLOP/s on each"
+        )
+    if parallel.splits_sequence:
+        rate = budgets.rates.link_bytes_per_s if parallel.one_host else budgets.rates.network_bytes_per_s
+        log(
+            f"ring attention: {t.ring_s:.2f} s of keys, values and their gradients between the ranks at "
+            f"{rate / 1e9:.0f} GB/s ({'within the host' if parallel.one_host else 'between hosts'}), "
+            f"{t.ring_wait_s:.2f} s of it not hidden behind attention"
+        )
     if not args.lora_rank:
         log(f"optimizer, with its state in host memory: {optimizer.describe()}")
     log("budgets: " + ", ".join(f"{k}: {v}" for k, v in budgets.source.items()))
     if not args.no_search:
         cap = longest_sequence(model, **common)
         if not p.fits:
+            across = f", the whole sequence across the {parallel.world_size} ranks" if parallel.splits_sequence else ""
             log(
-                f"suggestion: seq_len: {cap.longest} fits these budgets (the longest that does)"
+                f"suggestion: seq_len: {cap.longest} fits these budgets (the longest that does{across})"
                 if cap.longest
                 else "suggestion: no sequence length fits these budgets; raise --gpu-gib, --host-gib or --disk-gib"
+                + (" or --world-size" if parallel.world_size > 1 else "")
             )
         log(cap.summary())
     elif not p.fits:
