@@ -41,8 +41,9 @@ if TYPE_CHECKING:
     from offloadkit.longctx.causal_lm import ChunkedLossHandle
     from offloadkit.longctx.tiled_mlp import TiledMLPHandle
     from offloadkit.planning import OptimizerSetup, Plan
+    from offloadkit.planning.parallelism import Parallelism
 
-__all__ = ["OffloadRuntime", "plan_for", "prepare"]
+__all__ = ["OffloadRuntime", "plan_for", "prepare", "run_parallelism"]
 
 
 H = TypeVar("H")
@@ -145,6 +146,13 @@ class OffloadRuntime:
                 "updates_in_backward": self.plan.workload.updates_in_backward,
                 "optimizer": self.plan.optimizer.describe(),
             }
+            par = self.plan.workload.parallel
+            if par.world_size > 1:
+                out["plan"]["parallel"] = {
+                    "world_size": par.world_size,
+                    "context_parallel": par.context_parallel,
+                    "ranks_per_host": par.ranks_per_host,
+                }
         out["prefetch"] = {
             "window_bytes": self.scheduler.window_bytes,
             "peak_pending_bytes": self.scheduler.peak_pending_bytes,
@@ -243,16 +251,37 @@ def _check_placement_depth(model: nn.Module, config: OffloadConfig) -> None:
         )
 
 
+def run_parallelism() -> Parallelism:
+    """This process's ranks as the launcher and ``torch.distributed`` tell them: the world
+    size of an initialised process group (else the launcher's ``WORLD_SIZE``) and the ranks on
+    this host (``LOCAL_WORLD_SIZE``), each rank with its own sequences. Whether a sequence is
+    split over the ranks is the caller's to say (``prepare(..., parallel=...)``): nothing tells
+    before :func:`~offloadkit.parallel.apply_context_parallel` runs."""
+    import torch.distributed as dist
+
+    from offloadkit.planning.parallelism import Parallelism
+    from offloadkit.runtime.ranks import local_world_size, world_size
+
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else world_size()
+    return Parallelism(world_size=max(1, ranks), ranks_per_host=local_world_size())
+
+
 def plan_for(
     model: nn.Module,
     config: OffloadConfig,
     seq_len: int | None = None,
     optimizer: OptimizerSetup | None = None,
+    parallel: Parallelism | None = None,
 ):
     """The planner's :class:`~offloadkit.planning.Plan` for ``model`` as built (its config's
     layer shape, at the depth of the decoder layers it has) at ``seq_len`` (else
     ``config.seq_len``), under this machine's budgets (``host_budget_bytes`` caps the RAM),
     for the optimizer ``optimizer`` describes (None: see :func:`prepare`).
+
+    Over several processes the plan is one rank's (``parallel``, default
+    :func:`run_parallelism`): its share of the host's RAM and disk, and, where ``parallel``
+    says each sequence is split over the ranks, its share of ``seq_len``, which is then the
+    whole sequence. ``host_budget_bytes`` is one rank's cap, as the runtime applies it.
 
     Raises:
         ConfigError: without a sequence length, or for a model without a decoder config.
@@ -277,8 +306,12 @@ def plan_for(
         shape = shape.with_layers(layers)
     embed = getattr(base, "get_input_embeddings", lambda: None)()
     dtype_bytes = embed.weight.element_size() if embed is not None else next(base.parameters()).element_size()
+    parallel = parallel if parallel is not None else run_parallelism()
     budgets = Budgets.detect(
-        gpu_bytes=config.gpu_budget_bytes, host_bytes=config.host_budget_bytes, disk_dir=config.disk_dir
+        gpu_bytes=config.gpu_budget_bytes,
+        host_bytes_per_rank=config.host_budget_bytes,
+        disk_dir=config.disk_dir,
+        ranks_per_host=parallel.ranks_per_host,
     )
     return plan(
         shape,
@@ -290,11 +323,16 @@ def plan_for(
         stream_depth=config.layer_offloading_depth,
         optimizer_precision=config.optimizer_precision,
         optimizer=optimizer,
+        parallel=parallel,
     )
 
 
 def _planned(
-    model: nn.Module, config: OffloadConfig, seq_len: int | None, optimizer: OptimizerSetup | None
+    model: nn.Module,
+    config: OffloadConfig,
+    seq_len: int | None,
+    optimizer: OptimizerSetup | None,
+    parallel: Parallelism | None = None,
 ) -> tuple[OffloadConfig, Plan | None]:
     """The config :func:`prepare` applies and, under ``offload_plan: auto``, the plan it comes from."""
     if config.offload_plan != "auto":
@@ -309,7 +347,7 @@ def _planned(
             source="assumed: max_grad_norm=1.0; optimizer_offloading: "
             + ("true, BackwardAdamW" if asked else "false, the loop's own optimizer"),
         )
-    chosen = plan_for(model, config, seq_len, optimizer)
+    chosen = plan_for(model, config, seq_len, optimizer, parallel)
     return config.replace(**chosen.to_config()), chosen  # a placement it sets is for the depth built
 
 
@@ -319,6 +357,7 @@ def prepare(
     *,
     seq_len: int | None = None,
     optimizer: OptimizerSetup | None = None,
+    parallel: Parallelism | None = None,
 ) -> OffloadRuntime:
     """Attach what ``config`` asks for to ``model``; returns the :class:`OffloadRuntime`.
 
@@ -341,6 +380,13 @@ def prepare(
     every gradient held until ``step()``). A loop that steps BackwardAdamW without clipping
     passes ``OptimizerSetup(updates_in_backward=True)``.
 
+    Under a launcher the plan is one rank's (``parallel``, default :func:`run_parallelism`: the
+    process group's ranks, each with its own sequences, sharing the host's RAM and disk with
+    ``LOCAL_WORLD_SIZE`` ranks). A loop that splits each sequence over the ranks
+    (:func:`~offloadkit.parallel.apply_context_parallel`) passes
+    ``Parallelism(world_size, context_parallel=True, ranks_per_host=...)`` with ``seq_len`` the
+    whole sequence; without it, ``seq_len`` is the tokens each rank holds.
+
     Raises:
         ConfigError: the disk tier's directory is a file or cannot be written.
 
@@ -352,7 +398,7 @@ def prepare(
     config.check_paths()  # a bad disk directory fails here, not inside the first step
     _check_placement_depth(model, config)  # before anything is capped or attached
     gpu_cap = _cap_gpu_memory(config.gpu_budget_bytes)  # before anything allocates under the plan
-    config, chosen = _planned(model, config, seq_len, optimizer)
+    config, chosen = _planned(model, config, seq_len, optimizer, parallel)
     runtime = OffloadRuntime(model, config, plan=chosen, gpu_cap=gpu_cap)
     # Segments that grow in place, for every run offloadkit prepares: fixed-size ones strand
     # room that no large block fits (1.39x the allocated bytes reserved by a 3B full fine-tune,

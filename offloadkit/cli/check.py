@@ -401,11 +401,14 @@ def _check_plan(cfg, args, problems: _Problems) -> str | None:
     except (ValueError, TypeError, OSError) as exc:
         problems.add("offload_plan", f"the planner cannot read the model's shape ({exc})")
         return None
+    host = gib(args.host_gib, "host-gib", None)
     budgets = Budgets.detect(
         gpu_bytes=gib(args.gpu_gib, "gpu-gib", off.gpu_budget_bytes),
-        host_bytes=gib(args.host_gib, "host-gib", off.host_budget_bytes),
+        host_bytes=host,
         disk_bytes=gib(args.disk_gib, "disk-gib", None),
         disk_dir=off.disk_dir,
+        # host_budget_bytes caps one rank, as the run applies it: not shared out again.
+        host_bytes_per_rank=off.host_budget_bytes if host is None else None,
     )
     clipping = bool(cfg.max_grad_norm)
     chosen = plan(
