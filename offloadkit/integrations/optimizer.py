@@ -14,7 +14,7 @@ from typing import Any
 from offloadkit.config import ConfigError
 from offloadkit.optim import BackwardAdamW, BackwardOptimizer, BackwardSGD
 
-__all__ = ["attach_for_run", "backward_adamw_for"]
+__all__ = ["attach_for_run", "backward_adamw_for", "reduce_for_run"]
 
 # The Trainer's AdamW variants this replaces (the math is torch.optim.AdamW's), and its SGD.
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -107,6 +107,19 @@ def attach_for_run(trainer: Any, optimizer: BackwardOptimizer) -> None:
     optimizer.defer_to_step = clipping or scaled
     optimizer.use_scheduler(scheduler)
     optimizer.attach()
+
+
+def reduce_for_run(optimizer: Any, model: Any) -> None:
+    """Tell a backward optimizer (or the Accelerate wrapper around one) how the run's model
+    wrapper reduces gradients: a ``DistributedDataParallel`` model gets its communication hook,
+    so that updates in backward apply the reduced gradients. FSDP2 needs nothing."""
+    ours = optimizer if isinstance(optimizer, BackwardOptimizer) else getattr(optimizer, "optimizer", None)
+    if not isinstance(ours, BackwardOptimizer):
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        ours.reduce_with_ddp(model)
 
 
 def _syncs(trainer: Any) -> bool:

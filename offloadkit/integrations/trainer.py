@@ -272,6 +272,11 @@ class _OffloadingTrainerMixin:
         training = runtime is not None and model.training and torch.is_grad_enabled()
         if training and self._checkpointing_active is None:
             self._check_checkpointing()
+        if training:
+            from offloadkit.integrations.optimizer import reduce_for_run
+
+            # The model here is the run's wrapper (DDP once Accelerate prepared it).
+            reduce_for_run(getattr(self, "optimizer", None), model)
         if not training or runtime.manager is None:
             return super().compute_loss(model, inputs, *args, **kwargs)
         with runtime.context():
@@ -359,6 +364,11 @@ class OffloadCallback(_CallbackBase):
                 "before training began; use ActivationOffloadingMixin to have it replaced"
             )
         self.runtime.attach_to_forward()
+        if self.trainer is not None:
+            from offloadkit.integrations.optimizer import reduce_for_run
+
+            # A backward optimizer the user gave the Trainer, under the DDP wrapper it made.
+            reduce_for_run(getattr(self.trainer, "optimizer", None), getattr(self.trainer, "model_wrapped", None))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()

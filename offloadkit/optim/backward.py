@@ -34,13 +34,17 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Callable, Iterable
+import warnings
+import weakref
+from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
 from offloadkit.layers.flat import order_after_write_back
+from offloadkit.optim.reduction import DDPUpdates, is_shard, local_tensor, ranks_in_run, unreduced_error
 from offloadkit.optim.state_copies import StateCopies
 from offloadkit.runtime.autograd import in_function_backward
 from offloadkit.transfer.prefetch import PrefetchScheduler
@@ -102,6 +106,14 @@ class BackwardOptimizer(Optimizer):
         self._copies = StateCopies(self._travelling, copy_window_bytes, scheduler)
         self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
         self._handles: list | None = None  # the hooks while attached
+        # How gradients are reduced over ranks before an update: "unsaid" (refused under
+        # several ranks), "local" (complete on every rank), "ddp" (a DDP hook updates), or a
+        # process group to all-reduce each gradient over.
+        self._reduction: Any = "unsaid"
+        self._ddp: DDPUpdates | None = None
+        self._ddp_model: weakref.ref | None = None
+        self._waits_for_ddp = False  # DDP with find_unused_parameters: updates at step()
+        self._reduced: set[int] = set()  # gradients all-reduced over the group this pass
         self.attach()
 
     # -- what a subclass provides ---------------------------------------------------------
@@ -109,9 +121,12 @@ class BackwardOptimizer(Optimizer):
         """Fill ``p``'s empty ``state`` (host tensors, pinned when ``_pin(p)``)."""
         raise NotImplementedError
 
-    def _apply(self, p: torch.Tensor, local: dict, state: dict, group: dict) -> None:
-        """Update ``p`` from its gradient; ``local`` holds the travelling state where the
-        update runs (device copies for a CUDA parameter), ``state`` the host-side entry."""
+    def _apply(
+        self, p: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, local: dict, state: dict, group: dict
+    ) -> None:
+        """Update ``weight`` (``p`` itself, or its local shard) from ``grad``; ``p`` keys the
+        state. ``local`` holds the travelling state where the update runs (device copies for a
+        CUDA parameter), ``state`` the host-side entry."""
         raise NotImplementedError
 
     # -- shared ------------------------------------------------------------------------------
@@ -143,12 +158,12 @@ class BackwardOptimizer(Optimizer):
             self._groups_seen = (id(self.param_groups), by_param)
         return by_param[id(p)]
 
-    def _host_state(self, p: torch.Tensor) -> dict:
+    def _host_state(self, p: torch.Tensor, weight: torch.Tensor) -> dict:
         state = self.state.get(p)
         if not state:
             # Kept only once it holds something (SGD without momentum keeps nothing, as torch's).
             state = {}
-            self._init_state(p, self._group(p), state)
+            self._init_state(weight, self._group(p), state)
             if state:
                 self.state[p] = state
         return state
@@ -162,8 +177,12 @@ class BackwardOptimizer(Optimizer):
         return (state, keys) if keys else None
 
     @torch.no_grad()
-    def _update(self, p: torch.Tensor) -> None:
-        if p.grad is not None and p.grad.device != p.device:
+    def _update(self, p: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """Update ``p`` from ``grad`` (default: its ``.grad``) and drop its ``.grad``. An FSDP2
+        parameter is updated through its local shard, its state the shard's size."""
+        grad = local_tensor(p.grad if grad is None else grad)
+        weight = local_tensor(p)
+        if grad.device != weight.device:
             # An evicted streamed weight resting in a file (layer_offloading_dir) has no device
             # mapping for an update after backward to write through.
             raise RuntimeError(
@@ -173,8 +192,8 @@ class BackwardOptimizer(Optimizer):
                 "trainable weights so they stay in pinned RAM"
             )
         group = self._group(p)
-        state = self._host_state(p)
-        travels = p.is_cuda and self._travelling(p) is not None
+        state = self._host_state(p, weight)
+        travels = weight.is_cuda and self._travelling(p) is not None
         if travels:
             # In on the copy stream (fetched ahead when the order is known), updated here,
             # back on the other copy stream while backward goes on.
@@ -185,8 +204,8 @@ class BackwardOptimizer(Optimizer):
         order_after_write_back(p)
         # The fused kernels write the parameter without moving its version counter; streamed
         # layers read that counter to know the weights changed and must be written back.
-        increment_version(p)
-        self._apply(p, local, state, group)
+        increment_version(weight)
+        self._apply(p, weight, grad, local, state, group)
         if state and p not in self.state:
             self.state[p] = state  # created by the update itself (SGD's momentum buffer)
         if travels:
@@ -196,13 +215,74 @@ class BackwardOptimizer(Optimizer):
     @property
     def updates_in_backward(self) -> bool:
         """Whether parameters are updated in backward (no clipping to wait for)."""
-        return self.max_grad_norm is None and not self.defer_to_step
+        return self.max_grad_norm is None and not self.defer_to_step and not self._waits_for_ddp
+
+    def updates_now(self) -> bool:
+        """Whether a gradient completed now is applied now (attached, updating in backward,
+        not accumulating, and the trainer's ``update_when`` agrees)."""
+        if not self.attached or not self.updates_in_backward or self._accumulating:
+            return False
+        return self.update_when is None or bool(self.update_when())
+
+    # -- reduction over ranks (see optim/reduction.py) -----------------------------------------
+    def reduce_with_ddp(self, ddp_model, hook: Callable | None = None, state: Any = None) -> None:
+        """Update the parameters of ``ddp_model`` (a ``DistributedDataParallel``) after DDP's
+        all-reduce, from the reduced gradients, through a communication hook registered on it.
+
+        Call before the first backward (again for a new wrapper; nothing for the same one).
+        DDP takes one communication hook: to keep one of
+        your own (e.g. ``bf16_compress_hook``), pass it and its state here instead of
+        registering it. With ``find_unused_parameters=True`` the updates wait for
+        :meth:`step` (a bucket cannot tell which of its parameters no rank used). With
+        ``gradient_as_bucket_view=True`` DDP keeps no gradients besides its buckets.
+        """
+        if self._ddp_model is not None and self._ddp_model() is ddp_model:
+            return  # already routed (a Trainer's second train() on the same wrapper)
+        shared = {id(p) for g in self.param_groups for p in g["params"]} & {id(p) for p in ddp_model.parameters()}
+        if not shared:
+            raise ValueError("ddp_model holds none of this optimizer's parameters; pass the model it updates")
+        self._reduction = "ddp"
+        self._ddp_model = weakref.ref(ddp_model)
+        self._ddp = None
+        self._waits_for_ddp = bool(getattr(ddp_model, "find_unused_parameters", False))
+        if self._waits_for_ddp:
+            warnings.warn(
+                "offloadkit: DDP with find_unused_parameters=True: the optimizer updates at step(), after DDP's "
+                "all-reduce, keeping every gradient until then; pass find_unused_parameters=False (Trainer: "
+                "ddp_find_unused_parameters=False) to update each parameter in backward",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        self._ddp = DDPUpdates(self, ddp_model, shared, hook, state)
+        ddp_model.register_comm_hook(None, self._ddp)
+
+    def reduce_over(self, group) -> None:
+        """All-reduce (sum) each gradient over ``group`` before its update, in backward or at
+        :meth:`step` (context parallelism: every rank holds part of every gradient). ``None``:
+        each rank's gradients are complete, nothing is reduced."""
+        self._reduction = "local" if group is None else group
+
+    def _reduce(self, p: torch.Tensor) -> None:
+        """All-reduce ``p``'s gradient over the group given to :meth:`reduce_over`, once a pass."""
+        group = self._reduction
+        if group in ("unsaid", "local", "ddp") or id(p) in self._reduced:
+            return
+        dist.all_reduce(p.grad, group=group)
+        self._reduced.add(id(p))
+
+    def _update_reduced(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Update ``p`` from its reduced gradient ``grad`` (DDP's bucket view)."""
+        if self._ddp is None or id(p) not in self._ddp.params or id(p) in self._updated:
+            return  # another optimizer's (or frozen), or already updated this pass
+        self._updated.add(id(p))
+        self._update(p, grad)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.updates_in_backward or self._accumulating:
+        if self._ddp is not None and id(p) in self._ddp.params:
+            return  # DDP reduces it after this hook; its communication hook updates
+        if not self.updates_now():
             return  # clipping needs every gradient first, or accumulating: step() updates
-        if self.update_when is not None and not self.update_when():
-            return
         if in_function_backward():
             if id(p) in self._updated:
                 raise RuntimeError(
@@ -211,6 +291,11 @@ class BackwardOptimizer(Optimizer):
                     "checkpoint with use_reentrant=False, or pass defer_to_step=True to update at step()"
                 )
             return  # another segment may add to this gradient: step() updates with the whole
+        if self._reduction == "unsaid" and not is_shard(p):
+            ranks = ranks_in_run()
+            if ranks > 1:
+                raise unreduced_error(list(p.shape), ranks)
+        self._reduce(p)
         self._updated.add(id(p))
         self._update(p)
 
@@ -233,12 +318,22 @@ class BackwardOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        waiting = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        waiting = []
+        for p in (p for g in self.param_groups for p in g["params"]):
+            if p.grad is None:
+                continue
+            if id(p) in self._updated:
+                p.grad = None  # updated in backward; DDP wrote its reduced gradient back after
+            else:
+                waiting.append(p)
+        for p in waiting:
+            self._reduce(p)  # every rank reaches these in the groups' order
         if waiting and self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(waiting, self.max_grad_norm)
         for p in waiting:
             self._update(p)
         self._updated.clear()
+        self._reduced.clear()
         self._copies.end_pass()
         return loss
 

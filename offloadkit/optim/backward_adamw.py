@@ -219,16 +219,25 @@ class BackwardAdamW(BackwardOptimizer):
             self._generators[device] = gen
         return self._generators[device]
 
-    def _apply(self, p: torch.Tensor, local: dict, state: dict, group: dict) -> None:
+    def _apply(
+        self, p: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, local: dict, state: dict, group: dict
+    ) -> None:
         if group.get("stochastic_rounding"):
-            self._compact_update(p, local, state["step"], group)
+            self._compact_update(weight, grad, local, state["step"], group)
             return
         master = "master" in state
-        weight = local["master"] if master else p
-        grad = p.grad.float() if master else p.grad
-        self._adamw(weight, grad, local["exp_avg"], local["exp_avg_sq"], state["step"], group, p.is_cuda)
+        target = local["master"] if master else weight
+        self._adamw(
+            target,
+            grad.float() if master else grad,
+            local["exp_avg"],
+            local["exp_avg_sq"],
+            state["step"],
+            group,
+            weight.is_cuda,
+        )
         if master:
-            p.copy_(weight)  # rounded to the parameter's dtype
+            weight.copy_(target)  # rounded to the parameter's dtype
 
     @staticmethod
     def _adamw(weight, grad, exp_avg, exp_avg_sq, step, group: dict, on_cuda: bool) -> None:
@@ -257,10 +266,12 @@ class BackwardAdamW(BackwardOptimizer):
             has_complex=torch.is_complex(weight),
         )
 
-    def _compact_update(self, p: torch.Tensor, local: dict, step: torch.Tensor, group: dict) -> None:
+    def _compact_update(
+        self, p: torch.Tensor, grad: torch.Tensor, local: dict, step: torch.Tensor, group: dict
+    ) -> None:
         """The compact option: AdamW in fp32 on widened chunks, rounded back stochastically."""
         gen = self._generator(p.device)
-        tensors = [p.detach(), p.grad, local["exp_avg"], local["exp_avg_sq"]]
+        tensors = [p.detach(), grad, local["exp_avg"], local["exp_avg_sq"]]
         if all(t.is_contiguous() for t in tensors):
             tensors = [t.view(-1) for t in tensors]  # chunks of the flat views write through
             length, per = p.numel(), self.chunk_elements

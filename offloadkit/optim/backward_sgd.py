@@ -106,14 +106,16 @@ class BackwardSGD(BackwardOptimizer):
         # update makes it on the device, and it is then given a home on the host.
         pass
 
-    def _apply(self, p: torch.Tensor, local: dict, state: dict, group: dict) -> None:
+    def _apply(
+        self, p: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, local: dict, state: dict, group: dict
+    ) -> None:
         buffers = [local.get("momentum_buffer")]
-        on_cuda = p.is_cuda
+        on_cuda = weight.is_cuda
         fused = group["fused"]
         foreach = group["foreach"] if group["foreach"] is not None else on_cuda and not fused
         sgd(
-            [p],
-            [p.grad],
+            [weight],
+            [grad],
             buffers,
             foreach=foreach,
             fused=fused,
@@ -126,7 +128,7 @@ class BackwardSGD(BackwardOptimizer):
         )
         if group["momentum"] != 0 and "momentum_buffer" not in local:
             created = buffers[0]
-            host = self._host_zeros(p, created.shape, created.dtype)
+            host = self._host_zeros(weight, created.shape, created.dtype)
             if on_cuda:
                 # Its first trip home: queued after the update on the copy stream, as every
                 # later one is (the device tensor lives until the copy has read it).

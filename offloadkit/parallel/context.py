@@ -27,7 +27,7 @@ Example::
             loss = model(**inputs).loss
             loss.backward()                               # inside: attention's backward is distributed
         cp.reduce_gradients()                             # or FSDP2 over the group, see the README
-        opt.step(); opt.zero_grad()
+        opt.step(); opt.zero_grad()                       # BackwardAdamW: cp.attach_optimizer(opt) once
     cp.remove()
 """
 
@@ -169,6 +169,7 @@ class ContextParallel:
         self.world = dist.get_world_size(self.group)
         self._previous = previous_attention
         self._removed = False
+        self._reduced_by_optimizer: set[int] = set()
 
     @contextlib.contextmanager
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, dp_group=None):
@@ -238,11 +239,19 @@ class ContextParallel:
             finally:
                 _active = None
 
+    def attach_optimizer(self, optimizer) -> None:
+        """Let an optimizer that updates in backward (``BackwardAdamW``, ``BackwardSGD``) sum
+        each gradient over the group just before its update; :meth:`reduce_gradients` then
+        leaves its parameters alone."""
+        optimizer.reduce_over(self.group)
+        self._reduced_by_optimizer.update(id(p) for g in optimizer.param_groups for p in g["params"])
+
     def reduce_gradients(self, params=None) -> None:
         """Sum every gradient over the group (each rank's is the part its tokens contribute).
-        Not needed when FSDP2 shards over the group with a gradient divide factor of 1."""
+        Not needed when FSDP2 shards over the group with a gradient divide factor of 1, nor
+        for the parameters of an optimizer given to :meth:`attach_optimizer`."""
         for p in params if params is not None else self.model.parameters():
-            if p.grad is not None:
+            if p.grad is not None and id(p) not in self._reduced_by_optimizer:
                 dist.all_reduce(p.grad, group=self.group)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:

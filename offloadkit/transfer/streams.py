@@ -12,12 +12,13 @@ import threading
 
 import torch
 
-__all__ = ["DIRECTIONS", "copy_stream", "copy_streams_created"]
+__all__ = ["DIRECTIONS", "copy_stream", "copy_streams_created", "update_stream"]
 
 DIRECTIONS = ("d2h", "h2d")
 
 _lock = threading.Lock()
 _streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+_update_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _index(device: torch.device) -> int:
@@ -49,3 +50,14 @@ def copy_stream(device: torch.device | str, direction: str) -> torch.cuda.Stream
 def copy_streams_created() -> int:
     """How many copy streams this process has created (at most two per device)."""
     return len(_streams)
+
+
+def update_stream(device: torch.device | str) -> torch.cuda.Stream:
+    """The stream of ``device`` on which optimizer updates wait for a gradient all-reduce
+    (DDP's), so that the compute stream goes on with backward meanwhile. Not a copy stream:
+    the updates' own state copies still go through :func:`copy_stream`."""
+    index = _index(torch.device(device))
+    with _lock:
+        if index not in _update_streams:
+            _update_streams[index] = torch.cuda.Stream(device=index)
+        return _update_streams[index]

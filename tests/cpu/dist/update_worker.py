@@ -1,0 +1,240 @@
+"""One rank of the updates-in-backward checks under data parallelism, started by ``torchrun``
+(gloo, CPU): BackwardAdamW / BackwardSGD under DDP, FSDP2 and context parallelism against
+``torch.optim`` under the same wrapper, bitwise, with replicas equal across ranks. Prints one
+``RESULT <check> rank=<r> ok`` line per check."""
+
+import contextlib
+import copy
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from offloadkit.optim import BackwardAdamW, BackwardSGD
+from offloadkit.testing import build_llama, make_batch
+
+
+def report(check, rank):
+    sys.stdout.write(f"RESULT {check} rank={rank} ok\n")  # one write: ranks share the pipe
+    sys.stdout.flush()
+
+
+def batch_for(rank, step, seq=32):
+    return make_batch(256, 2, seq, seed=100 * step + rank)
+
+
+def same_on_every_rank(params, what):
+    """Every rank's parameters equal rank 0's, bit for bit."""
+    for p in params:
+        mine = p.detach().clone()
+        theirs = mine.clone()
+        dist.broadcast(theirs, 0)
+        assert torch.equal(mine, theirs), f"{what}: replicas differ"
+
+
+def equal(a, b, what):
+    for (name, p), q in zip(a, b):
+        assert torch.equal(p.detach(), q.detach()), f"{what}: {name} differs by {(p - q).abs().max().item():.3g}"
+
+
+def ddp_runs(make_opt, *, steps=3, accumulate=1, clip=None, ddp_kw=None, route=True):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = build_llama("tiny")
+    results = []
+    for ours in (False, True):
+        model = DDP(copy.deepcopy(base), **(ddp_kw or {}))
+        opt = make_opt(model.parameters(), ours)
+        if ours and route:
+            opt.reduce_with_ddp(model)
+        for step in range(steps):
+            for micro in range(accumulate):
+                last = micro == accumulate - 1
+                ctx = model.no_sync() if not last else contextlib.nullcontext()
+                accumulating = opt.accumulating() if (ours and not last) else contextlib.nullcontext()
+                with ctx, accumulating:
+                    loss = model(**batch_for(rank, 10 * step + micro)).loss / accumulate
+                    loss.backward()
+            if clip is not None and not ours:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        results.append(model)
+    ref, mine = results
+    equal(ref.module.named_parameters(), mine.module.parameters(), "DDP")
+    same_on_every_rank(mine.module.parameters(), "DDP")
+    return mine
+
+
+def adamw(params, ours, **kw):
+    return (
+        BackwardAdamW(params, lr=1e-2, foreach=False, **kw)
+        if ours
+        else torch.optim.AdamW(params, lr=1e-2, foreach=False)
+    )
+
+
+def sgd(params, ours):
+    kw = dict(lr=0.05, momentum=0.9, foreach=False)
+    return BackwardSGD(params, **kw) if ours else torch.optim.SGD(params, **kw)
+
+
+def check_ddp(rank, world):
+    ddp_runs(adamw)
+    report("ddp-adamw", rank)
+    ddp_runs(sgd)
+    report("ddp-sgd", rank)
+    ddp_runs(adamw, ddp_kw={"gradient_as_bucket_view": True, "bucket_cap_mb": 1})
+    report("ddp-bucket-view", rank)
+    ddp_runs(lambda params, ours: adamw(params, ours, max_grad_norm=0.5) if ours else adamw(params, False), clip=0.5)
+    report("ddp-clip", rank)
+    ddp_runs(adamw, accumulate=2)
+    report("ddp-accumulate", rank)
+    ddp_runs(adamw, ddp_kw={"find_unused_parameters": True})
+    report("ddp-unused", rank)
+
+    # Not told how gradients are reduced: the first update in backward is refused, nothing moved.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(build_llama("tiny"))
+    before = [p.detach().clone() for p in model.parameters()]
+    BackwardAdamW(model.parameters(), lr=1e-2)  # its hooks live as long as the parameters
+    try:
+        model(**batch_for(rank, 0)).loss.backward()
+        raise AssertionError("an update with this rank's own gradient must be refused")
+    except RuntimeError as exc:
+        assert "reduce_with_ddp" in str(exc), exc
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a weight moved before the refusal"
+    report("ddp-unsaid", rank)
+
+
+def check_fsdp2(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    base = build_llama("tiny")
+    for name, make, clip in (("adamw", adamw, None), ("sgd", sgd, None), ("clip", adamw, 0.5)):
+        models = []
+        for ours in (False, True):
+            model = copy.deepcopy(base)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            opt = (
+                make(model.parameters(), ours)
+                if clip is None or not ours
+                else adamw(model.parameters(), True, max_grad_norm=clip)
+            )
+            for step in range(3):
+                model(**batch_for(rank, step)).loss.backward()
+                if clip is not None and not ours:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if ours and clip is None:
+                # Updated in backward, from the reduce-scattered shard: state the size of the shard.
+                some = next(p for p in model.parameters() if p.dim() == 2)
+                assert opt.state[some]["exp_avg" if make is adamw else "momentum_buffer"].shape == some.to_local().shape
+            models.append(model)
+        full = [[p.full_tensor() for p in m.parameters()] for m in models]
+        equal(zip(range(len(full[0])), full[0]), full[1], f"FSDP2 {name}")
+        same_on_every_rank(full[1], f"FSDP2 {name}")
+        report(f"fsdp2-{name}", rank)
+
+
+def check_cp(rank, world):
+    from offloadkit.parallel import apply_context_parallel
+
+    torch.manual_seed(0)
+    base = build_llama("tiny", attn_implementation="sdpa", num_key_value_heads=2)
+    for name, clip in (("adamw", None), ("clip", 0.5)):
+        models = []
+        for ours in (False, True):
+            model = copy.deepcopy(base)
+            cp = apply_context_parallel(model)
+            opt = adamw(model.parameters(), ours, max_grad_norm=clip) if ours else adamw(model.parameters(), False)
+            if ours:
+                cp.attach_optimizer(opt)
+            for step in range(3):
+                batch = make_batch(256, 2, 64, seed=7 + step)  # the same sequence on every rank
+                with cp.step(batch["input_ids"], batch["labels"]) as inputs:
+                    model(**inputs).loss.backward()
+                cp.reduce_gradients()  # a no-op for the attached optimizer's parameters
+                if clip is not None and not ours:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            cp.remove()
+            models.append(model)
+        equal(models[0].named_parameters(), models[1].parameters(), f"context parallel {name}")
+        same_on_every_rank(models[1].parameters(), f"context parallel {name}")
+        report(f"cp-{name}", rank)
+
+
+def check_trainer(rank, world):
+    """The Trainer mixin under DDP (torchrun, gloo): optimizer_offloading replaces AdamW with
+    BackwardAdamW, which updates from DDP's reduced gradients: weights bitwise the Trainer's."""
+    import transformers
+
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    out = tempfile.mkdtemp(prefix=f"offloadkit-ddp-trainer-{rank}-")
+    for unused in (False, None):  # None: the Trainer's default, find_unused_parameters=True for this model
+        _trainer_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, load_texts, out, unused)
+        report(f"trainer-ddp-unused-{unused}", rank)
+
+
+def _trainer_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, load_texts, out, unused):
+    weights = []
+    for cls in (transformers.Trainer, OffloadTrainer):
+        torch.manual_seed(0)
+        model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa")
+        args = transformers.TrainingArguments(
+            output_dir=os.path.join(out, cls.__name__),
+            per_device_train_batch_size=2,
+            max_steps=3,
+            learning_rate=3e-3,
+            max_grad_norm=0.0,
+            optim="adamw_torch",
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=0,
+            remove_unused_columns=False,
+            logging_steps=1,
+            ddp_find_unused_parameters=unused,
+        )
+        extra = (
+            {"offload_config": {"optimizer_offloading": True, "activation_offloading": False}}
+            if cls is OffloadTrainer
+            else {}
+        )
+        trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
+        trainer.train()
+        if cls is OffloadTrainer:
+            opt = trainer.optimizer.optimizer
+            assert isinstance(opt, BackwardAdamW), type(opt)
+            assert opt.updates_in_backward == (unused is False)
+            assert (opt._ddp is not None) == (unused is False), type(trainer.model_wrapped)
+        weights.append(list(model.named_parameters()))
+    equal(weights[0], [p for _, p in weights[1]], "Trainer under DDP")
+    same_on_every_rank([p for _, p in weights[1]], "Trainer under DDP")
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    try:
+        for name in sys.argv[1:]:
+            globals()[f"check_{name}"](dist.get_rank(), dist.get_world_size())
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,39 @@
+"""Updates in backward under data parallelism, two ranks on CPU (gloo) under torchrun: the
+optimizer applies the gradient reduced over the ranks, never a rank's own, bitwise what
+``torch.optim`` gives under the same wrapper, replicas equal across ranks (DDP with and
+without bucket views, clipping, accumulation, unused-parameter search; FSDP2; context
+parallelism; the Trainer mixin under DDP), and a run that does not say how gradients are
+reduced is refused before any weight moves."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist", "update_worker.py")
+CHECKS = {
+    "ddp": ["ddp-adamw", "ddp-sgd", "ddp-bucket-view", "ddp-clip", "ddp-accumulate", "ddp-unused", "ddp-unsaid"],
+    "fsdp2": ["fsdp2-adamw", "fsdp2-sgd", "fsdp2-clip"],
+    "cp": ["cp-adamw", "cp-clip"],
+    "trainer": ["trainer-ddp-unused-False", "trainer-ddp-unused-None"],
+}
+
+
+@pytest.mark.parametrize("route", sorted(CHECKS))
+def test_updates_in_backward_apply_the_reduced_gradient(route):
+    if route == "trainer":
+        pytest.importorskip("transformers")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", WORKER, route],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for check in CHECKS[route]:
+        assert proc.stdout.count(f"RESULT {check} ") == 2, (check, proc.stdout[-2000:])
