@@ -25,8 +25,22 @@ import time
 
 import torch
 import torch.distributed as dist
+import yaml
 
 GiB = float(1 << 30)
+
+
+def model_flops(shape, lora_rank: int, seq: int, layers: int, world: int) -> float:
+    """One GPU's share of a step's model FLOPs: linear layers forward and backward (no weight
+    gradients for a frozen base; the recompute not counted), the LM head, and causal attention
+    over the whole sequence (half the square, forward once, backward twice) split evenly."""
+    from offloadkit.planning.rates import layer_linear_flops
+
+    tokens = seq // world
+    linear = layer_linear_flops(shape, lora_rank, tokens) * layers
+    head = 2 * shape.vocab * shape.hidden * tokens * (2 if lora_rank else 3)
+    attention = 3 * 2.0 * seq**2 * shape.heads * shape.head_dim * layers / world
+    return float(linear + head + attention)
 
 
 def main() -> None:
@@ -38,6 +52,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--out", default="bench-results/cp")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key of the planned config (YAML value), e.g. keep_attention_outputs=false",
+    )
+    ap.add_argument("--rotation", choices=("allgather", "alltoall"), default=None)
     args = ap.parse_args()
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -77,8 +99,12 @@ def main() -> None:
     layers = len(find_blocks(model))
     built = p.at_depth(layers)
     config = built.to_config()
+    for item in args.set:
+        key, _, value = item.partition("=")
+        config[key] = yaml.safe_load(value)
     runtime = prepare(model, config)
-    cp = apply_context_parallel(model, mesh, rotation="alltoall" if shared else "allgather")
+    rotation = args.rotation or ("alltoall" if shared else "allgather")
+    cp = apply_context_parallel(model, mesh, rotation=rotation)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -114,6 +140,7 @@ def main() -> None:
     report = runtime.report()
     if rank == 0:
         step_s = statistics.median(times)
+        flops = model_flops(resolve_shape(args.shape), args.lora_rank, seq, layers, world)
         row = {
             "shape": args.shape,
             "lora_rank": args.lora_rank,
@@ -124,6 +151,10 @@ def main() -> None:
             "tokens_per_gpu": args.tokens_per_gpu,
             "step_s": step_s,
             "tokens_per_s": seq / step_s,
+            # Per GPU: the model's FLOPs (attention causal, no recompute) over the step time.
+            "model_tflops_per_gpu": flops / step_s / 1e12,
+            "rotation": rotation,
+            "overrides": args.set,
             "losses": losses,
             "peak_allocated_gib": [g[0].item() for g in gathered],
             "peak_reserved_gib": [g[1].item() for g in gathered],
@@ -143,7 +174,8 @@ def main() -> None:
         print(
             f"RESULT world {world} tokens {seq} ({args.tokens_per_gpu}/GPU) layers {row['layers']}: "
             f"step {step_s:.2f} s, "
-            f"{seq / step_s:.0f} tok/s, peak {', '.join(f'{g[0].item():.2f}' for g in gathered)} GiB, "
+            f"{seq / step_s:.0f} tok/s, {flops / step_s / 1e12:.0f} model TFLOP/s per GPU, "
+            f"peak {', '.join(f'{g[0].item():.2f}' for g in gathered)} GiB, "
             f"loss {losses[-1]:.4f}",
             flush=True,
         )
