@@ -32,6 +32,7 @@ from torch import nn
 from offloadkit.engine.spans import span_view
 from offloadkit.runtime.attention_ops import LARGE_OUTPUTS, AttentionCalls, dropout_of
 from offloadkit.runtime.device import current_stream
+from offloadkit.runtime.dtensor import DTensorLayout, is_dtensor, local_tensor
 from offloadkit.runtime.recompute import output_discarded, output_read
 from offloadkit.transfer.completion import order_after
 
@@ -69,6 +70,7 @@ class _Output:
     offset: int
     loaded: Any = None
     consumed: bool = False  # handed to autograd (its bytes were waited for on the consumer's stream)
+    layout: DTensorLayout | None = None  # a DTensor's (the bytes are its local tensor's)
 
 
 @dataclass
@@ -179,16 +181,24 @@ class KeptAttention:
         return outputs
 
     def _store(self, t):
-        if not torch.is_tensor(t) or t.untyped_storage().nbytes() < MIN_KEPT_BYTES:
+        if not torch.is_tensor(t):
             return t
-        storage = t.untyped_storage()
-        src = span_view(storage, 0, storage.nbytes(), t.device)
+        # Context parallelism's attention hands back DTensors: wrappers whose own storage holds
+        # no bytes. Their local tensors are kept, and wrapped alike in the recompute.
+        layout = DTensorLayout(t) if is_dtensor(t) else None
+        local = local_tensor(t)
+        if local.untyped_storage().nbytes() < MIN_KEPT_BYTES:
+            return t
+        storage = local.untyped_storage()
+        src = span_view(storage, 0, storage.nbytes(), local.device)
         stored = self.tier.store(src)
-        out = _Output(stored, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        out = _Output(
+            stored, local.dtype, tuple(local.shape), tuple(local.stride()), local.storage_offset(), layout=layout
+        )
         if stored is None:
             return out
         self.stats.kept_bytes += storage.nbytes()  # counted when stored, kept or not
-        if stored.done_stream is not None and stored.done_stream != current_stream(t.device):
+        if stored.done_stream is not None and stored.done_stream != current_stream(local.device):
             # The copy stream reads the kernel's output: its memory is not reused before that.
             src.record_stream(stored.done_stream)
         return out
@@ -225,4 +235,5 @@ class KeptAttention:
         if consumer is not None and loaded.alloc_stream is not None and consumer != loaded.alloc_stream:
             loaded.data.record_stream(consumer)  # freed on the stream it was allocated on
         t = torch.empty(0, dtype=out.dtype, device=loaded.data.device)
-        return t.set_(loaded.data.untyped_storage(), out.offset, out.size, out.stride)
+        t = t.set_(loaded.data.untyped_storage(), out.offset, out.size, out.stride)
+        return out.layout.wrap(t) if out.layout is not None else t

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from offloadkit.runtime.dtensor import is_dtensor, local_tensor
+
 if TYPE_CHECKING:
     from offloadkit.optim.backward import BackwardOptimizer
 
@@ -34,16 +36,7 @@ __all__ = ["DDPUpdates", "is_shard", "local_tensor", "ranks_in_run", "unreduced_
 
 def is_shard(t: Any) -> bool:
     """Whether ``t`` is a ``DTensor`` (an FSDP2 parameter or gradient)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build without distributed support
-        return False
-    return isinstance(t, DTensor)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor an update writes: a ``DTensor``'s local shard (sharing its memory), else ``t``."""
-    return t.to_local() if is_shard(t) else t  # type: ignore[attr-defined]
+    return is_dtensor(t)
 
 
 def ranks_in_run() -> int:
