@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -60,6 +61,12 @@ def main() -> None:
         help="override one key of the planned config (YAML value), e.g. keep_attention_outputs=false",
     )
     ap.add_argument("--rotation", choices=("allgather", "alltoall"), default=None)
+    ap.add_argument(
+        "--gpu-gib",
+        type=float,
+        default=None,
+        help="plan for this much GPU memory and cap the process to it (a smaller card's memory on a larger one)",
+    )
     args = ap.parse_args()
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -69,7 +76,8 @@ def main() -> None:
     from offloadkit.models.blocks import find_blocks
     from offloadkit.models.zoo import build_llama
     from offloadkit.parallel import apply_context_parallel
-    from offloadkit.planning import Budgets, plan, resolve_shape
+    from offloadkit.planning import Budgets, Parallelism, plan, resolve_shape
+    from offloadkit.planning.budgets import GPU_CONTEXT_BYTES
     from offloadkit.runtime.ranks import local_world_size
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -80,9 +88,17 @@ def main() -> None:
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("cp",))
     seq = world * args.tokens_per_gpu
 
-    # The plan for the tokens one GPU holds, at full depth (reduced-depth runs hold the same).
-    budgets = Budgets.detect()
-    p = plan(resolve_shape(args.shape), args.tokens_per_gpu, lora_rank=args.lora_rank, budgets=budgets)
+    # One rank's plan for the whole sequence split over the ranks, within its share of the
+    # host's RAM and disk, at full depth (reduced-depth runs hold the same per layer).
+    gpu_bytes = None
+    if args.gpu_gib is not None:
+        gpu_bytes = int(args.gpu_gib * GiB)
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_bytes / total))
+        gpu_bytes -= GPU_CONTEXT_BYTES  # as Budgets.detect leaves out of a card's total
+    budgets = Budgets.detect(gpu_bytes=gpu_bytes)
+    parallel = Parallelism(world_size=world, context_parallel=True, ranks_per_host=local_world_size())
+    p = plan(resolve_shape(args.shape), seq, lora_rank=args.lora_rank, budgets=budgets, parallel=parallel)
     model = build_llama(
         args.shape,
         dtype=torch.bfloat16,
@@ -165,6 +181,9 @@ def main() -> None:
             "config": config,
             "offloaded_gib": report.get("activations", {}).get("offloaded_bytes", 0) / GiB,
             "device": torch.cuda.get_device_name(),
+            "gpu_gib_cap": args.gpu_gib,
+            "commit": os.environ.get("OFFLOADKIT_COMMIT"),
+            "command": " ".join(["torchrun", f"--nproc_per_node {world}", *sys.argv]),
             "torch": torch.__version__,
         }
         os.makedirs(args.out, exist_ok=True)

@@ -1,6 +1,7 @@
 """Context parallelism on CUDA: PyTorch's ring attention through offloadkit, two ranks (on
 one GPU when only one is present), against the single-process step; alone and with
-checkpointing, offloaded block inputs, the chunked loss and the tiled MLP."""
+checkpointing, offloaded block inputs, the chunked loss and the tiled MLP; and with the
+attention outputs kept for the recompute (ring attention hands back DTensors)."""
 
 import os
 import subprocess
@@ -13,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 WORKER = os.path.join(os.path.dirname(__file__), "dist", "cp_worker.py")
 
 
-@pytest.mark.parametrize("variant", ["plain", "stack"])
+@pytest.mark.parametrize("variant", ["plain", "stack", "kept"])
 def test_two_ranks_match_the_single_process_step(variant):
     env = dict(os.environ, PYTHONPATH=os.getcwd(), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     proc = subprocess.run(
