@@ -14,7 +14,8 @@ Ring traffic follows PyTorch's ring attention with its default all-gather rotati
 ``apply_context_parallel`` sets unless told otherwise), per layer and rank:
 
 - forward: the other ranks' keys and values, ``(W-1)/W`` of the sequence's, in one all-gather;
-- a checkpointed layer's recompute (and each replayed block): the same once more;
+- a checkpointed layer's recompute (and each replayed block): the same once more, unless the
+  layer's attention outputs are kept (its recompute then runs no attention);
 - backward: the same a third time (the ring backward gathers them again), and the key/value
   gradients around the ring: ``W`` exchanges of the rank's share, accumulated in fp32.
 
@@ -199,7 +200,8 @@ def ring_traffic(w: Workload, reruns: int, layer_attention_s: float, rate: float
 
     Args:
         w: the workload.
-        reruns: layer forwards run again in backward (the recompute and replayed blocks).
+        reruns: layer forwards whose attention runs again in backward (the recompute, less
+            the layers whose attention outputs are kept, and the replayed blocks).
         layer_attention_s: one layer's attention forward on this rank; its backward is twice that.
         rate: the link's bytes/s each way between the ranks.
     """

@@ -558,10 +558,6 @@ def _keep_attention(w: Workload, f: Features, b: Budgets, t: StepTime):
     """
     if not (f.checkpointing and f.offload_inputs) or f.recompute_blocks:
         return None
-    if w.parallel.splits_sequence:
-        # Ring attention runs each layer's attention as several kernel calls and a merge; keeping
-        # their outputs for the recompute has not been made to work with it.
-        return None
     m = estimate_memory(w, f)
     if "disk" in m.block_placement:
         return None
