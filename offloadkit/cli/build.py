@@ -6,7 +6,9 @@ offloadkit (:mod:`offloadkit.cli.train`) and the plain run it is compared with
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any
 
 import torch
 
@@ -14,7 +16,17 @@ from offloadkit.cli.train_config import TrainConfig
 from offloadkit.config import ConfigError
 from offloadkit.extras import check, needs
 
-__all__ = ["load_dtype", "load_model", "quiet", "training_args", "training_data", "with_lora"]
+__all__ = [
+    "TrainingData",
+    "load_dtype",
+    "load_model",
+    "quiet",
+    "schedule",
+    "trainable",
+    "training_args",
+    "training_data",
+    "with_lora",
+]
 
 
 def load_dtype(cfg: TrainConfig, cuda: bool) -> torch.dtype:
@@ -31,129 +43,453 @@ def load_dtype(cfg: TrainConfig, cuda: bool) -> torch.dtype:
 
 
 def load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
-    """The model on ``device`` in ``dtype``, its tokenizer and the model's name for the report."""
+    """The model on ``device`` in ``dtype``, its tokenizer and the model's name for the report:
+    the tokenizer with the config's special tokens and chat template, the embeddings grown
+    to the tokenizer, and packing checked to keep documents apart."""
     from offloadkit.data import BYTE_VOCAB_SIZE, byte_tokenizer
     from offloadkit.models.zoo import build_llama
 
-    if cfg.load_in_4bit:
-        return _load_4bit(cfg, device, dtype)
-    attention = cfg.attn_implementation or "sdpa"
-    if cfg.model is None:
+    if cfg.load_in_4bit or cfg.load_in_8bit:
+        model, tokenizer, name = _load_quantized(cfg, device, dtype)
+    elif cfg.model is None:
         # The vocabulary is the byte tokenizer's: ids past it would never be trained.
         model = build_llama(
             cfg.model_shape,
             dtype=dtype,
             device=device,
             seed=cfg.seed,
-            attn_implementation=attention,
+            attn_implementation=cfg.attn_implementation or "sdpa",
             vocab_size=BYTE_VOCAB_SIZE,
             max_position_embeddings=max(cfg.seq_len, 2048),
         )
-        return model, _with_template(cfg, byte_tokenizer()), f"built-in '{cfg.model_shape}' Llama (random init)"
-    with needs("offloadkit train"):
-        from transformers import AutoModelForCausalLM
+        tokenizer, name = byte_tokenizer(), f"built-in '{cfg.model_shape}' Llama (random init)"
+    else:
+        tokenizer = _load_tokenizer(cfg)
+        model = _from_pretrained(cfg, cfg.model, dtype).to(device)
+        name = cfg.model
+    tokenizer = _with_template(cfg, tokenizer, model)
+    _add_tokens(cfg, tokenizer, model)
+    if cfg.sample_packing or cfg.eval_sample_packing:
+        from offloadkit.data.packing import packing_keeps_documents_apart
 
-    tokenizer = _load_tokenizer(cfg)
+        apart, why = packing_keeps_documents_apart(model)
+        if not apart:
+            key = cfg.name("sample_packing") if cfg.sample_packing else cfg.name("eval_sample_packing")
+            kernel = getattr(model.config, "_attn_implementation", None) or "its attention"
+            raise ConfigError(
+                f"{key}=true: {type(model).__name__} ({kernel}) does not keep packed documents apart: {why}; "
+                f"set {key}: false"
+            )
+    return model, tokenizer, name  # type: ignore[arg-type]
+
+
+def _model_kwargs(cfg: TrainConfig, source: str) -> dict:
+    """from_pretrained's arguments the config sets: attention, remote code, config overrides,
+    and a dequantized MXFP4 checkpoint."""
+    kwargs: dict = {"local_files_only": True}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    if cfg.model_config:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+        for key, value in cfg.model_config.items():
+            if not hasattr(config, key):
+                raise ConfigError(
+                    f"{cfg.name('model_config')}: {key!r} is not a setting of {type(config).__name__}; give keys of "
+                    "the model's config.json"
+                )
+            setattr(config, key, value)
+        kwargs["config"] = config
+    if cfg.model_quantization_config == "Mxfp4Config":
+        import json
+
+        try:
+            with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
+                method = (json.load(f).get("quantization_config") or {}).get("quant_method")
+        except (OSError, ValueError):
+            method = None
+        if method == "mxfp4":  # otherwise the weights are stored dequantized already
+            import transformers
+
+            mxfp4 = transformers.Mxfp4Config  # type: ignore[attr-defined]
+            kwargs["quantization_config"] = mxfp4(**(cfg.model_quantization_config_kwargs or {}))
+    return kwargs
+
+
+def _model_class(cfg: TrainConfig):
+    with needs("offloadkit train"):
+        import transformers
+    return getattr(transformers, cfg.model_class or "AutoModelForCausalLM")
+
+
+def _from_pretrained(cfg: TrainConfig, source: str, dtype: torch.dtype, **extra):
     try:
-        kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True, **kwargs)
+        return _model_class(cfg).from_pretrained(source, dtype=dtype, **_model_kwargs(cfg, source), **extra)
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
-            f"({' '.join(str(exc).split())})"
+            f"({' '.join(str(exc).split())[:300]})"
         ) from None
-    return model.to(device), _with_template(cfg, tokenizer), cfg.model  # type: ignore[arg-type]
 
 
 def _load_tokenizer(cfg: TrainConfig):
     with needs("offloadkit train"):
-        from transformers import AutoTokenizer
+        import transformers
 
     tokenizer_dir = cfg.tokenizer or cfg.model
+    kwargs: dict = {"local_files_only": True}
+    if cfg.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    if cfg.tokenizer_use_fast is not None:
+        kwargs["use_fast"] = cfg.tokenizer_use_fast
+    if cfg.tokenizer_legacy is not None:
+        kwargs["legacy"] = cfg.tokenizer_legacy
+    loader = getattr(transformers, cfg.tokenizer_type or "AutoTokenizer")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
+        tokenizer = loader.from_pretrained(tokenizer_dir, **kwargs)
+    except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(
             f"{cfg.name('tokenizer') if cfg.tokenizer else cfg.name('model')}={tokenizer_dir!r}: "
-            f"the tokenizer could not be loaded ({' '.join(str(exc).split())})"
+            f"the tokenizer could not be loaded ({' '.join(str(exc).split())[:300]})"
         ) from None
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is None and not (cfg.special_tokens or {}).get("pad_token"):
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def _load_4bit(cfg: TrainConfig, device: str, dtype: torch.dtype):
-    """QLoRA's base: NF4 weights with double quantisation, computing in ``dtype`` (the
-    built-in model is saved once to ``output_dir/base`` and loaded from there)."""
+def _load_quantized(cfg: TrainConfig, device: str, dtype: torch.dtype):
+    """A 4-bit (QLoRA: NF4 with double quantisation) or 8-bit (LLM.int8) base computing in
+    ``dtype``; the built-in model is saved once to ``output_dir/base`` and loaded from there."""
     import dataclasses
 
-    check(("bitsandbytes",), "load_in_4bit (QLoRA)")
+    bits = 4 if cfg.load_in_4bit else 8
+    key = cfg.name("load_in_4bit") if bits == 4 else cfg.name("load_in_8bit")
+    check(("bitsandbytes",), f"{key} (a {bits}-bit base)")
     with needs("offloadkit train"):
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+        from transformers import BitsAndBytesConfig
 
-    plain = dataclasses.replace(cfg, load_in_4bit=False)
+    plain = dataclasses.replace(cfg, load_in_4bit=False, load_in_8bit=False, sample_packing=False)
+    plain.eval_sample_packing = False
     if cfg.model is None:
         model, tokenizer, name = load_model(plain, "cpu", dtype)
         source = os.path.join(cfg.output_dir, "base")
         model.save_pretrained(source)
         tokenizer.save_pretrained(source)
         del model
+        plain = dataclasses.replace(plain, model=source, attn_implementation=cfg.attn_implementation or "sdpa")
     else:
         source, name = cfg.model, cfg.model
         tokenizer = _load_tokenizer(plain)
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
-    )
-    kwargs = {"attn_implementation": cfg.attn_implementation or "sdpa"}
+    if bits == 4:
+        settings: dict = dict(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    else:
+        settings = dict(load_in_8bit=True)
+    settings.update(cfg.quantization_kwargs or {})
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        quantization = BitsAndBytesConfig(**settings)
+        model = _model_class(cfg).from_pretrained(
             source,
             dtype=dtype,
             quantization_config=quantization,
             device_map={"": device},
-            local_files_only=True,
-            **kwargs,
+            **{**_model_kwargs(plain, source), "attn_implementation": plain.attn_implementation or "sdpa"},
         )
-    except (OSError, ValueError, ImportError) as exc:
+    except (OSError, ValueError, ImportError, TypeError) as exc:
         raise ConfigError(
-            f"{cfg.name('load_in_4bit')}=true: {source!r} could not be loaded in 4 bits ({' '.join(str(exc).split())})"
+            f"{key}=true: {source!r} could not be loaded in {bits} bits ({' '.join(str(exc).split())[:300]})"
         ) from None
-    return model, _with_template(cfg, tokenizer), f"{name} (4-bit NF4 base)"
+    if cfg.quantize_moe_experts:
+        from offloadkit.integrations.moe_quant import quantize_expert_parameters
+
+        quantize_expert_parameters(model, cfg.quantization_kwargs or {})
+    what = "4-bit NF4" if bits == 4 else "8-bit"
+    return model, tokenizer, f"{name} ({what} base)"
 
 
-def _with_template(cfg: TrainConfig, tokenizer):
+# A chat template named after a model family (Axolotl's names) is that family's own format:
+# it is rendered with the tokenizer's template when the model is of that family.
+_TEMPLATE_FAMILIES = {
+    "llama3": ("llama",),
+    "llama3_2_vision": ("llama", "mllama"),
+    "llama4": ("llama4",),
+    "gemma": ("gemma",),
+    "gemma2": ("gemma2",),
+    "gemma3": ("gemma3",),
+    "gemma3n": ("gemma3n",),
+    "gemma4": ("gemma4",),
+    "gemma4_unified": ("gemma4",),
+    "qwen_25": ("qwen2",),
+    "qwen2_vl": ("qwen2",),
+    "qwen3": ("qwen3",),
+    "qwen3_5": ("qwen3_5",),
+    "phi_3": ("phi3",),
+    "phi_35": ("phi3",),
+    "phi_4": ("phi3",),
+    "falcon_h1": ("falcon_h1",),
+    "cohere": ("cohere",),
+    "command_a": ("cohere",),
+    "deepseek_v2": ("deepseek_v2",),
+    "deepseek_v3": ("deepseek_v3",),
+    "jamba": ("jamba",),
+    "mistral_v1": ("mistral", "mixtral"),
+    "mistral_v2v3": ("mistral", "mixtral"),
+    "mistral_v3_tekken": ("mistral", "mixtral"),
+    "mistral_v7_tekken": ("mistral", "mixtral", "ministral"),
+    "exaone": ("exaone",),
+    "granite": ("granite",),
+}
+
+
+def _with_template(cfg: TrainConfig, tokenizer, model=None):
     """The tokenizer with the chat template ``chat_template`` names (its own by default)."""
     from offloadkit.data.sft import CHATML_TEMPLATE
 
-    if cfg.chat_template == "chatml":
+    name = cfg.chat_template
+    if name == "chatml":
         tokenizer.chat_template = CHATML_TEMPLATE
-    elif cfg.chat_template and "{" in cfg.chat_template:
-        tokenizer.chat_template = cfg.chat_template
+    elif name and "{" in name:
+        tokenizer.chat_template = name
+    elif name == "tokenizer_default_fallback_chatml":
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = CHATML_TEMPLATE
+    elif name and name != "tokenizer_default":
+        model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+        families = _TEMPLATE_FAMILIES.get(name)
+        key = cfg.name("chat_template")
+        if families is None:
+            raise ConfigError(
+                f"{key}={name!r} is not a template offloadkit knows; give chat_template: jinja with "
+                "chat_template_jinja (its text), tokenizer_default, or chatml"
+            )
+        if not any(model_type == f or model_type.startswith(f + "_") for f in families):
+            raise ConfigError(
+                f"{key}={name!r} is the {name} family's chat format, and this model is {model_type or 'unknown'}; give "
+                "chat_template: jinja with chat_template_jinja, or the model's own (tokenizer_default)"
+            )
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"{key}={name!r}: the tokenizer has no chat template of its own to render it with; give "
+                "chat_template: jinja with chat_template_jinja (the template text)"
+            )
     return tokenizer
 
 
-def training_data(cfg: TrainConfig, tokenizer):
-    """The training dataset, its collator (None: fixed-length blocks) and notes."""
-    from offloadkit.data import TokenBlocks, load_texts
-    from offloadkit.data.sft import SFTExamples, build_examples, pad_collate
+def _add_tokens(cfg: TrainConfig, tokenizer, model) -> None:
+    """special_tokens and tokens into the tokenizer, the embeddings grown to fit, and the
+    end-of-turn tokens checked to be tokens of it."""
+    before = len(tokenizer)
+    if cfg.special_tokens:
+        from tokenizers import AddedToken
 
+        tokenizer.add_special_tokens(
+            {
+                k: AddedToken(v, rstrip=False, lstrip=False, normalized=False, special=True)
+                for k, v in cfg.special_tokens.items()
+            }  # type: ignore[arg-type]
+        )
+    if cfg.tokens:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in cfg.tokens])
+    for token in cfg.eot_tokens or []:
+        ids = tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ConfigError(
+                f"{cfg.name('eot_tokens')}: {token!r} is {len(ids)} tokens of this tokenizer, not one; add it with "
+                "tokens: or special_tokens:, or name the tokenizer's own end-of-turn token"
+            )
+    grew = len(tokenizer) > before
+    size = len(tokenizer)
+    if cfg.resize_token_embeddings_to_32x:
+        size = -(-size // 32) * 32
+    embeddings = model.get_input_embeddings().weight.shape[0]
+    if embeddings < size:
+        model.resize_token_embeddings(size)
+    if grew and cfg.lora_rank:
+        trained = set(cfg.lora_modules_to_save or [])
+        if not ({"embed_tokens", "lm_head"} <= trained):
+            raise ConfigError(
+                f"{cfg.name('special_tokens') if cfg.special_tokens else cfg.name('tokens')} adds "
+                f"{len(tokenizer) - before} new tokens, whose embeddings a LoRA run would leave untrained; set "
+                "lora_modules_to_save: [embed_tokens, lm_head]"
+            )
+    for key in ("pad_token", "eos_token", "bos_token"):
+        value = (cfg.special_tokens or {}).get(key)
+        if value is not None:
+            setattr(model.config, f"{key}_id", tokenizer.convert_tokens_to_ids(value))
+            generation = getattr(model, "generation_config", None)
+            if generation is not None:
+                setattr(generation, f"{key}_id", tokenizer.convert_tokens_to_ids(value))
+
+
+@dataclasses.dataclass
+class TrainingData:
+    """What a run trains and evaluates on.
+
+    Attributes:
+        train: the training dataset (rows: blocks, examples or packed rows).
+        collator: the collator of both (None: fixed-length blocks, the Trainer's default).
+        notes: what the report says about the data.
+        eval: the held-out dataset (``val_set_size``), else None.
+        eval_collator: the held-out set's own collator.
+    """
+
+    train: Any
+    collator: Any
+    notes: list
+    eval: Any = None
+    eval_collator: Any = None
+
+
+def training_data(cfg: TrainConfig, tokenizer) -> TrainingData:
+    """The training (and held-out) data as ``cfg`` says: examples of each dataset, short ones
+    and repeats dropped, the held-out split, then packed or padded per batch."""
+    from offloadkit.data import TokenBlocks, load_texts
+
+    plain = not (
+        cfg.sample_packing
+        or cfg.val_set_size
+        or cfg.min_sample_len
+        or cfg.dataset_exact_deduplication
+        or cfg.pad_to_sequence_len
+    )
     if not cfg.datasets:
         try:
-            return TokenBlocks(tokenizer, load_texts(cfg.dataset, cfg.text_field), cfg.seq_len), None, []
+            texts = load_texts(cfg.dataset, cfg.text_field)
+            if plain:
+                return TrainingData(TokenBlocks(tokenizer, texts, cfg.seq_len), None, [])
+            if cfg.sample_packing:
+                from offloadkit.data.sft import document_examples
+
+                examples = document_examples(tokenizer, texts, cfg.seq_len)  # packed: documents kept apart
+            else:
+                examples = [(row.tolist(), row.tolist()) for row in TokenBlocks(tokenizer, texts, cfg.seq_len).data]
         except ValueError as exc:
             hint = f"; use a smaller {cfg.name('seq_len')} or more text" if "fewer than one block" in str(exc) else ""
             raise ConfigError(f"{cfg.name('dataset')}: {exc}{hint}") from None
+        return _finish(cfg, tokenizer, examples, [])
+    from offloadkit.data.sft import build_examples
+
     examples, notes = [], []
     for spec in cfg.dataset_specs():
         try:
-            got, dropped = build_examples(spec, tokenizer, cfg.seq_len, cfg.train_on_inputs)
+            got, dropped = build_examples(
+                spec, tokenizer, cfg.seq_len, cfg.train_on_inputs, per_document=cfg.sample_packing
+            )
         except ValueError as exc:
             raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
         examples += got
         if dropped:
             notes.append(f"{spec.path}: {dropped} examples longer than {cfg.name('seq_len')}={cfg.seq_len} dropped")
+    return _finish(cfg, tokenizer, examples, notes)
+
+
+def _finish(cfg: TrainConfig, tokenizer, examples: list, notes: list) -> TrainingData:
+    import math
+    import random
+
+    from offloadkit.data.packing import PackedRows, pack_examples, packed_collate
+    from offloadkit.data.sft import SFTExamples, pad_collate
+
+    if cfg.min_sample_len:
+        kept = [e for e in examples if len(e[0]) >= cfg.min_sample_len]
+        if examples and not kept:
+            raise ConfigError(
+                f"{cfg.name('min_sample_len')}={cfg.min_sample_len}: every example is shorter (the longest has "
+                f"{max(len(e[0]) for e in examples)} tokens); lower it"
+            )
+        if len(kept) < len(examples):
+            notes.append(
+                f"{len(examples) - len(kept)} examples shorter than {cfg.name('min_sample_len')}="
+                f"{cfg.min_sample_len} tokens dropped"
+            )
+        examples = kept
+    if cfg.dataset_exact_deduplication:
+        seen: set = set()
+        unique = []
+        for ids, labels in examples:
+            if (tuple(ids), tuple(labels)) not in seen:
+                seen.add((tuple(ids), tuple(labels)))
+                unique.append((ids, labels))
+        if len(unique) < len(examples):
+            notes.append(f"{len(examples) - len(unique)} repeated examples dropped")
+        examples = unique
+    held: list = []
+    if cfg.val_set_size:
+        size = cfg.val_set_size
+        count = math.ceil(size * len(examples)) if size < 1 else int(size)
+        if count >= len(examples):
+            raise ConfigError(
+                f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} examples, leaving none "
+                "to train on; lower it"
+            )
+        if cfg.shuffle_merged_datasets:
+            examples = list(examples)
+            random.Random(cfg.seed).shuffle(examples)
+        examples, held = examples[: len(examples) - count], examples[len(examples) - count :]
+        notes.append(f"{len(held)} of {len(examples) + len(held)} examples held out for evaluation")
+    if not examples:
+        raise ConfigError(f"{cfg.name('datasets')}: no example left to train on")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return SFTExamples(examples), pad_collate(pad), notes
+    length = cfg.seq_len if cfg.pad_to_sequence_len else None
+
+    def build(items: list, packed: bool):
+        if packed:
+            rows = pack_examples(items, cfg.seq_len)
+            return PackedRows(rows, len(items)), packed_collate(pad, length)
+        return SFTExamples(items), pad_collate(pad, length)
+
+    train, collator = build(examples, cfg.sample_packing)
+    if cfg.sample_packing:
+        notes.append(f"{len(examples)} examples packed into {len(train)} rows of up to {cfg.seq_len} tokens")
+    data = TrainingData(train, collator, notes)
+    if held:
+        eval_packing = cfg.sample_packing if cfg.eval_sample_packing is None else cfg.eval_sample_packing
+        data.eval, data.eval_collator = build(held, eval_packing)
+        if eval_packing != cfg.sample_packing:
+            # The Trainer has one collator: each batch goes to the one of its kind.
+            packed, padded = (collator, data.eval_collator) if cfg.sample_packing else (data.eval_collator, collator)
+            data.collator = lambda items: (packed if "position_ids" in items[0] else padded)(items)
+    return data
+
+
+def schedule(cfg: TrainConfig, rows: int, world: int, planned: int, evaluating: bool) -> dict:
+    """The Trainer's settings that depend on the data: ``warmup_ratio`` as steps of the
+    ``planned`` ones, ``saves_per_epoch`` and ``evals_per_epoch`` as steps (steps per epoch
+    from the rows), the held-out set's evaluation (once per epoch by default, or at the end
+    of a shorter run)."""
+    import math
+
+    from offloadkit.integrations.axolotl import AXOLOTL_DEFAULT_WARMUP
+
+    per_epoch = max(1, math.ceil(rows / (cfg.batch_size * world)) // cfg.gradient_accumulation_steps)
+    out: dict = {}
+    if cfg.warmup_ratio is not None:
+        # A fraction of the run's steps, rounded down, as Axolotl counts it.
+        warmup = int(cfg.warmup_ratio * planned)
+        out["warmup_steps"] = min(warmup, 100) if cfg.name("warmup_ratio") == AXOLOTL_DEFAULT_WARMUP else warmup
+    if cfg.saves_per_epoch:
+        out.update(save_strategy="steps", save_steps=max(1, math.ceil(per_epoch / cfg.saves_per_epoch)))
+    if evaluating:
+        if cfg.eval_steps:
+            steps = cfg.eval_steps
+        elif cfg.evals_per_epoch == 0:
+            steps = 0
+        elif cfg.evals_per_epoch:
+            steps = max(1, math.ceil(per_epoch / cfg.evals_per_epoch))
+        else:
+            steps = min(per_epoch, planned)
+        if steps:
+            out.update(eval_strategy="steps", eval_steps=steps)
+    return out
 
 
 def training_args(cfg: TrainConfig, cuda: bool, **overrides):
@@ -168,17 +504,20 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
     kwargs = dict(
         output_dir=cfg.output_dir,
         per_device_train_batch_size=cfg.batch_size,
+        per_device_eval_batch_size=cfg.eval_batch_size or cfg.batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_steps=cfg.max_steps or -1,
         num_train_epochs=cfg.num_epochs or 1.0,
         learning_rate=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
+        # A float below 1 is a fraction of the run's steps (transformers' warmup ratio).
+        warmup_steps=cfg.warmup_ratio if cfg.warmup_ratio is not None else cfg.warmup_steps,
         lr_scheduler_type=cfg.lr_scheduler,
         optim=cfg.optimizer,
         logging_steps=cfg.logging_steps,
         save_strategy="steps" if cfg.save_steps else "no",
         save_steps=cfg.save_steps or 500,
         save_total_limit=cfg.save_total_limit,
+        save_only_model=cfg.save_only_model,
         report_to=reporters or "none",
         disable_tqdm=True,
         seed=cfg.seed,
@@ -189,7 +528,23 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
         logging_nan_inf_filter=False,
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
+        neftune_noise_alpha=cfg.neftune_noise_alpha,
+        eval_strategy="no",
     )
+    for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
+        if getattr(cfg, key) is not None:
+            kwargs[key] = getattr(cfg, key)
+    if cfg.cosine_min_lr_ratio is not None:
+        # Cosine down to a fraction of the learning rate: the Trainer's cosine_with_min_lr.
+        kwargs.update(
+            lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": cfg.cosine_min_lr_ratio}
+        )
+    if cfg.group_by_length:
+        kwargs["train_sampling_strategy"] = "group_by_length"
+    elif cfg.curriculum_sampling:
+        kwargs["train_sampling_strategy"] = "sequential"
+    if cfg.tf32 is not None and cuda:
+        kwargs["tf32"] = cfg.tf32
     kwargs.update(overrides)
     args = TrainingArguments(**kwargs)  # type: ignore[arg-type]  # values checked by TrainConfig
     if cfg.gradient_checkpointing_kwargs:
@@ -208,9 +563,12 @@ def quiet(trainer):
 
 
 def with_lora(cfg: TrainConfig, model):
-    """``model`` with the LoRA adapters ``cfg`` asks for (``lora_rank`` > 0)."""
-    from offloadkit.integrations.peft_utils import apply_lora
+    """``model`` with the LoRA adapters ``cfg`` asks for (``lora_rank`` > 0): new ones, or
+    those saved in ``lora_model_dir``, trained further."""
+    from offloadkit.integrations.peft_utils import apply_lora, load_lora
 
+    if cfg.lora_model_dir:
+        return load_lora(model, cfg.lora_model_dir)
     return apply_lora(
         model,
         rank=cfg.lora_rank,
@@ -219,4 +577,31 @@ def with_lora(cfg: TrainConfig, model):
         dropout=cfg.lora_dropout,
         modules_to_save=cfg.lora_modules_to_save,
         use_dora=cfg.lora_use_dora,
+        use_rslora=cfg.lora_use_rslora,
+        fan_in_fan_out=cfg.lora_fan_in_fan_out,
+        target_parameters=cfg.lora_target_parameters,
     )
+
+
+def trainable(cfg: TrainConfig, model):
+    """``model`` (with its adapters) with only the parameters ``unfrozen_parameters`` names
+    left trainable: each pattern matched from the start of a parameter's name, a dot as a
+    dot, as Axolotl reads them."""
+    import re
+
+    if not cfg.unfrozen_parameters:
+        return model
+    patterns = [re.compile(re.sub(r"\.(?!\+)", r"\\.", p)) for p in cfg.unfrozen_parameters]
+    kept = 0
+    for name, param in model.named_parameters():
+        param.requires_grad = any(p.match(name) for p in patterns)
+        kept += param.requires_grad
+    if not kept:
+        first = next(iter(dict(model.named_parameters())), "")
+        raise ConfigError(
+            f"{cfg.name('unfrozen_parameters')}={cfg.unfrozen_parameters!r} matches no parameter of the model "
+            f"(names like {first!r}), so nothing would train; match its names from the start"
+        )
+    if any(("embed_tokens" in p or "lm_head" in p) for p in cfg.unfrozen_parameters):
+        model.enable_input_require_grads()
+    return model

@@ -44,6 +44,11 @@ def add_check_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output-dir", help="check as if train were given --output-dir")
     p.add_argument("--overwrite", action="store_true", help="check as if train were given --overwrite")
     p.add_argument(
+        "--drop-unsupported-keys",
+        action="store_true",
+        help="check as if train were given --drop-unsupported-keys",
+    )
+    p.add_argument(
         "--plan",
         action="store_true",
         help="also check that the planner finds a plan within the budgets (always done with offload_plan: auto)",
@@ -93,6 +98,7 @@ class _Problems:
     def __init__(self, source: str) -> None:
         self.source = source
         self.items: list[tuple[str, str]] = []
+        self.notes: list[str] = []  # what is not a problem but worth saying in the verdict
 
     def add(self, key: str, message: str) -> None:
         item = (key, " ".join(message.split()))
@@ -199,19 +205,6 @@ def _check_disk_dirs(cfg, problems: _Problems) -> None:
             problems.add(key, f"{key}={path!r} {why}; give a writable directory (it is created if missing)")
 
 
-def _hub_cache(repo_id: str) -> str | None:
-    """The snapshot directory of ``repo_id`` in the local Hugging Face cache, if it is there."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # an id the hub library rejects is simply not cached
-        return None
-    return os.path.dirname(found) if isinstance(found, str) else None
-
-
 def _causal_lm(config: dict) -> str | None:
     """Why a config.json is not a causal LM offloadkit train can load (None: it is)."""
     architectures = config.get("architectures") or []
@@ -235,27 +228,28 @@ def _check_model(cfg, problems: _Problems) -> None:
         return  # the built-in shape is checked with the keys
     key = cfg.name("model")
     if not os.path.isdir(cfg.model):
-        looks_like_id = re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.model) and not cfg.model.startswith(".")
-        if not looks_like_id:
+        from offloadkit.integrations import hub
+
+        if not hub.looks_like_hub_id(cfg.model):
             problems.add(
                 key,
-                f"{key}={cfg.model!r} is not a directory; give a local Hugging Face model directory "
-                "(offloadkit train does not download) or omit it for the built-in model",
+                f"{key}={cfg.model!r} is not a directory; give a local Hugging Face model directory or a hub id "
+                "(org/name), or omit it for the built-in model",
             )
             return
-        snapshot = _hub_cache(cfg.model)
+        snapshot = hub.cached_snapshot(cfg.model, cfg.model_revision)
         if snapshot is None:
-            problems.add(
-                key,
-                f"{key}={cfg.model!r} is a hub id not in the local Hugging Face cache, and offloadkit train does "
-                f"not download; run huggingface-cli download {cfg.model} and give its directory",
-            )
-        else:
-            problems.add(
-                key,
-                f"{key}={cfg.model!r} is a hub id; offloadkit train reads a local directory: set {key}: {snapshot}",
-            )
-        return
+            if hub.offline():
+                problems.add(
+                    key,
+                    f"{key}={cfg.model!r} is not in the local Hugging Face cache ({hub.hub_cache()}) and "
+                    "HF_HUB_OFFLINE is set; set HF_HOME (or HF_HUB_CACHE) to a cache that has it, or unset "
+                    "HF_HUB_OFFLINE",
+                )
+            else:
+                problems.notes.append(f"{key} {cfg.model} is not in the local cache: train downloads it")
+            return
+        cfg.model = snapshot  # train reads the cached snapshot: check it as train will
     path = os.path.join(cfg.model, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -383,6 +377,31 @@ def _check_resume(cfg, problems: _Problems) -> None:
         problems.add_error(exc)
 
 
+def _check_adapter(cfg, problems: _Problems) -> None:
+    """lora_model_dir: a saved adapter (a hub id is looked up in the cache, as the model is)."""
+    from offloadkit.cli import preflight
+    from offloadkit.integrations import hub
+
+    if cfg.lora_model_dir is None:
+        return
+    if not os.path.isdir(cfg.lora_model_dir) and hub.looks_like_hub_id(cfg.lora_model_dir):
+        found = hub.cached_snapshot(cfg.lora_model_dir)
+        if found is None:
+            if hub.offline():
+                key = cfg.name("lora_model_dir")
+                problems.add(
+                    key,
+                    f"{key}={cfg.lora_model_dir!r} is not in the local Hugging Face cache ({hub.hub_cache()}) and "
+                    "HF_HUB_OFFLINE is set; set HF_HOME (or HF_HUB_CACHE) to a cache that has it",
+                )
+            return
+        cfg.lora_model_dir = found
+    try:
+        preflight._adapter_dir(cfg)
+    except Exception as exc:
+        problems.add_error(exc)
+
+
 def _check_plan(cfg, args, problems: _Problems) -> str | None:
     """Whether the planner fits the run within the budgets; returns a note for the verdict."""
     from offloadkit.planning import Budgets, OptimizerSetup, plan, resolve_shape
@@ -448,6 +467,8 @@ def check_config(path: str, args) -> tuple[list[str], str | None]:
         message = " ".join(str(exc).split())
         problems.add("file", message[len(path) + 2 :] if message.startswith(f"{path}: ") else message)
         return problems.lines(), None
+    if getattr(args, "drop_unsupported_keys", False):
+        data = dict(data, drop_unsupported_keys=True)
     cfg = _load_train_config(data, path, problems)
     if cfg is None:
         return problems.lines(), None
@@ -457,7 +478,15 @@ def check_config(path: str, args) -> tuple[list[str], str | None]:
         cfg.overwrite_output_dir = True
     cfg = cfg.resolved(_cuda())
     note = None
-    for check in (_check_output_dir, _check_disk_dirs, _check_model, _check_data, _check_packages, _check_resume):
+    for check in (
+        _check_output_dir,
+        _check_disk_dirs,
+        _check_model,
+        _check_adapter,
+        _check_data,
+        _check_packages,
+        _check_resume,
+    ):
         try:
             check(cfg, problems)
         except Exception as exc:  # a check that did not foresee this config: one line, and go on
@@ -467,7 +496,8 @@ def check_config(path: str, args) -> tuple[list[str], str | None]:
             note = _check_plan(cfg, args, problems)
         except Exception as exc:
             problems.add("offload_plan", f"could not be planned ({type(exc).__name__}: {exc})")
-    return problems.lines(), note
+    notes = problems.notes + ([note] if note else [])
+    return problems.lines(), "; ".join(notes) or None
 
 
 def _cuda() -> bool:

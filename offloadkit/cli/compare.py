@@ -136,7 +136,7 @@ def _child(request_path: str, answer_path: str) -> None:
     """The plain run of :func:`measure_in_own_process`, in this (fresh) process."""
     from transformers import Trainer
 
-    from offloadkit.cli.build import load_dtype, load_model, quiet, training_args, training_data, with_lora
+    from offloadkit.cli.build import load_dtype, load_model, quiet, trainable, training_args, training_data, with_lora
     from offloadkit.cli.train_config import TrainConfig
 
     with open(request_path, encoding="utf-8") as f:
@@ -147,7 +147,9 @@ def _child(request_path: str, answer_path: str) -> None:
     model, tokenizer, _ = load_model(cfg, "cpu", dtype)
     if cfg.lora_rank:
         model = with_lora(cfg, model)
-    dataset, collator, _ = training_data(cfg, tokenizer)
+    model = trainable(cfg, model)
+    data = training_data(cfg, tokenizer)
+    dataset, collator = data.train, data.collator
 
     def plain_trainer(max_steps, callbacks):
         args = training_args(

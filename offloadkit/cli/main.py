@@ -22,10 +22,14 @@ The config file is flat YAML (or JSON), with offloadkit's keys or an Axolotl con
 {wrap("Training keys", TrainConfig.train_keys())}
 {wrap("Offloading keys", OffloadConfig.keys())}
 activation_offloading is false | true | legacy | disk; sizes take units (host_budget_bytes: 16GiB).
-Axolotl keys: base_model, datasets (one local file, type: completion), sequence_len,
-micro_batch_size, num_epochs, adapter: lora, lora_r, lora_alpha, lora_dropout,
-lora_target_modules, lora_target_linear, bf16, plus the shared ones above. Axolotl keys
-that cannot take effect here are listed in one warning.
+Axolotl configs are read as written: base_model (a local directory, or a hub id from the
+local Hugging Face cache, downloaded when the network allows), datasets (local files of
+type completion, alpaca or chat_template), sequence_len, micro_batch_size, adapter: lora or
+qlora, lora_r, load_in_8bit, bf16, ...; Axolotl's keys that change the training (warmup_ratio,
+val_set_size, sample_packing, special_tokens, peft_use_rslora, lora_model_dir, ...) are the
+training keys of the same name above. Keys that do not change the training (logging, hub,
+kernels, multi-GPU layouts) are listed in one warning; a key that changes it and cannot be
+honoured stops the run with one line naming it (--drop-unsupported-keys trains without it).
 
 Without a config: a full fine-tune of the built-in small Llama model on the shipped
 public-domain corpus, {DEFAULT_STEPS} steps, with gradient checkpointing and activation
@@ -93,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace an earlier run in output_dir (its report, model and checkpoints) once this run has "
         "saved; until then it trains in output_dir/incomplete-run and the earlier run stays as it is",
+    )
+    train.add_argument(
+        "--drop-unsupported-keys",
+        action="store_true",
+        help="train an Axolotl config without the keys offloadkit cannot honour (named in one warning and in "
+        "the report) instead of refusing it (the key drop_unsupported_keys: true)",
     )
 
     from offloadkit.cli.check import add_check_parser
@@ -170,7 +180,7 @@ def _train(args) -> None:
         raise ConfigError(f"two config files given ({args.config!r} and --config {args.config_option!r}); give one")
     if args.max_steps is not None and args.max_steps < 1:
         raise ConfigError(f"--max-steps={args.max_steps} must be an integer >= 1")
-    cfg = TrainConfig.from_file(args.config or args.config_option)
+    cfg = TrainConfig.from_file(args.config or args.config_option, drop_unsupported_keys=args.drop_unsupported_keys)
     if args.output_dir is not None:
         cfg.output_dir = args.output_dir
     if args.max_steps is not None:

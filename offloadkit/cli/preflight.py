@@ -96,6 +96,8 @@ def _output_dir(cfg) -> None:
     )
     if cfg.resume_from_checkpoint or cfg.overwrite_output_dir:
         return
+    if cfg.auto_resume_from_checkpoints and _last_checkpoint(cfg.output_dir):
+        return  # continued from its newest checkpoint
     found = previous_run(cfg.output_dir)
     if found:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
@@ -104,6 +106,17 @@ def _output_dir(cfg) -> None:
             "another output_dir, continue it with --resume-from-checkpoint, or replace it with "
             "--overwrite (overwrite_output_dir: true)"
         )
+
+
+def _hub_ids(cfg) -> None:
+    """Hub ids (``org/name``) of the model, tokenizer and adapter, as local directories: the
+    snapshot in the local Hugging Face cache, or a download when the network is allowed."""
+    from offloadkit.integrations.hub import looks_like_hub_id, resolve
+
+    for field, revision in (("model", cfg.model_revision), ("tokenizer", None), ("lora_model_dir", None)):
+        value = getattr(cfg, field)
+        if isinstance(value, str) and looks_like_hub_id(value):
+            setattr(cfg, field, resolve(value, cfg.name(field), revision=revision if field == "model" else None))
 
 
 def _model(cfg) -> None:
@@ -149,8 +162,22 @@ def _datasets(cfg) -> None:
         raise ConfigProblemsError("datasets", problems)
 
 
+def _adapter_dir(cfg) -> None:
+    if cfg.lora_model_dir is None:
+        return
+    if not os.path.isfile(os.path.join(cfg.lora_model_dir, "adapter_config.json")):
+        raise ConfigError(
+            f"{cfg.name('lora_model_dir')}={cfg.lora_model_dir!r} holds no adapter_config.json; give a directory "
+            "written by a PEFT model's save_pretrained(...)"
+        )
+
+
 def _has_template(cfg) -> bool:
-    if cfg.chat_template == "chatml" or (cfg.chat_template and "{" in cfg.chat_template) or cfg.model is None:
+    if (
+        cfg.chat_template in ("chatml", "tokenizer_default_fallback_chatml")
+        or (cfg.chat_template and "{" in cfg.chat_template)
+        or cfg.model is None
+    ):
         return True  # the built-in byte tokenizer has ChatML
     folder = cfg.tokenizer or cfg.model
     if any(os.path.isfile(os.path.join(folder, f)) for f in ("chat_template.jinja", "chat_template.json")):
@@ -214,6 +241,17 @@ def _packages(cfg) -> None:
         raise ConfigError(f"{cfg.name('lora_rank')}={cfg.lora_rank} needs PEFT: pip install 'offloadkit[hf]'")
     if cfg.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"{cfg.name('load_in_4bit')}=true (QLoRA) needs bitsandbytes: pip install bitsandbytes")
+    if cfg.load_in_8bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"{cfg.name('load_in_8bit')}=true needs bitsandbytes: pip install bitsandbytes")
+    import transformers
+
+    for key in ("model_class", "tokenizer_type", "model_quantization_config"):
+        name = getattr(cfg, key)
+        if name is not None and not hasattr(transformers, name):
+            raise ConfigError(
+                f"{cfg.name(key)}={name!r} is not a class of the installed transformers "
+                f"({transformers.__version__}); give one it has, or leave it out for the Auto class"
+            )
     from transformers.training_args import OptimizerNames
 
     names = [o.value for o in OptimizerNames]
@@ -243,6 +281,9 @@ def _packages(cfg) -> None:
 
 
 def _resume(cfg) -> None:
+    if cfg.auto_resume_from_checkpoints and cfg.resume_from_checkpoint in (None, False):
+        # Axolotl's auto-resume: the newest checkpoint when there is one, else a fresh start.
+        cfg.resume_from_checkpoint = True if _last_checkpoint(cfg.output_dir) else None
     value = cfg.resume_from_checkpoint
     if value in (None, False):
         cfg.resume_from_checkpoint = None
@@ -299,7 +340,9 @@ def preflight(cfg) -> None:
     problems: list[tuple[str, bool]] = []
     for check in (
         _output_dir,
+        _hub_ids,
         _model,
+        _adapter_dir,
         _dataset,
         _datasets,
         _packages,

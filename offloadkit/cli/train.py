@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from offloadkit.cli.build import load_dtype, load_model, training_args, training_data, with_lora
+from offloadkit.cli.build import load_dtype, load_model, schedule, trainable, training_args, training_data, with_lora
 from offloadkit.cli.build import quiet as _quiet  # a module global: tests slip a callback in through it
 from offloadkit.cli.errors import TrainingFailedError
 from offloadkit.cli.train_config import TrainConfig, default_offload
@@ -97,6 +97,35 @@ class _StopAtStepEnd:
 
 def _silent(*args, **kwargs) -> None:
     pass
+
+
+class _LossWatchdog:
+    """``loss_watchdog_threshold``: training stops once the logged loss has stayed above the
+    threshold for ``loss_watchdog_patience`` logged steps in a row (3 by default)."""
+
+    def __init__(self, threshold: float, patience: int | None) -> None:
+        self.threshold = threshold
+        self.patience = patience or 3
+        self.above = 0
+        self.stopped: tuple[int, float] | None = None
+
+    def callback(self):
+        with needs("offloadkit train"):
+            from transformers import TrainerCallback
+
+        owner = self
+
+        class LossWatchdogCallback(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                loss = (logs or {}).get("loss")
+                if not isinstance(loss, (int, float)):
+                    return
+                owner.above = owner.above + 1 if loss > owner.threshold else 0
+                if owner.above >= owner.patience and owner.stopped is None:
+                    owner.stopped = (state.global_step, float(loss))
+                    control.should_training_stop = True
+
+        return LossWatchdogCallback()
 
 
 class _LossGuard:
@@ -301,14 +330,14 @@ def run_train(cfg: TrainConfig, log=print) -> dict:
         TrainingInterrupted: Ctrl-C during training.
         TrainingFailedError: a NaN or infinite training loss (nothing is saved).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
     from offloadkit.cli.distributed import Ranks
     from offloadkit.cli.preflight import incomplete_run, preflight, replaces_earlier_run
 
     wall = time.perf_counter()
     cuda = torch.cuda.is_available()
     cfg = cfg.resolved(cuda)
-    preflight(cfg)
+    preflight(cfg)  # a hub id becomes its cached (or, where allowed, downloaded) snapshot
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # from here on, everything is local
     ranks = Ranks.from_env()
     final = cfg.output_dir
     if replaces_earlier_run(cfg):
@@ -360,9 +389,11 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
     if not ranks.main:
         log = _silent  # rank 0 speaks for the run
     model, tokenizer, name, dtype = _load(cfg, final, ranks, cuda)
-    dataset, collator, data_notes = training_data(cfg, tokenizer)
-    steps = _plan_steps(cfg, final, len(dataset), ranks, data_notes)
-    trainer = _offload_trainer(cfg, model, dataset, collator, cuda)
+    data = training_data(cfg, tokenizer)
+    dataset, collator = data.train, data.collator
+    steps = _plan_steps(cfg, final, len(dataset), ranks, data.notes)
+    timing = schedule(cfg, len(dataset), ranks.world, _steps_planned(cfg, len(dataset)), data.eval is not None)
+    trainer = _offload_trainer(cfg, model, data, cuda, timing)
     with_ = RunMeasure("with offloadkit")
     probe = StepProbe(with_, steps.profile_step, extra=offload_probes(trainer))
     progress = ProgressBar(steps.tokens, with_.step_times, show=ranks.main)
@@ -406,13 +437,17 @@ def _load(cfg: TrainConfig, final: str, ranks, cuda: bool):
         model = with_lora(cfg, model)
         if base_dir is not None:
             _name_base(model, os.path.join(final, "base"))
-    return model, tokenizer, name, dtype
+    return trainable(cfg, model), tokenizer, name, dtype
 
 
 def _plan_steps(cfg: TrainConfig, final: str, sequences: int, ranks, data_notes: list[str]) -> _Steps:
     """The steps the run will take over a dataset of ``sequences``: the step to profile,
     where a resumed run continues, and what a step holds."""
-    notes = [f"Axolotl keys without effect here: {', '.join(cfg._ignored)}"] if cfg._ignored else []
+    notes = (
+        [f"Axolotl keys that do not change the training, not used: {', '.join(cfg._ignored)}"] if cfg._ignored else []
+    )
+    if cfg._dropped:
+        notes.append(f"trained without (drop_unsupported_keys): {', '.join(cfg._dropped)}")
     notes += data_notes
     planned = _steps_planned(cfg, sequences)
     resumed = None
@@ -441,8 +476,9 @@ def _plan_steps(cfg: TrainConfig, final: str, sequences: int, ranks, data_notes:
     return _Steps(profile_step, resumed, sequences_per_step, sequences_per_step * cfg.seq_len, notes)
 
 
-def _offload_trainer(cfg: TrainConfig, model, dataset, collator, cuda: bool):
-    """The Trainer with offloadkit's mixin, as ``cfg.offload`` sets it up."""
+def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict):
+    """The Trainer with offloadkit's mixin, as ``cfg.offload`` sets it up; ``timing``: the
+    save and evaluation steps of :func:`~offloadkit.cli.build.schedule`."""
     with needs("offloadkit train"):
         from transformers import Trainer
 
@@ -454,9 +490,10 @@ def _offload_trainer(cfg: TrainConfig, model, dataset, collator, cuda: bool):
     return _quiet(
         OffloadTrainer(
             model=model,
-            args=training_args(cfg, cuda),
-            train_dataset=dataset,
-            data_collator=collator,
+            args=training_args(cfg, cuda, **timing),
+            train_dataset=data.train,
+            eval_dataset=data.eval,
+            data_collator=data.collator,
             offload_config=cfg.offload,
         )
     )
@@ -480,6 +517,11 @@ def _train(cfg: TrainConfig, trainer, probe, progress, main: bool, cuda: bool) -
     trainer.add_callback(progress)
     trainer.add_callback(stop.callback())
     trainer.add_callback(guard.callback())
+    watchdog = None
+    if cfg.loss_watchdog_threshold is not None:
+        watchdog = _LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience)
+        trainer.add_callback(watchdog.callback())
+        trainer._offloadkit_watchdog = watchdog  # the report says when it stopped the run
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -539,6 +581,20 @@ def _report(
     )
     report["profile_step"] = steps.profile_step
     report["resumed_from"] = steps.resumed
+    evaluations = [
+        {"step": entry.get("step"), "eval_loss": entry["eval_loss"]}
+        for entry in trainer.state.log_history
+        if "eval_loss" in entry
+    ]
+    if evaluations:
+        report["evaluations"] = evaluations
+    watchdog = getattr(trainer, "_offloadkit_watchdog", None)
+    if watchdog is not None and watchdog.stopped is not None:
+        step, loss = watchdog.stopped
+        steps.notes.append(
+            f"{cfg.name('loss_watchdog_threshold')}: training stopped at step {step}, the loss ({loss:.3g}) above "
+            f"{cfg.loss_watchdog_threshold} for {watchdog.patience} logged steps"
+        )
     report["offload_summary"] = _effective_summary(cfg, report)
     report["notes"] = steps.notes + report["notes"]
     report["world_size"] = trainer.args.world_size  # the Trainer's own view of the process group

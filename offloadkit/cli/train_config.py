@@ -15,7 +15,23 @@ from offloadkit.config import ConfigError, ConfigProblemsError, OffloadConfig, c
 __all__ = ["TrainConfig", "default_offload", "DEFAULT_STEPS"]
 
 DEFAULT_STEPS = 100
-_FLOATS = ("learning_rate", "lora_dropout", "num_epochs", "weight_decay", "max_grad_norm")
+_FLOATS = (
+    "learning_rate",
+    "lora_dropout",
+    "num_epochs",
+    "weight_decay",
+    "max_grad_norm",
+    "warmup_ratio",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "neftune_noise_alpha",
+    "val_set_size",
+    "cosine_min_lr_ratio",
+    "loss_watchdog_threshold",
+)
+# Optimizers without Adam's betas and epsilon (the Trainer would leave adam_* unused).
+_NOT_ADAM = ("sgd", "adafactor", "adagrad", "rmsprop", "lomo", "adalomo", "muon")
 _SCHEDULERS = (
     "linear",
     "cosine",
@@ -83,6 +99,61 @@ class TrainConfig:
         gradient_checkpointing_kwargs: passed to the Trainer's checkpointing (use_reentrant).
         profile_step: the step whose memory is measured and plotted.
         compare: also run the first steps without offloadkit and show both.
+        warmup_ratio: warmup as a fraction of the run's steps, instead of ``warmup_steps``.
+        adam_beta1, adam_beta2, adam_epsilon: the Adam-family optimizer's betas and epsilon
+            (None: the Trainer's 0.9, 0.999, 1e-8).
+        neftune_noise_alpha: NEFTune: uniform noise of this scale on the input embeddings
+            while training (the Trainer's ``neftune_noise_alpha``).
+        cosine_min_lr_ratio: cosine schedule down to this fraction of the learning rate
+            (the Trainer's cosine_with_min_lr).
+        val_set_size: held out for evaluation: a fraction of the examples (< 1) or a count.
+        eval_steps, evals_per_epoch: evaluate every N steps, or N times per epoch (steps per
+            epoch from the dataset); with a held-out set and neither, once per epoch.
+        eval_batch_size: sequences per evaluation batch (default ``batch_size``).
+        saves_per_epoch: checkpoints N times per epoch, instead of ``save_steps``.
+        save_only_model: checkpoints hold the weights only (no optimizer state).
+        sample_packing: several examples per row of ``seq_len`` tokens, each attending only
+            to itself (position ids restart per example; refused for a model whose attention
+            does not keep them apart); eval_sample_packing: the same for the held-out set
+            (default: as sample_packing).
+        pad_to_sequence_len: pad every batch to ``seq_len`` tokens.
+        min_sample_len: drop examples shorter than this many tokens.
+        dataset_exact_deduplication: drop repeated examples (identical tokens and labels).
+        shuffle_merged_datasets: shuffle the examples before the held-out split.
+        group_by_length: batches of examples of similar length; curriculum_sampling: the
+            examples in dataset order (no shuffling).
+        loss_watchdog_threshold, loss_watchdog_patience: stop when the training loss stays
+            above the threshold for that many logged steps (default 3).
+        trust_remote_code: let the model and tokenizer run their own code from their
+            directory (as ``from_pretrained(trust_remote_code=True)``).
+        model_revision: the hub revision (branch, tag or commit) of a hub id ``model``.
+        model_class: the transformers class the model loads with (default
+            AutoModelForCausalLM); model_config: overrides of the model's config.json.
+        model_quantization_config, model_quantization_config_kwargs: a transformers
+            quantization config class and its arguments (Mxfp4Config with dequantize).
+        tokenizer_type, tokenizer_use_fast, tokenizer_legacy: how the tokenizer loads (its
+            class, fast or slow, Llama's legacy flag).
+        special_tokens: the tokenizer's special tokens (bos, eos, pad, unk, ...), added when
+            new; tokens: new tokens to add; the embeddings grow to the tokenizer's length
+            (to a multiple of 32 with resize_token_embeddings_to_32x).
+        eot_tokens: the chat template's end-of-turn tokens (each must be one token of the
+            tokenizer); trained as the end of each trained turn.
+        lora_model_dir: an adapter saved by PEFT, loaded and trained further (its own rank,
+            alpha and targets).
+        lora_use_rslora: rank-stabilised LoRA (scaling alpha / sqrt(rank)).
+        lora_fan_in_fan_out: LoRA over layers that store their weight transposed (GPT-2's
+            Conv1D); lora_target_parameters: LoRA on parameters by name (MoE experts).
+        unfrozen_parameters: a full fine-tune of only the parameters matching these
+            patterns (matched from the start of the name; a dot is a dot).
+        load_in_8bit: load the base in 8 bits (bitsandbytes LLM.int8), with LoRA.
+        quantization_kwargs: more arguments of the 4- or 8-bit BitsAndBytesConfig.
+        quantize_moe_experts: with a 4-bit base, MoE expert weights stored as 3-D
+            parameters are quantized to 4 bits too (NF4).
+        tf32: TF32 matmuls on a GPU that has them (None: PyTorch's default).
+        auto_resume_from_checkpoints: continue from the newest checkpoint in output_dir
+            when there is one (else start).
+        drop_unsupported_keys: train an Axolotl config without the keys offloadkit cannot
+            honour (listed in one warning and in the report) instead of refusing it.
         offload: the offloading configuration.
     """
 
@@ -125,23 +196,79 @@ class TrainConfig:
     gradient_checkpointing_kwargs: dict | None = None
     profile_step: int = 2
     compare: bool = True
+    warmup_ratio: float | None = None
+    adam_beta1: float | None = None
+    adam_beta2: float | None = None
+    adam_epsilon: float | None = None
+    neftune_noise_alpha: float | None = None
+    cosine_min_lr_ratio: float | None = None
+    val_set_size: float = 0
+    eval_steps: int | None = None
+    evals_per_epoch: int | None = None
+    eval_batch_size: int | None = None
+    saves_per_epoch: int | None = None
+    save_only_model: bool = False
+    sample_packing: bool = False
+    eval_sample_packing: bool | None = None
+    pad_to_sequence_len: bool = False
+    min_sample_len: int | None = None
+    dataset_exact_deduplication: bool = False
+    shuffle_merged_datasets: bool = True
+    group_by_length: bool = False
+    curriculum_sampling: bool = False
+    loss_watchdog_threshold: float | None = None
+    loss_watchdog_patience: int | None = None
+    trust_remote_code: bool = False
+    model_revision: str | None = None
+    model_class: str | None = None
+    model_config: dict | None = None
+    model_quantization_config: str | None = None
+    model_quantization_config_kwargs: dict | None = None
+    tokenizer_type: str | None = None
+    tokenizer_use_fast: bool | None = None
+    tokenizer_legacy: bool | None = None
+    special_tokens: dict | None = None
+    tokens: list | None = None
+    eot_tokens: list | None = None
+    resize_token_embeddings_to_32x: bool = False
+    lora_model_dir: str | None = None
+    lora_use_rslora: bool = False
+    lora_fan_in_fan_out: bool = False
+    lora_target_parameters: list | None = None
+    unfrozen_parameters: list | None = None
+    load_in_8bit: bool = False
+    quantization_kwargs: dict | None = None
+    quantize_moe_experts: bool = False
+    tf32: bool | None = None
+    auto_resume_from_checkpoints: bool = False
+    drop_unsupported_keys: bool = False
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     _names: dict = field(default_factory=dict, repr=False, compare=False)  # key -> as written by the user
     _ignored: list = field(default_factory=list, repr=False, compare=False)  # Axolotl keys without effect
+    _dropped: list = field(default_factory=list, repr=False, compare=False)  # not honoured, dropped on request
 
     @classmethod
     def train_keys(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.name != "offload" and not f.name.startswith("_")]
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "config", cuda: bool | None = None) -> "TrainConfig":
-        """Build and validate; Axolotl configs are recognised by their keys and mapped."""
+    def from_dict(
+        cls, data: dict, source: str = "config", cuda: bool | None = None, drop_unsupported_keys: bool = False
+    ) -> "TrainConfig":
+        """Build and validate; Axolotl configs are recognised by their keys and mapped.
+
+        Args:
+            drop_unsupported_keys: as the key of that name (``--drop-unsupported-keys``).
+        """
         from offloadkit.integrations import axolotl
 
         names: dict = {}
         ignored: list = []
+        dropped: list = []
+        if drop_unsupported_keys:
+            data = dict(data, drop_unsupported_keys=True)
         if axolotl.looks_like_axolotl(data):
-            data, names, ignored = axolotl.to_train_dict(data, cls.train_keys() + OffloadConfig.keys(), source)
+            data, names, ignored, dropped = axolotl.to_train_dict(data, cls.train_keys() + OffloadConfig.keys(), source)
         data = check_keys(dict(data), cls.train_keys() + OffloadConfig.keys(), source)
         train = {k: v for k, v in data.items() if k in cls.train_keys()}
         # seq_len and batch_size are keys of both: the run owns them (validated under the user's
@@ -158,14 +285,31 @@ class TrainConfig:
         for key in _FLOATS:
             if isinstance(train.get(key), str):
                 train[key] = _float(train[key], names.get(key, key), source)
-        config = cls(**train, offload=OffloadConfig.from_dict(offload, source=source), _names=names, _ignored=ignored)
+        if train.get("warmup_ratio") is not None:
+            if "warmup_steps" in train:
+                raise ConfigError(
+                    f"{source}: {names.get('warmup_ratio', 'warmup_ratio')} and "
+                    f"{names.get('warmup_steps', 'warmup_steps')} both set the warmup; keep one"
+                )
+            train["warmup_steps"] = 0
+        config = cls(
+            **train,
+            offload=OffloadConfig.from_dict(offload, source=source),
+            _names=names,
+            _ignored=ignored,
+            _dropped=dropped,
+        )
         config.validate(source)
         config.warn_without_effect()
         return config
 
     @classmethod
-    def from_file(cls, path: str | None) -> "TrainConfig":
-        return cls.from_dict(load_mapping(path) if path else {}, source=path or "built-in defaults")
+    def from_file(cls, path: str | None, drop_unsupported_keys: bool = False) -> "TrainConfig":
+        return cls.from_dict(
+            load_mapping(path) if path else {},
+            source=path or "built-in defaults",
+            drop_unsupported_keys=drop_unsupported_keys,
+        )
 
     def name(self, key: str) -> str:
         """The key as the user wrote it (an Axolotl name, when the config was one)."""
@@ -194,7 +338,17 @@ class TrainConfig:
         lora_keys = [k for k in ("lora_alpha",) if getattr(self, k) is not None]
         lora_keys += [k for k in ("lora_dropout",) if getattr(self, k)]
         lora_keys += [k for k in ("lora_target_modules",) if getattr(self, k) != "all-linear"]
-        lora_keys += [k for k in ("lora_modules_to_save", "lora_use_dora") if getattr(self, k)]
+        lora_keys += [
+            k
+            for k in (
+                "lora_modules_to_save",
+                "lora_use_dora",
+                "lora_use_rslora",
+                "lora_fan_in_fan_out",
+                "lora_target_parameters",
+            )
+            if getattr(self, k)
+        ]
         if lora_keys and not self.lora_rank:
             self.offload._warn(
                 f"{', '.join(self.name(k) for k in lora_keys)} only apply with LoRA "
@@ -365,8 +519,162 @@ class TrainConfig:
         reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to
         if not isinstance(reporters, list) or not all(isinstance(r, str) for r in reporters):
             fail("report_to", self.report_to, "must be none, tensorboard, or a list of logger names")
+        self._check_axolotl_keys(fail)
         if self.model is None and self.model_shape not in LLAMA_SHAPES:
             fail("model_shape", self.model_shape, f"is unknown; use one of {sorted(LLAMA_SHAPES)}")
+
+    def _check_axolotl_keys(self, fail) -> None:
+        """The keys Axolotl configs brought: evaluation, packing, optimizer, tokenizer, LoRA."""
+        ranges: dict[str, tuple[float, float, bool, str]] = {
+            # key: (low, high, high included, example)
+            "warmup_ratio": (0.0, 1.0, False, "0.1"),
+            "adam_beta1": (0.0, 1.0, False, "0.9"),
+            "adam_beta2": (0.0, 1.0, False, "0.999"),
+            "cosine_min_lr_ratio": (0.0, 1.0, True, "0.1"),
+        }
+        for key, (low, high, closed, example) in ranges.items():
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (low <= value <= high if closed else low <= value < high)
+            ):
+                fail(key, value, f"must be a number in [{low:g}, {high:g}{']' if closed else ')'}, e.g. {example}")
+        for key, example in (("adam_epsilon", "1e-8"), ("neftune_noise_alpha", "5"), ("loss_watchdog_threshold", "5")):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                fail(key, value, f"must be a positive number, e.g. {example}")
+        size = self.val_set_size
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, (int, float))
+            or size < 0
+            or (size >= 1 and size != int(size))
+        ):
+            fail("val_set_size", size, "must be a fraction in [0, 1) or a whole number of examples, e.g. 0.05")
+        for key, low in (
+            ("eval_steps", 1),
+            ("evals_per_epoch", 0),
+            ("eval_batch_size", 1),
+            ("saves_per_epoch", 1),
+            ("min_sample_len", 0),
+            ("loss_watchdog_patience", 1),
+        ):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                fail(key, value, f"must be an integer >= {low}")
+        for key in (
+            "save_only_model",
+            "sample_packing",
+            "pad_to_sequence_len",
+            "dataset_exact_deduplication",
+            "shuffle_merged_datasets",
+            "group_by_length",
+            "curriculum_sampling",
+            "trust_remote_code",
+            "resize_token_embeddings_to_32x",
+            "lora_use_rslora",
+            "lora_fan_in_fan_out",
+            "load_in_8bit",
+            "quantize_moe_experts",
+            "auto_resume_from_checkpoints",
+            "drop_unsupported_keys",
+        ):
+            if not isinstance(getattr(self, key), bool):
+                fail(key, getattr(self, key), "must be true or false")
+        for key in ("eval_sample_packing", "tokenizer_use_fast", "tokenizer_legacy", "tf32"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), bool):
+                fail(key, getattr(self, key), "must be true or false")
+        for key in ("model_revision", "model_class", "model_quantization_config", "tokenizer_type", "lora_model_dir"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                fail(key, value, "must be a name (a string)")
+        for key in ("model_config", "model_quantization_config_kwargs", "quantization_kwargs"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, dict):
+                fail(key, value, "must be a mapping of argument names to values")
+        tokens = self.special_tokens
+        if tokens is not None and not (
+            isinstance(tokens, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in tokens.items())
+        ):
+            fail("special_tokens", tokens, "must be a mapping like {pad_token: '<|end_of_text|>'}")
+        for key, example in (
+            ("tokens", "['<|im_start|>']"),
+            ("eot_tokens", "['<|im_end|>']"),
+            ("lora_target_parameters", "[experts.gate_up_proj]"),
+            ("unfrozen_parameters", "['^lm_head.weight$']"),
+        ):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, list) and all(isinstance(t, str) and t for t in value)):
+                fail(key, value, f"must be a list of strings, e.g. {example}")
+        if isinstance(self.unfrozen_parameters, list):
+            import re
+
+            for pattern in self.unfrozen_parameters:
+                if isinstance(pattern, str) and re.search(r"\[[0-9]*(:[0-9]*)?\]$", pattern):
+                    fail(
+                        "unfrozen_parameters",
+                        pattern,
+                        "trains part of a parameter (an index range), which offloadkit does not do; name whole "
+                        "parameters",
+                    )
+        if self.saves_per_epoch is not None and self.save_steps is not None:
+            fail(
+                "saves_per_epoch", self.saves_per_epoch, f"and {self.name('save_steps')} both set checkpoints; keep one"
+            )
+        if self.evals_per_epoch is not None and self.eval_steps is not None:
+            fail(
+                "evals_per_epoch", self.evals_per_epoch, f"and {self.name('eval_steps')} both set evaluation; keep one"
+            )
+        optimizer = self.optimizer if isinstance(self.optimizer, str) else ""
+        if optimizer in _NOT_ADAM or optimizer.startswith(("sgd", "adafactor")):
+            for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
+                if getattr(self, key) is not None:
+                    fail(
+                        key,
+                        getattr(self, key),
+                        f"applies to Adam-family optimizers, not {self.name('optimizer')}: {optimizer}",
+                    )
+        if self.cosine_min_lr_ratio is not None and self.lr_scheduler not in ("cosine", "cosine_with_min_lr"):
+            fail(
+                "cosine_min_lr_ratio",
+                self.cosine_min_lr_ratio,
+                f"applies to the cosine schedule, not {self.name('lr_scheduler')}: {self.lr_scheduler}",
+            )
+        if self.load_in_8bit is True and self.load_in_4bit is True:
+            fail("load_in_8bit", True, f"and {self.name('load_in_4bit')} both quantize the base; keep one")
+        if self.load_in_8bit is True and not self.lora_rank:
+            fail(
+                "load_in_8bit",
+                True,
+                f"needs LoRA adapters ({self.name('lora_rank')} > 0): an 8-bit base cannot be fully fine-tuned",
+            )
+        if self.quantize_moe_experts is True and not (self.load_in_4bit is True and self.lora_rank):
+            fail(
+                "quantize_moe_experts",
+                True,
+                f"quantizes the experts of a 4-bit LoRA run; set {self.name('load_in_4bit')}: true with LoRA",
+            )
+        if self.lora_model_dir is not None and not self.lora_rank:
+            fail(
+                "lora_model_dir",
+                self.lora_model_dir,
+                f"is an adapter to train further; it needs LoRA ({self.name('lora_rank')} > 0, adapter: lora)",
+            )
+        if self.model_quantization_config is not None and not (
+            self.model_quantization_config == "Mxfp4Config"
+            and (self.model_quantization_config_kwargs or {}).get("dequantize") is True
+        ):
+            fail(
+                "model_quantization_config",
+                self.model_quantization_config,
+                "is a quantized base offloadkit cannot train; it loads Mxfp4Config with dequantize: true "
+                "(the weights in dtype), or use load_in_4bit",
+            )
+        if self.group_by_length is True and self.curriculum_sampling is True:
+            fail("group_by_length", True, f"and {self.name('curriculum_sampling')} both order the examples; keep one")
 
 
 def _float(value: str, key: str, source: str) -> float:

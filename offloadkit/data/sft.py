@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,9 @@ from offloadkit.data.text import FORMATS, TokenBlocks, load_texts, read_text
 
 __all__ = [
     "DatasetSpec",
+    "split_bounds",
+    "select_records",
+    "document_examples",
     "SFT_TYPES",
     "load_records",
     "build_examples",
@@ -74,6 +78,13 @@ class DatasetSpec:
         roles: chat_template: template role -> names in the data, e.g. ``{user: [human]}``.
         roles_to_train: chat_template: roles whose turns are trained (default assistant).
         drop_system_message: chat_template: leave system messages out.
+        field_thinking: chat_template: the message field holding a reasoning trace (default
+            "reasoning_content"), handed to the template as ``template_thinking_key``
+            (default "reasoning_content").
+        split: a slice of the file's records in the hub's split syntax: ``train[:1%]``,
+            ``train[10:200]``, ``train[-5%:]`` (None or "train": every record).
+        shards, shards_idx: the file's records cut into ``shards`` contiguous pieces, of
+            which piece ``shards_idx`` (default 0) is read.
     """
 
     path: str
@@ -84,6 +95,55 @@ class DatasetSpec:
     roles: dict | None = None
     roles_to_train: list = dataclasses.field(default_factory=lambda: ["assistant"])
     drop_system_message: bool = False
+    field_thinking: str | None = None
+    template_thinking_key: str | None = None
+    split: str | None = None
+    shards: int | None = None
+    shards_idx: int | None = None
+
+
+_SLICE = re.compile(r"^train(?:\[(-?\d+%?)?(?::(-?\d+%?)?)?\])?$")
+
+
+def split_bounds(split: str, count: int) -> tuple[int, int]:
+    """The records ``split`` selects of ``count``, as ``(start, stop)``; percentages round to
+    the closest record, as the hub's datasets library does.
+
+    Raises:
+        ValueError: not ``train`` or ``train[a:b]`` (numbers or percentages).
+    """
+    m = _SLICE.match(split.replace(" ", ""))
+    if not m:
+        raise ValueError(f"split={split!r} is not train or a slice like train[:10%] or train[100:200]")
+    if "[" in split and ":" not in split:  # train[5]: one record
+        index = _bound(m.group(1), count, 0)
+        return index, index + 1
+
+    def bound(text, default):
+        return _bound(text, count, default)
+
+    start, stop = bound(m.group(1), 0), bound(m.group(2), count)
+    return max(0, min(start, count)), max(0, min(stop, count))
+
+
+def _bound(text: str | None, count: int, default: int) -> int:
+    if text is None:
+        return default
+    value = int(round(float(text[:-1]) * count / 100)) if text.endswith("%") else int(text)
+    return value + count if value < 0 else value
+
+
+def select_records(records: list, spec: DatasetSpec) -> list:
+    """The records ``spec.split`` and ``spec.shards`` select (all by default)."""
+    if spec.split not in (None, "train"):
+        start, stop = split_bounds(str(spec.split), len(records))
+        records = records[start:stop]
+    if spec.shards:
+        index = spec.shards_idx or 0
+        size, extra = divmod(len(records), spec.shards)
+        start = index * size + min(index, extra)
+        records = records[start : start + size + (1 if index < extra else 0)]
+    return records
 
 
 def load_records(path: str) -> list:
@@ -160,7 +220,11 @@ def _messages(record, spec: DatasetSpec, where: str) -> list[dict]:
         role = names.get(role, role)
         if role == "system" and spec.drop_system_message:
             continue
-        out.append({"role": role, "content": content})
+        turn = {"role": role, "content": content}
+        thinking = message.get(spec.field_thinking or "reasoning_content") if isinstance(message, dict) else None
+        if isinstance(thinking, str) and thinking:
+            turn[spec.template_thinking_key or "reasoning_content"] = thinking
+        out.append(turn)
     if not out:
         raise ValueError(f"{where}: the conversation has no messages")
     return out
@@ -200,15 +264,21 @@ def _chat(record, spec: DatasetSpec, tokenizer, train_on_inputs: bool, where: st
     return list(ids), labels
 
 
-def build_examples(spec: DatasetSpec, tokenizer, seq_len: int, train_on_inputs: bool = False) -> tuple[list, int]:
+def build_examples(
+    spec: DatasetSpec, tokenizer, seq_len: int, train_on_inputs: bool = False, per_document: bool = False
+) -> tuple[list, int]:
     """Tokenized ``(input_ids, labels)`` examples of one dataset, and how many were dropped
-    for being longer than ``seq_len``.
+    for being longer than ``seq_len``. Completion text is joined and cut into blocks, or with
+    ``per_document`` cut per document (each ending with EOS), so that packing keeps
+    documents apart.
 
     Raises:
         ValueError: a malformed record (file, record and fix in the message), or no example.
     """
     if spec.type == "completion":
-        texts = load_texts(spec.path, spec.field or "text")
+        texts = select_records(load_texts(spec.path, spec.field or "text"), spec)
+        if per_document:
+            return document_examples(tokenizer, texts, seq_len), 0
         blocks = TokenBlocks(tokenizer, texts, seq_len)
         return [(row.tolist(), row.tolist()) for row in blocks.data], 0
     if spec.type == "chat_template" and not getattr(tokenizer, "chat_template", None):
@@ -217,7 +287,7 @@ def build_examples(spec: DatasetSpec, tokenizer, seq_len: int, train_on_inputs: 
             "(set chat_template: chatml, or give a tokenizer that has one)"
         )
     examples, dropped = [], 0
-    for index, record in enumerate(load_records(spec.path)):
+    for index, record in enumerate(select_records(load_records(spec.path), spec)):
         where = f"{spec.path}[{index}]"
         if spec.type == "alpaca":
             ids, labels = _alpaca(record, tokenizer, train_on_inputs, where)
@@ -233,6 +303,21 @@ def build_examples(spec: DatasetSpec, tokenizer, seq_len: int, train_on_inputs: 
             f"{spec.path}: no example fits in seq_len={seq_len} with a trained token ({dropped} longer ones dropped)"
         )
     return examples, dropped
+
+
+def document_examples(tokenizer, texts: list[str], seq_len: int) -> list:
+    """Each document tokenized with EOS at its end and cut into pieces of at most
+    ``seq_len`` tokens (a last piece of one token, with nothing to predict, is dropped)."""
+    examples = []
+    for text in texts:
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        for start in range(0, len(ids), seq_len):
+            piece = ids[start : start + seq_len]
+            if len(piece) > 1:
+                examples.append((piece, list(piece)))
+    return examples
 
 
 def check_path(spec: DatasetSpec) -> str | None:
@@ -261,12 +346,13 @@ class SFTExamples(torch.utils.data.Dataset):
         return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long)}
 
 
-def pad_collate(pad_token_id: int):
-    """A collator padding each batch to its longest example (labels with -100, and an
-    attention mask that is 0 on padding)."""
+def pad_collate(pad_token_id: int, length: int | None = None):
+    """A collator padding each batch to its longest example, or to ``length`` (labels with
+    -100, and an attention mask that is 0 on padding)."""
+    fixed = length
 
     def collate(items: list[dict]) -> dict:
-        length = max(item["input_ids"].numel() for item in items)
+        length = max([item["input_ids"].numel() for item in items] + [fixed or 0])
         ids = torch.full((len(items), length), pad_token_id, dtype=torch.long)
         labels = torch.full((len(items), length), IGNORE, dtype=torch.long)
         mask = torch.zeros((len(items), length), dtype=torch.long)

@@ -3,10 +3,14 @@
 
 Keys offloadkit shares with Axolotl (``gradient_checkpointing``, ``activation_offloading``,
 ``learning_rate``, ...) keep their meaning, Axolotl's values included (``offload``,
-``offload_disk``, ``hidden_states``). An empty key is unset, as in Axolotl. Keys that
-cannot take effect here are accepted with one warning listing them; features offloadkit
-does not have (RL trainers, multimodal processors, quantised bases, ...) are refused by
-name; unknown keys stop with a suggestion. Every problem of a config is reported at once.
+``offload_disk``, ``hidden_states``). An empty key is unset, as in Axolotl. Keys that change
+the training (warmup_ratio, val_set_size, sample_packing, special_tokens, ...) are honoured
+as TrainConfig keys of the same name; keys that do not change it (logging, hub, kernels,
+caches, multi-GPU layouts) are accepted with one warning listing them; a key that changes
+the training and cannot be honoured refuses the run with one line naming it, unless
+``drop_unsupported_keys: true``; features offloadkit does not have (RL trainers, multimodal
+processors, QAT, ...) are refused by name; unknown keys stop with a suggestion. Every problem
+of a config is reported at once.
 """
 
 from __future__ import annotations
@@ -16,16 +20,21 @@ import warnings
 
 from offloadkit.config import KEYS_HELP, ConfigProblemsError, unknown_keys
 
-__all__ = ["looks_like_axolotl", "to_train_dict", "RENAMED", "WITHOUT_EFFECT", "UNSUPPORTED"]
+__all__ = ["looks_like_axolotl", "to_train_dict", "RENAMED", "WITHOUT_EFFECT", "NOT_HONOURED", "UNSUPPORTED"]
 
 
-# Axolotl name -> offloadkit name (same-named keys pass through unchanged).
+# Axolotl name -> offloadkit name (same-named keys pass through unchanged: warmup_ratio,
+# val_set_size, sample_packing, special_tokens, lora_model_dir, ... are TrainConfig keys).
 RENAMED = {
     "base_model": "model",
     "tokenizer_config": "tokenizer",
     "sequence_len": "seq_len",
     "micro_batch_size": "batch_size",
     "lora_r": "lora_rank",
+    "peft_use_rslora": "lora_use_rslora",
+    "adam_eps": "adam_epsilon",
+    "revision_of_model": "model_revision",
+    "bnb_config_kwargs": "quantization_kwargs",
 }
 # Handled by the mapping below rather than renamed.
 SPECIAL = (
@@ -36,6 +45,7 @@ SPECIAL = (
     "fp16",
     "bfloat16",
     "float16",
+    "torch_dtype",
     "flash_attention",
     "sdp_attention",
     "load_in_4bit",
@@ -45,46 +55,29 @@ SPECIAL = (
     "liger_fused_linear_cross_entropy",
     "chat_template_jinja",
     "peft_use_dora",
-)
-# Accepted, but nothing here acts on them (logging, hub, evaluation, kernels, multi-GPU
-# settings of a one-process run, data preparation caches, ...).
-WITHOUT_EFFECT = (
+    "save_strategy",
+    "eval_strategy",
+    "evaluation_strategy",
+    "plugins",
+    "auto_resume_from_checkpoints",
     "base_model_config",
-    "tokenizer_type",
-    "tokenizer_use_fast",
-    "tokenizer_legacy",
-    "tokenizer_use_mistral_common",
-    "trust_remote_code",
+)
+# Accepted without changing what is trained: how a run is logged or published, caches of
+# data preparation, kernels and compilers that compute the same thing another way, and the
+# layout of a multi-GPU run (one process here, with offloadkit's memory options instead).
+# Listed in one warning.
+WITHOUT_EFFECT = (
     "is_llama_derived_model",
     "is_mistral_derived_model",
     "is_falcon_derived_model",
     "is_qwen_derived_model",
     "strict",
-    "special_tokens",
-    "tokens",
-    "eot_tokens",
     "dataset_prepared_path",
-    "val_set_size",
-    "test_datasets",
-    "shuffle_merged_datasets",
-    "dataset_exact_deduplication",
     "skip_prepare_dataset",
-    "sample_packing",
-    "eval_sample_packing",
     "sample_packing_eff_est",
-    "sample_packing_seq_len_multiplier",
-    "sample_packing_sequentially",
-    "pad_to_sequence_len",
-    "max_packed_sequence_len",
-    "group_by_length",
-    "pretrain_multipack_attn",
-    "streaming_multipack_buffer_size",
-    "min_sample_len",
     "total_num_tokens",
-    "curriculum_sampling",
     "xformers_attention",
     "flex_attention",
-    "s2_attention",
     "flash_optimum",
     "flash_attn_fuse_mlp",
     "flash_attn_rms_norm",
@@ -92,7 +85,6 @@ WITHOUT_EFFECT = (
     "flex_attn_compile_kwargs",
     "fused_attn_kernel",
     "gemma4_hybrid_attn_impl",
-    "tf32",
     "wandb_project",
     "wandb_entity",
     "wandb_watch",
@@ -123,20 +115,11 @@ WITHOUT_EFFECT = (
     "hub_strategy",
     "hf_use_auth_token",
     "push_dataset_to_hub",
-    "evals_per_epoch",
-    "eval_steps",
-    "eval_strategy",
-    "evaluation_strategy",
     "eval_table_size",
     "eval_max_new_tokens",
     "eval_causal_lm_metrics",
     "do_causal_lm_eval",
-    "eval_batch_size",
-    "saves_per_epoch",
-    "save_strategy",
-    "save_only_model",
     "save_safetensors",
-    "early_stopping_patience",
     "local_rank",
     "debug",
     "deepspeed",
@@ -148,17 +131,17 @@ WITHOUT_EFFECT = (
     "ddp",
     "ddp_find_unused_parameters",
     "accelerator_config",
+    "context_parallel_size",
+    "context_parapllel_size",
+    "tensor_parallel_size",
+    "expert_parallel_size",
+    "expert_parallel_num_nvl_bytes",
     "device_map",
     "low_cpu_mem_usage",
     "experimental_skip_move_to_device",
     "torchdistx_path",
-    "warmup_ratio",
-    "lora_fan_in_fan_out",
-    "lora_model_dir",
-    "peft_use_rslora",
     "torch_compile",
     "torch_compile_mode",
-    "plugins",
     "liger_rope",
     "liger_rms_norm",
     "liger_rms_norm_gated",
@@ -174,43 +157,48 @@ WITHOUT_EFFECT = (
     "use_dsv4_kernels",
     "dsv4_fp4_grouped_mode",
     "use_glm_dsa_kernels",
-    "quantize_moe_experts",
-    "llama4_linearized_experts",
-    "resize_token_embeddings_to_32x",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
-    "adam_eps",
-    "cosine_min_lr_ratio",
-    "cosine_constant_lr_ratio",
-    "eta_min",
-    "lr_quadratic_warmup",
-    "loss_watchdog_threshold",
-    "loss_watchdog_patience",
-    "neftune_noise_alpha",
-    "auto_resume_from_checkpoints",
-    "remove_unused_columns",
-    "revision_of_model",
-    "base_model_ignore_patterns",
-    "model_config",
-    "test_value",
     "unsloth_cross_entropy_loss",
     "unsloth_lora_mlp",
     "unsloth_lora_qkv",
     "unsloth_lora_o",
     "unsloth_rms_norm",
     "unsloth_rope",
-    "lora_dropout_layers",
-    "torch_dtype",
+    "remove_unused_columns",
+    "base_model_ignore_patterns",
+    "test_value",
+    "eta_min",
     "dataloader_num_workers",
     "dataloader_pin_memory",
     "dataloader_prefetch_factor",
     "gc_steps",
     "include_tokens_per_second",
     "profiler_steps",
-    "bnb_config_kwargs",
-    "model_quantization_config_kwargs",
 )
+# Keys that change what is trained and that offloadkit cannot honour: key -> what it does.
+# Refused, one line each, unless drop_unsupported_keys: true.
+NOT_HONOURED = {
+    "cosine_constant_lr_ratio": "Axolotl's cosine schedule with a constant phase",
+    "lr_quadratic_warmup": "a quadratic warmup",
+    "early_stopping_patience": "early stopping on the evaluation loss",
+    "sample_packing_sequentially": "packing in dataset order",
+    "sample_packing_seq_len_multiplier": "packing several rows' worth of examples per row",
+    "max_packed_sequence_len": "packing to another length than sequence_len",
+    "pretrain_multipack_attn": "packed pretraining attention",
+    "streaming_multipack_buffer_size": "packing a streamed dataset",
+    "curriculum_sampling_by": "curriculum ordering",
+    "s2_attention": "shifted sparse attention (another attention)",
+    "llama4_linearized_experts": "Llama 4 experts rebuilt as linear layers",
+    "lora_dropout_layers": "LoRA dropout on chosen layers",
+    "expert_parallel_token_capacity": "a cap on the tokens each expert takes (others dropped)",
+    "test_datasets": "a separate evaluation dataset",
+    "lora_layers_to_transform": "LoRA on chosen layers only",
+    "peft_layers_to_transform": "LoRA on chosen layers only",
+    "embeddings_skip_upcast": "embeddings kept in low precision",
+    "chat_template_kwargs": "arguments to the chat template",
+    "default_system_message": "a default system message",
+    "shuffle_before_merging_datasets": "shuffling each dataset before merging",
+    "tokenizer_use_mistral_common": "mistral-common's tokenizer and chat rendering",
+}
 # Axolotl features offloadkit does not have: key -> what it is. Refused when set (not
 # empty, false or 1 for the parallel sizes).
 UNSUPPORTED = {
@@ -231,7 +219,6 @@ UNSUPPORTED = {
     "gptq_groupsize": "GPTQ-quantised bases",
     "gptq_model_v1": "GPTQ-quantised bases",
     "gptq_disable_exllama": "GPTQ-quantised bases",
-    "model_quantization_config": "quantised bases",
     "llmcompressor": "llm-compressor sparsity",
     "qat": "quantisation-aware training",
     "fp8": "fp8 training",
@@ -251,26 +238,17 @@ UNSUPPORTED = {
     "jagged_restart_anneal_steps": "jagged learning-rate restarts",
     "use_ray": "Ray training",
     "ray_num_workers": "Ray training",
-    "unfrozen_parameters": "training a chosen subset of the parameters",
-    "lora_target_parameters": "LoRA on raw parameters (MoE expert tensors)",
     "reinit_weights": "re-initialised weights",
     "use_eaft": "EAFT loss",
     "eaft_alpha": "EAFT loss",
     "eaft_k": "EAFT loss",
     "cls_model_config": "classification heads",
     "peft": "PEFT configs other than LoRA (peft:)",
-    "context_parallel_size": "context parallelism across GPUs (offloadkit's own is offloadkit.parallel)",
-    "context_parapllel_size": "context parallelism across GPUs",
-    "tensor_parallel_size": "tensor parallelism",
-    "expert_parallel_size": "expert parallelism",
-    "expert_parallel_num_nvl_bytes": "expert parallelism",
-    "expert_parallel_token_capacity": "expert parallelism",
     "streaming": "streaming datasets",
     "full_finetune": "EBFT full fine-tuning",
 }
-_PARALLEL = ("context_parallel_size", "context_parapllel_size", "tensor_parallel_size", "expert_parallel_size")
 # Keys only Axolotl uses: any of them marks a config as an Axolotl one.
-_AXOLOTL_ONLY = set(RENAMED) | set(SPECIAL) | set(WITHOUT_EFFECT) | set(UNSUPPORTED)
+_AXOLOTL_ONLY = set(RENAMED) | set(SPECIAL) | set(WITHOUT_EFFECT) | set(UNSUPPORTED) | set(NOT_HONOURED)
 _DATASET_KEYS = (
     "path",
     "type",
@@ -293,7 +271,9 @@ _DATASET_KEYS = (
     "trust_remote_code",
     "revision",
     "shards",
+    "shards_idx",
     "preprocess_shards",
+    "train_on_eot",
 )
 _RL_DATASET_KEYS = (
     "field_chosen",
@@ -310,8 +290,16 @@ _TYPES = {
     "chat_template": "chat_template",
     "chat_template.default": "chat_template",
 }
-# Axolotl's named chat templates: offloadkit renders with the tokenizer's own template.
-_TEMPLATE_NAMES = ("tokenizer_default", "tokenizer_default_fallback_chatml", "chatml", "jinja")
+# How warmup_ratio is named when it is Axolotl's default (3% of the steps, at most 100).
+AXOLOTL_DEFAULT_WARMUP = "warmup_ratio (Axolotl's default: 3% of the steps, at most 100)"
+# Plugins whose effect is the keys next to them (mapped, or without effect on training).
+_PLUGINS = {
+    "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin": "cut_cross_entropy",
+    "axolotl.integrations.liger.LigerPlugin": "liger_* kernels",
+    "axolotl.integrations.kernels.KernelsPlugin": "kernels",
+    "axolotl.integrations.swanlab.SwanLabPlugin": "logging",
+    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": "multi-GPU expert layout",
+}
 _MODEL_CLASSES_UNSUPPORTED = {
     "AutoModelForSequenceClassification": "sequence classification heads",
     "AutoModelForTokenClassification": "token classification heads",
@@ -333,11 +321,13 @@ def _unset(value) -> bool:
 class _Mapper:
     """One config's mapping: the output dict, names as written, warnings and problems."""
 
-    def __init__(self, native_keys: list[str]) -> None:
+    def __init__(self, native_keys: list[str], drop: bool) -> None:
         self.native = native_keys
+        self.drop = drop
         self.out: dict = {}
         self.names: dict = {}
         self.ignored: list[str] = []
+        self.dropped: list[str] = []
         self.problems: list[tuple[str, bool]] = []
 
     def put(self, target: str, value, written: str) -> None:
@@ -352,6 +342,18 @@ class _Mapper:
 
     def refuse(self, message: str) -> None:
         self.problems.append((message, True))
+
+    def not_honoured(self, key: str, value, what: str) -> None:
+        """A key that changes the training and cannot be honoured: refused with one line,
+        or dropped when the config asks for that (drop_unsupported_keys)."""
+        if self.drop:
+            self.dropped.append(f"{key} ({what})")
+            return
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        self.refuse(
+            f"{key}={shown}: {what}, which offloadkit cannot honour; it changes the training, so the run stops "
+            "(drop_unsupported_keys: true trains without it)"
+        )
 
     def dataset(self, index: int, entry) -> dict | None:
         where = f"datasets[{index}]"
@@ -399,23 +401,34 @@ class _Mapper:
                 mappings.setdefault(prop, entry[old])
         if mappings:
             spec["message_property_mappings"] = mappings
-        for key in ("field_messages", "roles", "roles_to_train", "drop_system_message"):
-            if key in entry:
-                spec[key] = entry[key]
         for key in (
+            "field_messages",
+            "roles",
+            "roles_to_train",
+            "drop_system_message",
             "field_thinking",
             "template_thinking_key",
-            "chat_template",
-            "train_on_eos",
-            "split",
-            "name",
             "shards",
-            "preprocess_shards",
-            "revision",
-            "trust_remote_code",
-            "ds_type",
+            "shards_idx",
         ):
-            if key in entry and not (key == "split" and entry[key] == "train"):
+            if key in entry:
+                spec[key] = entry[key]
+        split = entry.get("split")
+        if isinstance(split, str) and (split == "train" or split.startswith("train[")):
+            if split != "train":
+                spec["split"] = split  # a slice of the file's records, as the hub's split syntax takes it
+        elif split is not None:
+            self.not_honoured(f"{where}.split", split, "a split other than train (a local file has one)")
+        for key in ("train_on_eos", "train_on_eot"):
+            if key in entry and entry[key] != "turn":
+                # offloadkit trains each trained turn through its end-of-turn tokens: Axolotl's "turn".
+                self.not_honoured(f"{where}.{key}", entry[key], "end-of-turn tokens trained other than per turn")
+        template = entry.get("chat_template")
+        if template is not None:
+            spec["_chat_template"] = template
+        # Where a hub dataset is read from, and how it is prepared: nothing to do for a local file.
+        for key in ("name", "revision", "trust_remote_code", "ds_type", "preprocess_shards"):
+            if key in entry:
                 self.ignored.append(f"{where}.{key}")
         return spec
 
@@ -446,20 +459,26 @@ def _map_keys(data: dict, m: _Mapper) -> None:
         elif key == "datasets":
             entries = value if isinstance(value, list) else [value]
             specs = [m.dataset(i, e) for i, e in enumerate(entries)]
-            if len(specs) == 1 and specs[0] is not None and specs[0]["type"] == "completion":
-                # One text dataset: offloadkit's own route (joined and cut into full blocks).
-                m.put("dataset", specs[0]["path"], "datasets[0].path")
-                if "field" in specs[0]:
-                    m.put("text_field", specs[0]["field"], "datasets[0].field")
-            elif all(s is not None for s in specs) and specs:
+            if len(specs) == 1 and specs[0] is not None and set(specs[0]) <= {"path", "type", "field"}:
+                if specs[0]["type"] == "completion":
+                    # One text dataset: offloadkit's own route (joined and cut into full blocks).
+                    m.put("dataset", specs[0]["path"], "datasets[0].path")
+                    if "field" in specs[0]:
+                        m.put("text_field", specs[0]["field"], "datasets[0].field")
+                    continue
+            if all(s is not None for s in specs) and specs:
+                templates = {s.pop("_chat_template") for s in specs if s and "_chat_template" in s}  # type: ignore[union-attr]
+                if templates:
+                    _dataset_template(templates, data, m)
                 m.put("datasets", specs, "datasets")
         elif key in SPECIAL:
             continue  # resolved below, once every key is known
         elif key in UNSUPPORTED:
-            if key in _PARALLEL and value in (1, "1"):
-                continue
             if value is not False:
                 m.refuse(f"{key}={value!r}: {UNSUPPORTED[key]} is not something offloadkit train does")
+        elif key in NOT_HONOURED:
+            if value is not False:
+                m.not_honoured(key, value, NOT_HONOURED[key])
         elif key in WITHOUT_EFFECT:
             if value not in (False,):
                 m.ignored.append(key)
@@ -471,23 +490,35 @@ def _map_keys(data: dict, m: _Mapper) -> None:
         m.fail(f"{unknown_keys(unknown, set(m.native) | _AXOLOTL_ONLY, cutoff=0.8)}; {KEYS_HELP}")
 
 
+def _dataset_template(templates: set, data: dict, m: _Mapper) -> None:
+    """A dataset's own chat_template: honoured when it is the config's (or the only one)."""
+    overall = data.get("chat_template")
+    if len(templates) == 1 and (overall is None or templates == {overall}):
+        if overall is None:
+            m.put("chat_template", templates.pop(), "datasets[].chat_template")
+        return
+    m.not_honoured(
+        "datasets[].chat_template", sorted(map(str, templates)), "a chat template per dataset other than the config's"
+    )
+
+
 def _map_adapter(data: dict, m: _Mapper) -> None:
     adapter = data.get("adapter")
-    if data.get("load_in_8bit") is True:
-        m.refuse(
-            "load_in_8bit=true: 8-bit quantised bases; use load_in_4bit: true with adapter: qlora (QLoRA), or a "
-            "16-bit base with adapter: lora"
-        )
-    if data.get("load_in_4bit") is True:
-        m.put("load_in_4bit", True, "load_in_4bit")
+    for key in ("load_in_4bit", "load_in_8bit"):
+        if data.get(key) is True:
+            m.put(key, True, key)
     if adapter is None:
-        # Without an adapter Axolotl fine-tunes every weight; its lora_* keys do nothing then.
+        # Without an adapter Axolotl fine-tunes every weight; its LoRA keys do nothing then.
         for written, target in (
             ("lora_r", "lora_rank"),
             ("lora_alpha", "lora_alpha"),
             ("lora_dropout", "lora_dropout"),
             ("lora_target_modules", "lora_target_modules"),
             ("lora_target_linear", None),
+            ("lora_model_dir", "lora_model_dir"),
+            ("peft_use_rslora", "lora_use_rslora"),
+            ("lora_fan_in_fan_out", "lora_fan_in_fan_out"),
+            ("lora_target_parameters", "lora_target_parameters"),
         ):
             if not _unset(data.get(written)) and data.get(written) is not False:
                 m.ignored.append(f"{written} (no adapter: lora)")
@@ -501,7 +532,7 @@ def _map_adapter(data: dict, m: _Mapper) -> None:
     if data.get("lora_target_linear"):
         m.out["lora_target_modules"] = "all-linear"
         m.names["lora_target_modules"] = "lora_target_linear"
-    if adapter == "qlora":
+    if adapter == "qlora" and data.get("load_in_8bit") is not True:
         # QLoRA: LoRA adapters over a 4-bit (NF4) base, which Axolotl loads with load_in_4bit.
         m.out["load_in_4bit"] = True
         m.names.setdefault("load_in_4bit", "adapter")
@@ -517,6 +548,15 @@ def _map_precision(data: dict, m: _Mapper) -> None:
         bf16 = True
     if data.get("float16") is True:
         fp16 = True
+    torch_dtype = data.get("torch_dtype")
+    if torch_dtype is not None and bf16 is None and not fp16:
+        names = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+        names.update(float32="float32", fp32="float32", auto="auto")
+        if str(torch_dtype).replace("torch.", "") in names:
+            m.put("dtype", names[str(torch_dtype).replace("torch.", "")], "torch_dtype")
+        else:
+            m.fail(f"torch_dtype={torch_dtype!r} is not a dtype; use bfloat16, float16 or float32")
+        return
     if bf16 in (True, "auto") and fp16:
         m.fail("bf16 and fp16 are both on; keep one")
     elif bf16 is True:
@@ -527,6 +567,74 @@ def _map_precision(data: dict, m: _Mapper) -> None:
         m.put("dtype", "float16", "fp16")
     elif bf16 is False:
         m.put("dtype", "float32", "bf16")
+
+
+def _map_model_class(data: dict, m: _Mapper) -> None:
+    model_class = data.get("model_type")
+    if not isinstance(model_class, str):
+        return
+    if model_class in _MODEL_CLASSES_UNSUPPORTED:
+        m.refuse(
+            f"model_type={model_class!r}: {_MODEL_CLASSES_UNSUPPORTED[model_class]}; offloadkit train trains "
+            "causal language models"
+        )
+    elif model_class.endswith("ForConditionalGeneration"):
+        m.refuse(f"model_type={model_class!r}: multimodal models; offloadkit train trains causal language models")
+    elif model_class != "AutoModelForCausalLM":
+        try:
+            import transformers
+
+            known = hasattr(transformers, model_class)
+        except ImportError:  # checked when the model loads
+            known = True
+        if known:
+            m.put("model_class", model_class, "model_type")
+        else:
+            m.refuse(
+                f"model_type={model_class!r} is not a transformers class (another library's model); offloadkit "
+                "train loads transformers' causal LMs"
+            )
+
+
+def _map_schedules(data: dict, m: _Mapper) -> None:
+    """Axolotl's save_strategy and eval_strategy, as the steps offloadkit takes them in."""
+    save = data.get("save_strategy")
+    if save == "no":
+        for key in ("save_steps", "saves_per_epoch"):
+            m.out.pop(key, None)
+    elif save == "epoch":
+        m.out.pop("save_steps", None)
+        m.out["saves_per_epoch"] = 1
+        m.names["saves_per_epoch"] = "save_strategy"
+    elif save not in (None, "steps"):
+        m.not_honoured("save_strategy", save, "checkpoints chosen by a metric")
+    for key in ("eval_strategy", "evaluation_strategy"):
+        value = data.get(key)
+        if value == "no":
+            m.out.pop("eval_steps", None)
+            m.out["evals_per_epoch"] = 0
+            m.names["evals_per_epoch"] = key
+        elif value == "epoch":
+            m.out.pop("eval_steps", None)
+            m.out["evals_per_epoch"] = 1
+            m.names["evals_per_epoch"] = key
+        elif value not in (None, "steps"):
+            m.not_honoured(key, value, "an evaluation schedule other than steps, epoch or no")
+    if "warmup_steps" not in data and "warmup_ratio" not in data:
+        # Axolotl warms up over 3% of the steps (at most 100) when neither is given.
+        m.out["warmup_ratio"] = 0.03
+        m.names["warmup_ratio"] = AXOLOTL_DEFAULT_WARMUP
+    if data.get("auto_resume_from_checkpoints") is True:
+        m.put("auto_resume_from_checkpoints", True, "auto_resume_from_checkpoints")
+    config_dir = data.get("base_model_config")
+    if config_dir is not None and config_dir != data.get("base_model"):
+        m.not_honoured("base_model_config", config_dir, "a model config from another place than base_model")
+    plugins = data.get("plugins")
+    for plugin in plugins if isinstance(plugins, list) else [plugins] if plugins else []:
+        if plugin in _PLUGINS:
+            m.ignored.append(f"plugins: {str(plugin).rsplit('.', 1)[-1]}")
+        elif not any(str(plugin).endswith(name) for name in ("DiffusionPlugin", "LLMCompressorPlugin")):
+            m.not_honoured("plugins", plugin, "an Axolotl plugin")  # the two others' keys are refused by name
 
 
 def _map_values(data: dict, m: _Mapper) -> None:
@@ -542,17 +650,8 @@ def _map_values(data: dict, m: _Mapper) -> None:
         # checkpoint-input offload, which is checkpointing with activation offloading.
         out["activation_offloading"] = True
         out.setdefault("gradient_checkpointing", True)
-    model_class = data.get("model_type")
-    if isinstance(model_class, str):
-        if model_class in _MODEL_CLASSES_UNSUPPORTED:
-            m.refuse(
-                f"model_type={model_class!r}: {_MODEL_CLASSES_UNSUPPORTED[model_class]}; offloadkit train trains "
-                "causal language models"
-            )
-        elif model_class.endswith("ForConditionalGeneration"):
-            m.refuse(f"model_type={model_class!r}: multimodal models; offloadkit train trains causal language models")
-        else:
-            m.ignored.append("model_type")
+    _map_model_class(data, m)
+    _map_schedules(data, m)
     if "attn_implementation" not in out:
         if data.get("flash_attention") is True:
             m.put("attn_implementation", "flash_attention_2", "flash_attention")
@@ -563,19 +662,17 @@ def _map_values(data: dict, m: _Mapper) -> None:
         written = "cut_cross_entropy" if data.get("cut_cross_entropy") is True else "liger_fused_linear_cross_entropy"
         if "chunked_cross_entropy" not in out:
             m.put("chunked_cross_entropy", True, written)
-    template = out.get("chat_template")
-    if template == "jinja":
+    if out.get("chat_template") == "jinja":
         jinja = data.get("chat_template_jinja")
         if not isinstance(jinja, str) or not jinja:
             m.fail("chat_template=jinja needs chat_template_jinja: the template text")
         else:
             out["chat_template"] = jinja
-    elif isinstance(template, str) and template not in _TEMPLATE_NAMES:
-        m.ignored.append(f"chat_template: {template} (the tokenizer's own template is used)")
-        out["chat_template"] = "tokenizer_default"
+    # Other named templates (llama3, gemma3, qwen3, ...) are the model family's own format:
+    # rendered with the tokenizer's template, checked to be that family's when the model loads.
 
 
-def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict, dict, list[str]]:
+def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict, dict, list[str], list[str]]:
     """Map an Axolotl config onto ``TrainConfig`` keys.
 
     Args:
@@ -584,14 +681,16 @@ def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict
         source: the file name, for messages.
 
     Returns:
-        ``(mapped, names, ignored)``: the TrainConfig dict, offloadkit key -> key as written
-        (for messages), and the keys without effect (already warned about, once).
+        ``(mapped, names, ignored, dropped)``: the TrainConfig dict, offloadkit key -> key as
+        written (for messages), the keys without effect on training, and the keys not
+        honoured that ``drop_unsupported_keys: true`` dropped (both warned about, once).
 
     Raises:
-        ConfigProblemsError: every unknown key, unsupported value or feature, at once.
+        ConfigProblemsError: every unknown key, unsupported value or feature, and every key
+            that changes the training and cannot be honoured (unless dropped), at once.
     """
     data = {k: v for k, v in data.items() if not _unset(v)}  # an empty key is unset
-    m = _Mapper(native_keys)
+    m = _Mapper(native_keys, drop=data.get("drop_unsupported_keys") is True)
     _map_keys(data, m)
     _map_adapter(data, m)
     _map_precision(data, m)
@@ -600,8 +699,15 @@ def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict
         raise ConfigProblemsError(source, m.problems)
     if m.ignored:
         warnings.warn(
-            f"offloadkit: {source}: these Axolotl keys have no effect in offloadkit train: {', '.join(m.ignored)}",
+            f"offloadkit: {source}: these Axolotl keys do not change the training and are not used: "
+            f"{', '.join(m.ignored)}",
             UserWarning,
             stacklevel=3,
         )
-    return m.out, m.names, m.ignored
+    if m.dropped:
+        warnings.warn(
+            f"offloadkit: {source}: drop_unsupported_keys: training without {', '.join(m.dropped)}",
+            UserWarning,
+            stacklevel=3,
+        )
+    return m.out, m.names, m.ignored, m.dropped

@@ -6,7 +6,7 @@ from torch import nn
 
 from offloadkit.extras import require
 
-__all__ = ["apply_lora", "require_peft"]
+__all__ = ["apply_lora", "load_lora", "require_peft"]
 
 
 def require_peft():
@@ -21,12 +21,20 @@ def apply_lora(
     dropout: float = 0.0,
     modules_to_save: list | None = None,
     use_dora: bool = False,
+    use_rslora: bool = False,
+    fan_in_fan_out: bool = False,
+    target_parameters: list | None = None,
 ) -> nn.Module:
     """Wrap ``model`` with LoRA adapters on every linear layer but the output head.
 
     Args:
         modules_to_save: modules trained whole next to the adapters (e.g. ``["lm_head"]``).
         use_dora: DoRA adapters (weight-decomposed LoRA).
+        use_rslora: rank-stabilised LoRA: the update is scaled by alpha / sqrt(rank)
+            instead of alpha / rank.
+        fan_in_fan_out: the targeted layers store their weight as (in, out) (GPT-2's Conv1D).
+        target_parameters: parameters (not modules) to put LoRA on, by name, e.g. a
+            mixture-of-experts layer's ``experts.gate_up_proj``.
 
     Example:
         >>> lora_model = apply_lora(build_llama("tiny"), rank=8)
@@ -34,6 +42,7 @@ def apply_lora(
     if rank < 1:
         raise ValueError(f"lora rank={rank!r} is invalid; pass an int >= 1")
     peft = require_peft()
+    extra = {"target_parameters": list(target_parameters)} if target_parameters else {}
     config = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha if alpha is not None else 2 * rank,
@@ -41,5 +50,15 @@ def apply_lora(
         lora_dropout=dropout,
         modules_to_save=modules_to_save,
         use_dora=use_dora,
+        use_rslora=use_rslora,
+        fan_in_fan_out=fan_in_fan_out,
+        **extra,
     )
     return peft.get_peft_model(model, config)
+
+
+def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
+    """``model`` with the LoRA adapter saved in ``adapter_dir`` (its own rank, alpha and
+    targets), trainable: training goes on from its weights."""
+    peft = require_peft()
+    return peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)

@@ -113,6 +113,7 @@ output_dir: out
 def test_hub_id_not_in_the_cache_and_an_earlier_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # train could not download it
     out = tmp_path / "out"
     (out / "checkpoint-2").mkdir(parents=True)
     (out / "report.json").write_text("{}")
@@ -125,6 +126,12 @@ def test_hub_id_not_in_the_cache_and_an_earlier_run(tmp_path, capsys, monkeypatc
     assert any(line.startswith(f"{config}: output_dir: ") and "holds an earlier run" in line for line in lines)
     code, lines = _check(capsys, config, "--overwrite")
     assert not any("earlier run" in line for line in lines)
+    # Where downloads are allowed, train fetches it: not a problem, said in the verdict.
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    code, lines = _check(capsys, config, "--overwrite")
+    assert code == 0 and lines == [
+        f"{config}: ok (model meta-llama/Llama-3.2-1B is not in the local cache: train downloads it)"
+    ], lines
 
 
 def test_plan_that_does_not_fit_the_budgets(tmp_path, capsys):

@@ -162,9 +162,10 @@ compare: false
 """)
     proc = _cli("train", config)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    warned = [line for line in proc.stderr.splitlines() if "have no effect" in line]
-    assert len(warned) == 1 and "sample_packing, wandb_project" in warned[0], proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "do not change the training" in line]
+    assert len(warned) == 1 and warned[0].endswith("are not used: wandb_project"), proc.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert any(" packed into " in note for note in report["notes"])  # sample_packing: true is honoured
     assert report["fine_tune"] == "LoRA r=4" and report["steps"] == 4 and report["dtype"] == "float32"
     assert report["offload"]["config"]["gradient_checkpointing"] and report["checkpointing_active"]
     assert report["offloaded"]["activations_to_disk_bytes_per_step"] > 0

@@ -74,13 +74,20 @@ def test_axolotl_common_keys_map_onto_the_typed_config():
 
 def test_axolotl_keys_without_effect_get_one_warning_listing_them():
     data = dict(
-        AXOLOTL, load_in_8bit=False, sample_packing=True, wandb_project="x", val_set_size=0.05, flash_attention=True
+        AXOLOTL,
+        load_in_8bit=False,
+        sample_packing=True,
+        wandb_project="x",
+        val_set_size=0.05,
+        flash_attention=True,
+        deepspeed="zero3.json",
     )
     cfg, messages = _cfg(data)
     assert len(messages) == 1, messages
-    assert "sample_packing, wandb_project, val_set_size" in messages[0]
+    assert "do not change the training and are not used: wandb_project, deepspeed" in messages[0]
     assert "load_in_8bit" not in messages[0]  # false asks for nothing
-    assert cfg._ignored == ["sample_packing", "wandb_project", "val_set_size"]
+    assert cfg._ignored == ["wandb_project", "deepspeed"]
+    assert cfg.sample_packing is True and cfg.val_set_size == 0.05  # these change the training: honoured
     assert cfg.attn_implementation == "flash_attention_2"  # flash_attention: true is honoured
 
 
@@ -102,9 +109,10 @@ def test_axolotl_without_adapter_is_a_full_fine_tune():
     [
         ({"sequence_length": 512}, "unknown key 'sequence_length'.*did you mean 'sequence_len'"),
         (
-            {"load_in_8bit": True},
-            "load_in_8bit=true: 8-bit quantised bases; use load_in_4bit: true with adapter: qlora",
+            {"load_in_8bit": True, "adapter": None},
+            "load_in_8bit=True needs LoRA adapters",
         ),
+        ({"cosine_constant_lr_ratio": 0.8}, "cosine_constant_lr_ratio=0.8: .* which offloadkit cannot honour"),
         (
             {"datasets": [{"path": "a.jsonl", "type": "jeopardy"}]},
             r"datasets\[0\].type='jeopardy': offloadkit train reads",
