@@ -23,13 +23,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from offloadkit.models.blocks import attention_module, find_blocks
 from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
+from offloadkit.runtime.ring import SDPA, is_sdpa
 
 __all__ = ["AttentionHeadGroups", "apply_attention_head_groups", "grouped_attention", "kv_head_groups"]
 
@@ -128,7 +128,9 @@ def grouped_attention(
     outs = []
     for i in range(g):
         m = attn_mask if mask is None else mask[i]
-        o = F.scaled_dot_product_attention(
+        # PyTorch's own function: under ring attention the inputs are DTensors already and
+        # the replaced name would wrap them again.
+        o = SDPA(
             qs[i], ks[i], vs[i], attn_mask=m, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
         outs.append(_GradInOutputLayout.apply(o).transpose(1, 2))
@@ -144,7 +146,7 @@ class _Grouping(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if is_sdpa(func):
             out = grouped_attention(self.handle.groups, *args, **kwargs)
             if out is not None:
                 self.handle.grouped_calls += 1

@@ -8,9 +8,20 @@ import contextlib
 
 import torch.nn.functional as F
 
-__all__ = ["ring_attention", "set_rotation"]
+__all__ = ["SDPA", "is_sdpa", "ring_attention", "set_rotation"]
 
 ROTATIONS = ("allgather", "alltoall")
+
+# F.scaled_dot_product_attention as PyTorch defines it. While ring attention runs, the name
+# F.scaled_dot_product_attention is a wrapper that turns its inputs into DTensors and calls
+# this function; code that intercepts or calls attention must know both.
+SDPA = F.scaled_dot_product_attention
+
+
+def is_sdpa(func) -> bool:
+    """Whether ``func`` is scaled dot-product attention: PyTorch's own, or the name as it is
+    now (replaced while ring attention runs)."""
+    return func is SDPA or func is F.scaled_dot_product_attention
 
 
 def set_rotation(method: str) -> None:

@@ -139,7 +139,7 @@ def test_grouped_attention_hands_each_kernel_a_gradient_with_its_outputs_strides
         out.register_hook(lambda g, o=out: seen.append((g.stride(), o.stride())))
         return out
 
-    monkeypatch.setattr(attention_groups.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(attention_groups, "SDPA", recording)
     q = torch.randn(1, 16, 8, 4).transpose(1, 2).requires_grad_()  # [B, H, S, D] seen from [B, S, H, D]
     k = torch.randn(1, 16, 4, 4).transpose(1, 2).requires_grad_()
     v = torch.randn(1, 16, 4, 4).transpose(1, 2).requires_grad_()
@@ -149,3 +149,29 @@ def test_grouped_attention_hands_each_kernel_a_gradient_with_its_outputs_strides
         out.backward(grad)
         assert len(seen) == 4
         assert all(g == o for g, o in seen), seen
+
+
+def test_groups_still_split_while_ring_attention_has_replaced_the_function(monkeypatch):
+    # Ring attention (torch's context parallel) swaps F.scaled_dot_product_attention for a
+    # wrapper that calls PyTorch's own function on DTensors: the groups must see that call and
+    # call PyTorch's own function per group, not the wrapper again.
+    from offloadkit.runtime.ring import SDPA
+
+    outer_calls = []
+
+    def ring_like(*args, **kwargs):
+        outer_calls.append(args[0].shape)
+        return SDPA(*args, **kwargs)
+
+    model = build_llama("tiny", num_key_value_heads=2, attn_implementation="sdpa")
+    batch = make_batch(256, 2, 32)
+    ref = run_step(model, batch)
+    model.zero_grad(set_to_none=True)
+    handle = apply_attention_head_groups(model, 2)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", ring_like)
+    got = run_step(model, batch)
+    layers = model.config.num_hidden_layers
+    assert handle.grouped_calls == layers, "the replaced function hid the calls from the groups"
+    assert len(outer_calls) == layers, "each group went through the replacement again"
+    assert_bitwise_equal(ref[0], got[0], "loss")
+    handle.remove()
