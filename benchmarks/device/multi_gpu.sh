@@ -5,7 +5,8 @@
 # scaling at 128K tokens per GPU at reduced depth (1 GPU, then every GPU; the planner's choices,
 # then with attention outputs kept), and the longest sequence asked for.
 #   bash benchmarks/device/multi_gpu.sh [TOKENS_PER_GPU] [LAYERS] [extra capacity args...]
-#   PHASES="tests scale capacity" (default: all three)
+#   PHASES="tests scale capacity" (default: all three); SCALE_GPUS="1 4", SCALE_VARIANTS="plan kept",
+#   CAP_GPUS="2 4" (default: every GPU)
 source benchmarks/device/common.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 GPUS=$(nvidia-smi -L | wc -l)
@@ -35,16 +36,19 @@ fi
 
 if [[ " $PHASES " == *" scale "* ]]; then
   say "weak scaling at 128K per GPU, 2 layers"
-  for n in 1 "$GPUS"; do
-    cp_run "$n" "scale_${n}.txt" --tokens-per-gpu 131072 --layers 2 --warmup 1 --steps 2
-    cp_run "$n" "scale_${n}_kept.txt" --tokens-per-gpu 131072 --layers 2 --warmup 1 --steps 2 \
-      --set keep_attention_outputs=true
+  for n in ${SCALE_GPUS:-1 $GPUS}; do
+    for variant in ${SCALE_VARIANTS:-plan kept}; do
+      extra=(); [[ $variant == kept ]] && extra=(--set keep_attention_outputs=true)
+      cp_run "$n" "scale_${n}_${variant}.txt" --tokens-per-gpu 131072 --layers 2 --warmup 1 --steps 2 "${extra[@]}"
+    done
   done
 fi
 
 if [[ " $PHASES " == *" capacity "* ]]; then
-  say "capacity: $GPUS x $CAP_TOKENS tokens, $CAP_LAYERS layers $*"
-  cp_run "$GPUS" capacity.txt --tokens-per-gpu "$CAP_TOKENS" --layers "$CAP_LAYERS" "$@"
+  for n in ${CAP_GPUS:-$GPUS}; do
+    say "capacity: $n x $CAP_TOKENS tokens, $CAP_LAYERS layers $*"
+    cp_run "$n" "capacity_${n}.txt" --tokens-per-gpu "$CAP_TOKENS" --layers "$CAP_LAYERS" "$@"
+  done
 fi
 say "done"
 tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls -d cp *.txt 2>/dev/null)
