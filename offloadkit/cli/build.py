@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from typing import Any
 
 import torch
@@ -125,9 +126,30 @@ def _model_class(cfg: TrainConfig):
     return getattr(transformers, cfg.model_class or "AutoModelForCausalLM")
 
 
+def _pretrained(cfg: TrainConfig, source: str, **kwargs):
+    """``from_pretrained`` with the model's own attention when it has no kernel of the name
+    asked for (Gemma 2 runs eager attention, not sdpa): the same computation, and a warning."""
+    try:
+        return _model_class(cfg).from_pretrained(source, **kwargs)
+    except ValueError as exc:
+        asked = kwargs.get("attn_implementation")
+        if not asked or "does not support" not in str(exc) or "attention" not in str(exc).lower():
+            raise
+    import warnings
+
+    model = _model_class(cfg).from_pretrained(source, **{k: v for k, v in kwargs.items() if k != "attn_implementation"})
+    warnings.warn(
+        f"offloadkit: {type(model).__name__} has no {asked!r} attention; it uses its own "
+        f"({getattr(model.config, '_attn_implementation', 'default')})",
+        UserWarning,
+        stacklevel=3,
+    )
+    return model
+
+
 def _from_pretrained(cfg: TrainConfig, source: str, dtype: torch.dtype, **extra):
     try:
-        return _model_class(cfg).from_pretrained(source, dtype=dtype, **_model_kwargs(cfg, source), **extra)
+        return _pretrained(cfg, source, dtype=dtype, **_model_kwargs(cfg, source), **extra)
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
@@ -195,7 +217,8 @@ def _load_quantized(cfg: TrainConfig, device: str, dtype: torch.dtype):
     settings.update(cfg.quantization_kwargs or {})
     try:
         quantization = BitsAndBytesConfig(**settings)
-        model = _model_class(cfg).from_pretrained(
+        model = _pretrained(
+            cfg,
             source,
             dtype=dtype,
             quantization_config=quantization,
@@ -206,10 +229,25 @@ def _load_quantized(cfg: TrainConfig, device: str, dtype: torch.dtype):
         raise ConfigError(
             f"{key}=true: {source!r} could not be loaded in {bits} bits ({' '.join(str(exc).split())[:300]})"
         ) from None
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            # bitsandbytes repacks a 4-bit layer's weight for CPU inference the first time it
+            # runs in eval mode without gradients (an evaluation, the packing check), and its
+            # training path cannot read that layout afterwards: keep the training layout.
+            module.support_avx512bf16_for_cpu = False
+        if device == "cpu" and type(module).__name__ == "Linear8bitLt":
+            # Its CPU inference kernel fails on some shapes; evaluation runs the layer as
+            # training does (the weight dequantized), so it computes what training computes.
+            module.training = True
+            module.train = types.MethodType(lambda self, mode=True: self, module)  # type: ignore[method-assign]
     if cfg.quantize_moe_experts:
         from offloadkit.integrations.moe_quant import quantize_expert_parameters
 
-        quantize_expert_parameters(model, cfg.quantization_kwargs or {})
+        if not quantize_expert_parameters(model, cfg.quantization_kwargs or {}, bits=bits):
+            raise ConfigError(
+                f"{cfg.name('quantize_moe_experts')}=true: {type(model).__name__} keeps no expert weights as 3-D "
+                "parameters (its experts are linear layers, quantized already); set it to false"
+            )
     what = "4-bit NF4" if bits == 4 else "8-bit"
     return model, tokenizer, f"{name} ({what} base)"
 
@@ -220,9 +258,9 @@ _TEMPLATE_FAMILIES = {
     "llama3": ("llama",),
     "llama3_2_vision": ("llama", "mllama"),
     "llama4": ("llama4",),
-    "gemma": ("gemma",),
+    "gemma": ("gemma", "gemma2", "gemma3", "gemma3n"),
     "gemma2": ("gemma2",),
-    "gemma3": ("gemma3",),
+    "gemma3": ("gemma3", "gemma3n"),
     "gemma3n": ("gemma3n",),
     "gemma4": ("gemma4",),
     "gemma4_unified": ("gemma4",),
@@ -234,7 +272,7 @@ _TEMPLATE_FAMILIES = {
     "phi_35": ("phi3",),
     "phi_4": ("phi3",),
     "falcon_h1": ("falcon_h1",),
-    "cohere": ("cohere",),
+    "cohere": ("cohere", "cohere2"),
     "command_a": ("cohere",),
     "deepseek_v2": ("deepseek_v2",),
     "deepseek_v3": ("deepseek_v3",),
@@ -569,6 +607,23 @@ def with_lora(cfg: TrainConfig, model):
 
     if cfg.lora_model_dir:
         return load_lora(model, cfg.lora_model_dir)
+    try:
+        return _apply_lora(cfg, model, apply_lora)
+    except ValueError as exc:
+        message = " ".join(str(exc).split())
+        if "lora_dropout" in message:
+            # PEFT puts LoRA on a mixture-of-experts layer's expert parameters (ParamWrapper),
+            # which takes no dropout.
+            raise ConfigError(
+                f"{cfg.name('lora_dropout')}={cfg.lora_dropout}: PEFT cannot apply dropout to the LoRA of "
+                f"{type(model).__name__}'s expert parameters ({message[:120]}); set lora_dropout: 0, or target "
+                "other modules"
+            ) from None
+        key = cfg.name("lora_target_modules") if "arget module" in message else cfg.name("lora_rank")
+        raise ConfigError(f"{key}: PEFT could not add the LoRA adapters ({message[:200]})") from None
+
+
+def _apply_lora(cfg: TrainConfig, model, apply_lora):
     return apply_lora(
         model,
         rank=cfg.lora_rank,

@@ -78,7 +78,8 @@ class TrainConfig:
         num_epochs: passes over the dataset when ``max_steps`` is not given.
         learning_rate, lr_scheduler, warmup_steps, optimizer, gradient_accumulation_steps,
         logging_steps, seed, weight_decay, max_grad_norm: as in Hugging Face
-        ``TrainingArguments`` (``max_grad_norm: 0``: no clipping).
+        ``TrainingArguments`` (``max_grad_norm: 0``: no clipping; ``warmup_steps`` below 1:
+        that fraction of the steps, rounded up).
         save_steps, save_total_limit: Trainer checkpoints every N steps, keeping the last K
             (Ctrl-C saves one too, of the step it stops at).
         resume_from_checkpoint: a checkpoint directory, or true for the newest in output_dir.
@@ -147,8 +148,8 @@ class TrainConfig:
             patterns (matched from the start of the name; a dot is a dot).
         load_in_8bit: load the base in 8 bits (bitsandbytes LLM.int8), with LoRA.
         quantization_kwargs: more arguments of the 4- or 8-bit BitsAndBytesConfig.
-        quantize_moe_experts: with a 4-bit base, MoE expert weights stored as 3-D
-            parameters are quantized to 4 bits too (NF4).
+        quantize_moe_experts: with a 4- or 8-bit base, MoE expert weights stored as 3-D
+            parameters are quantized too (NF4, or int8 rows).
         tf32: TF32 matmuls on a GPU that has them (None: PyTorch's default).
         auto_resume_from_checkpoints: continue from the newest checkpoint in output_dir
             when there is one (else start).
@@ -174,7 +175,7 @@ class TrainConfig:
     num_epochs: float | None = None
     learning_rate: float = 3e-3
     lr_scheduler: str = "cosine"
-    warmup_steps: int = 5
+    warmup_steps: int | float = 5
     optimizer: str = "adamw_torch"
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -401,6 +402,8 @@ class TrainConfig:
         }
         for key, low in ints.items():
             value = getattr(self, key)
+            if key == "warmup_steps" and isinstance(value, float) and 0 < value < 1:
+                continue  # a fraction of the run's steps, as the Trainer reads a float below 1
             if value is None and key in (
                 "seq_len",
                 "batch_size",
@@ -480,11 +483,23 @@ class TrainConfig:
             fail("optimizer", self.optimizer, "must be an optimizer name, e.g. adamw_torch")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             fail("dtype", self.dtype, "must be auto, bfloat16, float16 or float32")
-        if not (
+        if (
+            self.lora_target_modules == []
+            and self.lora_rank
+            and not (self.lora_target_parameters or self.lora_model_dir)
+        ):
+            fail(
+                "lora_target_modules",
+                self.lora_target_modules,
+                "names no module to adapt; set lora_target_linear: true, or list modules (or lora_target_parameters)",
+            )
+        elif not (
             (isinstance(self.lora_target_modules, str) and self.lora_target_modules)
             or (
                 isinstance(self.lora_target_modules, list)
-                and self.lora_target_modules
+                and (
+                    self.lora_target_modules or not self.lora_rank or self.lora_target_parameters or self.lora_model_dir
+                )
                 and all(isinstance(m, str) for m in self.lora_target_modules)
             )
         ):
@@ -651,11 +666,13 @@ class TrainConfig:
                 True,
                 f"needs LoRA adapters ({self.name('lora_rank')} > 0): an 8-bit base cannot be fully fine-tuned",
             )
-        if self.quantize_moe_experts is True and not (self.load_in_4bit is True and self.lora_rank):
+        if self.quantize_moe_experts is True and not (
+            (self.load_in_4bit is True or self.load_in_8bit is True) and self.lora_rank
+        ):
             fail(
                 "quantize_moe_experts",
                 True,
-                f"quantizes the experts of a 4-bit LoRA run; set {self.name('load_in_4bit')}: true with LoRA",
+                f"quantizes the experts of a 4- or 8-bit LoRA run; set {self.name('load_in_4bit')}: true with LoRA",
             )
         if self.lora_model_dir is not None and not self.lora_rank:
             fail(

@@ -532,6 +532,9 @@ def _map_adapter(data: dict, m: _Mapper) -> None:
     if data.get("lora_target_linear"):
         m.out["lora_target_modules"] = "all-linear"
         m.names["lora_target_modules"] = "lora_target_linear"
+    elif "lora_target_modules" not in data:
+        # Axolotl adapts only the modules named (and the parameters of lora_target_parameters).
+        m.out["lora_target_modules"] = []
     if adapter == "qlora" and data.get("load_in_8bit") is not True:
         # QLoRA: LoRA adapters over a 4-bit (NF4) base, which Axolotl loads with load_in_4bit.
         m.out["load_in_4bit"] = True

@@ -503,3 +503,79 @@ def test_dedup_and_min_sample_len_drop_examples(tmp_path, monkeypatch):
     assert "20 repeated examples dropped" in report["notes"]
     with pytest.raises(ConfigError, match="min_sample_len=1000: every example is shorter"):
         _run(tmp_path / "x", monkeypatch, dict(config, min_sample_len=1000, output_dir=str(tmp_path / "x")))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_moe_experts_stores_the_experts_quantized(tmp_path, monkeypatch, bits):
+    pytest.importorskip("bitsandbytes")
+    from offloadkit.testing.families import build_family
+
+    folder = tmp_path / "moe"
+    build_family("qwen3_moe").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    expected = {
+        n: p.detach().clone() for n, p in transformers.AutoModelForCausalLM.from_pretrained(folder).named_parameters()
+    }
+
+    def experts(model):
+        import torch.nn.utils.parametrize as parametrize
+
+        found = {}
+        for name, module in model.named_modules():
+            if parametrize.is_parametrized(module):
+                for param in module.parametrizations:
+                    stored = module.parametrizations[param].original
+                    found[f"{name}.{param}"] = (stored.dtype, getattr(module, param).detach().clone())
+        return found
+
+    config = _axolotl(tmp_path, base_model=str(folder), quantize_moe_experts=True, lora_target_modules=["q_proj"])
+    config.pop("model_shape")
+    config.pop("lora_target_linear")
+    config["load_in_8bit" if bits == 8 else "load_in_4bit"] = True
+    seen, report = _run(tmp_path, monkeypatch, config, probe=experts)
+    assert len(seen.found) == 4 and report["steps"] == 2  # 2 layers x (gate_up_proj, down_proj)
+    for name, (stored, weight) in seen.found.items():
+        assert stored == (torch.int8 if bits == 8 else torch.uint8), name
+        reference = expected[name.replace("base_model.model.", "")]
+        error = (weight - reference).abs().max() / reference.abs().max()
+        assert 0 < error < (0.02 if bits == 8 else 0.2), (name, error)  # rounded, not replaced
+
+
+def test_fractional_warmup_steps_and_a_model_without_the_attention_asked_for(tmp_path, monkeypatch):
+    from offloadkit.testing.families import build_family
+
+    seen, _ = _run(tmp_path / "w", monkeypatch, _axolotl(tmp_path / "w", warmup_steps=0.25, max_steps=8))
+    assert seen.args.warmup_steps == 0.25 and seen.args.get_warmup_steps(8) == 2  # the Trainer's fraction
+    folder = tmp_path / "gemma2"
+    build_family("gemma2").save_pretrained(folder)  # soft-capping: eager attention only
+    byte_tokenizer().save_pretrained(folder)
+    config = _axolotl(tmp_path, base_model=str(folder), attn_implementation="flash_attention_2")
+    config.pop("model_shape")
+    with pytest.warns(UserWarning, match="Gemma2ForCausalLM has no 'sdpa' attention; it uses its own"):
+        seen, report = _run(tmp_path, monkeypatch, config, probe=lambda m: m.config._attn_implementation)
+    assert seen.found == "eager" and report["steps"] == 2
+
+
+def test_lora_on_fused_experts_keeps_dropout_on_the_linear_layers(tmp_path, monkeypatch):
+    from offloadkit.testing.families import build_family
+
+    folder = tmp_path / "mixtral"
+    build_family("mixtral").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+
+    def dropouts(model):
+        found = {}
+        for module in model.modules():
+            if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
+                found[type(module).__name__] = type(module.lora_dropout["default"]).__name__
+        return found
+
+    keys = _axolotl(tmp_path, base_model=str(folder), lora_dropout=0.1, lora_target_parameters=["experts.down_proj"])
+    keys.pop("model_shape")
+    seen, report = _run(tmp_path, monkeypatch, keys, probe=dropouts)
+    assert seen.found == {"Linear": "Dropout", "ParamWrapper": "Identity"} and report["steps"] == 2
+    only = _axolotl(tmp_path / "p", base_model=str(folder), lora_target_parameters=["experts.down_proj"])
+    only.pop("model_shape")
+    only.pop("lora_target_linear")  # Axolotl adapts only what is named: here the expert parameters
+    seen, _ = _run(tmp_path / "p", monkeypatch, only, probe=dropouts)
+    assert set(seen.found) == {"ParamWrapper"}
