@@ -1,6 +1,6 @@
 """Axolotl configs as Axolotl users write them: empty keys, Axolotl's own values, the alpaca
 and chat_template dataset types with the loss where Axolotl puts it, QLoRA, every problem of
-a config at once, and the survey script over a checkout's examples."""
+a config at once, and the benchmark over a repository's example configs."""
 
 import importlib.util
 import json
@@ -224,33 +224,49 @@ def test_qlora_alpaca_run_trains_and_saves_an_adapter(tmp_path):
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").exists()
 
 
-def test_survey_script_tallies_a_checkout(tmp_path):
-    examples = tmp_path / "axolotl" / "examples" / "demo"
+def test_examples_benchmark_checks_and_trains_a_checkout(tmp_path):
+    """benchmarks/axolotl_examples.py over a git repository of example configs: each checked as
+    written (one line per problem, no traceback), and trained 2 steps on a stand-in of its
+    architecture with a local dataset of its type, or refused with one line."""
+    repo = tmp_path / "axolotl"
+    examples = repo / "examples" / "demo"
     examples.mkdir(parents=True)
     good = dict(
         BASE,
-        base_model="org/model",
-        datasets=[{"path": "org/alpaca", "type": "alpaca"}],
+        base_model="NousResearch/Llama-3.2-1B",
+        datasets=[{"path": "mhenrichsen/alpaca_2k_test", "type": "alpaca", "split": "train[:5%]"}],
         adapter="lora",
         lora_r=8,
+        lora_target_linear=True,
         gradient_checkpointing=True,
+        sample_packing=True,
+        val_set_size=0.1,
+        warmup_ratio=0.1,
+        special_tokens={"pad_token": "<|end_of_text|>"},
     )
     (examples / "good.yml").write_text(yaml.safe_dump(good))
     (examples / "rl.yml").write_text(yaml.safe_dump(dict(good, rl="dpo")))
     (examples / "typo.yml").write_text(yaml.safe_dump(dict(good, lora_alhpa=16)))
     (examples / "no-model.yml").write_text(yaml.safe_dump({"something": 1}))
+    for command in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *command], check=True, capture_output=True)
+    out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "axolotl_examples.py"), str(tmp_path / "axolotl")],
+        [sys.executable, os.path.join(REPO, "benchmarks", "axolotl_examples.py"), str(repo), "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
-    assert proc.returncode == 1, proc.stderr[-2000:]  # one config fails
-    assert (
-        "3 example configs with a base_model: 1 accepted, 1 refused with one line naming a feature offloadkit "
-        "does not have, 1 failing"
-    ) in proc.stdout, proc.stdout
-    assert "typo.yml" in proc.stdout and "did you mean 'lora_alpha'?" in proc.stdout
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("\t")[0]: line.split("\t") for line in (out / "results.tsv").read_text().splitlines()[1:]}
+    assert rows["examples/demo/good.yml"][3] == "trained"
+    assert rows["examples/demo/rl.yml"][3] == "refused" and "rl='dpo'" in rows["examples/demo/rl.yml"][4]
+    assert rows["examples/demo/typo.yml"][3] == "refused" and "'lora_alhpa'" in rows["examples/demo/typo.yml"][4]
+    assert rows["examples/demo/no-model.yml"][3] == "skipped"
+    assert rows["examples/demo/good.yml"][1] == "2 problems"  # a hub id not cached, a hub dataset
+    summary = (out / "summary.md").read_text()
+    assert "3 configs with a base_model: **1 trained**, 2 refused" in summary
+    assert "0 with a traceback or a line not naming the config" in summary
 
 
 def test_unknown_keys_of_an_axolotl_config_are_one_short_line():
