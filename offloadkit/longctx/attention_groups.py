@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from offloadkit.models.blocks import attention_module, find_blocks
 from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
+from offloadkit.runtime.dtensor import DTensorLayout, is_dtensor, local_tensor
 from offloadkit.runtime.ring import SDPA, is_sdpa
 
 __all__ = ["AttentionHeadGroups", "apply_attention_head_groups", "grouped_attention", "kv_head_groups"]
@@ -54,18 +55,27 @@ class _GradInOutputLayout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out):
-        ctx.layout = (out.shape, out.stride())
+        # Under ring attention the output is a DTensor: the kernels see its local tensor.
+        ctx.dtensor = DTensorLayout(out) if is_dtensor(out) else None
+        local = local_tensor(out)
+        ctx.layout = (local.shape, local.stride())
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        shape, stride = ctx.layout
-        if grad.stride() == stride:
-            return grad
-        if _strides(shape, grad.stride()) == _strides(shape, stride):
-            # Only a size-1 dimension's stride differs: the same addresses, restrided as a view.
-            return grad.as_strided(shape, stride)
-        return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+        if ctx.dtensor is None:
+            return _in_layout(grad, *ctx.layout)
+        return ctx.dtensor.wrap(_in_layout(local_tensor(grad), *ctx.layout))
+
+
+def _in_layout(grad: torch.Tensor, shape, stride) -> torch.Tensor:
+    """``grad`` with the strides ``stride`` (a view where the addresses agree, else a copy)."""
+    if grad.stride() == stride:
+        return grad
+    if _strides(shape, grad.stride()) == _strides(shape, stride):
+        # Only a size-1 dimension's stride differs: the same addresses, restrided as a view.
+        return grad.as_strided(shape, stride)
+    return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 def kv_head_groups(groups: int, kv_heads: int) -> int:

@@ -1,6 +1,7 @@
 """Kept attention outputs when attention runs on DTensors (as context parallelism's ring
 attention hands them back): the local bytes are kept and the recompute gets DTensors laid out
-alike, gradients bitwise those of the full recompute. On CPU, one rank over gloo, the CPU
+alike, gradients bitwise those of the full recompute; and attention over head groups on
+DTensors, the gradients those of one call. On CPU, one rank over gloo, the CPU
 attention kernel given a batch-sharded strategy (DTensor has none for it)."""
 
 import os
@@ -74,6 +75,27 @@ SCRIPT = textwrap.dedent(
         handle.remove()
     assert (stats.kept, stats.replayed, stats.ran_again) == (3, 3, 0), stats
     assert all(torch.equal(a, b) for a, b in zip(*grads)), "gradients differ from the full recompute"
+
+    # Head groups over DTensors, the output's gradient laid out otherwise (copied into the
+    # kernel's layout on the local tensor): the gradients of one whole call.
+    from offloadkit.longctx.attention_groups import grouped_attention
+
+    torch.manual_seed(1)
+    leaves = [torch.randn(2, 4, 128, 16, requires_grad=True) for _ in range(3)]
+    grad_local = torch.randn(2, 128, 4, 16).transpose(1, 2)
+    results = []
+    for grouped in (False, True):
+        q, k, v = (DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for t in leaves)
+        out = grouped_attention(2, q, k, v, is_causal=True) if grouped else F.scaled_dot_product_attention(
+            q, k, v, is_causal=True
+        )
+        assert isinstance(out, DTensor)
+        out.backward(DTensor.from_local(grad_local, mesh, [Shard(0)], run_check=False))
+        results.append([t.grad.clone() for t in leaves])
+        for t in leaves:
+            t.grad = None
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     dist.destroy_process_group()
     print("RESULT ok")
     """
