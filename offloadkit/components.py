@@ -24,11 +24,13 @@ from offloadkit.engine.component import ACTIVATIONS
 from offloadkit.layers.component import LAYER_STREAMING
 from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
 from offloadkit.options import Options
+from offloadkit.parallel.component import CONTEXT_PARALLEL
 from offloadkit.storage.component import HOST_BUDGET
 
 __all__ = ["COMPONENTS", "Component", "config_docs", "key_docs"]
 
 COMPONENTS: tuple[Component, ...] = (
+    CONTEXT_PARALLEL,
     CHUNKED_LOSS,
     TILED_MLP,
     HEAD_GROUPS,

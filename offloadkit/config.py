@@ -26,6 +26,7 @@ from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.optim.options import OptimizerOptions
 from offloadkit.options import Options
+from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.options import PlanOptions
 from offloadkit.storage.disk import DiskOptions
 from offloadkit.storage.options import BudgetOptions
@@ -55,6 +56,7 @@ COMPONENTS: tuple[type[Options], ...] = (
     StreamingOptions,
     OptimizerOptions,
     LongContextOptions,
+    ParallelOptions,
     PlanOptions,
 )
 OptionsT = TypeVar("OptionsT", bound=Options)
@@ -279,6 +281,8 @@ class OffloadConfig:
     tiled_mlp_num_shards: int | None = _default("tiled_mlp_num_shards")
     tiled_projections: bool = _default("tiled_projections")
     attention_head_groups: int | None = _default("attention_head_groups")
+    context_parallel: bool = _default("context_parallel")
+    context_parallel_rotation: str = _default("context_parallel_rotation")
     offload_plan: str = _default("offload_plan")
     seq_len: int | None = _default("seq_len")
     batch_size: int = _default("batch_size")

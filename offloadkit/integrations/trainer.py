@@ -267,6 +267,17 @@ class _OffloadingTrainerMixin:
             ours.remove()
         return current
 
+    def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+        runtime = self.offload_runtime
+        cp = runtime.handles.get("context_parallel") if runtime is not None else None
+        if cp is None:
+            return super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+        from offloadkit.integrations.context_parallel import training_step_in_turns
+
+        if self._checkpointing_active is None:
+            self._check_checkpointing()
+        return training_step_in_turns(self, cp, model, inputs, num_items_in_batch)
+
     def compute_loss(self, model, inputs, *args, **kwargs):
         runtime = self.offload_runtime
         training = runtime is not None and model.training and torch.is_grad_enabled()

@@ -28,6 +28,7 @@ from offloadkit.transfer.timeline import StepTimeline
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 APPLY_ORDER = (
+    "context_parallel",  # switches the attention function the others run through
     "chunked_loss",  # replaces the loss: the timeline's head hooks see it as the forward's tail
     "tiled_mlp",  # wraps modules inside the blocks, before checkpointing wraps the blocks
     "head_groups",  # likewise, the attention modules
@@ -38,6 +39,7 @@ APPLY_ORDER = (
 )
 # The components as docs/architecture.md's "Apply order" names them.
 ARCHITECTURE_NAMES = {
+    "context_parallel": "context parallelism",
     "chunked_loss": "chunked loss",
     "tiled_mlp": "tiled MLP",
     "head_groups": "attention head groups",

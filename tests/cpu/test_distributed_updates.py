@@ -3,7 +3,8 @@ optimizer applies the gradient reduced over the ranks, never a rank's own, bitwi
 ``torch.optim`` gives under the same wrapper, replicas equal across ranks (DDP with and
 without bucket views, clipping, accumulation, unused-parameter search; FSDP2; context
 parallelism; the Trainer mixin under DDP), and a run that does not say how gradients are
-reduced is refused before any weight moves."""
+reduced is refused before any weight moves. And ``context_parallel: true`` through the
+Trainer mixin: every rank's batch in turn, the weights those of the plain Trainer under DDP."""
 
 import os
 import subprocess
@@ -19,12 +20,13 @@ CHECKS = {
     "fsdp2": ["fsdp2-adamw", "fsdp2-sgd", "fsdp2-clip"],
     "cp": ["cp-adamw", "cp-clip"],
     "trainer": ["trainer-ddp-unused-False", "trainer-ddp-unused-None"],
+    "trainer_cp": ["trainer-cp"],
 }
 
 
 @pytest.mark.parametrize("route", sorted(CHECKS))
 def test_updates_in_backward_apply_the_reduced_gradient(route):
-    if route == "trainer":
+    if route.startswith("trainer"):
         pytest.importorskip("transformers")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     proc = subprocess.run(

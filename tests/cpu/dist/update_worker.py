@@ -251,6 +251,57 @@ def _trainer_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, loa
     same_on_every_rank([p for _, p in weights[1]], "Trainer under DDP")
 
 
+def check_trainer_cp(rank, world):
+    """``context_parallel: true`` through the Trainer mixin: every rank's batch in turn, each
+    split over the ranks; weights after three SGD steps those of the plain Trainer under DDP
+    (the CPU path's attention over all-gathered keys sums in another order: close, not equal)."""
+    import transformers
+
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+    from offloadkit.parallel.turns import batches_in_turn
+
+    # Each rank's batch of its own length comes back to every rank, padded alike.
+    own = torch.full((1, 5 + 3 * rank), rank + 1)
+    turns = list(batches_in_turn(dist.group.WORLD, own, own.clone()))
+    for turn, ids, labels in turns:
+        length = 5 + 3 * turn
+        assert ids.shape == (1, -(-length // (2 * world)) * 2 * world), ids.shape
+        assert bool((ids[0, :length] == turn + 1).all()) and bool((labels[0, length:] == -100).all())
+
+    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    out = tempfile.mkdtemp(prefix=f"offloadkit-cp-trainer-{rank}-")
+    results = []
+    for cls in (transformers.Trainer, OffloadTrainer):
+        torch.manual_seed(0)
+        model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa", num_key_value_heads=2)
+        args = transformers.TrainingArguments(
+            output_dir=os.path.join(out, cls.__name__), per_device_train_batch_size=2, max_steps=3,
+            learning_rate=0.1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[],
+            disable_tqdm=True, use_cpu=True, seed=0, remove_unused_columns=False, logging_steps=1,
+            ddp_find_unused_parameters=False,
+        )
+        extra = {}
+        if cls is OffloadTrainer:
+            extra["offload_config"] = {"context_parallel": True, "activation_offloading": False}
+        trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if cls is OffloadTrainer:
+            assert trainer.offload_report["context_parallel"] == {"ranks": world}, trainer.offload_report
+            assert model.config._attn_implementation == "sdpa", "the model's attention is given back after train()"
+        results.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (ref_losses, ref_weights), (losses, weights) = results
+    assert len(losses) == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    for a, b in zip(weights, ref_weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    same_on_every_rank(weights, "Trainer under context parallelism")
+    report("trainer-cp", rank)
+
+
 if __name__ == "__main__":
     if DEVICE == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
