@@ -82,7 +82,7 @@ def _r(path: str) -> str:
 
 _CAP = _r("longctx/capacity-8b-lora-h100.json")
 _512K = _r("longctx/512k/capacity-512k.json")
-_H100_EDGE = _r("longctx/past-750k-h100/edge-870400.json")
+_H100_EDGE = _r("longctx/calibrated/h100-7b55b6a/edge-859136.json")
 _H200_EDGE = _r("longctx/calibrated/h200-2deafd8/edge-1417216-4L.json")
 _MACHINERY = _r("machinery/machinery-h200.json")
 _PEERS = _r("full-ft/peers/full-ft-peers.json")
@@ -91,6 +91,10 @@ _RESIDENT = _r("full-ft/streamed/bf16-16k-report.json")
 _STREAMED = _r("full-ft/streamed/streamed-bf16-16k-report.json")
 _WEIGHTS = _r("weights/weights-offload.json")
 _FIRST = _r("first-run/gpu/report.json")
+_CP2 = _r("multi-gpu/h200x4-d6af501/cp-llama-3-8b-2x819200-1L.json")
+_CP4 = _r("multi-gpu/h200x4-d6af501/cp-llama-3-8b-4x819200-1L.json")
+_CP_SCALE1 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-1x131072-2L.json")
+_CP_SCALE4 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-4x131072-2L.json")
 _LONGEST = "longest sequence that fits: ([0-9]+) tokens"
 _REACHED = "reached ([0-9]+)%"
 
@@ -100,6 +104,21 @@ def _probe(mode: str, seq: int, layers: int, field: str) -> str:
 
 
 CLAIMS: list[Claim | Ratio] = [
+    # Context parallelism, 8B LoRA on H200s capped to 79 GiB a rank, 1 layer timed.
+    Claim("cp2-tokens", "8B LoRA, context parallel over 2 GPUs: tokens", _CP2, "tokens", unit="tokens", fmt=",.0f"),
+    Claim("cp2-step", "8B LoRA, context parallel over 2 GPUs, 1 layer: step", _CP2, "step_s", unit="s"),
+    Claim("cp2-peak", "8B LoRA, context parallel over 2 GPUs: a rank's peak allocated", _CP2,
+          "peak_allocated_gib[0]", unit="GiB"),
+    Claim("cp4-tokens", "8B LoRA, context parallel over 4 GPUs: tokens", _CP4, "tokens", unit="tokens", fmt=",.0f"),
+    Claim("cp4-step", "8B LoRA, context parallel over 4 GPUs, 1 layer: step", _CP4, "step_s", unit="s"),
+    Claim("cp4-peak", "8B LoRA, context parallel over 4 GPUs: a rank's peak allocated", _CP4,
+          "peak_allocated_gib[0]", unit="GiB"),
+    Claim("cp-scale1-tflops", "128K a GPU, 2 layers: one GPU's model TFLOP/s", _CP_SCALE1, "model_tflops_per_gpu",
+          fmt=".0f", quoted=False),
+    Claim("cp-scale4-tflops", "128K a GPU, 2 layers: model TFLOP/s per GPU over 4", _CP_SCALE4,
+          "model_tflops_per_gpu", fmt=".0f", quoted=False),
+    Ratio("cp-scale4", "weak scaling at 128K a GPU: 4 GPUs' model TFLOP/s per GPU over one GPU's",
+          "cp-scale4-tflops", "cp-scale1-tflops", fmt=".2f"),
     # 8B LoRA at 16K and 32K on one H100, Hugging Face checkpointing against everything on.
     Claim("lora8b-16k-hf-step", "8B LoRA, 16K, one H100, HF checkpointing: step", _CAP,
           _probe("hf_ckpt", 16384, 32, "step_s"), unit="s"),
@@ -136,11 +155,11 @@ CLAIMS: list[Claim | Ratio] = [
     Claim("longest-h100-allowed", "tokens the H100's budgets physically allow", _H100_EDGE,
           "capacity", "physically allowed by the budgets: ([0-9]+) tokens", unit="tokens", fmt=",.0f"),
     Claim("longest-h100-layers", "the H100's longest: layers timed", _H100_EDGE,
-          _probe("everything", 870400, 3, "layers"), fmt=".0f"),
+          _probe("everything", 859136, 3, "layers"), fmt=".0f"),
     Claim("longest-h100-step", "the H100's longest: step", _H100_EDGE,
-          _probe("everything", 870400, 3, "step_s"), unit="s"),
+          _probe("everything", 859136, 3, "step_s"), unit="s"),
     Claim("longest-h100-peak", "the H100's longest: peak allocated", _H100_EDGE,
-          _probe("everything", 870400, 3, "peak_allocated_gib"), unit="GiB"),
+          _probe("everything", 859136, 3, "peak_allocated_gib"), unit="GiB"),
     Claim("longest-h200-tokens", "8B LoRA, the planner's longest on an H200's budgets", _H200_EDGE,
           "capacity", _LONGEST, unit="tokens", fmt=",.0f"),
     Claim("longest-h200-share", "the H200's longest, of what its budgets physically allow", _H200_EDGE,
