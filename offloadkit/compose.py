@@ -15,6 +15,7 @@ This is what the Trainer mixins, the callback and the CLI share; plain loops can
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
@@ -255,8 +256,9 @@ def run_parallelism() -> Parallelism:
     """This process's ranks as the launcher and ``torch.distributed`` tell them: the world
     size of an initialised process group (else the launcher's ``WORLD_SIZE``) and the ranks on
     this host (``LOCAL_WORLD_SIZE``), each rank with its own sequences. Whether a sequence is
-    split over the ranks is the caller's to say (``prepare(..., parallel=...)``): nothing tells
-    before :func:`~offloadkit.parallel.apply_context_parallel` runs."""
+    split over the ranks is the caller's to say (``prepare(..., parallel=...)``, or
+    ``context_parallel: true`` in the config): nothing else tells before
+    :func:`~offloadkit.parallel.apply_context_parallel` runs."""
     import torch.distributed as dist
 
     from offloadkit.planning.parallelism import Parallelism
@@ -306,7 +308,11 @@ def plan_for(
         shape = shape.with_layers(layers)
     embed = getattr(base, "get_input_embeddings", lambda: None)()
     dtype_bytes = embed.weight.element_size() if embed is not None else next(base.parameters()).element_size()
-    parallel = parallel if parallel is not None else run_parallelism()
+    if parallel is None:
+        parallel = run_parallelism()
+        if config.context_parallel and parallel.world_size > 1:
+            # context_parallel: true splits each sequence over every rank (the Trainer's turns).
+            parallel = dataclasses.replace(parallel, context_parallel=True)
     budgets = Budgets.detect(
         gpu_bytes=config.gpu_budget_bytes,
         host_bytes_per_rank=config.host_budget_bytes,

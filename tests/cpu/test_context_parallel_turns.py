@@ -45,3 +45,17 @@ def test_one_process_notes_that_it_has_no_effect():
     assert runtime.handles.get("context_parallel") is None
     assert any("context_parallel has no effect with one process" in n for n in runtime.report()["notes"])
     runtime.close()
+
+
+def test_offload_plan_auto_plans_a_rank_of_the_split_sequence(monkeypatch):
+    from offloadkit.compose import plan_for
+    from offloadkit.testing import build_llama
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    model = build_llama("tiny", attn_implementation="sdpa")
+    split = plan_for(model, OffloadConfig.from_dict({"context_parallel": True, "seq_len": 4096}))
+    own = plan_for(model, OffloadConfig.from_dict({"seq_len": 4096}))
+    assert split.workload.parallel.context_parallel and split.workload.parallel.world_size == 2
+    assert split.workload.tokens == 2048 and own.workload.tokens == 4096
+    assert not own.workload.parallel.context_parallel
