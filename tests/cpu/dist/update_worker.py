@@ -273,24 +273,39 @@ def check_trainer_cp(rank, world):
         pass
 
     out = tempfile.mkdtemp(prefix=f"offloadkit-cp-trainer-{rank}-")
+    for offload_optimizer, accumulation in ((False, 1), (True, 2)):
+        _trainer_cp_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, load_texts, out, rank, world,
+                         offload_optimizer, accumulation)  # fmt: skip
+    report("trainer-cp", rank)
+
+
+def _trainer_cp_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, load_texts, out, rank, world,
+                     offload_optimizer, accumulation):  # fmt: skip
+    """The plain Trainer under DDP against the mixin with context_parallel (and, with
+    ``offload_optimizer``, BackwardSGD updating from DDP's reduction in the last turn)."""
     results = []
     for cls in (transformers.Trainer, OffloadTrainer):
         torch.manual_seed(0)
         model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa", num_key_value_heads=2)
         args = transformers.TrainingArguments(
-            output_dir=os.path.join(out, cls.__name__), per_device_train_batch_size=2, max_steps=3,
-            learning_rate=0.1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[],
+            output_dir=os.path.join(out, f"{cls.__name__}-{accumulation}"), per_device_train_batch_size=2,
+            max_steps=3, learning_rate=0.1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[],
             disable_tqdm=True, use_cpu=True, seed=0, remove_unused_columns=False, logging_steps=1,
-            ddp_find_unused_parameters=False,
+            ddp_find_unused_parameters=False, gradient_accumulation_steps=accumulation,
         )
         extra = {}
         if cls is OffloadTrainer:
-            extra["offload_config"] = {"context_parallel": True, "activation_offloading": False}
+            extra["offload_config"] = {
+                "context_parallel": True, "activation_offloading": False, "optimizer_offloading": offload_optimizer,
+            }  # fmt: skip
         trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         if cls is OffloadTrainer:
             assert trainer.offload_report["context_parallel"] == {"ranks": world}, trainer.offload_report
+            if offload_optimizer:
+                opt = trainer.optimizer.optimizer
+                assert type(opt).__name__ == "BackwardSGD" and opt._ddp is not None, type(opt)
             assert model.config._attn_implementation == "sdpa", "the model's attention is given back after train()"
         results.append((losses, [p.detach().clone() for p in model.parameters()]))
     (ref_losses, ref_weights), (losses, weights) = results
@@ -299,7 +314,6 @@ def check_trainer_cp(rank, world):
     for a, b in zip(weights, ref_weights):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     same_on_every_rank(weights, "Trainer under context parallelism")
-    report("trainer-cp", rank)
 
 
 if __name__ == "__main__":
