@@ -29,6 +29,7 @@ from offloadkit.components import COMPONENTS
 from offloadkit.config import OffloadConfig
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
+from offloadkit.parallel.compat import check_parallel
 from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.transfer.options import TransferOptions
 from offloadkit.transfer.prefetch import PrefetchScheduler
@@ -394,7 +395,9 @@ def prepare(
     whole sequence; without it, ``seq_len`` is the tokens each rank holds.
 
     Raises:
-        ConfigError: the disk tier's directory is a file or cannot be written.
+        ConfigError: the disk tier's directory is a file or cannot be written; or what the
+            config asks cannot run where FSDP2 shards the model (layer streaming, recomputed
+            block inputs: :mod:`offloadkit.parallel.compat`).
 
     Example:
         >>> runtime = prepare(model, {"offload_plan": "auto", "seq_len": 131072})  # doctest: +SKIP
@@ -406,6 +409,11 @@ def prepare(
     gpu_cap = _cap_gpu_memory(config.gpu_budget_bytes)  # before anything allocates under the plan
     config, chosen = _planned(model, config, seq_len, optimizer, parallel)
     runtime = OffloadRuntime(model, config, plan=chosen, gpu_cap=gpu_cap)
+    try:  # what cannot run under the model's wrapper, before anything is attached
+        check_parallel(model, config, planned=chosen is not None)
+    except ValueError:
+        runtime.close()  # lifts the cap
+        raise
     # Segments that grow in place, for every run offloadkit prepares: fixed-size ones strand
     # room that no large block fits (1.39x the allocated bytes reserved by a 3B full fine-tune,
     # 1.66x at 512K tokens, no room for SDPA's one large request under a cap), and a plan's

@@ -36,6 +36,7 @@ from offloadkit.defaults import BLOCK_INPUT_PLACES
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import unwrap_model
+from offloadkit.parallel.compat import fsdp2_sharded, recompute_refusal
 from offloadkit.runtime.compiled import compiled_as_a_whole
 from offloadkit.runtime.recompute import discarding_recompute
 from offloadkit.runtime.regions import checkpoint_region
@@ -259,6 +260,8 @@ class CheckpointedBlocks:
         """A block in a run whose inputs are dropped: the run's first block opens the region
         (saving its own input, offloaded like any block input), the last one closes it."""
         if self._region is None:
+            if fsdp2_sharded(block) is not None:  # sharded after checkpointing was applied
+                raise RuntimeError(recompute_refusal(self.blocks[index][0]))
             end = self._region_end[index]
             fn, flat, rest = original, args, kwargs
             if self.offloader is not None or not args:
@@ -456,6 +459,9 @@ def apply_activation_checkpointing(
             f"recompute_inputs={dropped!r} is invalid; name blocks by index, 1 to {len(blocks) - 1} "
             "(block 0's input has nothing before it to be recomputed from)"
         )
+    sharded = next((name for name, block in blocks if fsdp2_sharded(block) is not None), None) if dropped else None
+    if sharded is not None:
+        raise ValueError(recompute_refusal(sharded))
     context_fn = noop_context_fn if selective is None else selective_context_fn(selective)
     owns = False
     offloader = None

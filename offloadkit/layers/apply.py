@@ -9,6 +9,7 @@ from torch import nn
 from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.layers.streaming import LayerStreamer
 from offloadkit.models.blocks import find_blocks
+from offloadkit.parallel.compat import fsdp2_sharded, streaming_refusal
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.transfer.prefetch import PrefetchScheduler
 from offloadkit.transfer.timeline import StepTimeline
@@ -19,17 +20,9 @@ __all__ = ["apply_layer_streaming"]
 def _refuse_fsdp2(model: nn.Module) -> None:
     """FSDP2 owns the storage of the parameters it shards (it swaps them in and out itself):
     two owners of one storage cannot coexist."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a build without distributed
-        return
-    sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if sharded:
-        raise ValueError(
-            f"layer_offloading cannot stream weights that FSDP2 shards ({sharded[0] or 'the model'} is "
-            "fully_shard-ed); keep frozen shards in host memory with FSDP2's own offloading instead: "
-            "fully_shard(module, offload_policy=CPUOffloadPolicy()), or apply layer streaming without FSDP2"
-        )
+    where = fsdp2_sharded(model)
+    if where is not None:
+        raise ValueError(streaming_refusal(where))
 
 
 def apply_layer_streaming(

@@ -46,6 +46,7 @@ from offloadkit.layers.flat import FlatWeights, order_after_write_back, streamab
 from offloadkit.layers.stats import StreamStats
 from offloadkit.layers.weight_files import WeightFiles
 from offloadkit.models.heads import find_output_head, unwrap_model
+from offloadkit.parallel.compat import fsdp2_sharded, streaming_refusal
 from offloadkit.runtime.autograd import current_graph_task, in_backward
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.pool import HostBufferPool
@@ -101,6 +102,7 @@ class LayerStreamer:
         self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
         self._ahead: set[int] = set()  # id() of the blocks fetched ahead, not yet used
         self._tasks: set[int] = set()  # backward passes (graph tasks) this streamer acted in
+        self._owner_checked = False  # the first forward found no FSDP2 sharding of the model
 
         owners = Counter(id(p) for _, p in unwrap_model(model).named_parameters(remove_duplicate=False))
         self.layers: list[FlatWeights] = []
@@ -227,6 +229,13 @@ class LayerStreamer:
     def _forward_start(self) -> None:
         if in_backward():
             return
+        if not self._owner_checked:
+            # fully_shard after the streamer was attached: FSDP2 replaced the weights it
+            # streams (with shards of its own), so streaming would save nothing.
+            where = fsdp2_sharded(self.model)
+            if where is not None:
+                raise ValueError(streaming_refusal(where, " (attached before fully_shard)"))
+            self._owner_checked = True
         with self._lock:
             first = range(min(self.depth, len(self.layers)))
             for j, layer in enumerate(self.layers):
