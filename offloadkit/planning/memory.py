@@ -30,7 +30,7 @@ from offloadkit.defaults import (
 from offloadkit.longctx.attention_groups import kv_head_groups
 from offloadkit.longctx.loss import auto_chunk_tokens
 from offloadkit.longctx.tiled_mlp import auto_num_shards
-from offloadkit.planning.parallelism import Parallelism, ring_buffer_bytes
+from offloadkit.planning.parallelism import Parallelism, ring_buffer_bytes, ring_rotation
 from offloadkit.planning.shape import ModelShape
 from offloadkit.storage.disk import MAX_INFLIGHT_BYTES
 from offloadkit.storage.tiered import RESERVE_BYTES, RESERVE_CAP_DIVISOR
@@ -191,6 +191,9 @@ class Features:
         keep_attention: layers (the last ones) whose attention output and log-sum-exp wait
             in host RAM for the recompute, which then skips their attention forward
             (``keep_attention_outputs``).
+        rotation: with a sequence split over ranks, how ring attention moves keys and values
+            ("allgather" or "alltoall"); None: the run's own
+            (:func:`~offloadkit.planning.parallelism.ring_rotation`).
     """
 
     checkpointing: bool = True
@@ -208,6 +211,7 @@ class Features:
     recompute_blocks: int = 0
     keep_attention: int = 0
     head_groups: int = 1
+    rotation: str | None = None
 
 
 def attention_workspace_bytes(w: Workload) -> int:
@@ -500,7 +504,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
             # A run's replay holds the dropped inputs it recomputed until backward passes them.
             layer["replayed block inputs"] = (replayed - 1) * block
     layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections, f.head_groups)
-    ring = ring_buffer_bytes(w)
+    ring = ring_buffer_bytes(w, kv_head_groups(f.head_groups, s.kv_heads), ring_rotation(w.parallel, f.rotation))
     if ring:
         # Held while the layer's attention runs backward, not while its MLP does: counted as
         # what it adds to the larger of the two.

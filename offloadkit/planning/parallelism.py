@@ -8,28 +8,41 @@ runs everything token-wise on them: embeddings, norms, MLPs and their shards, th
 loss, checkpointing and its block inputs. The byte model and the FLOP count read
 :attr:`Workload.tokens <offloadkit.planning.memory.Workload.tokens>`, which is that share.
 Causal attention over the whole sequence splits evenly: each rank's two chunks together
-attend to as many keys as any other rank's, so a rank computes ``1/W`` of it.
+attend to as many keys as any other rank's, so a rank computes ``1/W`` of it, in ``W`` ring
+steps of equal work (the first its own keys, causally; each later one half a block).
 
-Ring traffic follows PyTorch's ring attention with its default all-gather rotation (what
-``apply_context_parallel`` sets unless told otherwise), per layer and rank:
+Ring traffic and buffers follow PyTorch's ring attention (``_templated_ring_attention`` and
+its backward, torch 2.13), with either rotation of the keys and values
+(``apply_context_parallel(..., rotation=)``, :attr:`Parallelism.rotation`), per layer and rank:
 
-- forward: the other ranks' keys and values, ``(W-1)/W`` of the sequence's, in one all-gather;
+- forward: the other ranks' keys and values, ``(W-1)/W`` of the sequence's: one all-gather
+  (``"allgather"``), or ``W-1`` exchanges of one rank's share with the ring's neighbours
+  (``"alltoall"``), the same bytes;
 - a checkpointed layer's recompute (and each replayed block): the same once more, unless the
   layer's attention outputs are kept (its recompute then runs no attention);
-- backward: the same a third time (the ring backward gathers them again), and the key/value
-  gradients around the ring: ``W`` exchanges of the rank's share, accumulated in fp32.
+- backward: the same a third time (the ring backward rotates them again, the same way), and
+  the key/value gradients around the ring: ``W`` exchanges of the rank's share, in fp32,
+  all-to-all whatever the rotation.
 
-What hides behind attention: the all-gather is waited for once the rank's own block is done
-(``1/W`` of its attention in that layer), the rest of it is waited for. Each gradient exchange
-hides behind the next block's backward; the last one is waited for. Everything waited for
-adds to the step. The all-gather rotation also holds the gathered keys and values of one
-layer on the GPU, with the fp32 gradient accumulators (:func:`ring_buffer_bytes`).
+What hides behind attention: the all-gather is waited for once the rank's first step is done
+(``1/W`` of its attention in that layer). An all-to-all exchange hides behind one step, and in
+backward each step's kernel hides the next step's keys and values together with the previous
+step's gradients. Each gradient exchange hides behind the next step; the last one is waited
+for. Everything waited for adds to the step.
+
+GPU buffers (:func:`ring_buffer_bytes`): the all-gather rotation holds the gathered keys and
+values of the whole sequence, all-to-all one neighbour's share at a time; both hold the fp32
+gradient accumulators in backward and the fp32 merged output and log-sum-exp in forward.
+Where attention runs in key/value head groups (``attention_head_groups``) each group is one
+ring call: every buffer is one group's.
 
 Ranks on one host share its RAM and disk: each plans on ``1/ranks_per_host`` of them
 (:meth:`Budgets.detect <offloadkit.planning.budgets.Budgets.detect>`).
 
-None of this has been measured on several GPUs yet; the figures follow torch's ring attention
-code (2.13) and the constants named here and in :mod:`offloadkit.planning.timing`.
+Against runs on 2 and 4 H200s (``benchmarks/results/multi-gpu/``,
+``tests/cpu/test_planner_rotation.py``) the predicted peaks are 1.05-1.17x the measured ones,
+none below. The link rates are the assumptions named in :mod:`offloadkit.planning.timing`; the
+step times over several GPUs have not been checked against runs.
 """
 
 from __future__ import annotations
@@ -45,18 +58,24 @@ __all__ = [
     "Parallelism",
     "RingTraffic",
     "GRADIENT_BYTES",
+    "ROTATIONS",
     "gather_bytes",
     "gradient_exchange_bytes",
     "kv_sequence_bytes",
     "ring_buffer_bytes",
+    "ring_rotation",
     "ring_traffic",
+    "rotation_name",
     "search_step",
 ]
 
 # The ring backward accumulates query, key and value gradients in fp32 and sends the key and
 # value ones around the ring that way (torch's context-parallel option convert_to_f32, on by
-# default).
+# default); its forward merges the steps' outputs and log-sum-exps in fp32 as well.
 GRADIENT_BYTES = 4
+# How ring attention moves keys and values (apply_context_parallel's rotation=), and "auto":
+# the planner's choice.
+ROTATIONS = ("allgather", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,11 @@ class Parallelism:
             counted: the plan holds the whole model on each rank).
         ranks_per_host: ranks on one host, sharing its RAM and disk (may exceed
             ``world_size`` where other groups share the host).
+        rotation: how ring attention moves keys and values between the ranks of a sequence:
+            ``"allgather"`` (one all-gather a layer: fewer, larger transfers; the whole
+            sequence's keys and values on each GPU), ``"alltoall"`` (one exchange a ring step:
+            one rank's share at a time), or ``"auto"``: the planner takes all-gather where it
+            fits, else all-to-all (:attr:`Plan.rotation <offloadkit.planning.planner.Plan.rotation>`).
 
     Example:
         >>> Parallelism(world_size=4, context_parallel=True, ranks_per_host=4).sequence_ranks
@@ -80,6 +104,7 @@ class Parallelism:
     world_size: int = 1
     context_parallel: bool = False
     ranks_per_host: int = 1
+    rotation: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("world_size", "ranks_per_host"):
@@ -91,6 +116,16 @@ class Parallelism:
                 f"context_parallel={self.context_parallel!r} is invalid; pass True (one sequence split over "
                 "the ranks) or False (each rank its own sequences)"
             )
+        if self.rotation not in (*ROTATIONS, "auto"):
+            raise ValueError(
+                f"rotation={self.rotation!r} is invalid; pass 'allgather' (one all-gather a layer), 'alltoall' "
+                "(one exchange a ring step: less GPU memory) or 'auto' (the planner picks: all-gather where it fits)"
+            )
+
+    @property
+    def rotations(self) -> tuple[str, ...]:
+        """The rotations a plan may use, preferred first."""
+        return ROTATIONS if self.rotation == "auto" else (self.rotation,)
 
     @property
     def sequence_ranks(self) -> int:
@@ -139,6 +174,20 @@ def search_step(parallel: Parallelism, step: int) -> int:
     return math.lcm(step, parallel.sequence_multiple)
 
 
+def ring_rotation(parallel: Parallelism, chosen: str | None = None) -> str:
+    """The rotation a plan's ring attention uses: ``chosen`` (the plan's, :attr:`Features.rotation
+    <offloadkit.planning.memory.Features.rotation>`), else the run's own, all-gather where that is
+    ``"auto"`` (torch's default)."""
+    if chosen is not None:
+        return chosen
+    return parallel.rotation if parallel.rotation != "auto" else "allgather"
+
+
+def rotation_name(rotation: str) -> str:
+    """``all-gather`` or ``all-to-all``."""
+    return {"allgather": "all-gather", "alltoall": "all-to-all"}.get(rotation, rotation)
+
+
 def kv_sequence_bytes(w: Workload) -> int:
     """Keys and values of one layer over the whole sequence (every rank's tokens)."""
     s = w.shape
@@ -146,8 +195,9 @@ def kv_sequence_bytes(w: Workload) -> int:
 
 
 def gather_bytes(w: Workload) -> int:
-    """Bytes one all-gather of a layer's keys and values brings a rank: the other ranks'
-    ``(W-1)/W`` of the sequence's (0 without context parallelism)."""
+    """Bytes of the other ranks' keys and values that reach a rank in one rotation of a layer:
+    ``(W-1)/W`` of the sequence's (0 without context parallelism), in one all-gather or in
+    ``W-1`` all-to-all exchanges of one rank's share."""
     ranks = w.parallel.sequence_ranks
     return kv_sequence_bytes(w) * (ranks - 1) // ranks
 
@@ -160,18 +210,43 @@ def gradient_exchange_bytes(w: Workload) -> int:
     return w.tokens * 2 * s.kv_heads * s.head_dim * GRADIENT_BYTES
 
 
-def ring_buffer_bytes(w: Workload) -> int:
-    """GPU bytes the ring backward of one layer holds beside an unsplit attention's: the
-    gathered keys and values of the whole sequence and the local copy sent, the fp32 query
-    gradient, and the fp32 key/value gradients three times (accumulated, sent, received).
-    Counted for all heads: an upper bound where attention runs in key/value head groups."""
+# Keys and values (in units of one group's local share) a ring call holds while a step's
+# kernel runs, at its first step, a middle one and its last, from torch's code: all-gather,
+# the local contiguous copy, the copy made to send (one a step, kept until the next) and the
+# gathered ``W``; all-to-all, the block in use, the copy sent and the one being received.
+def _kv_held(rotation: str, ranks: int) -> tuple[int, int, int]:
+    if rotation == "alltoall":
+        return 3, 3, 2
+    return ranks + 2, ranks + 1, ranks + 1
+
+
+def ring_buffer_bytes(w: Workload, groups: int = 1, rotation: str = "allgather") -> int:
+    """GPU bytes one layer's ring attention holds beside an unsplit attention's, at the larger
+    of its backward and its forward (the recompute), for one ring call: one key/value head
+    group's when attention runs in ``groups`` groups (each is its own ring call, in turn).
+
+    Backward, while a step's kernel runs (the kernel's workspace and outputs are an unsplit
+    attention's): the fp32 query-gradient accumulator; the fp32 key/value gradients, at the
+    first step the accumulator alone, at each later one the accumulator, the copy sent and the
+    one received; the keys and values :func:`_kv_held` counts for the rotation. Forward: the
+    merger's fp32 output and log-sum-exp (16-bit activations: the steps' outputs are merged in
+    fp32) and the keys and values of the first step. The larger is the backward's.
+    """
     if not w.parallel.splits_sequence:
         return 0
-    s = w.shape
-    local_kv = w.tokens * 2 * s.kv_heads * s.head_dim
-    gathered = kv_sequence_bytes(w) + local_kv * w.dtype_bytes
-    gradients = w.tokens * s.heads * s.head_dim * GRADIENT_BYTES + 3 * local_kv * GRADIENT_BYTES
-    return gathered + gradients
+    s, t, ranks = w.shape, w.tokens, w.parallel.sequence_ranks
+    g = max(1, groups)
+    q = t * s.heads * s.head_dim // g  # one group's queries, elements
+    kv = t * 2 * s.kv_heads * s.head_dim // g  # its keys and values
+    b, f = w.dtype_bytes, GRADIENT_BYTES
+    first, middle, last = _kv_held(rotation, ranks)
+    steps = [first * kv * b + kv * f, last * kv * b + 3 * kv * f]
+    if ranks > 2:
+        steps.append(middle * kv * b + 3 * kv * f)
+    backward = q * f + max(steps)
+    merger = q * f + t * s.heads // g * 4 if b < GRADIENT_BYTES else 0
+    forward = merger + first * kv * b
+    return max(backward, forward)
 
 
 @dataclass(frozen=True)
@@ -195,7 +270,9 @@ class RingTraffic:
         return self.forward_wait_s + self.backward_wait_s
 
 
-def ring_traffic(w: Workload, reruns: int, layer_attention_s: float, rate: float) -> RingTraffic:
+def ring_traffic(
+    w: Workload, reruns: int, layer_attention_s: float, rate: float, rotation: str = "allgather"
+) -> RingTraffic:
     """The ring's traffic and waits for one step (see the module docstring).
 
     Args:
@@ -204,6 +281,7 @@ def ring_traffic(w: Workload, reruns: int, layer_attention_s: float, rate: float
             the layers whose attention outputs are kept, and the replayed blocks).
         layer_attention_s: one layer's attention forward on this rank; its backward is twice that.
         rate: the link's bytes/s each way between the ranks.
+        rotation: ``"allgather"`` or ``"alltoall"``: the same bytes, waited for differently.
     """
     ranks = w.parallel.sequence_ranks
     if ranks == 1:
@@ -211,11 +289,19 @@ def ring_traffic(w: Workload, reruns: int, layer_attention_s: float, rate: float
     layers = w.shape.layers
     gather, exchange = gather_bytes(w), gradient_exchange_bytes(w)
     g, x = gather / rate, exchange / rate
-    # Waited for past the rank's own block, 1/W of the layer's attention.
-    forward_wait = max(0.0, g - layer_attention_s / ranks)
-    block_backward = 2 * layer_attention_s / ranks
-    # Again in backward; each gradient exchange hides behind the next block, the last one cannot.
-    backward_wait = max(0.0, g - block_backward) + (ranks - 1) * max(0.0, x - block_backward) + x
+    # One ring step's attention: 1/W of the layer's on this rank, twice that in backward.
+    block, block_backward = layer_attention_s / ranks, 2 * layer_attention_s / ranks
+    if rotation == "alltoall":
+        # W-1 exchanges of one rank's share, each behind one step; in backward each step's
+        # kernel also hides the previous step's gradients. The last gradients are waited for.
+        share = g / (ranks - 1)
+        forward_wait = (ranks - 1) * max(0.0, share - block)
+        backward_wait = (ranks - 1) * max(0.0, share + x - block_backward) + x
+    else:
+        # Waited for past the rank's first step; again in backward, where each gradient
+        # exchange hides behind the next step and the last one cannot.
+        forward_wait = max(0.0, g - block)
+        backward_wait = max(0.0, g - block_backward) + (ranks - 1) * max(0.0, x - block_backward) + x
     forward_bytes = layers * gather
     backward_bytes = reruns * gather + layers * (gather + ranks * exchange)
     return RingTraffic(

@@ -26,7 +26,8 @@ horizon of 0 nothing is fetched ahead, so every block input's fetch adds to back
 
 With a sequence split over several ranks (:mod:`offloadkit.planning.parallelism`) a rank
 counts its share of the tokens and ``1/W`` of the causal attention; ring attention's traffic
-takes the link between the ranks, and what attention does not hide adds to each pass.
+takes the link between the ranks, and what attention does not hide adds to each pass (the same
+bytes with either rotation, waited for differently: :func:`~offloadkit.planning.parallelism.ring_traffic`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offloadkit.planning.memory import Features, Workload, attention_kept_bytes, keeps_attention, streams_weights
-from offloadkit.planning.parallelism import ring_traffic
+from offloadkit.planning.parallelism import ring_rotation, ring_traffic
 
 __all__ = [
     "Rates",
@@ -214,7 +215,8 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     # attention in (not those whose outputs are kept) and for every replayed block.
     reruns = (w.shape.layers - keeps_attention(f) if f.checkpointing else 0) + _replays(w, f)
     link = rates.link_bytes_per_s if w.parallel.one_host else rates.network_bytes_per_s
-    ring = ring_traffic(w, reruns, af / rates.attention_flops_per_s / w.shape.layers, link)
+    rotation = ring_rotation(w.parallel, f.rotation)
+    ring = ring_traffic(w, reruns, af / rates.attention_flops_per_s / w.shape.layers, link, rotation)
     fwd = max(fwd_compute + fwd_exposed + ring.forward_wait_s, fwd_pcie, fwd_disk)
     bwd = max(bwd_compute + exposed + ring.backward_wait_s, bwd_pcie, bwd_disk)
     totals = {
