@@ -292,11 +292,17 @@ def ring_traffic(
     # One ring step's attention: 1/W of the layer's on this rank, twice that in backward.
     block, block_backward = layer_attention_s / ranks, 2 * layer_attention_s / ranks
     if rotation == "alltoall":
-        # W-1 exchanges of one rank's share, each behind one step; in backward each step's
-        # kernel also hides the previous step's gradients. The last gradients are waited for.
+        # W-1 exchanges of one rank's share, each behind one step. In backward the first step
+        # hides the next keys and values, the middle ones those and the previous step's
+        # gradients, the last step the gradients alone; the last gradients are waited for.
         share = g / (ranks - 1)
         forward_wait = (ranks - 1) * max(0.0, share - block)
-        backward_wait = (ranks - 1) * max(0.0, share + x - block_backward) + x
+        backward_wait = (
+            max(0.0, share - block_backward)
+            + (ranks - 2) * max(0.0, share + x - block_backward)
+            + max(0.0, x - block_backward)
+            + x
+        )
     else:
         # Waited for past the rank's first step; again in backward, where each gradient
         # exchange hides behind the next step and the last one cannot.

@@ -128,9 +128,15 @@ def test_both_rotations_move_the_same_bytes_and_hide_them_differently():
     assert (a2a.forward_bytes, a2a.backward_bytes) == (ag.forward_bytes, ag.backward_bytes)
     layers = SHAPE.layers
     assert a2a.forward_wait_s == pytest.approx(layers * (world - 1) * max(0.0, share - block), rel=1e-12)
-    assert a2a.backward_wait_s == pytest.approx(layers * ((world - 1) * max(0.0, share + x - 2 * block) + x), rel=1e-12)
+    # In backward the first step's kernel hides the next keys and values, each middle one those
+    # and the previous step's gradients, the last one the gradients; the last gradients are waited for.
+    b = 2 * block
+    steps = max(0.0, share - b) + (world - 2) * max(0.0, share + x - b) + max(0.0, x - b) + x
+    assert a2a.backward_wait_s == pytest.approx(layers * steps, rel=1e-12)
     assert ag.forward_wait_s == pytest.approx(layers * max(0.0, (world - 1) * share - block), rel=1e-12)
     assert a2a.forward_wait_s < ag.forward_wait_s
+    # Where every transfer outlasts its step, backward waits as long either way.
+    assert share > b and x > b and a2a.backward_wait_s == pytest.approx(ag.backward_wait_s, rel=1e-12)
 
 
 # -- against the measured peaks -----------------------------------------------------------------------
