@@ -3,7 +3,8 @@ given) budgets, the config keys that realise the plan as YAML to paste into a co
 predicted step time, and the longest sequence that fits; ``--verbose`` adds the planner's table
 and the candidates not chosen. With ``--world-size N`` the plan is one rank's of N splitting each
 sequence (context parallelism; ``--seq-len`` stays the whole sequence), within its share of the
-host's RAM and disk (``--ranks-per-host`` ranks share them)."""
+host's RAM and disk (``--ranks-per-host`` ranks share them), with the ring attention rotation it
+takes (``--rotation``)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,14 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         action="store_true",
         help="with --world-size: each rank trains its own sequences of --seq-len tokens (DDP) instead of a "
         "share of one; only host RAM and disk are shared",
+    )
+    p.add_argument(
+        "--rotation",
+        choices=("auto", "allgather", "alltoall"),
+        default="auto",
+        help="with --world-size: how ring attention moves keys and values between the ranks (apply_context_parallel's "
+        "rotation): allgather (one all-gather a layer), alltoall (one exchange a ring step: less GPU memory), or "
+        "auto: all-gather where it fits and is as fast, else all-to-all (default auto)",
     )
     p.add_argument(
         "--link-gb-s",
@@ -156,6 +165,7 @@ def _parallelism(args):
         world_size=args.world_size,
         context_parallel=args.world_size > 1 and not args.no_context_parallel,
         ranks_per_host=args.ranks_per_host if args.ranks_per_host is not None else args.world_size,
+        rotation=args.rotation,
     )
 
 
@@ -239,11 +249,14 @@ def run_plan(args, log=print) -> int:
             f"across the {parallel.world_size} ranks, {t.flops / t.seconds / 1e12:.0f} TFLOP/s on each"
         )
     if parallel.splits_sequence:
+        from offloadkit.planning.parallelism import rotation_name
+
         rate = budgets.rates.link_bytes_per_s if parallel.one_host else budgets.rates.network_bytes_per_s
         log(
-            f"ring attention: {t.ring_s:.2f} s of keys, values and their gradients between the ranks at "
-            f"{rate / 1e9:.0f} GB/s ({'within the host' if parallel.one_host else 'between hosts'}), "
-            f"{t.ring_wait_s:.2f} s of it not hidden behind attention"
+            f"ring attention: {rotation_name(p.rotation)} rotation ({p.rotation_note}), {t.ring_s:.2f} s of keys, "
+            f"values and their gradients between the ranks at {rate / 1e9:.0f} GB/s "
+            f"({'within the host' if parallel.one_host else 'between hosts'}), {t.ring_wait_s:.2f} s of it not hidden "
+            f'behind attention: apply_context_parallel(model, mesh, rotation="{p.rotation}")'
         )
     if not args.lora_rank:
         log(f"optimizer, with its state in host memory: {optimizer.describe()}")

@@ -16,7 +16,10 @@ reservation, host and disk use fit wins; ties in time go to the lower peak.
 
 Over several GPUs (:class:`~offloadkit.planning.parallelism.Parallelism`) the plan is one
 rank's: its share of a sequence split over the ranks, within its share of the host's RAM and
-disk; ``seq_len`` and the longest sequence are the whole sequence's.
+disk; ``seq_len`` and the longest sequence are the whole sequence's. Each candidate's ring
+attention rotates keys and values by all-gather where that fits (fewer, larger transfers)
+and is as fast, else all-to-all (one neighbour's share on the GPU at a time), unless the run
+fixes the rotation (:attr:`Parallelism.rotation`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from offloadkit.planning.memory import (
     tiered_reserve_bytes,
     tiles_projections,
 )
-from offloadkit.planning.parallelism import Parallelism, search_step
+from offloadkit.planning.parallelism import Parallelism, ring_rotation, rotation_name, search_step
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import StepTime, estimate_time
 from offloadkit.storage.pool import size_class
@@ -103,6 +106,8 @@ class Plan:
         reasons: why it does not fit (empty when it does).
         rejected: the faster candidates that did not fit, with why.
         optimizer: what was assumed of a full fine-tune's optimizer.
+        rotation_note: with a sequence split over ranks, why the rotation (:attr:`rotation`)
+            was taken.
     """
 
     workload: Workload
@@ -115,6 +120,15 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
     optimizer: OptimizerSetup = field(default_factory=OptimizerSetup)
+    rotation_note: str = ""
+
+    @property
+    def rotation(self) -> str | None:
+        """How ring attention moves keys and values in this plan, "allgather" or "alltoall"
+        (``apply_context_parallel(model, mesh, rotation=plan.rotation)``); None without a
+        sequence split over ranks."""
+        par = self.workload.parallel
+        return ring_rotation(par, self.features.rotation) if par.splits_sequence else None
 
     @property
     def placement(self) -> list[str]:
@@ -206,7 +220,18 @@ class Plan:
         t = estimate_time(w, f, self.budgets.rates, m.block_placement)
         reasons = _check(w, m, self.budgets)
         name = f"{self.name}, at {layers} of its {self.workload.shape.layers} layers"
-        return Plan(w, f, self.budgets, name, m, t, not reasons, reasons, optimizer=self.optimizer)
+        return Plan(
+            w,
+            f,
+            self.budgets,
+            name,
+            m,
+            t,
+            not reasons,
+            reasons,
+            optimizer=self.optimizer,
+            rotation_note=self.rotation_note,
+        )
 
     def table(self) -> str:
         """The plan as a text table."""
@@ -239,6 +264,7 @@ class Plan:
             f"MLP: {str(f.mlp_shards) + ' shards' if f.mlp_shards > 1 else 'untiled'}"
             f"{' (norms and attention projections too)' if f.tiled_projections else ''};  "
             f"{'attention: ' + str(f.head_groups) + ' head groups;  ' if f.head_groups > 1 else ''}"
+            f"{'ring attention: ' + rotation_name(self.rotation) + ' rotation;  ' if self.rotation else ''}"
             f"{'prefetch horizon: ' + str(f.horizon) + ';  ' if f.offload_inputs and f.horizon is not None else ''}"
             f"layer streaming: {'on, depth ' + str(f.stream_depth) if f.layer_streaming else 'off'}"
             + (
@@ -482,43 +508,10 @@ def plan(
     results = []
     # Only what the run can realise: an optimizer that cannot be replaced keeps its state.
     for name, f in _candidates(w, b, stream_depth, optimizer.replaceable):
-        m = estimate_memory(w, f)
-        t = estimate_time(w, f, b.rates, m.block_placement)
-        reasons = _check(w, m, b)
-        for shorter in _shorter_horizons(w, f, m, t, b) if reasons else ():
-            # Fewer block inputs in flight: first the fewest that still hide each fetch behind
-            # the layers of backward ahead, then none (each fetch waited for).
-            f = replace(f, horizon=shorter)
-            f = replace(f, ram_blocks=_ram_blocks(w, f, b))  # fewer staging buffers: more room in RAM
-            m = estimate_memory(w, f)
-            t = estimate_time(w, f, b.rates, m.block_placement)
-            reasons = _check(w, m, b)
-            if not reasons:
-                break
-        held = _gpu_blocks(w, f, m, b) if f.offload_inputs and (reasons or "disk" in m.block_placement) else 0
-        if held:
-            # RAM and disk are short but the GPU has room: it holds the newest block inputs.
-            f = replace(f, gpu_blocks=held)
-            f = replace(f, ram_blocks=_ram_blocks(w, f, b))
-            m = estimate_memory(w, f)
-            t = estimate_time(w, f, b.rates, m.block_placement)
-            reasons = _check(w, m, b)
-        if f.offload_inputs and f.checkpointing and (reasons or "disk" in m.block_placement):
-            dropped = _drop_inputs(w, f, b, m, t)
-            if dropped is not None:
-                f, m, t = dropped
-                reasons = _check(w, m, b)
-        if not reasons:
-            kept = _keep_attention(w, f, b, t)
-            if kept is not None:
-                f, m, t = kept
-        if f.gpu_blocks:
-            name += f", {f.gpu_blocks} block inputs on the GPU"
-        if f.recompute_blocks:
-            name += f", {f.recompute_blocks} block inputs recomputed"
-        if f.keep_attention:
-            name += f", attention outputs of {f.keep_attention} layers kept"
-        results.append(Plan(w, f, b, name, m, t, not reasons, reasons, optimizer=optimizer))
+        if w.parallel.splits_sequence:
+            results.append(_with_rotation(w, b, name, f, optimizer))
+        else:
+            results.append(_realise(w, b, name, f, optimizer))
     fitting = [p for p in results if p.fits]
     if fitting:
         # Equal times (small workloads round to the same hundredth): the optimizer state and
@@ -546,6 +539,69 @@ def plan(
         if p is not best and (not p.fits or p.time.seconds < best.time.seconds)
     ]
     return best
+
+
+def _realise(w: Workload, b: Budgets, name: str, f: Features, optimizer: OptimizerSetup) -> Plan:
+    """One candidate made to fit where it can: a shorter prefetch horizon, block inputs held on
+    the GPU, dropped or with their attention outputs kept, as each helps."""
+    m = estimate_memory(w, f)
+    t = estimate_time(w, f, b.rates, m.block_placement)
+    reasons = _check(w, m, b)
+    for shorter in _shorter_horizons(w, f, m, t, b) if reasons else ():
+        # Fewer block inputs in flight: first the fewest that still hide each fetch behind
+        # the layers of backward ahead, then none (each fetch waited for).
+        f = replace(f, horizon=shorter)
+        f = replace(f, ram_blocks=_ram_blocks(w, f, b))  # fewer staging buffers: more room in RAM
+        m = estimate_memory(w, f)
+        t = estimate_time(w, f, b.rates, m.block_placement)
+        reasons = _check(w, m, b)
+        if not reasons:
+            break
+    held = _gpu_blocks(w, f, m, b) if f.offload_inputs and (reasons or "disk" in m.block_placement) else 0
+    if held:
+        # RAM and disk are short but the GPU has room: it holds the newest block inputs.
+        f = replace(f, gpu_blocks=held)
+        f = replace(f, ram_blocks=_ram_blocks(w, f, b))
+        m = estimate_memory(w, f)
+        t = estimate_time(w, f, b.rates, m.block_placement)
+        reasons = _check(w, m, b)
+    if f.offload_inputs and f.checkpointing and (reasons or "disk" in m.block_placement):
+        dropped = _drop_inputs(w, f, b, m, t)
+        if dropped is not None:
+            f, m, t = dropped
+            reasons = _check(w, m, b)
+    if not reasons:
+        kept = _keep_attention(w, f, b, t)
+        if kept is not None:
+            f, m, t = kept
+    if f.gpu_blocks:
+        name += f", {f.gpu_blocks} block inputs on the GPU"
+    if f.recompute_blocks:
+        name += f", {f.recompute_blocks} block inputs recomputed"
+    if f.keep_attention:
+        name += f", attention outputs of {f.keep_attention} layers kept"
+    return Plan(w, f, b, name, m, t, not reasons, reasons, optimizer=optimizer)
+
+
+def _with_rotation(w: Workload, b: Budgets, name: str, f: Features, optimizer: OptimizerSetup) -> Plan:
+    """One candidate over ranks splitting the sequence, with the ring's rotation: the run's
+    when it fixes one; else all-gather where it fits and is as fast (to 0.01 s), all-to-all
+    where it does not fit (all-to-all holds one neighbour's keys and values at a time, not the
+    whole sequence's) or, on a slow link, hides more of the traffic."""
+    first, *others = w.parallel.rotations
+    p = _realise(w, b, name, replace(f, rotation=first), optimizer)
+    if not others:
+        p.rotation_note = "as the run sets it"
+        return p
+    q = _realise(w, b, name, replace(f, rotation=others[0]), optimizer)
+    if p.fits and (not q.fits or round(p.time.seconds, 2) <= round(q.time.seconds, 2)):
+        p.rotation_note = "all-gather fits"
+        return p
+    if p.fits:
+        q.rotation_note = f"faster here: {q.time.seconds:.2f} s a step, all-gather {p.time.seconds:.2f} s"
+    else:
+        q.rotation_note = "all-gather does not fit: " + "; ".join(p.reasons)
+    return q
 
 
 def _keep_attention(w: Workload, f: Features, b: Budgets, t: StepTime):
@@ -728,7 +784,8 @@ def physical_limit(
     replays the run after it): each drop frees storage and lengthens a run, whose replayed
     inputs the GPU holds beside the working set; storage is short only when no number of
     drops fits both. Split over ranks (``parallel``), the lengths are the whole sequence's and
-    the budgets one rank's.
+    the budgets one rank's, and ring attention rotates all-to-all where the run allows it (the
+    lighter rotation).
     """
     parallel = parallel or Parallelism()
     step = search_step(parallel, SEQ_STEP)
@@ -744,6 +801,9 @@ def physical_limit(
     streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes
     streaming = (bool(lora_rank) or state_on_host) and streamed + (state if state_on_host else 0) <= budgets.host_bytes
 
+    # Ring attention's lighter rotation where the run allows it: one neighbour's keys and values at a time.
+    lightest = parallel.rotations[-1]
+
     def working_set(seq: int, drops: int = 0):
         w = replace(w0, seq_len=seq)
         f = Features(
@@ -757,6 +817,7 @@ def physical_limit(
             head_groups=w.shape.kv_heads,
             optimizer_offloading=state_on_host,
             recompute_blocks=drops,
+            rotation=lightest,
         )
         return w, estimate_memory(w, f).gpu_peak
 

@@ -233,3 +233,91 @@ def test_measured_points_are_the_runs_own(where, world, tokens, layers, rotation
     assert max(run["peak_reserved_gib"]) == pytest.approx(reserved, abs=1e-4)
     ran = {k: v for k, v in run["config"].items() if k in config}
     assert {**ran, **({"attention_head_groups": 1} if "043808d" in where else {})} == config
+
+
+# -- the planner's choice ------------------------------------------------------------------------------
+
+
+def _budgets(world: int, host_gib: int, disk_gib: int):
+    from offloadkit.planning import Budgets
+
+    return Budgets.detect(79 * GiB, host_gib * GiB, disk_gib * GiB, ranks_per_host=world)
+
+
+def test_auto_takes_all_gather_where_it_fits():
+    from offloadkit.planning import plan
+
+    p = plan("llama-3-8b", 1 << 20, budgets=_budgets(4, 500, 200), parallel=_cp(4))
+    assert p.fits and p.rotation == p.features.rotation == "allgather" and p.rotation_note == "all-gather fits"
+    assert "ring attention: all-gather rotation" in p.table()
+    assert p.at_depth(2).rotation == "allgather"
+    # One GPU: no ring, no rotation.
+    one = plan("llama-3-8b", 1 << 18, budgets=_budgets(1, 250, 100))
+    assert one.rotation is None and one.features.rotation is None and "rotation" not in one.table()
+
+
+def test_auto_takes_all_to_all_where_all_gather_does_not_fit():
+    """Two ranks at 1,620,992 tokens (810,496 each) on 79 GiB cards, 125 GiB of RAM and 50 GiB
+    of disk each: all-gather leaves the GPU no room for the replayed block inputs the storage
+    needs; all-to-all does."""
+    from offloadkit.planning import longest_sequence, plan
+
+    budgets = _budgets(2, 250, 100)
+    p = plan("llama-3-8b", 1620992, budgets=budgets, parallel=_cp(2))
+    gathered = plan("llama-3-8b", 1620992, budgets=budgets, parallel=_cp(2, "allgather"))
+    assert p.fits and p.rotation == "alltoall" and not gathered.fits
+    assert p.rotation_note == "all-gather does not fit: " + "; ".join(gathered.reasons)
+    fixed = plan("llama-3-8b", 1620992, budgets=budgets, parallel=_cp(2, "alltoall"))
+    assert fixed.memory == p.memory and fixed.rotation_note == "as the run sets it"
+    # The longest sequence and the physical limit reflect the lighter rotation.
+    auto, allgather = (
+        longest_sequence("llama-3-8b", budgets=budgets, parallel=_cp(2, r)) for r in ("auto", "allgather")
+    )
+    assert auto.longest > allgather.longest and auto.physical > allgather.physical
+    assert auto.plan.rotation == "alltoall"
+
+
+def test_on_a_slow_link_all_to_all_hides_more_of_the_traffic():
+    """At 1 GB/s between the ranks a ring step's attention hides little: all-gather waits for
+    the whole gather past the first step, all-to-all for each exchange past one step."""
+    from offloadkit.planning import plan
+
+    slow = _budgets(4, 500, 200)
+    slow = slow.with_rates(replace(slow.rates, link_bytes_per_s=1e9, network_bytes_per_s=1e9))
+    p = plan("llama-3-8b", 65536, budgets=slow, parallel=_cp(4))
+    gathered = plan("llama-3-8b", 65536, budgets=slow, parallel=_cp(4, "allgather"))
+    assert gathered.fits and p.rotation == "alltoall" and p.time.seconds < gathered.time.seconds
+    assert p.rotation_note == f"faster here: {p.time.seconds:.2f} s a step, all-gather {gathered.time.seconds:.2f} s"
+
+
+def test_cli_prints_the_rotation_and_takes_one():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("LOCAL_WORLD_SIZE", None)
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "offloadkit", "plan", "--shape", "llama-3-8b", "--world-size", "2", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=300,
+        )
+
+    budgets = ("--gpu-gib", "79", "--host-gib", "250", "--disk-gib", "100", "--no-search")
+    r = cli("--seq-len", "1620992", *budgets)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("ring attention: "))
+    assert line.startswith("ring attention: all-to-all rotation (all-gather does not fit: ")
+    assert line.endswith('apply_context_parallel(model, mesh, rotation="alltoall")')
+    r = cli("--seq-len", "262144", "--rotation", "alltoall", *budgets)
+    assert r.returncode == 0, r.stderr
+    assert "ring attention: all-to-all rotation (as the run sets it), " in r.stdout
+    r = cli("--seq-len", "1620992", "--rotation", "allgather", *budgets)
+    assert r.returncode == 1 and "does not fit" in r.stdout.splitlines()[0]
+    assert "ring attention: all-gather rotation (as the run sets it)" in r.stdout
+    r = cli("--seq-len", "262144", "--rotation", "ring", *budgets)
+    assert r.returncode == 2 and "--rotation" in r.stderr
