@@ -60,7 +60,13 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="override one key of the planned config (YAML value), e.g. keep_attention_outputs=false",
     )
-    ap.add_argument("--rotation", choices=("allgather", "alltoall"), default=None)
+    ap.add_argument(
+        "--rotation",
+        choices=("allgather", "alltoall"),
+        default=None,
+        help="how ring attention moves keys and values (default: the plan's, all-gather where it fits; "
+        "all-to-all for ranks sharing one GPU)",
+    )
     ap.add_argument(
         "--gpu-gib",
         type=float,
@@ -97,7 +103,9 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_bytes / total))
         gpu_bytes -= GPU_CONTEXT_BYTES  # as Budgets.detect leaves out of a card's total
     budgets = Budgets.detect(gpu_bytes=gpu_bytes)
-    parallel = Parallelism(world_size=world, context_parallel=True, ranks_per_host=local_world_size())
+    # Ranks sharing one GPU (over gloo) rotate all-to-all, as the GPU tests on one card do.
+    asked = args.rotation or ("alltoall" if shared else "auto")
+    parallel = Parallelism(world_size=world, context_parallel=True, ranks_per_host=local_world_size(), rotation=asked)
     p = plan(resolve_shape(args.shape), seq, lora_rank=args.lora_rank, budgets=budgets, parallel=parallel)
     model = build_llama(
         args.shape,
@@ -119,7 +127,7 @@ def main() -> None:
         key, _, value = item.partition("=")
         config[key] = yaml.safe_load(value)
     runtime = prepare(model, config)
-    rotation = args.rotation or ("alltoall" if shared else "allgather")
+    rotation = p.rotation or "allgather"  # the plan's (one rank: no ring, torch's default)
     cp = apply_context_parallel(model, mesh, rotation=rotation)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
