@@ -182,12 +182,12 @@ MEASURED = [
     ("h200x4-310d2e2/cp-llama-3-8b-4x131072-2L.json", 4, 131072, 2, "allgather", _SCALING, 54.0069, 59.5664),
     ("h200x2-043808d/cp-llama-3-8b-2x819200-1L.json", 2, 819200, 1, "allgather", _UNGROUPED, 107.7812, 116.0840),
 ]
-# How far above a measured peak the prediction may be. It is 1.16-1.17x for the 819,200-token
-# runs at 1 layer: every rank of those peaked alike, while torch's buffers differ between
-# ranks in the ring's later steps (half blocks of queries or of keys), so the peak there fell
-# outside the ring's backward, which the planner counts on top of the attention backward it
-# calibrated on one GPU; and a 1-layer run's one layer is layer 0, whose input (the frozen
-# embeddings' output) needs no gradient.
+# How far above a measured peak the prediction may be. It is 1.16x and 1.17x for the
+# 819,200-token runs at 1 layer (1.05-1.09x for the others). Every rank of those peaked alike
+# although their ring steps after the first differ (half the queries on some ranks, half the
+# keys on others), so the peak most likely lay outside the ring's later steps, which the planner
+# adds at their largest to the attention backward it calibrated on one GPU; and a 1-layer run's
+# one layer is layer 0, whose input (the frozen embeddings' output) needs no gradient.
 WITHIN = 1.2
 
 
