@@ -148,14 +148,14 @@ def test_head_groups_are_the_groups_attention_runs_in(monkeypatch, wanted, kv_he
     :func:`grouped_attention` runs SDPA calls (the one rule lives in longctx)."""
     from offloadkit.longctx import attention_groups
 
-    real = attention_groups.F.scaled_dot_product_attention
+    real = attention_groups.SDPA  # PyTorch's own function, which the groups call
     calls = []
 
     def counting(*args, **kwargs):
         calls.append(args[1].shape[1])  # key/value heads of this call
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attention_groups.F, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(attention_groups, "SDPA", counting)
     q, k, v = (torch.randn(1, heads, 8, 4) for heads in (2 * kv_heads, kv_heads, kv_heads))
     out = attention_groups.grouped_attention(wanted, q, k, v, is_causal=True, enable_gqa=True)
     ran = len(calls) if out is not None else 1
