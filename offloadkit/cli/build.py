@@ -481,7 +481,7 @@ def _finish(cfg: TrainConfig, tokenizer, examples: list, notes: list) -> Trainin
 
     def build(items: list, packed: bool):
         if packed:
-            rows = pack_examples(items, cfg.seq_len)
+            rows = pack_examples(items, cfg.seq_len, sequential=cfg.sample_packing_sequentially)
             return PackedRows(rows, len(items)), packed_collate(pad, length)
         return SFTExamples(items), pad_collate(pad, length)
 
@@ -508,7 +508,9 @@ def schedule(cfg: TrainConfig, rows: int, world: int, planned: int, evaluating: 
 
     from offloadkit.integrations.axolotl import AXOLOTL_DEFAULT_WARMUP
 
-    per_epoch = max(1, math.ceil(rows / (cfg.batch_size * world)) // cfg.gradient_accumulation_steps)
+    batch = cfg.batch_size * world
+    batches = rows // batch if cfg.dataloader_drop_last else math.ceil(rows / batch)
+    per_epoch = max(1, batches // cfg.gradient_accumulation_steps)
     out: dict = {}
     if cfg.warmup_ratio is not None:
         # A fraction of the run's steps, rounded down, as Axolotl counts it.
@@ -567,6 +569,7 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
         neftune_noise_alpha=cfg.neftune_noise_alpha,
+        dataloader_drop_last=cfg.dataloader_drop_last,
         eval_strategy="no",
     )
     for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):

@@ -224,7 +224,8 @@ def _after_stop(work: str, final: str, main: bool) -> str:
 def _steps_planned(cfg: TrainConfig, blocks: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
-    per_epoch = max(1, math.ceil(blocks / cfg.batch_size) // cfg.gradient_accumulation_steps)
+    batches = blocks // cfg.batch_size if cfg.dataloader_drop_last else math.ceil(blocks / cfg.batch_size)
+    per_epoch = max(1, batches // cfg.gradient_accumulation_steps)
     return max(1, math.ceil(per_epoch * cfg.num_epochs))
 
 

@@ -116,7 +116,10 @@ class TrainConfig:
         sample_packing: several examples per row of ``seq_len`` tokens, each attending only
             to itself (position ids restart per example; refused for a model whose attention
             does not keep them apart); eval_sample_packing: the same for the held-out set
-            (default: as sample_packing).
+            (default: as sample_packing); sample_packing_sequentially: rows filled in the
+            examples' order (a new row when the next does not fit) instead of longest first.
+        dataloader_drop_last: leave out an epoch's last batch when it is not full (Axolotl
+            sets it with sample_packing and eval_sample_packing: false).
         pad_to_sequence_len: pad every batch to ``seq_len`` tokens.
         min_sample_len: drop examples shorter than this many tokens.
         dataset_exact_deduplication: drop repeated examples (identical tokens and labels).
@@ -210,7 +213,9 @@ class TrainConfig:
     saves_per_epoch: int | None = None
     save_only_model: bool = False
     sample_packing: bool = False
+    sample_packing_sequentially: bool = False
     eval_sample_packing: bool | None = None
+    dataloader_drop_last: bool = False
     pad_to_sequence_len: bool = False
     min_sample_len: int | None = None
     dataset_exact_deduplication: bool = False
@@ -583,6 +588,8 @@ class TrainConfig:
         for key in (
             "save_only_model",
             "sample_packing",
+            "sample_packing_sequentially",
+            "dataloader_drop_last",
             "pad_to_sequence_len",
             "dataset_exact_deduplication",
             "shuffle_merged_datasets",

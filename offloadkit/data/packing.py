@@ -21,16 +21,25 @@ from offloadkit.data.sft import IGNORE
 __all__ = ["pack_examples", "PackedRows", "packed_collate", "packing_keeps_documents_apart"]
 
 
-def pack_examples(examples: list, seq_len: int) -> list:
-    """``(input_ids, labels)`` examples packed first-fit, longest first, into rows of at most
-    ``seq_len`` tokens.
+def pack_examples(examples: list, seq_len: int, sequential: bool = False) -> list:
+    """``(input_ids, labels)`` examples packed into rows of at most ``seq_len`` tokens:
+    first-fit, longest first, or with ``sequential`` in their order (the next example
+    starts a new row when it does not fit in the current one).
 
     Returns:
         Rows as ``(input_ids, labels, position_ids)`` lists.
     """
-    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i][0]), i))
     rows: list[list[int]] = []  # indices of the examples of each row
     room: list[int] = []
+    if sequential:
+        for i, (example_ids, _) in enumerate(examples):
+            if rows and len(example_ids) <= room[-1]:
+                rows[-1].append(i)
+                room[-1] -= len(example_ids)
+            else:
+                rows.append([i])
+                room.append(seq_len - len(example_ids))
+    order = [] if sequential else sorted(range(len(examples)), key=lambda i: (-len(examples[i][0]), i))
     for i in order:
         n = len(examples[i][0])
         for r, free in enumerate(room):

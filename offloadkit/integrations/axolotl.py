@@ -180,7 +180,6 @@ NOT_HONOURED = {
     "cosine_constant_lr_ratio": "Axolotl's cosine schedule with a constant phase",
     "lr_quadratic_warmup": "a quadratic warmup",
     "early_stopping_patience": "early stopping on the evaluation loss",
-    "sample_packing_sequentially": "packing in dataset order",
     "sample_packing_seq_len_multiplier": "packing several rows' worth of examples per row",
     "max_packed_sequence_len": "packing to another length than sequence_len",
     "pretrain_multipack_attn": "packed pretraining attention",
@@ -623,6 +622,9 @@ def _map_schedules(data: dict, m: _Mapper) -> None:
             m.names["evals_per_epoch"] = key
         elif value not in (None, "steps"):
             m.not_honoured(key, value, "an evaluation schedule other than steps, epoch or no")
+    if data.get("sample_packing") is True and data.get("eval_sample_packing") is False:
+        # Axolotl then leaves out each epoch's last, partial batch.
+        m.out.setdefault("dataloader_drop_last", True)
     if "warmup_steps" not in data and "warmup_ratio" not in data:
         # Axolotl warms up over 3% of the steps (at most 100) when neither is given.
         m.out["warmup_ratio"] = 0.03

@@ -579,3 +579,16 @@ def test_lora_on_fused_experts_keeps_dropout_on_the_linear_layers(tmp_path, monk
     only.pop("lora_target_linear")  # Axolotl adapts only what is named: here the expert parameters
     seen, _ = _run(tmp_path / "p", monkeypatch, only, probe=dropouts)
     assert set(seen.found) == {"ParamWrapper"}
+
+
+def test_packing_in_order_and_the_last_partial_batch_left_out(tmp_path, monkeypatch):
+    examples = [([1] * n, [1] * n) for n in (5, 3, 6, 2, 4)]
+    assert [len(ids) for ids, _, _ in pack_examples(examples, 8)] == [8, 8, 4]  # longest first: 6+2, 5+3, 4
+    in_order = pack_examples(examples, 8, sequential=True)
+    assert [len(ids) for ids, _, _ in in_order] == [8, 8, 4]  # 5+3, 6+2, 4: in the examples' order
+    assert [p for _, _, p in in_order][1] == [0, 1, 2, 3, 4, 5, 0, 1]
+    config = _axolotl(tmp_path, sample_packing=True, sample_packing_sequentially=True, eval_sample_packing=False)
+    cfg = TrainConfig.from_dict(config, cuda=False)
+    assert cfg.sample_packing_sequentially and cfg.dataloader_drop_last  # Axolotl drops it in this case
+    seen, _ = _run(tmp_path, monkeypatch, config)
+    assert seen.args.dataloader_drop_last is True
