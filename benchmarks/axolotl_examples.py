@@ -8,7 +8,7 @@
 
 Check: ``offloadkit check CONFIG`` on each config as written, in a process of its own, with
 ``HF_HUB_OFFLINE=1`` (nothing downloads): no traceback, every problem on one line, and the
-wall time of each (the command's start included).
+wall time of each (the command's start included), one at a time before any training run.
 
 Train: ``offloadkit train`` for 2 steps of each config with a base_model, in a process of its
 own, with no key dropped. What is replaced, and only that:
@@ -548,7 +548,10 @@ def main(argv=None) -> int:
     parser.add_argument("axolotl", help="an Axolotl checkout or its bare git directory")
     parser.add_argument("--out", default=None, help="folder for results.tsv and summary.md")
     parser.add_argument("--only", action="append", default=[], help="only this config (examples/...); repeatable")
-    parser.add_argument("--jobs", type=int, default=2, help="configs run at once (default 2)")
+    parser.add_argument("--jobs", type=int, default=2, help="training runs at once (default 2)")
+    parser.add_argument(
+        "--check-jobs", type=int, default=1, help="checks at once (default 1: each timed on an otherwise idle machine)"
+    )
     parser.add_argument("--no-check", action="store_true", help="skip offloadkit check")
     parser.add_argument("--no-train", action="store_true", help="skip the training runs")
     parser.add_argument("--keep", default=None, help="keep the work folder (configs, stand-ins) here")
@@ -557,24 +560,22 @@ def main(argv=None) -> int:
     folder = os.path.join(work, "axolotl")
     configs = extract(args.axolotl, folder, args.only)
     rows = {rel: {"config": rel} for rel in configs}
-    jobs = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for rel in configs:
-            if not args.no_check:
-                jobs.append((rel, pool.submit(check_one, folder, rel)))
-            if not args.no_train:
-                jobs.append((rel, pool.submit(train_one, folder, rel, os.path.join(work, "runs"))))
-        pending = collections.Counter(rel for rel, _ in jobs)
-        for rel, job in jobs:
-            try:
-                rows[rel].update(job.result())
-            except Exception as exc:  # noqa: BLE001 - the harness's own failure, recorded
-                rows[rel].update(train="failed", reason=f"harness: {type(exc).__name__}: {exc}")
-            pending[rel] -= 1
-            if not pending[rel]:
+    # The checks first, alone (their times are the point), then the training runs.
+    for stage, jobs_at_once, run in (
+        ("check", args.check_jobs, None if args.no_check else lambda rel: check_one(folder, rel)),
+        ("train", args.jobs, None if args.no_train else lambda rel: train_one(folder, rel, os.path.join(work, "runs"))),
+    ):
+        if run is None:
+            continue
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs_at_once)) as pool:
+            for rel, job in [(rel, pool.submit(run, rel)) for rel in configs]:
+                try:
+                    rows[rel].update(job.result())
+                except Exception as exc:  # noqa: BLE001 - the harness's own failure, recorded
+                    rows[rel].update({stage: "failed", "reason": f"harness: {type(exc).__name__}: {exc}"})
                 row = rows[rel]
-                verdict = str(row.get("check_verdict", "-"))[:12]
-                print(f"{row.get('train', '-'):12} {verdict:12} {rel} {str(row.get('reason', ''))[:150]}", flush=True)
+                shown = row.get("check_verdict", "-") if stage == "check" else row.get("train", "-")
+                print(f"{stage} {str(shown)[:14]:14} {rel} {str(row.get('reason', ''))[:150]}", flush=True)
     git_dir = (
         args.axolotl if not os.path.isdir(os.path.join(args.axolotl, ".git")) else os.path.join(args.axolotl, ".git")
     )
