@@ -313,7 +313,7 @@ def plan_for(
         parallel = run_parallelism()
         if config.context_parallel and parallel.world_size > 1:
             # context_parallel: true splits each sequence over every rank (the Trainer's turns).
-            parallel = dataclasses.replace(parallel, context_parallel=True)
+            parallel = dataclasses.replace(parallel, context_parallel=True, rotation=config.context_parallel_rotation)
     budgets = Budgets.detect(
         gpu_bytes=config.gpu_budget_bytes,
         host_bytes_per_rank=config.host_budget_bytes,

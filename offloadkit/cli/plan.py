@@ -233,6 +233,8 @@ def run_plan(args, log=print) -> int:
     elif parallel.world_size > 1:
         log(f"# the plan of one rank of {parallel.world_size}, each training its own sequences")
     keys = {"seq_len": args.seq_len, **({"batch_size": args.batch} if args.batch != 1 else {}), **p.to_config()}
+    if p.workload.parallel.context_parallel and p.workload.parallel.world_size > 1:
+        keys["context_parallel"] = True  # the Trainer mixins and offloadkit train split each sequence
     for line in config_yaml(keys):
         log(line)
     log("")

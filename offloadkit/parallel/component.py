@@ -26,7 +26,8 @@ def build_context_parallel(model: nn.Module, options: ParallelOptions, run: Offl
     if ranks == 1:
         run.note("context_parallel has no effect with one process: launch with torchrun or accelerate launch")
         return None
-    return apply_context_parallel(model, rotation=options.rotation)
+    # auto without a plan to choose: torch's own default.
+    return apply_context_parallel(model, rotation="allgather" if options.rotation == "auto" else options.rotation)
 
 
 def report_context_parallel(cp: ContextParallel) -> dict:

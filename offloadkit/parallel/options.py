@@ -8,7 +8,7 @@ from offloadkit.options import Options, option
 
 __all__ = ["ParallelOptions"]
 
-ROTATIONS = ("allgather", "alltoall")
+ROTATIONS = ("auto", "allgather", "alltoall")
 
 
 @dataclass
@@ -23,17 +23,18 @@ class ParallelOptions(Options):
             ``1/world`` of each. Needs a Hugging Face causal LM with full causal attention and
             right padding (no packed documents).
         rotation: ``context_parallel_rotation``: how ring attention moves keys and values:
-            "allgather" (one all-gather a layer) or "alltoall" (one exchange a ring step: less
-            GPU memory at long context).
+            "allgather" (one all-gather a layer), "alltoall" (one exchange a ring step: less
+            GPU memory at long context) or "auto" (the plan's choice under ``offload_plan:
+            auto``, else allgather).
     """
 
     enabled: bool = option(False, "context_parallel")
-    rotation: str = option("allgather", "context_parallel_rotation")
+    rotation: str = option("auto", "context_parallel_rotation")
 
     def __post_init__(self) -> None:
         self._bool("enabled")
         if self.rotation not in ROTATIONS:
             raise ValueError(
                 f"{self.said('rotation', self.rotation)} is not a rotation; use allgather (one all-gather a "
-                "layer) or alltoall (less memory at long context)"
+                "layer), alltoall (less memory at long context) or auto"
             )

@@ -172,6 +172,9 @@ class Plan:
         }
         if f.head_groups > 1:
             out["attention_head_groups"] = f.head_groups
+        if self.workload.parallel.context_parallel and self.workload.parallel.world_size > 1:
+            # The rotation this plan counted; whether to split is the caller's (context_parallel).
+            out["context_parallel_rotation"] = ring_rotation(self.workload.parallel, f.rotation)
         if f.keep_attention:
             out["keep_attention_outputs"] = True if f.keep_attention >= self.workload.shape.layers else f.keep_attention
         if f.optimizer_offloading:

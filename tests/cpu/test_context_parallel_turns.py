@@ -59,3 +59,6 @@ def test_offload_plan_auto_plans_a_rank_of_the_split_sequence(monkeypatch):
     assert split.workload.parallel.context_parallel and split.workload.parallel.world_size == 2
     assert split.workload.tokens == 2048 and own.workload.tokens == 4096
     assert not own.workload.parallel.context_parallel
+    # The plan's keys name the rotation it counted (splitting stays the config's to say).
+    assert split.to_config()["context_parallel_rotation"] in ("allgather", "alltoall")
+    assert "context_parallel" not in split.to_config() and "context_parallel_rotation" not in own.to_config()
