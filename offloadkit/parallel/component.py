@@ -26,8 +26,7 @@ def build_context_parallel(model: nn.Module, options: ParallelOptions, run: Offl
     if ranks == 1:
         run.note("context_parallel has no effect with one process: launch with torchrun or accelerate launch")
         return None
-    # auto without a plan to choose: torch's own default.
-    return apply_context_parallel(model, rotation="allgather" if options.rotation == "auto" else options.rotation)
+    return apply_context_parallel(model, rotation=options.rotation)  # auto unplanned: allgather
 
 
 def report_context_parallel(cp: ContextParallel) -> dict:

@@ -296,8 +296,9 @@ def apply_context_parallel(model: nn.Module, mesh=None, *, rotation: str = "allg
             attention goes through ``AttentionInterface`` (Llama, Mistral, Qwen2, ...), with full
             causal attention in every layer.
         mesh: a 1-D ``DeviceMesh`` of the ranks sharing each sequence (default: all ranks).
-        rotation: how ring attention moves keys and values on CUDA: ``"allgather"`` or
-            ``"alltoall"`` (less memory). Process-wide.
+        rotation: how ring attention moves keys and values on CUDA: ``"allgather"``,
+            ``"alltoall"`` (less memory) or ``"auto"`` (allgather; a plan's
+            ``context_parallel_rotation`` says which it counted). Process-wide.
 
     Returns:
         A :class:`ContextParallel`; run each step in ``with cp.step(input_ids, labels) as inputs:``.
@@ -312,8 +313,10 @@ def apply_context_parallel(model: nn.Module, mesh=None, *, rotation: str = "allg
         raise ImportError(_INSTALL_HINT) from exc
     from offloadkit.runtime.ring import ROTATIONS, set_rotation
 
+    if rotation == "auto":
+        rotation = "allgather"  # no plan chose one here: torch's own default
     if rotation not in ROTATIONS:
-        raise ValueError(f"rotation={rotation!r} is invalid; choose one of {', '.join(ROTATIONS)}")
+        raise ValueError(f"rotation={rotation!r} is invalid; choose one of {', '.join(ROTATIONS)} or auto")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "context parallelism needs a process group: launch with torchrun and call "
