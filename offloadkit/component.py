@@ -1,5 +1,6 @@
 """The record of one feature :func:`~offloadkit.prepare` attaches: its name, its options, why it
-comes where it does in the apply order, how it is built, reported and detached.
+comes where it does in the apply order, how it is built, reported and detached, and what it
+costs (:class:`Footprint`).
 
 Each feature states its record beside its code (``longctx/component.py``,
 ``checkpointing/component.py``, ...); :mod:`offloadkit.components` lists them in apply order.
@@ -9,8 +10,8 @@ registry imports that ``component.py``.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from torch import nn
 
@@ -19,11 +20,77 @@ from offloadkit.options import Options
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime
 
-__all__ = ["Component"]
+__all__ = ["Component", "Footprint", "FootprintFeatures", "FootprintShape", "FootprintWorkload"]
 
 
 def _remove(handle: Any) -> None:
     handle.remove()
+
+
+class FootprintShape(Protocol):
+    """The model's dimensions a footprint reads (the planner's ``ModelShape`` has them)."""
+
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def intermediate(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def linears(self) -> list[tuple[int, int]]: ...
+
+
+class FootprintWorkload(Protocol):
+    """What is trained, as a footprint reads it (the planner's ``Workload`` has it: the
+    runtime states its costs without importing the planner)."""
+
+    @property
+    def shape(self) -> FootprintShape: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def dtype_bytes(self) -> int: ...
+    @property
+    def adapter_bytes(self) -> int: ...
+    @property
+    def lora_rank(self) -> int: ...
+
+
+class FootprintFeatures(Protocol):
+    """The features a footprint reads (the planner's ``Features`` has them)."""
+
+    @property
+    def checkpointing(self) -> bool: ...
+    @property
+    def loss_chunks(self) -> int: ...
+    @property
+    def mlp_shards(self) -> int: ...
+    @property
+    def tiled_projections(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one feature spends in one training step, in the terms the planner counts
+    (``planning/memory.py``: a fixed part held all step, plus the larger of the loss phase
+    and one layer's recompute and backward; ``planning/timing.py``: executed FLOPs).
+
+    Attributes:
+        loss: named GPU bytes held during the loss phase (the planner's part names).
+        layer_saved: bytes autograd saves inside each decoder layer for this feature's part:
+            every layer's, all step, without checkpointing; one layer's, in its recompute,
+            with it.
+        layer_backward: its temporaries while one layer runs backward. Not summed with the
+            other parts': the planner holds the larger of the MLP's and attention's.
+        backward_flops: FLOPs it adds to the backward pass (recomputed work).
+    """
+
+    loss: dict[str, int] = field(default_factory=dict)
+    layer_saved: int = 0
+    layer_backward: int = 0
+    backward_flops: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +108,9 @@ class Component:
         report: ``handle -> dict``: the keys this feature adds to ``runtime.report()``.
         remove: ``handle -> None``: detach it (``runtime.close()``, in reverse apply order);
             default ``handle.remove()``.
+        footprint: ``(workload, features) -> Footprint``: what it costs in a step as the
+            planner counts it, from its own constants (None: the planner still counts it
+            itself).
     """
 
     name: str
@@ -49,3 +119,4 @@ class Component:
     build: Callable[[nn.Module, Any, OffloadRuntime], Any]
     report: Callable[[Any], dict] | None = None
     remove: Callable[[Any], None] = _remove
+    footprint: Callable[[FootprintWorkload, FootprintFeatures], Footprint] | None = None

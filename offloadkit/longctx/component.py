@@ -10,6 +10,7 @@ from torch import nn
 from offloadkit.component import Component
 from offloadkit.longctx.attention_groups import AttentionHeadGroups, apply_attention_head_groups
 from offloadkit.longctx.causal_lm import ChunkedLossHandle, apply_chunked_loss
+from offloadkit.longctx.footprint import chunked_loss_footprint, tiled_mlp_footprint
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.longctx.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 
@@ -53,12 +54,14 @@ CHUNKED_LOSS = Component(
     options=LongContextOptions,
     why_here="first: it replaces the model's loss, which the step timeline's head hooks then see as the forward's tail",
     build=build_chunked_loss,
+    footprint=chunked_loss_footprint,
 )
 TILED_MLP = Component(
     name="tiled_mlp",
     options=LongContextOptions,
     why_here="wraps MLP modules inside the blocks, before checkpointing wraps the blocks around them",
     build=build_tiled_mlp,
+    footprint=tiled_mlp_footprint,
 )
 HEAD_GROUPS = Component(
     name="head_groups",

@@ -28,6 +28,13 @@ from offloadkit.defaults import (
     STREAM_DEPTH,
 )
 from offloadkit.longctx.attention_groups import kv_head_groups
+from offloadkit.longctx.footprint import (
+    LOSS_CHUNK_BYTES_PER_LOGIT,
+    UNCHUNKED_LOSS_BYTES_PER_LOGIT,
+    chunked_loss_footprint,
+    mlp_backward_bytes,
+    mlp_saved_bytes,
+)
 from offloadkit.longctx.loss import auto_chunk_tokens
 from offloadkit.longctx.tiled_mlp import auto_num_shards
 from offloadkit.planning.parallelism import Parallelism, ring_buffer_bytes, ring_rotation
@@ -43,6 +50,7 @@ __all__ = [
     "layer_saved_bytes",
     "FRAGMENTATION",
     "UNCHUNKED_LOSS_BYTES_PER_LOGIT",
+    "LOSS_CHUNK_BYTES_PER_LOGIT",
     "HOST_BASELINE_BYTES",
     "auto_loss_chunks",
     "disk_staging_bytes",
@@ -64,14 +72,9 @@ __all__ = [
 # the default fixed-size segments the same 512K step reserved 1.66x what it allocated, and
 # at 1.13M tokens SDPA's 34.7 GiB backward workspace found no room on a 141 GB H200.
 FRAGMENTATION = 1.10
-# Bytes per logit element of the unchunked Hugging Face loss at its peak (bf16 logits, fp32
-# log-softmax and its gradient, part of the fp32 upcast). Derived from the 8B LoRA 16K
-# checkpointing peak measured on H200 (benchmarks/results/engine/llama-3-8b-lora-16k-h200.md:
-# 42.92 GiB allocated, minus this model's other parts, over 16384 x 128256 logits).
-UNCHUNKED_LOSS_BYTES_PER_LOGIT = 11.5
-# Bytes per element of one loss chunk at its peak: the bf16 matmul output while it becomes
-# fp32 (2 + 4), then fp32 exp in place with its bf16 gradient (4 + 2); see longctx/loss.py.
-LOSS_CHUNK_BYTES_PER_LOGIT = 6
+# The loss's bytes per logit (UNCHUNKED_LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_BYTES_PER_LOGIT) and the
+# MLP's saved set and backward temporaries are the long-context components' footprints,
+# stated beside their code (offloadkit/longctx/footprint.py).
 # Host RSS of a CUDA PyTorch process with transformers and peft imported, before any
 # offloading. Assumed (typical: 3-5 GiB).
 HOST_BASELINE_BYTES = 4 << 30
@@ -264,9 +267,10 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool 
     Counted per token: RMSNorm's fp32 input and rsqrt (twice), q/k/v and the SDPA output and
     fp32 log-sum-exp, and the MLP's gate, up, SiLU and product. Full fine-tuning also saves
     each norm's bf16 output and normalised value (for the weight gradients); LoRA instead
-    saves each adapter's fp32 copy of its input and the rank-r activation. A tiled MLP saves
-    only its input. Rotary tables are shared by all layers and counted once elsewhere.
-    With the norms and projections tiled as well, a layer saves SDPA's set and one bf16
+    saves each adapter's fp32 copy of its input and the rank-r activation. The MLP's own set
+    is the tiled MLP's footprint (:func:`offloadkit.longctx.footprint.mlp_saved_bytes`: a
+    tiled MLP saves only its input). Rotary tables are shared by all layers and counted once
+    elsewhere. With the norms and projections tiled as well, a layer saves SDPA's set and one bf16
     ``[S, H]`` tensor, the post-attention residual: the modules a tiled norm feeds (q, k, v;
     the MLP) save the norm's input, which the norm saves anyway, and rebuild the norm's
     output in backward (the layer's input is the block input, counted apart). SDPA's output
@@ -274,50 +278,40 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool 
     memory, so no copy is made).
     """
     s, t, b = w.shape, w.tokens, w.dtype_bytes
-    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    mlp = mlp_saved_bytes(w, mlp_shards, tiled_projections)
     if tiled_projections:
-        return t * (b * (2 * q + 2 * kv) + 4 * s.heads + b * h)
+        return t * (b * (2 * q + 2 * kv) + 4 * s.heads + b * h) + mlp
     per_token = 2 * (4 * h + 4)  # two norms: fp32 input and fp32 rsqrt
     per_token += b * (2 * q + 2 * kv) + 4 * s.heads  # SDPA: q, k, v, out; fp32 log-sum-exp per head
     a = w.adapter_bytes
     if w.lora_rank:
-        r = w.lora_rank
-        per_token += a * (3 * h + q) + 4 * a * r  # adapters of q, k, v, o: fp32 inputs, A outputs
-        if mlp_shards <= 1:
-            per_token += 3 * b * i + a * (2 * h + i) + 3 * a * r  # gate, up, SiLU; adapters of gate, up, down
-        else:
-            per_token += b * h  # the tiled MLP keeps only its input
+        per_token += a * (3 * h + q) + 4 * a * w.lora_rank  # adapters of q, k, v, o: fp32 inputs, A outputs
     else:
         per_token += 2 * 2 * b * h  # each norm's normalised bf16 value and output
-        per_token += (
-            4 * b * i if mlp_shards <= 1 else 0
-        )  # gate, up, SiLU, product (tiled: its input is the norm output)
-    return t * per_token
+    return t * per_token + mlp
 
 
 def _layer_transient_bytes(
     w: Workload, mlp_shards: int, tiled_projections: bool = False, head_groups: int = 1, ring_bytes: int = 0
 ) -> int:
     """Largest set of temporaries while one layer runs backward: an MLP shard's recompute
-    and gradients (two bf16 and one fp32 tensor of the intermediate width per token, plus
-    the shard's saved set), or attention's input gradients with the fp32 norm gradient
-    (tiled norms: two bf16 ``[S, H]`` gradients instead; with this the 8B LoRA probes at
-    384K and 512K tokens on an H100 peaked at 0.98x and 0.92x the prediction). SDPA's
-    backward (cuDNN, the default on H100/H200 with torch 2.11) also takes 32,896 bytes a
-    token of workspace for Llama-3-8B's heads, in one allocation; 3-layer probes at 64K,
-    256K and 512K on an H200 peaked at 0.99x, 0.98x and 0.99x of this estimate all the same
-    (benchmarks/results/longctx/recompute/), so it is not counted again. That one request
+    and gradients (:func:`offloadkit.longctx.footprint.mlp_backward_bytes`), or attention's
+    input gradients with the fp32 norm gradient (tiled norms: two bf16 ``[S, H]`` gradients
+    instead; with this the 8B LoRA probes at 384K and 512K tokens on an H100 peaked at 0.98x
+    and 0.92x the prediction). SDPA's backward (cuDNN, the default on H100/H200 with torch
+    2.11) also takes 32,896 bytes a token of workspace for Llama-3-8B's heads, in one
+    allocation; 3-layer probes at 64K, 256K and 512K on an H200 peaked at 0.99x, 0.98x and
+    0.99x of this estimate all the same (benchmarks/results/longctx/recompute/), so it is not
+    counted again. That one request
     is what fixed-size allocator segments cannot place at long context: see
     :data:`FRAGMENTATION`. Run over ``head_groups`` groups of key/value heads the backward
     holds one group's workspace: the rest, ``(1 - 1/G)`` of it, comes off, less the input
     gradients the groups hold apart and then join. ``ring_bytes``: what ring attention holds
     beside it (:func:`~offloadkit.planning.parallelism.ring_buffer_bytes`)."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
-    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
-    shard_tokens = math.ceil(t / max(1, mlp_shards))
-    mlp = (2 * b + 4) * i * shard_tokens
-    if mlp_shards > 1:  # the shard's own saved set is rebuilt in backward
-        mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
+    q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    mlp = mlp_backward_bytes(w, mlp_shards)
     attn = t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
     groups = kv_head_groups(head_groups, s.kv_heads)  # as longctx/attention_groups.py splits them
     if groups > 1:
@@ -487,16 +481,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
     fixed = sum(parts.values())
 
     loss: dict[str, int] = {"final norm": final_norm_bytes(w, tiles_final_norm(f))}
-    if f.loss_chunks:
-        chunk = math.ceil(t / f.loss_chunks)
-        loss["loss chunk"] = chunk * s.vocab * LOSS_CHUNK_BYTES_PER_LOGIT
-        loss["hidden gradient"] = t * h * b  # computed in forward by the chunked loss
-        if not w.lora_rank:
-            # A trainable head's weight gradient is summed over chunks in fp32 during forward
-            # and held until backward (1.96 GiB for Llama-3's 128K x 4096 head).
-            loss["head weight gradient (fp32)"] = s.vocab * h * 4
-    else:
-        loss["logits"] = int(t * s.vocab * UNCHUNKED_LOSS_BYTES_PER_LOGIT)
+    loss.update(chunked_loss_footprint(w, f).loss)  # chunked, or Hugging Face's whole logits
     layer: dict[str, int] = {}
     if f.checkpointing:
         layer["layer recompute"] = layer_saved_bytes(w, f.mlp_shards, f.tiled_projections)

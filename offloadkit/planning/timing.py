@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offloadkit.longctx.footprint import tiled_mlp_footprint
 from offloadkit.planning.memory import Features, Workload, attention_kept_bytes, keeps_attention, streams_weights
 from offloadkit.planning.parallelism import ring_rotation, ring_traffic
 
@@ -138,7 +139,6 @@ def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
     backward includes the recompute."""
     s, t = w.shape, w.tokens
     layer_linear = sum(a * b for a, b in s.linears)
-    mlp_linear = sum(a * b for a, b in s.linears[4:])
     p = layer_linear * s.layers
     head = s.vocab * s.hidden
     fwd = 2 * p * t + 2 * head * t
@@ -151,9 +151,9 @@ def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
         bwd += 2 * p * t + (2 * adapters * t if w.lora_rank else 0)
         # A tiled MLP runs forward again in its own backward, but a layer's recompute skips
         # it (its output is never read: longctx/tiled_mlp.py, OUTPUT_ONLY_ADDED): two
-        # forwards, as untiled. Tiled projections are recomputed and run again.
-        if f.tiled_projections:
-            bwd += 2 * (layer_linear - mlp_linear) * s.layers * t
+        # forwards, as untiled. Tiled projections are recomputed and run again: the tiled
+        # MLP's footprint (offloadkit/longctx/footprint.py).
+        bwd += tiled_mlp_footprint(w, f).backward_flops
     # The whole sequence's causal attention; split over ranks, each computes an even share.
     attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers / w.parallel.sequence_ranks
     attn_bwd = 2 * attn_fwd + (attn_fwd * (1 - keeps_attention(f) / s.layers) if f.checkpointing else 0)

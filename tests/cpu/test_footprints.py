@@ -1,0 +1,100 @@
+"""Each component's footprint is what the planner counts for it: the loss phase's parts are
+the chunked loss's footprint, a layer's saved set and MLP temporaries hold the tiled MLP's,
+and the FLOPs the tiled projections add are its footprint's."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from offloadkit.component import Footprint
+from offloadkit.components import COMPONENTS
+from offloadkit.longctx.component import CHUNKED_LOSS, TILED_MLP
+from offloadkit.planning.memory import (
+    Features,
+    Workload,
+    estimate_memory,
+    final_norm_bytes,
+    layer_saved_bytes,
+    tiles_final_norm,
+)
+from offloadkit.planning.parallelism import Parallelism
+from offloadkit.planning.shape import resolve_shape
+from offloadkit.planning.timing import step_flops
+
+MODELS = ("llama-3-8b", "llama-3.2-1b")
+
+
+def _workloads():
+    for model, seq, lora, world in itertools.product(MODELS, (4096, 65536, 1 << 19), (0, 16), (1, 4)):
+        parallel = Parallelism(world, context_parallel=True, ranks_per_host=world)
+        yield Workload(resolve_shape(model), seq, lora_rank=lora, parallel=parallel)
+
+
+def test_the_components_with_a_footprint_return_one():
+    with_footprint = [c.name for c in COMPONENTS if c.footprint is not None]
+    assert {"chunked_loss", "tiled_mlp"} <= set(with_footprint)
+    w = next(_workloads())
+    for component in COMPONENTS:
+        if component.footprint is not None:
+            assert isinstance(component.footprint(w, Features()), Footprint)
+
+
+@pytest.mark.parametrize("chunks", [0, 1, 4, 32])
+def test_the_loss_phase_is_the_final_norm_and_the_chunked_loss_footprint(chunks):
+    seen = 0
+    for w in _workloads():
+        for tiled in (False, True):
+            f = Features(loss_chunks=chunks, mlp_shards=8 if tiled else 1, tiled_projections=tiled)
+            m = estimate_memory(w, f)
+            if m.phase != "loss":
+                continue
+            seen += 1
+            loss = {"final norm": final_norm_bytes(w, tiles_final_norm(f))} | CHUNKED_LOSS.footprint(w, f).loss
+            assert {k: m.gpu_parts[k] for k in loss} == loss
+            fixed = {k: v for k, v in m.gpu_parts.items() if k not in loss}
+            assert m.gpu_peak == sum(fixed.values()) + sum(loss.values())
+    assert seen
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+@pytest.mark.parametrize("tiled_projections", [False, True])
+def test_a_layer_holds_the_tiled_mlp_footprint(shards, tiled_projections):
+    seen = 0
+    for w in _workloads():
+        f = Features(loss_chunks=16, mlp_shards=shards, tiled_projections=tiled_projections)
+        mlp = TILED_MLP.footprint(w, f)
+        # The rest of the layer's saved set does not depend on how the MLP is tiled.
+        rest = layer_saved_bytes(w, shards, tiled_projections) - mlp.layer_saved
+        untiled = dataclasses.replace(f, mlp_shards=1)
+        assert rest == layer_saved_bytes(w, 1, tiled_projections) - TILED_MLP.footprint(w, untiled).layer_saved
+        # Without checkpointing every layer holds its saved set all step.
+        whole = estimate_memory(w, dataclasses.replace(f, checkpointing=False))
+        layers, block = w.shape.layers, w.block_input_bytes
+        assert whole.gpu_parts["activations"] == layers * (rest + mlp.layer_saved + block)
+        # Under checkpointing one layer's recompute holds it, and its backward the larger of
+        # the MLP's temporaries and attention's.
+        m = estimate_memory(w, f)
+        if m.phase == "layer backward":
+            seen += 1
+            assert m.gpu_parts["layer recompute"] == rest + mlp.layer_saved
+            assert m.gpu_parts["layer backward"] >= mlp.layer_backward
+    assert seen
+
+
+def test_the_mlp_backward_is_the_layer_backward_where_it_is_the_larger():
+    w = Workload(resolve_shape("llama-3-8b"), 1 << 18, lora_rank=16)
+    f = Features(loss_chunks=16)
+    m = estimate_memory(w, f)
+    assert m.phase == "layer backward"
+    assert m.gpu_parts["layer backward"] == TILED_MLP.footprint(w, f).layer_backward
+
+
+def test_the_tiled_projections_flops_are_the_tiled_mlp_footprint():
+    for w in _workloads():
+        for checkpointing in (True, False):
+            base = Features(checkpointing=checkpointing, mlp_shards=4)
+            tiled = dataclasses.replace(base, tiled_projections=True)
+            added = step_flops(w, tiled)[1] - step_flops(w, base)[1]
+            assert added == TILED_MLP.footprint(w, tiled).backward_flops
+            assert TILED_MLP.footprint(w, base).backward_flops == 0
