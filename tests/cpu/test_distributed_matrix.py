@@ -7,10 +7,11 @@ updates; under FSDP2 what cannot run is refused by prepare(). The matrix and its
 ``tests/cpu/dist/matrix_worker.py``; the table: ``docs/multi-gpu.md``."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.torchrun import torchrun
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
 
@@ -36,14 +37,7 @@ NEEDS_PEFT = {"lora-ckpt", "stream-lora-ckpt"}
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_each_feature_under_the_wrapper_matches_the_wrapper_alone(wrapper):
     pytest.importorskip("transformers")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", WORKER, wrapper],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    proc = torchrun(WORKER, wrapper)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for name in CHECKS[wrapper]:
         check = f"{wrapper}-{name} "

@@ -7,10 +7,11 @@ reduced is refused before any weight moves. And ``context_parallel: true`` throu
 Trainer mixin: every rank's batch in turn, the weights those of the plain Trainer under DDP."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.torchrun import assert_ranks_reported, torchrun
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
 
@@ -28,14 +29,4 @@ CHECKS = {
 def test_updates_in_backward_apply_the_reduced_gradient(route):
     if route.startswith("trainer"):
         pytest.importorskip("transformers")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", WORKER, route],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for check in CHECKS[route]:
-        assert proc.stdout.count(f"RESULT {check} ") == 2, (check, proc.stdout[-2000:])
+    assert_ranks_reported(torchrun(WORKER, route), CHECKS[route])

@@ -4,11 +4,11 @@ checkpointing, offloaded block inputs, the chunked loss and the tiled MLP; and w
 attention outputs kept for the recompute (ring attention hands back DTensors)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.torchrun import GPU_ENV, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 WORKER = os.path.join(os.path.dirname(__file__), "dist", "cp_worker.py")
@@ -16,13 +16,6 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist", "cp_worker.py")
 
 @pytest.mark.parametrize("variant", ["plain", "stack", "kept"])
 def test_two_ranks_match_the_single_process_step(variant):
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", WORKER, variant],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    proc = torchrun(WORKER, variant, timeout=240, env=GPU_ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("RESULT cp") == 2, proc.stdout[-2000:]

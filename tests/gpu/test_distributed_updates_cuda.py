@@ -5,11 +5,11 @@ result bitwise ``torch.optim`` under the same wrapper (deterministic kernels) an
 replicas equal across ranks. The worker is the CPU suite's, run on CUDA."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.torchrun import GPU_ENV, assert_ranks_reported, torchrun
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,21 +26,5 @@ CHECKS = {
 
 @pytest.mark.parametrize("route", sorted(CHECKS))
 def test_updates_in_backward_apply_the_reduced_gradient_on_two_gpus(route):
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.getcwd(),
-        OFFLOADKIT_TEST_DEVICE="cuda",
-        CUBLAS_WORKSPACE_CONFIG=":4096:8",
-        NCCL_NVLS_ENABLE="0",
-        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", WORKER, route],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for check in CHECKS[route]:
-        assert proc.stdout.count(f"RESULT {check} ") == 2, (check, proc.stdout[-2000:])
+    env = {"OFFLOADKIT_TEST_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **GPU_ENV}
+    assert_ranks_reported(torchrun(WORKER, route, env=env), CHECKS[route])
