@@ -39,6 +39,12 @@ class FootprintShape(Protocol):
     @property
     def vocab(self) -> int: ...
     @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
     def linears(self) -> list[tuple[int, int]]: ...
 
 
@@ -69,6 +75,8 @@ class FootprintFeatures(Protocol):
     def mlp_shards(self) -> int: ...
     @property
     def tiled_projections(self) -> bool: ...
+    @property
+    def head_groups(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -82,14 +90,16 @@ class Footprint:
         layer_saved: bytes autograd saves inside each decoder layer for this feature's part:
             every layer's, all step, without checkpointing; one layer's, in its recompute,
             with it.
-        layer_backward: its temporaries while one layer runs backward. Not summed with the
-            other parts': the planner holds the larger of the MLP's and attention's.
+        mlp_backward / attention_backward: what it adds to the temporaries while one layer's
+            MLP, and its attention, run backward (the planner holds the larger of the two
+            sides, not their sum; an addition may be negative: what it takes off).
         backward_flops: FLOPs it adds to the backward pass (recomputed work).
     """
 
     loss: dict[str, int] = field(default_factory=dict)
     layer_saved: int = 0
-    layer_backward: int = 0
+    mlp_backward: int = 0
+    attention_backward: int = 0
     backward_flops: int = 0
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from offloadkit.component import Component
 from offloadkit.longctx.attention_groups import AttentionHeadGroups, apply_attention_head_groups
 from offloadkit.longctx.causal_lm import ChunkedLossHandle, apply_chunked_loss
-from offloadkit.longctx.footprint import chunked_loss_footprint, tiled_mlp_footprint
+from offloadkit.longctx.footprint import chunked_loss_footprint, head_groups_footprint, tiled_mlp_footprint
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.longctx.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 
@@ -68,4 +68,5 @@ HEAD_GROUPS = Component(
     options=LongContextOptions,
     why_here="wraps each layer's attention inside the blocks before checkpointing: recomputes see plain kernel calls",
     build=build_head_groups,
+    footprint=head_groups_footprint,
 )

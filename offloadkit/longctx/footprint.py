@@ -1,7 +1,8 @@
 """What the long-context parts cost in one step, beside their code: the bytes and FLOPs the
 planner (``planning/memory.py``, ``planning/timing.py``) counts for the chunked loss
-(``causal_lm.py``, ``loss.py``) and the tiled MLP (``tiled_mlp.py``). Each component's record
-(``longctx/component.py``) names its function here; the planner calls the same functions.
+(``causal_lm.py``, ``loss.py``), the tiled MLP (``tiled_mlp.py``) and attention over head
+groups (``attention_groups.py``). Each component's record (``longctx/component.py``) names
+its function here; the planner calls the same functions.
 
 The workload and features are the planner's ``Workload`` and ``Features``, read through the
 protocols of :mod:`offloadkit.component` (the runtime never imports the planner).
@@ -14,11 +15,15 @@ import math
 from offloadkit.component import Footprint
 from offloadkit.component import FootprintFeatures as Features
 from offloadkit.component import FootprintWorkload as Workload
+from offloadkit.longctx.attention_groups import kv_head_groups
 
 __all__ = [
     "LOSS_CHUNK_BYTES_PER_LOGIT",
     "UNCHUNKED_LOSS_BYTES_PER_LOGIT",
+    "attention_workspace_bytes",
     "chunked_loss_footprint",
+    "head_groups_backward_bytes",
+    "head_groups_footprint",
     "mlp_backward_bytes",
     "mlp_saved_bytes",
     "tiled_mlp_footprint",
@@ -93,6 +98,42 @@ def tiled_mlp_footprint(w: Workload, f: Features) -> Footprint:
         flops = 2 * projections * s.layers * w.tokens
     return Footprint(
         layer_saved=mlp_saved_bytes(w, f.mlp_shards, f.tiled_projections),
-        layer_backward=mlp_backward_bytes(w, f.mlp_shards),
+        mlp_backward=mlp_backward_bytes(w, f.mlp_shards),
         backward_flops=flops,
     )
+
+
+def attention_workspace_bytes(w: Workload) -> int:
+    """The fused attention backward's workspace for all heads: two fp32 query-sized buffers
+    and an fp32 value per head and token (32,896 bytes a token for Llama-3-8B with cuDNN on
+    an H100; flash takes more, 49,280)."""
+    s = w.shape
+    return w.tokens * (8 * s.heads * s.head_dim + 4 * s.heads)
+
+
+def head_groups_backward_bytes(w: Workload, head_groups: int = 1) -> tuple[int, int]:
+    """What attention over ``head_groups`` groups of key/value heads (as
+    :func:`~offloadkit.longctx.attention_groups.kv_head_groups` splits them; 1: whole) adds
+    to one layer's backward: (the MLP's side, attention's side).
+
+    The groups' outputs are joined into one more copy, which the o projection saves until its
+    backward, before the attention's: the MLP's backward sees it. The kernel's workspace is
+    not counted apart (it was absorbed by the calibration against measured peaks); the
+    backward holds one group's, and what grouping takes off, ``(1 - 1/G)`` of it, is counted
+    less the input gradients, which the groups hold apart until the last one is done and then
+    join into one more copy. Each group's output gradient is copied into its output's strides
+    for the kernel (``attention_groups._GradInOutputLayout``)."""
+    s, t, b = w.shape, w.tokens, w.dtype_bytes
+    groups = kv_head_groups(head_groups, s.kv_heads)
+    if groups <= 1:
+        return 0, 0
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    off = max(0, attention_workspace_bytes(w) * (groups - 1) // groups - t * b * (q + 2 * kv))
+    return t * b * q, t * b * q // groups - off
+
+
+def head_groups_footprint(w: Workload, f: Features) -> Footprint:
+    """The backward temporaries attention over ``head_groups`` groups adds and takes off
+    (:func:`head_groups_backward_bytes`)."""
+    mlp, attention = head_groups_backward_bytes(w, f.head_groups)
+    return Footprint(mlp_backward=mlp, attention_backward=attention)

@@ -31,7 +31,9 @@ from offloadkit.longctx.attention_groups import kv_head_groups
 from offloadkit.longctx.footprint import (
     LOSS_CHUNK_BYTES_PER_LOGIT,
     UNCHUNKED_LOSS_BYTES_PER_LOGIT,
+    attention_workspace_bytes,
     chunked_loss_footprint,
+    head_groups_backward_bytes,
     mlp_backward_bytes,
     mlp_saved_bytes,
 )
@@ -217,14 +219,6 @@ class Features:
     rotation: str | None = None
 
 
-def attention_workspace_bytes(w: Workload) -> int:
-    """The fused attention backward's workspace for all heads: two fp32 query-sized buffers
-    and an fp32 value per head and token (32,896 bytes a token for Llama-3-8B with cuDNN on
-    an H100; flash takes more, 49,280)."""
-    s = w.shape
-    return w.tokens * (8 * s.heads * s.head_dim + 4 * s.heads)
-
-
 def attention_kept_bytes(w: Workload) -> int:
     """One layer's attention output (bf16, as wide as q) and fp32 log-sum-exp per head."""
     s = w.shape
@@ -306,26 +300,16 @@ def _layer_transient_bytes(
     counted again. That one request
     is what fixed-size allocator segments cannot place at long context: see
     :data:`FRAGMENTATION`. Run over ``head_groups`` groups of key/value heads the backward
-    holds one group's workspace: the rest, ``(1 - 1/G)`` of it, comes off, less the input
-    gradients the groups hold apart and then join. ``ring_bytes``: what ring attention holds
-    beside it (:func:`~offloadkit.planning.parallelism.ring_buffer_bytes`)."""
+    holds one group's workspace: the rest comes off, less the input gradients the groups hold
+    apart and then join (:func:`offloadkit.longctx.footprint.head_groups_backward_bytes`).
+    ``ring_bytes``: what ring attention holds beside it
+    (:func:`~offloadkit.planning.parallelism.ring_buffer_bytes`)."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
     mlp = mlp_backward_bytes(w, mlp_shards)
     attn = t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
-    groups = kv_head_groups(head_groups, s.kv_heads)  # as longctx/attention_groups.py splits them
-    if groups > 1:
-        # The groups' outputs are joined into one more copy, which the o projection saves
-        # until its backward, before the attention's: the MLP's backward sees it.
-        mlp += t * b * q
-        # The workspace is not a part above (it was absorbed by the calibration against measured
-        # peaks); what grouping takes off is counted less the input gradients, which the groups
-        # hold apart until the last one is done and then join into one more copy.
-        attn -= max(0, attention_workspace_bytes(w) * (groups - 1) // groups - t * b * (q + 2 * kv))
-        # Each group's output gradient is copied into its output's strides for the kernel
-        # (longctx.attention_groups._GradInOutputLayout).
-        attn += t * b * q // groups
-    return max(mlp, attn + ring_bytes)
+    grouped_mlp, grouped_attn = head_groups_backward_bytes(w, head_groups)  # head groups' footprint
+    return max(mlp + grouped_mlp, attn + grouped_attn + ring_bytes)
 
 
 # Writes the disk tier stages in host RAM at once (offloadkit.storage.disk's default).

@@ -1,6 +1,7 @@
 """Each component's footprint is what the planner counts for it: the loss phase's parts are
 the chunked loss's footprint, a layer's saved set and MLP temporaries hold the tiled MLP's,
-and the FLOPs the tiled projections add are its footprint's."""
+the FLOPs the tiled projections add are its footprint's, and what head groups add to a layer's
+backward is theirs."""
 
 import dataclasses
 import itertools
@@ -9,7 +10,7 @@ import pytest
 
 from offloadkit.component import Footprint
 from offloadkit.components import COMPONENTS
-from offloadkit.longctx.component import CHUNKED_LOSS, TILED_MLP
+from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
 from offloadkit.planning.memory import (
     Features,
     Workload,
@@ -33,7 +34,7 @@ def _workloads():
 
 def test_the_components_with_a_footprint_return_one():
     with_footprint = [c.name for c in COMPONENTS if c.footprint is not None]
-    assert {"chunked_loss", "tiled_mlp"} <= set(with_footprint)
+    assert {"chunked_loss", "tiled_mlp", "head_groups"} <= set(with_footprint)
     w = next(_workloads())
     for component in COMPONENTS:
         if component.footprint is not None:
@@ -78,7 +79,7 @@ def test_a_layer_holds_the_tiled_mlp_footprint(shards, tiled_projections):
         if m.phase == "layer backward":
             seen += 1
             assert m.gpu_parts["layer recompute"] == rest + mlp.layer_saved
-            assert m.gpu_parts["layer backward"] >= mlp.layer_backward
+            assert m.gpu_parts["layer backward"] >= mlp.mlp_backward
     assert seen
 
 
@@ -87,7 +88,7 @@ def test_the_mlp_backward_is_the_layer_backward_where_it_is_the_larger():
     f = Features(loss_chunks=16)
     m = estimate_memory(w, f)
     assert m.phase == "layer backward"
-    assert m.gpu_parts["layer backward"] == TILED_MLP.footprint(w, f).layer_backward
+    assert m.gpu_parts["layer backward"] == TILED_MLP.footprint(w, f).mlp_backward
 
 
 def test_the_tiled_projections_flops_are_the_tiled_mlp_footprint():
@@ -98,3 +99,20 @@ def test_the_tiled_projections_flops_are_the_tiled_mlp_footprint():
             added = step_flops(w, tiled)[1] - step_flops(w, base)[1]
             assert added == TILED_MLP.footprint(w, tiled).backward_flops
             assert TILED_MLP.footprint(w, base).backward_flops == 0
+
+
+@pytest.mark.parametrize("groups", [2, 4, 8])
+def test_head_groups_add_their_footprint_to_a_layers_backward(groups):
+    from offloadkit.planning.memory import _layer_transient_bytes
+
+    far = 1 << 60  # held beside attention only: makes attention's side the larger, to read it
+    for w in _workloads():
+        for shards, tiled in ((1, False), (4, False), (16, True)):
+            f = Features(mlp_shards=shards, tiled_projections=tiled, head_groups=groups)
+            assert HEAD_GROUPS.footprint(w, dataclasses.replace(f, head_groups=1)) == Footprint()
+            heads = HEAD_GROUPS.footprint(w, f)
+            mlp = TILED_MLP.footprint(w, f).mlp_backward
+            attention = _layer_transient_bytes(w, shards, tiled, 1, far) - far
+            grouped = _layer_transient_bytes(w, shards, tiled, groups)
+            assert grouped == max(mlp + heads.mlp_backward, attention + heads.attention_backward)
+            assert _layer_transient_bytes(w, shards, tiled, groups, far) - far == attention + heads.attention_backward
