@@ -410,7 +410,7 @@ def prepare(
     config, chosen = _planned(model, config, seq_len, optimizer, parallel)
     runtime = OffloadRuntime(model, config, plan=chosen, gpu_cap=gpu_cap)
     try:  # what cannot run under the model's wrapper, before anything is attached
-        check_parallel(model, config, planned=chosen is not None)
+        check_parallel(model, config, planned=chosen is not None, hf_checkpointing=hf_checkpointing_on(model))
     except ValueError:
         runtime.close()  # lifts the cap
         raise

@@ -91,16 +91,19 @@ def _dropped_inputs(config: OffloadConfig) -> tuple[int, ...]:
     return tuple(i for i, place in enumerate(places) if place == "recompute") or ckpt.recompute_block_inputs
 
 
-def check_parallel(model: nn.Module, config: OffloadConfig, *, planned: bool = False) -> None:
+def check_parallel(
+    model: nn.Module, config: OffloadConfig, *, planned: bool = False, hf_checkpointing: bool = False
+) -> None:
     """Refuse what ``config`` asks of ``model`` that cannot run where FSDP2 shards it.
 
     Args:
         planned: the config is a plan's (``offload_plan: auto``): the message says it chose it.
+        hf_checkpointing: Hugging Face's checkpointing is on (the caller asks checkpointing:
+            this module stays below it).
 
     Raises:
         ConfigError: one line naming the feature, FSDP2 and the alternative.
     """
-    from offloadkit.checkpointing.component import hf_checkpointing_on
     from offloadkit.config import ConfigError
 
     where = fsdp2_sharded(model)
@@ -110,7 +113,7 @@ def check_parallel(model: nn.Module, config: OffloadConfig, *, planned: bool = F
         raise ConfigError(streaming_refusal(where, " (chosen by offload_plan: auto)" if planned else ""))
     dropped = _dropped_inputs(config)
     # Under Hugging Face's checkpointing it has no effect (said by checkpointing's build).
-    where = fsdp2_sharded_block(model) if dropped and not hf_checkpointing_on(model) else None
+    where = fsdp2_sharded_block(model) if dropped and not hf_checkpointing else None
     if where is not None:
         chosen = (
             f" (offload_plan: auto chose layers {list(dropped)}; give block_input_placement yourself with "
