@@ -491,11 +491,19 @@ def _versions() -> dict:
     import transformers
 
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    changed = subprocess.run(
+        ["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
     return {
-        "offloadkit_commit": commit.stdout.strip(),
+        "offloadkit_commit": commit.stdout.strip() + (" (with uncommitted changes)" if changed.stdout.strip() else ""),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def _median(values: list) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else 0.0
 
 
 def summarise(rows: list[dict], header: dict) -> str:
@@ -520,7 +528,8 @@ def summarise(rows: list[dict], header: dict) -> str:
         f"{len(checked)} configs checked: {sum(r['check_verdict'] == 'ok' for r in checked)} ok, "
         f"{sum(r['check_verdict'] != 'ok' for r in checked)} with problems (one line each); "
         f"{len(traced)} with a traceback or a line not naming the config; {len(slow)} took 10 s or more "
-        f"(slowest {max((r['check_seconds'] for r in checked), default=0):.1f} s, command start included).",
+        f"(median {_median([r['check_seconds'] for r in checked]):.1f} s, slowest "
+        f"{max((r['check_seconds'] for r in checked), default=0):.1f} s, the command's start included).",
         "",
         "## offloadkit train, 2 steps on a tiny stand-in of the same architecture",
         "",
@@ -556,6 +565,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-train", action="store_true", help="skip the training runs")
     parser.add_argument("--keep", default=None, help="keep the work folder (configs, stand-ins) here")
     args = parser.parse_args(argv)
+    versions = _versions()  # of the tree the runs use, before they start
     work = args.keep or tempfile.mkdtemp(prefix="offloadkit-axolotl-")
     folder = os.path.join(work, "axolotl")
     configs = extract(args.axolotl, folder, args.only)
@@ -583,7 +593,7 @@ def main(argv=None) -> int:
         ["git", "--git-dir", git_dir, "rev-parse", "--short=9", "HEAD"], capture_output=True, text=True
     )
     header = dict(
-        _versions(),
+        versions,
         command="python benchmarks/axolotl_examples.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         axolotl=f"github.com/axolotl-ai-cloud/axolotl at {head.stdout.strip()} ({len(configs)} example configs)",
         machine=f"CPU only, {os.cpu_count()} cores",
