@@ -99,12 +99,12 @@ def test_lora_without_peft(monkeypatch):
 
 def test_qlora_without_bitsandbytes(monkeypatch):
     pytest.importorskip("transformers")
-    from offloadkit.cli.build import _load_4bit
+    from offloadkit.cli.build import _load_quantized
     from offloadkit.cli.train_config import TrainConfig
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ImportError, match=r"bitsandbytes: pip install 'offloadkit\[qlora\]'"):
-        _load_4bit(TrainConfig(), "cpu", None)
+        _load_quantized(TrainConfig(load_in_4bit=True), "cpu", None)
 
 
 def test_timeline_without_matplotlib(tmp_path, monkeypatch):
