@@ -70,7 +70,7 @@ def load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
         name = cfg.model
     tokenizer = _with_template(cfg, tokenizer, model)
     _add_tokens(cfg, tokenizer, model)
-    if cfg.sample_packing or cfg.eval_sample_packing:
+    if cfg.sample_packing or (cfg.eval_sample_packing and cfg.val_set_size):  # packing that will run
         from offloadkit.data.packing import packing_keeps_documents_apart
 
         apart, why = packing_keeps_documents_apart(model)
