@@ -47,22 +47,6 @@ def apply_lora(
         raise ValueError(f"lora rank={rank!r} is invalid; pass an int >= 1")
     peft = require_peft()
     extra = {"target_parameters": list(target_parameters)} if target_parameters else {}
-    if dropout:
-        with _no_dropout_on_expert_parameters(peft):
-            return peft.get_peft_model(
-                model,
-                peft.LoraConfig(
-                    r=rank,
-                    lora_alpha=alpha if alpha is not None else 2 * rank,
-                    target_modules=target_modules,
-                    lora_dropout=dropout,
-                    modules_to_save=modules_to_save,
-                    use_dora=use_dora,
-                    use_rslora=use_rslora,
-                    fan_in_fan_out=fan_in_fan_out,
-                    **extra,
-                ),
-            )
     config = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha if alpha is not None else 2 * rank,
@@ -74,7 +58,8 @@ def apply_lora(
         fan_in_fan_out=fan_in_fan_out,
         **extra,
     )
-    return peft.get_peft_model(model, config)
+    with _no_dropout_on_expert_parameters(peft) if dropout else contextlib.nullcontext():
+        return peft.get_peft_model(model, config)
 
 
 @contextlib.contextmanager
