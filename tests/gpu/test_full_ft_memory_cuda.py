@@ -37,6 +37,9 @@ def _reserved_by_stream() -> dict[int, int]:
 
 
 def test_a_full_fine_tune_reserves_within_15_percent_of_what_it_allocates(clean_cuda):
+    # Segments still reserved after clean_cuda's empty_cache hold earlier tests' live blocks
+    # (tests/gpu/test_release_cuda.py holds runtimes to giving theirs back): count this run's growth.
+    earlier = _reserved_by_stream()
     model = build_llama(SHAPE, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     model.train()
     runtime = prepare(
@@ -60,7 +63,8 @@ def test_a_full_fine_tune_reserves_within_15_percent_of_what_it_allocates(clean_
         torch.cuda.synchronize()
         allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         compute = torch.cuda.current_stream().cuda_stream
-        elsewhere = {s: n for s, n in _reserved_by_stream().items() if s not in (0, compute)}
+        grown = {s: n - earlier.get(s, 0) for s, n in _reserved_by_stream().items()}
+        elsewhere = {s: n for s, n in grown.items() if s not in (0, compute) and n > 0}
         assert sum(elsewhere.values()) < 64 * _MiB, f"reserved in copy streams' pools: {elsewhere}"
         assert reserved <= 1.15 * allocated, f"reserved {reserved / 2**30:.2f} GiB, allocated {allocated / 2**30:.2f}"
     finally:
