@@ -20,7 +20,14 @@ from offloadkit.options import Options
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime
 
-__all__ = ["Component", "Footprint", "FootprintFeatures", "FootprintShape", "FootprintWorkload"]
+__all__ = [
+    "Component",
+    "Footprint",
+    "FootprintFeatures",
+    "FootprintParallelism",
+    "FootprintShape",
+    "FootprintWorkload",
+]
 
 
 def _remove(handle: Any) -> None:
@@ -46,6 +53,26 @@ class FootprintShape(Protocol):
     def head_dim(self) -> int: ...
     @property
     def linears(self) -> list[tuple[int, int]]: ...
+    @property
+    def params(self) -> int: ...
+    @property
+    def layer_params(self) -> int: ...
+    @property
+    def embed_params(self) -> int: ...
+    @property
+    def head_params(self) -> int: ...
+    def lora_params(self, rank: int) -> int: ...
+
+
+class FootprintParallelism(Protocol):
+    """The ranks of a run, as a footprint reads them (the planner's ``Parallelism``)."""
+
+    @property
+    def rotation(self) -> str: ...
+    @property
+    def sequence_ranks(self) -> int: ...
+    @property
+    def splits_sequence(self) -> bool: ...
 
 
 class FootprintWorkload(Protocol):
@@ -62,6 +89,16 @@ class FootprintWorkload(Protocol):
     def adapter_bytes(self) -> int: ...
     @property
     def lora_rank(self) -> int: ...
+    @property
+    def block_input_bytes(self) -> int: ...
+    @property
+    def optimizer_precision(self) -> str: ...
+    @property
+    def optimizer_state_bytes(self) -> int: ...
+    @property
+    def updates_in_backward(self) -> bool: ...
+    @property
+    def parallel(self) -> FootprintParallelism: ...
 
 
 class FootprintFeatures(Protocol):
@@ -77,30 +114,67 @@ class FootprintFeatures(Protocol):
     def tiled_projections(self) -> bool: ...
     @property
     def head_groups(self) -> int: ...
+    @property
+    def offload_inputs(self) -> bool: ...
+    @property
+    def ram_blocks(self) -> int | None: ...
+    @property
+    def gpu_blocks(self) -> int: ...
+    @property
+    def recompute_blocks(self) -> int: ...
+    @property
+    def horizon(self) -> int | None: ...
+    @property
+    def layer_streaming(self) -> bool: ...
+    @property
+    def stream_depth(self) -> int: ...
+    @property
+    def optimizer_offloading(self) -> bool: ...
+    @property
+    def copy_window_bytes(self) -> int | None: ...
+    @property
+    def keep_attention(self) -> int: ...
+    @property
+    def rotation(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
 class Footprint:
     """What one feature spends in one training step, in the terms the planner counts
     (``planning/memory.py``: a fixed part held all step, plus the larger of the loss phase
-    and one layer's recompute and backward; ``planning/timing.py``: executed FLOPs).
+    and one layer's recompute and backward; host RAM and disk beside; ``planning/timing.py``:
+    executed FLOPs). The planner sums the footprints of :data:`offloadkit.components.COMPONENTS`
+    in their order with the model's own bytes.
 
     Attributes:
-        loss: named GPU bytes held during the loss phase (the planner's part names).
+        gpu: named GPU bytes held all step; a name the model's own parts have (``weights``,
+            ``trainable state``) replaces that part (streamed layers hold fewer weights).
+        loss: named GPU bytes held during the loss phase.
+        layer: named GPU bytes one layer's backward phase holds beside its recompute and
+            temporaries (a replayed run's recomputed inputs).
         layer_saved: bytes autograd saves inside each decoder layer for this feature's part:
             every layer's, all step, without checkpointing; one layer's, in its recompute,
             with it.
         mlp_backward / attention_backward: what it adds to the temporaries while one layer's
             MLP, and its attention, run backward (the planner holds the larger of the two
             sides, not their sum; an addition may be negative: what it takes off).
+        backward_part: the name of a layer-phase part that shows what this feature's
+            additions raise the larger side by ("": counted within ``layer backward``).
         backward_flops: FLOPs it adds to the backward pass (recomputed work).
+        host: named host RAM bytes (pinned copies, staging buffers).
+        disk: bytes written to disk.
     """
 
+    gpu: dict[str, int] = field(default_factory=dict)
     loss: dict[str, int] = field(default_factory=dict)
+    layer: dict[str, int] = field(default_factory=dict)
     layer_saved: int = 0
     mlp_backward: int = 0
     attention_backward: int = 0
+    backward_part: str = ""
     backward_flops: int = 0
+    host: dict[str, int] = field(default_factory=dict)
+    disk: int = 0
 
 
 @dataclass(frozen=True)

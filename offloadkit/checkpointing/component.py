@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from offloadkit.checkpointing.apply import CheckpointedBlocks, apply_activation_checkpointing
+from offloadkit.checkpointing.footprint import checkpointing_footprint
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import Component
 from offloadkit.models.heads import unwrap_model
@@ -54,4 +55,5 @@ CHECKPOINTING = Component(
     options=CheckpointOptions,
     why_here="replaces each block's forward before the timeline and the manager exist: they see only its saves",
     build=build_checkpointing,
+    footprint=checkpointing_footprint,
 )

@@ -13,6 +13,7 @@ from torch import nn
 from offloadkit.api import get_act_offloading_ctx_manager
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import Component
+from offloadkit.engine.footprint import activations_footprint
 from offloadkit.engine.offload import OffloadActivations
 from offloadkit.engine.options import ActivationOptions
 from offloadkit.storage.disk import DiskOptions
@@ -77,4 +78,5 @@ ACTIVATIONS = Component(
     build=build_activations,
     report=report_activations,
     remove=close_activations,
+    footprint=activations_footprint,
 )

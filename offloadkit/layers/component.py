@@ -12,6 +12,7 @@ from torch import nn
 from offloadkit.component import Component
 from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers.apply import apply_layer_streaming
+from offloadkit.layers.footprint import layer_streaming_footprint
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.layers.streaming import LayerStreamer
 from offloadkit.optim.options import OptimizerOptions
@@ -83,4 +84,5 @@ LAYER_STREAMING = Component(
     why_here="last: it moves weights earlier steps wrapped in place; subscribed after the manager, which acts first",
     build=build_layer_streaming,
     report=report_layer_streaming,
+    footprint=layer_streaming_footprint,
 )

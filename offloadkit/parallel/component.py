@@ -11,6 +11,7 @@ from torch import nn
 
 from offloadkit.component import Component
 from offloadkit.parallel.context import ContextParallel, apply_context_parallel
+from offloadkit.parallel.footprint import context_parallel_footprint
 from offloadkit.parallel.options import ParallelOptions
 
 if TYPE_CHECKING:
@@ -39,4 +40,5 @@ CONTEXT_PARALLEL = Component(
     why_here="first: it switches the attention function that head groups, kept outputs and checkpointing run",
     build=build_context_parallel,
     report=report_context_parallel,
+    footprint=context_parallel_footprint,
 )

@@ -18,31 +18,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from offloadkit.defaults import (
-    COMPACT_CHUNK_BYTES_PER_ELEMENT,
-    COMPACT_CHUNK_ELEMENTS,
-    OPTIMIZER_COPY_WINDOW_BYTES,
-    OPTIMIZER_STATE_BYTES,
-    PREFETCH_FROM_DISK,
-    PREFETCH_FROM_RAM,
-    STREAM_DEPTH,
-)
-from offloadkit.longctx.attention_groups import kv_head_groups
+from offloadkit.checkpointing.footprint import attention_kept_bytes, keeps_attention
+from offloadkit.component import Footprint
+from offloadkit.components import COMPONENTS
+from offloadkit.defaults import OPTIMIZER_STATE_BYTES, PREFETCH_FROM_DISK, PREFETCH_FROM_RAM, STREAM_DEPTH
+from offloadkit.layers.footprint import streams_weights
 from offloadkit.longctx.footprint import (
     LOSS_CHUNK_BYTES_PER_LOGIT,
     UNCHUNKED_LOSS_BYTES_PER_LOGIT,
     attention_workspace_bytes,
-    chunked_loss_footprint,
-    head_groups_backward_bytes,
-    mlp_backward_bytes,
     mlp_saved_bytes,
 )
 from offloadkit.longctx.loss import auto_chunk_tokens
 from offloadkit.longctx.tiled_mlp import auto_num_shards
-from offloadkit.planning.parallelism import Parallelism, ring_buffer_bytes, ring_rotation
+from offloadkit.optim.footprint import optimizer_footprint
+from offloadkit.planning.parallelism import Parallelism
 from offloadkit.planning.shape import ModelShape
 from offloadkit.storage.disk import MAX_INFLIGHT_BYTES
-from offloadkit.storage.tiered import RESERVE_BYTES, RESERVE_CAP_DIVISOR
+from offloadkit.storage.footprint import block_placement, disk_staging_bytes, region_length, tiered_reserve_bytes
 
 __all__ = [
     "Features",
@@ -66,6 +59,10 @@ __all__ = [
     "attention_kept_bytes",
     "attention_workspace_bytes",
     "keeps_attention",
+    "block_placement",
+    "footprints",
+    "layer_phase",
+    "streams_weights",
 ]
 
 # The caching allocator reserves more than is allocated (block rounding, freed blocks that
@@ -219,17 +216,6 @@ class Features:
     rotation: str | None = None
 
 
-def attention_kept_bytes(w: Workload) -> int:
-    """One layer's attention output (bf16, as wide as q) and fp32 log-sum-exp per head."""
-    s = w.shape
-    return w.tokens * (w.dtype_bytes * s.heads * s.head_dim + 4 * s.heads)
-
-
-def keeps_attention(f: Features) -> int:
-    """Layers whose attention outputs are kept (it needs block inputs offloaded, by checkpointing)."""
-    return f.keep_attention if f.checkpointing and f.offload_inputs else 0
-
-
 @dataclass
 class MemoryEstimate:
     """Predicted bytes. ``gpu_parts`` and ``phase`` explain ``gpu_peak``.
@@ -244,6 +230,7 @@ class MemoryEstimate:
             recompute (kept nowhere: replayed from the kept input before it).
         gpu_parts: named parts of the peak.
         phase: "loss" or "layer backward", whichever is larger.
+        host_parts: named parts of ``host``.
     """
 
     gpu_peak: int
@@ -253,6 +240,23 @@ class MemoryEstimate:
     block_placement: list[str]
     gpu_parts: dict[str, int] = field(default_factory=dict)
     phase: str = ""
+    host_parts: dict[str, int] = field(default_factory=dict)
+
+
+def _own_layer_saved_bytes(w: Workload, tiled_projections: bool = False) -> int:
+    """One decoder layer's saved set outside its MLP (see :func:`layer_saved_bytes`)."""
+    s, t, b = w.shape, w.tokens, w.dtype_bytes
+    q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    if tiled_projections:
+        return t * (b * (2 * q + 2 * kv) + 4 * s.heads + b * h)
+    per_token = 2 * (4 * h + 4)  # two norms: fp32 input and fp32 rsqrt
+    per_token += b * (2 * q + 2 * kv) + 4 * s.heads  # SDPA: q, k, v, out; fp32 log-sum-exp per head
+    a = w.adapter_bytes
+    if w.lora_rank:
+        per_token += a * (3 * h + q) + 4 * a * w.lora_rank  # adapters of q, k, v, o: fp32 inputs, A outputs
+    else:
+        per_token += 2 * 2 * b * h  # each norm's normalised bf16 value and output
+    return t * per_token
 
 
 def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool = False) -> int:
@@ -271,100 +275,30 @@ def layer_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool 
     is the o projection's input (CUDA's attention kernels return it in ``[B, S, H, D]``
     memory, so no copy is made).
     """
-    s, t, b = w.shape, w.tokens, w.dtype_bytes
-    q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
-    mlp = mlp_saved_bytes(w, mlp_shards, tiled_projections)
-    if tiled_projections:
-        return t * (b * (2 * q + 2 * kv) + 4 * s.heads + b * h) + mlp
-    per_token = 2 * (4 * h + 4)  # two norms: fp32 input and fp32 rsqrt
-    per_token += b * (2 * q + 2 * kv) + 4 * s.heads  # SDPA: q, k, v, out; fp32 log-sum-exp per head
-    a = w.adapter_bytes
-    if w.lora_rank:
-        per_token += a * (3 * h + q) + 4 * a * w.lora_rank  # adapters of q, k, v, o: fp32 inputs, A outputs
-    else:
-        per_token += 2 * 2 * b * h  # each norm's normalised bf16 value and output
-    return t * per_token + mlp
+    return _own_layer_saved_bytes(w, tiled_projections) + mlp_saved_bytes(w, mlp_shards, tiled_projections)
 
 
-def _layer_transient_bytes(
-    w: Workload, mlp_shards: int, tiled_projections: bool = False, head_groups: int = 1, ring_bytes: int = 0
-) -> int:
-    """Largest set of temporaries while one layer runs backward: an MLP shard's recompute
-    and gradients (:func:`offloadkit.longctx.footprint.mlp_backward_bytes`), or attention's
-    input gradients with the fp32 norm gradient (tiled norms: two bf16 ``[S, H]`` gradients
-    instead; with this the 8B LoRA probes at 384K and 512K tokens on an H100 peaked at 0.98x
-    and 0.92x the prediction). SDPA's backward (cuDNN, the default on H100/H200 with torch
-    2.11) also takes 32,896 bytes a token of workspace for Llama-3-8B's heads, in one
-    allocation; 3-layer probes at 64K, 256K and 512K on an H200 peaked at 0.99x, 0.98x and
-    0.99x of this estimate all the same (benchmarks/results/longctx/recompute/), so it is not
-    counted again. That one request
-    is what fixed-size allocator segments cannot place at long context: see
-    :data:`FRAGMENTATION`. Run over ``head_groups`` groups of key/value heads the backward
-    holds one group's workspace: the rest comes off, less the input gradients the groups hold
-    apart and then join (:func:`offloadkit.longctx.footprint.head_groups_backward_bytes`).
-    ``ring_bytes``: what ring attention holds beside it
-    (:func:`~offloadkit.planning.parallelism.ring_buffer_bytes`)."""
+def _own_attention_backward_bytes(w: Workload, tiled_projections: bool = False) -> int:
+    """Attention's side of one layer's backward temporaries: its input gradients with the fp32
+    norm gradient (tiled norms: two bf16 ``[S, H]`` gradients instead; with this the 8B LoRA
+    probes at 384K and 512K tokens on an H100 peaked at 0.98x and 0.92x the prediction).
+    SDPA's backward (cuDNN, the default on H100/H200 with torch 2.11) also takes 32,896 bytes
+    a token of workspace for Llama-3-8B's heads, in one allocation; 3-layer probes at 64K,
+    256K and 512K on an H200 peaked at 0.99x, 0.98x and 0.99x of this estimate all the same
+    (benchmarks/results/longctx/recompute/), so it is not counted again. That one request is
+    what fixed-size allocator segments cannot place at long context: see :data:`FRAGMENTATION`.
+    The MLP's side is the tiled MLP's footprint; head groups and ring attention add theirs."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
-    mlp = mlp_backward_bytes(w, mlp_shards)
-    attn = t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
-    grouped_mlp, grouped_attn = head_groups_backward_bytes(w, head_groups)  # head groups' footprint
-    return max(mlp + grouped_mlp, attn + grouped_attn + ring_bytes)
+    return t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
 
 
 # Writes the disk tier stages in host RAM at once (offloadkit.storage.disk's default).
 DISK_INFLIGHT_BYTES = MAX_INFLIGHT_BYTES
 
 
-def tiered_reserve_bytes(base: int) -> int:
-    """The free room the tiered tier keeps under a cap of ``base`` plus this room
-    (offloadkit.storage.tiered: ``min(RESERVE_BYTES, cap // RESERVE_CAP_DIVISOR)``, demoting
-    the oldest entries to disk ahead of need). With ``cap = base + room`` and the room a
-    ``1/D`` share of the cap, the room is ``base // (D - 1)``."""
-    return min(RESERVE_BYTES, base // (RESERVE_CAP_DIVISOR - 1))
-
-
-def disk_staging_bytes(w: Workload, f: Features, placement: list[str]) -> int:
-    """Host buffers of the disk tier when block inputs spill: in backward the ones read ahead
-    (the horizon) and the one in use (in forward the tiered tier demotes from its own RAM
-    blocks; with every input on disk, every write is staged). They are reserved outside the
-    RAM cap, so the host holds the cap plus these."""
-    if "disk" not in placement:
-        return 0
-    horizon = f.horizon if f.horizon is not None else HORIZON_DISK
-    reads = (horizon + 1) * w.block_input_bytes
-    if "ram" in placement:
-        return reads
-    # Everything on disk: forward stages every write, up to the tier's in-flight limit.
-    return max(reads, DISK_INFLIGHT_BYTES, w.block_input_bytes)
-
-
 def _placement(w: Workload, f: Features) -> list[str]:
-    layers = w.shape.layers
-    if not (f.checkpointing and f.offload_inputs):
-        return ["gpu"] * layers
-    # The last layer's input stays (backward needs it first), and so do the newest
-    # ``gpu_blocks`` before it.
-    kept = max(0, min(layers - 1, f.gpu_blocks))
-    offloaded = layers - 1 - kept
-    # Dropped inputs spread evenly over the offloaded ones (block 0's is always kept: there
-    # is nothing before it to replay from), so each run replays as few blocks as possible.
-    stored = offloaded - max(0, min(f.recompute_blocks, offloaded - 1))
-    heads = {j * offloaded // stored for j in range(stored)} if stored else set()
-    in_ram = stored if f.ram_blocks is None else max(0, min(stored, f.ram_blocks))
-    # The tiered store keeps the newest entries in RAM and demotes the oldest to disk.
-    tiers = iter(["disk"] * (stored - in_ram) + ["ram"] * in_ram)
-    prefix = [next(tiers) if i in heads else "recompute" for i in range(offloaded)]
-    return prefix + ["gpu"] * (kept + 1)
-
-
-def region_length(placement: list[str]) -> int:
-    """Blocks in the longest run that one kept input replays (1: nothing is dropped)."""
-    longest = run = 1
-    for where in placement[1:]:
-        run = run + 1 if where == "recompute" else 1
-        longest = max(longest, run)
-    return longest
+    return block_placement(w.shape.layers, f)
 
 
 def final_norm_saves(w: Workload, tiled: bool = False) -> list[int]:
@@ -388,14 +322,45 @@ def tiles_final_norm(f: Features) -> bool:
     return f.tiled_projections and f.mlp_shards > 1
 
 
-def streams_weights(w: Workload, f: Features) -> bool:
-    """Whether the layers' weights stream from host memory: a LoRA model's frozen base, or a
-    full fine-tune's trainable weights when the optimizer updates them in backward."""
-    return f.layer_streaming and (bool(w.lora_rank) or f.optimizer_offloading)
+def footprints(w: Workload, f: Features) -> list[tuple[str, Footprint]]:
+    """Each part's footprint in this step, in the order they are summed: the optimizer's (the
+    loop's or the Trainer's: not a component :func:`~offloadkit.prepare` builds), then each
+    component's of :data:`~offloadkit.components.COMPONENTS`, in apply order."""
+    out = [("optimizer", optimizer_footprint(w, f))]
+    return out + [(c.name, c.footprint(w, f)) for c in COMPONENTS if c.footprint is not None]
+
+
+def _layer_saved(w: Workload, f: Features, prints: list[Footprint]) -> int:
+    return _own_layer_saved_bytes(w, f.tiled_projections) + sum(p.layer_saved for p in prints)
+
+
+def layer_phase(w: Workload, f: Features, prints: list[Footprint] | None = None) -> dict[str, int]:
+    """The named GPU bytes of one layer's backward phase beyond the fixed part: its recompute
+    (under checkpointing), what the footprints hold beside it, and its backward temporaries,
+    the larger of its MLP's and its attention's side; a footprint with a part name of its own
+    shows what it raises that larger side by. ``prints``: the step's footprints (default:
+    :func:`footprints`)."""
+    if prints is None:
+        prints = [p for _, p in footprints(w, f)]
+    layer: dict[str, int] = {"layer recompute": _layer_saved(w, f, prints)} if f.checkpointing else {}
+    for p in prints:
+        layer.update(p.layer)
+    mlp = sum(p.mlp_backward for p in prints if not p.backward_part)
+    attention = _own_attention_backward_bytes(w, f.tiled_projections)
+    attention += sum(p.attention_backward for p in prints if not p.backward_part)
+    layer["layer backward"] = max(mlp, attention)
+    for p in prints:
+        if p.backward_part:
+            before = max(mlp, attention)
+            mlp, attention = mlp + p.mlp_backward, attention + p.attention_backward
+            layer[p.backward_part] = max(mlp, attention) - before
+    return layer
 
 
 def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
-    """Predict GPU peak, host RAM and disk bytes of one step.
+    """Predict GPU peak, host RAM and disk bytes of one step: the model's own bytes (its
+    weights, rotary tables, residual stream, final norm, each layer's saved set and backward
+    temporaries outside the MLP) and the sum of every part's :func:`footprints`.
 
     Args:
         w: the workload.
@@ -412,73 +377,22 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         'gpu'
     """
     s, t, b = w.shape, w.tokens, w.dtype_bytes
-    h = s.hidden
-    parts: dict[str, int] = {}
-    edge = (s.embed_params + s.head_params + h) * b
-    placement = _placement(w, f)
-    replayed = region_length(placement)
-    if streams_weights(w, f):
-        # A replayed run holds its blocks resident together (longer runs than the depth cost more).
-        resident = min(max(f.stream_depth, replayed), s.layers)
-        parts["weights"] = edge + resident * s.layer_params * b
-    else:
-        parts["weights"] = s.params * b
-    if w.lora_rank:
-        parts["trainable state"] = s.lora_params(w.lora_rank) * w.adapter_bytes * 4  # param, grad, AdamW m and v
-    elif f.optimizer_offloading:
-        # The gradients and the state in flight: fetched ahead and on its way back, a window
-        # each. The two hold different parameters (not yet updated, already updated), so
-        # together never more than the state.
-        largest = max(max(a * c for a, c in s.linears), s.embed_params, s.head_params)
-        # Updated in backward, each gradient is freed at its update: one is held at a time.
-        # Clipping needs every gradient's norm first, the fp16 scaler its inf/nan check, and
-        # accumulation sums them over micro-steps: then all wait for step(), in the
-        # parameters' dtype.
-        held = largest if w.updates_in_backward else s.params
-        grad = held * b
-        # fp32 master weights widen one whole gradient at its update; the compact update one chunk.
-        if w.optimizer_precision == "fp32_master":
-            grad += largest * 4
-        if w.optimizer_precision == "compact":
-            grad += min(largest, COMPACT_CHUNK_ELEMENTS) * COMPACT_CHUNK_BYTES_PER_ELEMENT
-        state = s.params * w.optimizer_state_bytes
-        window = f.copy_window_bytes
-        if window is None:
-            window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
-        in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes
-        parts["trainable state"] = grad + in_flight
-    else:
-        parts["trainable state"] = s.params * (b + w.optimizer_state_bytes)  # gradients and AdamW state
-    block = w.block_input_bytes
-    if f.checkpointing:
-        on_gpu = placement.count("gpu")
-        if f.offload_inputs:
-            horizon = f.horizon if f.horizon is not None else HORIZON_DISK if "disk" in placement else HORIZON_RAM
-            on_gpu += min(horizon, s.layers - 1)  # prefetched ahead in backward
-        parts["block inputs"] = on_gpu * block
-    else:
-        parts["activations"] = s.layers * (layer_saved_bytes(w, f.mlp_shards, f.tiled_projections) + block)
+    prints = [p for _, p in footprints(w, f)]
+    parts: dict[str, int] = {"weights": s.params * b}
+    for p in prints:
+        parts.update(p.gpu)  # a component's part replaces the model's of that name
+    if not f.checkpointing:
+        parts["activations"] = s.layers * (_layer_saved(w, f, prints) + w.block_input_bytes)
     # cos and sin in fp32 then in the activations' dtype, shared by every layer.
     parts["rotary"] = 2 * t * s.head_dim * (4 + b)
     # The residual stream and its gradient, plus the layer output being formed.
-    parts["residual stream"] = 3 * t * h * b
+    parts["residual stream"] = 3 * t * s.hidden * b
     fixed = sum(parts.values())
 
     loss: dict[str, int] = {"final norm": final_norm_bytes(w, tiles_final_norm(f))}
-    loss.update(chunked_loss_footprint(w, f).loss)  # chunked, or Hugging Face's whole logits
-    layer: dict[str, int] = {}
-    if f.checkpointing:
-        layer["layer recompute"] = layer_saved_bytes(w, f.mlp_shards, f.tiled_projections)
-        if replayed > 1:
-            # A run's replay holds the dropped inputs it recomputed until backward passes them.
-            layer["replayed block inputs"] = (replayed - 1) * block
-    layer["layer backward"] = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections, f.head_groups)
-    ring = ring_buffer_bytes(w, kv_head_groups(f.head_groups, s.kv_heads), ring_rotation(w.parallel, f.rotation))
-    if ring:
-        # Held while the layer's attention runs backward, not while its MLP does: counted as
-        # what it adds to the larger of the two.
-        with_ring = _layer_transient_bytes(w, f.mlp_shards, f.tiled_projections, f.head_groups, ring)
-        layer["ring attention buffers"] = with_ring - layer["layer backward"]
+    for p in prints:
+        loss.update(p.loss)
+    layer = layer_phase(w, f, prints)
     loss_bytes, layer_bytes = sum(loss.values()), sum(layer.values())
     if loss_bytes >= layer_bytes:
         phase, extra = "loss", loss
@@ -489,19 +403,17 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
 
     # What is saved after the last block (see :func:`final_norm_saves`) stays on the GPU, where
     # the loss phase counts it: backward needs it first, before any block's recompute.
-    host = HOST_BASELINE_BYTES + placement.count("ram") * block + disk_staging_bytes(w, f, placement)
-    if streams_weights(w, f):
-        host += s.layers * s.layer_params * b  # pinned host copies of the streamed layers
-    if f.optimizer_offloading and not w.lora_rank:
-        host += s.params * w.optimizer_state_bytes  # pinned AdamW state
-    host += keeps_attention(f) * attention_kept_bytes(w)
-    disk = placement.count("disk") * block
+    host_parts = {"process baseline": HOST_BASELINE_BYTES}
+    for p in prints:
+        for name, n in p.host.items():
+            host_parts[name] = host_parts.get(name, 0) + n
     return MemoryEstimate(
         gpu_peak=gpu_peak,
         gpu_reserved=int(gpu_peak * FRAGMENTATION),
-        host=host,
-        disk=disk,
-        block_placement=placement,
+        host=sum(host_parts.values()),
+        disk=sum(p.disk for p in prints),
+        block_placement=_placement(w, f),
         gpu_parts=parts,
         phase=phase,
+        host_parts=host_parts,
     )

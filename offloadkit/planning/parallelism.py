@@ -51,6 +51,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from offloadkit.parallel.footprint import GRADIENT_BYTES, ring_buffer_bytes, ring_rotation
+
 if TYPE_CHECKING:
     from offloadkit.planning.memory import Workload
 
@@ -69,10 +71,8 @@ __all__ = [
     "search_step",
 ]
 
-# The ring backward accumulates query, key and value gradients in fp32 and sends the key and
-# value ones around the ring that way (torch's context-parallel option convert_to_f32, on by
-# default); its forward merges the steps' outputs and log-sum-exps in fp32 as well.
-GRADIENT_BYTES = 4
+# The ring's fp32 gradients (GRADIENT_BYTES) and its buffers (ring_buffer_bytes) are context
+# parallelism's footprint, beside its code (offloadkit/parallel/footprint.py).
 # How ring attention moves keys and values (apply_context_parallel's rotation=), and "auto":
 # the planner's choice.
 ROTATIONS = ("allgather", "alltoall")
@@ -174,15 +174,6 @@ def search_step(parallel: Parallelism, step: int) -> int:
     return math.lcm(step, parallel.sequence_multiple)
 
 
-def ring_rotation(parallel: Parallelism, chosen: str | None = None) -> str:
-    """The rotation a plan's ring attention uses: ``chosen`` (the plan's, :attr:`Features.rotation
-    <offloadkit.planning.memory.Features.rotation>`), else the run's own, all-gather where that is
-    ``"auto"`` (torch's default)."""
-    if chosen is not None:
-        return chosen
-    return parallel.rotation if parallel.rotation != "auto" else "allgather"
-
-
 def rotation_name(rotation: str) -> str:
     """``all-gather`` or ``all-to-all``."""
     return {"allgather": "all-gather", "alltoall": "all-to-all"}.get(rotation, rotation)
@@ -208,45 +199,6 @@ def gradient_exchange_bytes(w: Workload) -> int:
         return 0
     s = w.shape
     return w.tokens * 2 * s.kv_heads * s.head_dim * GRADIENT_BYTES
-
-
-# Keys and values (in units of one group's local share) a ring call holds while a step's
-# kernel runs, at its first step, a middle one and its last, from torch's code: all-gather,
-# the local contiguous copy, the copy made to send (one a step, kept until the next) and the
-# gathered ``W``; all-to-all, the block in use, the copy sent and the one being received.
-def _kv_held(rotation: str, ranks: int) -> tuple[int, int, int]:
-    if rotation == "alltoall":
-        return 3, 3, 2
-    return ranks + 2, ranks + 1, ranks + 1
-
-
-def ring_buffer_bytes(w: Workload, groups: int = 1, rotation: str = "allgather") -> int:
-    """GPU bytes one layer's ring attention holds beside an unsplit attention's, at the larger
-    of its backward and its forward (the recompute), for one ring call: one key/value head
-    group's when attention runs in ``groups`` groups (each is its own ring call, in turn).
-
-    Backward, while a step's kernel runs (the kernel's workspace and outputs are an unsplit
-    attention's): the fp32 query-gradient accumulator; the fp32 key/value gradients, at the
-    first step the accumulator alone, at each later one the accumulator, the copy sent and the
-    one received; the keys and values :func:`_kv_held` counts for the rotation. Forward: the
-    merger's fp32 output and log-sum-exp (16-bit activations: the steps' outputs are merged in
-    fp32) and the keys and values of the first step. The larger is the backward's.
-    """
-    if not w.parallel.splits_sequence:
-        return 0
-    s, t, ranks = w.shape, w.tokens, w.parallel.sequence_ranks
-    g = max(1, groups)
-    q = t * s.heads * s.head_dim // g  # one group's queries, elements
-    kv = t * 2 * s.kv_heads * s.head_dim // g  # its keys and values
-    b, f = w.dtype_bytes, GRADIENT_BYTES
-    first, middle, last = _kv_held(rotation, ranks)
-    steps = [first * kv * b + kv * f, last * kv * b + 3 * kv * f]
-    if ranks > 2:
-        steps.append(middle * kv * b + 3 * kv * f)
-    backward = q * f + max(steps)
-    merger = q * f + t * s.heads // g * 4 if b < GRADIENT_BYTES else 0
-    forward = merger + first * kv * b
-    return max(backward, forward)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from torch import nn
 
 from offloadkit.component import Component
 from offloadkit.storage.budget import HostMemoryBudget
+from offloadkit.storage.footprint import storage_footprint
 from offloadkit.storage.options import BudgetOptions
 
 if TYPE_CHECKING:
@@ -32,4 +33,5 @@ HOST_BUDGET = Component(
     why_here="one host RAM budget, made before the two that share it: activation offloading and layer streaming",
     build=build_host_budget,
     remove=_keep,
+    footprint=storage_footprint,
 )

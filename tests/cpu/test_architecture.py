@@ -181,8 +181,8 @@ def test_the_import_graph_reads_lazy_imports_and_skips_type_checking_ones():
     graph = _graph()
     # A function-level import is an arrow: Budgets.measure imports the rate probes when called.
     assert "offloadkit.planning.rates" in graph["offloadkit.planning.budgets"]
-    # ``from offloadkit.longctx.attention_groups import kv_head_groups``: the module, not the package.
-    assert "offloadkit.longctx.attention_groups" in graph["offloadkit.planning.memory"]
+    # ``from offloadkit.longctx.footprint import (...)``: the module, not the package.
+    assert "offloadkit.longctx.footprint" in graph["offloadkit.planning.memory"]
     assert "offloadkit.longctx" not in graph["offloadkit.planning.memory"]
     # A component's record names the runtime it builds into only for the type checker.
     typed = _graph(type_checking=True)

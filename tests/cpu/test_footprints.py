@@ -11,6 +11,7 @@ import pytest
 from offloadkit.component import Footprint
 from offloadkit.components import COMPONENTS
 from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
+from offloadkit.parallel.component import CONTEXT_PARALLEL
 from offloadkit.planning.memory import (
     Features,
     Workload,
@@ -33,8 +34,7 @@ def _workloads():
 
 
 def test_the_components_with_a_footprint_return_one():
-    with_footprint = [c.name for c in COMPONENTS if c.footprint is not None]
-    assert {"chunked_loss", "tiled_mlp", "head_groups"} <= set(with_footprint)
+    assert all(c.footprint is not None for c in COMPONENTS), [c.name for c in COMPONENTS if c.footprint is None]
     w = next(_workloads())
     for component in COMPONENTS:
         if component.footprint is not None:
@@ -103,16 +103,82 @@ def test_the_tiled_projections_flops_are_the_tiled_mlp_footprint():
 
 @pytest.mark.parametrize("groups", [2, 4, 8])
 def test_head_groups_add_their_footprint_to_a_layers_backward(groups):
-    from offloadkit.planning.memory import _layer_transient_bytes
+    from offloadkit.planning.memory import _own_attention_backward_bytes, layer_phase
 
-    far = 1 << 60  # held beside attention only: makes attention's side the larger, to read it
     for w in _workloads():
         for shards, tiled in ((1, False), (4, False), (16, True)):
-            f = Features(mlp_shards=shards, tiled_projections=tiled, head_groups=groups)
+            f = Features(mlp_shards=shards, tiled_projections=tiled, head_groups=groups, rotation="alltoall")
             assert HEAD_GROUPS.footprint(w, dataclasses.replace(f, head_groups=1)) == Footprint()
             heads = HEAD_GROUPS.footprint(w, f)
             mlp = TILED_MLP.footprint(w, f).mlp_backward
-            attention = _layer_transient_bytes(w, shards, tiled, 1, far) - far
-            grouped = _layer_transient_bytes(w, shards, tiled, groups)
-            assert grouped == max(mlp + heads.mlp_backward, attention + heads.attention_backward)
-            assert _layer_transient_bytes(w, shards, tiled, groups, far) - far == attention + heads.attention_backward
+            attention = _own_attention_backward_bytes(w, tiled)
+            phase = layer_phase(w, f)
+            assert phase["layer backward"] == max(mlp + heads.mlp_backward, attention + heads.attention_backward)
+            # Ring attention's buffers, held beside attention only, show as a part of their own.
+            ring = CONTEXT_PARALLEL.footprint(w, f).attention_backward
+            raised = max(mlp + heads.mlp_backward, attention + heads.attention_backward + ring)
+            assert phase.get("ring attention buffers", 0) == raised - phase["layer backward"]
+            assert bool(ring) == w.parallel.splits_sequence
+
+
+def _feature_grid():
+    for offload, streaming, optimizer, ram, recompute, keep, groups in itertools.product(
+        (False, True), (False, True), (False, True), (None, 2), (0, 5), (0, 2), (1, 4)
+    ):
+        yield Features(
+            offload_inputs=offload,
+            layer_streaming=streaming,
+            optimizer_offloading=optimizer,
+            ram_blocks=ram,
+            recompute_blocks=recompute,
+            keep_attention=keep,
+            head_groups=groups,
+            loss_chunks=8,
+        )
+
+
+def test_the_estimate_is_the_models_own_bytes_plus_every_footprint():
+    """Host RAM and disk are the footprints' sums; every GPU part a footprint names is the
+    estimate's (the fixed ones always, a phase's when it is the peak's)."""
+    from offloadkit.planning.memory import HOST_BASELINE_BYTES, footprints
+
+    for w in itertools.islice(_workloads(), 0, None, 3):
+        for f in _feature_grid():
+            m = estimate_memory(w, f)
+            prints = [p for _, p in footprints(w, f)]
+            assert [name for name, _ in footprints(w, f)][1:] == [c.name for c in COMPONENTS]
+            assert m.host == HOST_BASELINE_BYTES + sum(sum(p.host.values()) for p in prints)
+            assert m.host_parts["process baseline"] == HOST_BASELINE_BYTES
+            assert m.disk == sum(p.disk for p in prints)
+            for p in prints:
+                assert {k: m.gpu_parts[k] for k in p.gpu} == p.gpu
+                phase = p.loss if m.phase == "loss" else p.layer
+                assert {k: m.gpu_parts[k] for k in phase} == phase
+
+
+def test_each_component_states_what_it_holds_where():
+    """The parts each footprint names: a run that streams, offloads to RAM and disk, drops
+    inputs, keeps attention outputs and offloads the optimizer's state shows each once."""
+    from offloadkit.planning.memory import footprints
+
+    w = Workload(resolve_shape("llama-3-8b"), 65536, lora_rank=0, updates_in_backward=True)
+    f = Features(
+        offload_inputs=True,
+        ram_blocks=10,
+        recompute_blocks=6,
+        keep_attention=2,
+        layer_streaming=True,
+        optimizer_offloading=True,
+        loss_chunks=8,
+    )
+    named = {name: p for name, p in footprints(w, f)}
+    assert set(named["layer_streaming"].gpu) == {"weights"} and set(named["layer_streaming"].host) == {
+        "streamed layers"
+    }
+    assert set(named["optimizer"].host) == {"optimizer state"}
+    assert set(named["host_budget"].host) == {"block inputs in RAM", "disk staging"} and named["host_budget"].disk > 0
+    assert set(named["activations"].gpu) == {"block inputs"}
+    assert set(named["checkpointing"].layer) == {"replayed block inputs"}
+    assert set(named["checkpointing"].host) == {"kept attention outputs"}
+    m = estimate_memory(w, f)
+    assert m.host_parts["streamed layers"] == w.shape.layers * w.shape.layer_params * w.dtype_bytes

@@ -160,12 +160,12 @@ def test_head_groups_are_the_groups_attention_runs_in(monkeypatch, wanted, kv_he
     out = attention_groups.grouped_attention(wanted, q, k, v, is_causal=True, enable_gqa=True)
     ran = len(calls) if out is not None else 1
     assert sum(calls) == (kv_heads if out is not None else 0)
-    from offloadkit.planning.memory import _layer_transient_bytes
+    from offloadkit.planning.memory import Features, layer_phase
 
     w = Workload(replace(EIGHT_B, heads=2 * kv_heads, kv_heads=kv_heads), 65536)
 
     def layer_backward(groups: int) -> int:
-        return _layer_transient_bytes(w, 16, tiled_projections=True, head_groups=groups)
+        return layer_phase(w, Features(mlp_shards=16, tiled_projections=True, head_groups=groups))["layer backward"]
 
     assert layer_backward(wanted) == layer_backward(ran)
     if ran > 1:  # grouping shows in the estimate: the rule is not idle here

@@ -1,0 +1,39 @@
+"""What the optimizer costs in one step, beside its code: the trainable parameters' gradients
+and AdamW state on the GPU, or, with the state in host memory (:class:`BackwardAdamW`), the
+gradients it holds, the state in flight each way (``copy_window_bytes``) and the pinned state."""
+
+from __future__ import annotations
+
+from offloadkit.component import Footprint
+from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintWorkload as Workload
+from offloadkit.defaults import COMPACT_CHUNK_BYTES_PER_ELEMENT, COMPACT_CHUNK_ELEMENTS, OPTIMIZER_COPY_WINDOW_BYTES
+
+__all__ = ["optimizer_footprint"]
+
+
+def optimizer_footprint(w: Workload, f: Features) -> Footprint:
+    """LoRA: each adapter parameter, its gradient and AdamW's two moments. A full fine-tune:
+    gradients and state on the GPU, or with ``optimizer_offloading`` the gradients held (one
+    at a time when updated in backward; every one until ``step()`` under clipping, fp16
+    scaling or accumulation), the wider temporaries of the update's precision, and the state
+    fetched ahead and on its way back (a window each; the two hold different parameters, so
+    together never more than the state)."""
+    s, b = w.shape, w.dtype_bytes
+    if w.lora_rank:
+        return Footprint(gpu={"trainable state": s.lora_params(w.lora_rank) * w.adapter_bytes * 4})
+    if not f.optimizer_offloading:
+        return Footprint(gpu={"trainable state": s.params * (b + w.optimizer_state_bytes)})
+    largest = max(max(a * c for a, c in s.linears), s.embed_params, s.head_params)
+    held = largest if w.updates_in_backward else s.params
+    grad = held * b
+    if w.optimizer_precision == "fp32_master":
+        grad += largest * 4  # the fp32 master update widens one whole gradient
+    if w.optimizer_precision == "compact":
+        grad += min(largest, COMPACT_CHUNK_ELEMENTS) * COMPACT_CHUNK_BYTES_PER_ELEMENT  # one chunk
+    state = s.params * w.optimizer_state_bytes
+    window = f.copy_window_bytes
+    if window is None:
+        window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
+    in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes
+    return Footprint(gpu={"trainable state": grad + in_flight}, host={"optimizer state": state})
