@@ -19,7 +19,8 @@ own, with no key dropped. What is replaced, and only that:
   config names LlamaTokenizer or CodeLlamaTokenizer) that has the config's special and
   end-of-turn tokens and a chat template in the model family's format;
 - each dataset's ``path`` (a hub id): a local file of 1000 records in the format its
-  ``type`` reads (alpaca, chat_template with the entry's field names, completion), without
+  ``type`` reads (alpaca, chat_template with the entry's field names, its preference pairs
+  with field_chosen and field_rejected, completion), without
   the hub-only keys ``data_files``, ``name`` and ``revision``;
 - the run's size: ``max_steps: 2``, ``sequence_len`` at most 512 (``min_sample_len`` at most
   a quarter of it), ``micro_batch_size`` and ``gradient_accumulation_steps`` at most 2
@@ -317,6 +318,22 @@ def _records(entry: dict) -> list:
             return message
 
         field = entry.get("field_messages") or "messages"
+        if "field_chosen" in entry or "field_rejected" in entry:
+            # Preference pairs: the conversation up to the question, a right and a wrong answer.
+            return [
+                {
+                    field: [
+                        {role_key: name("system"), content_key: "Answer briefly."},
+                        {role_key: name("user"), content_key: f"What is {i} plus {i}?"},
+                    ],
+                    entry.get("field_chosen") or "chosen": {role_key: name("assistant"), content_key: f"{2 * i}."},
+                    entry.get("field_rejected") or "rejected": {
+                        role_key: name("assistant"),
+                        content_key: f"{2 * i + 1}.",
+                    },
+                }
+                for i in range(RECORDS)
+            ]
         return [
             {
                 field: [

@@ -392,6 +392,8 @@ def training_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     and repeats dropped, the held-out split, then packed or padded per batch."""
     from offloadkit.data import TokenBlocks, load_texts
 
+    if cfg.rl:
+        return _preference_data(cfg, tokenizer)
     plain = not (
         cfg.sample_packing
         or cfg.val_set_size
@@ -499,6 +501,60 @@ def _finish(cfg: TrainConfig, tokenizer, examples: list, notes: list) -> Trainin
     return data
 
 
+def _preference_data(cfg: TrainConfig, tokenizer) -> TrainingData:
+    """``rl: dpo``: the preference pairs of each dataset (pairs that do not fit dropped), repeats
+    dropped, shuffled and split as SFT examples are; the DPO trainer tokenizes and batches them."""
+    import json
+    import math
+    import random
+
+    import datasets
+
+    from offloadkit.data.preference import preference_examples
+
+    examples: list = []
+    notes: list = []
+    for spec in cfg.dataset_specs():
+        try:
+            got, dropped = preference_examples(spec, tokenizer, cfg.seq_len)
+        except ValueError as exc:
+            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
+        examples += got
+        if dropped:
+            notes.append(
+                f"{spec.path}: {dropped} preference pairs longer than {cfg.name('seq_len')}={cfg.seq_len} dropped"
+            )
+    if cfg.dataset_exact_deduplication:
+        seen: set = set()
+        unique = []
+        for example in examples:
+            key = json.dumps(example, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                unique.append(example)
+        if len(unique) < len(examples):
+            notes.append(f"{len(examples) - len(unique)} repeated preference pairs dropped")
+        examples = unique
+    if cfg.shuffle_merged_datasets:
+        random.Random(cfg.seed).shuffle(examples)
+    held: list = []
+    if cfg.val_set_size:
+        size = cfg.val_set_size
+        count = math.ceil(size * len(examples)) if size < 1 else int(size)
+        if count >= len(examples):
+            raise ConfigError(
+                f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} preference pairs, "
+                "leaving none to train on; lower it"
+            )
+        examples, held = examples[: len(examples) - count], examples[len(examples) - count :]
+        notes.append(f"{len(held)} of {len(examples) + len(held)} preference pairs held out for evaluation")
+    notes.append(f"DPO on {len(examples)} preference pairs (beta {cfg.rl_beta if cfg.rl_beta is not None else 0.1})")
+    data = TrainingData(datasets.Dataset.from_list(examples), None, notes)
+    if held:
+        data.eval = datasets.Dataset.from_list(held)
+    return data
+
+
 def schedule(cfg: TrainConfig, rows: int, world: int, planned: int, evaluating: bool) -> dict:
     """The Trainer's settings that depend on the data: ``warmup_ratio`` as steps of the
     ``planned`` ones, ``saves_per_epoch`` and ``evals_per_epoch`` as steps (steps per epoch
@@ -586,8 +642,21 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
         kwargs["train_sampling_strategy"] = "sequential"
     if cfg.tf32 is not None and cuda:
         kwargs["tf32"] = cfg.tf32
+    arguments = TrainingArguments
+    if cfg.rl == "dpo":
+        from trl import DPOConfig
+
+        arguments = DPOConfig
+        kwargs.update(
+            beta=cfg.rl_beta if cfg.rl_beta is not None else 0.1,
+            max_length=cfg.seq_len,
+            # TRL's defaults that would override the config's own: checkpointing is offloadkit's
+            # (the mixin's) to switch on, and the weights' dtype is the config's.
+            gradient_checkpointing=False,
+            bf16=False,
+        )
     kwargs.update(overrides)
-    args = TrainingArguments(**kwargs)  # type: ignore[arg-type]  # values checked by TrainConfig
+    args = arguments(**kwargs)  # type: ignore[arg-type]  # values checked by TrainConfig
     if cfg.gradient_checkpointing_kwargs:
         set_checkpointing(args, checkpointing_requested(args), cfg.gradient_checkpointing_kwargs)
     return args

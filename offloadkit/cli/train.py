@@ -394,7 +394,7 @@ def _run(cfg: TrainConfig, final: str, ranks, cuda: bool, wall: float, log) -> d
     dataset, collator = data.train, data.collator
     steps = _plan_steps(cfg, final, len(dataset), ranks, data.notes)
     timing = schedule(cfg, len(dataset), ranks.world, _steps_planned(cfg, len(dataset)), data.eval is not None)
-    trainer = _offload_trainer(cfg, model, data, cuda, timing)
+    trainer = _offload_trainer(cfg, model, data, cuda, timing, tokenizer)
     with_ = RunMeasure("with offloadkit")
     probe = StepProbe(with_, steps.profile_step, extra=offload_probes(trainer))
     progress = ProgressBar(steps.tokens, with_.step_times, show=ranks.main)
@@ -477,13 +477,16 @@ def _plan_steps(cfg: TrainConfig, final: str, sequences: int, ranks, data_notes:
     return _Steps(profile_step, resumed, sequences_per_step, sequences_per_step * cfg.seq_len, notes)
 
 
-def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict):
+def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, tokenizer=None):
     """The Trainer with offloadkit's mixin, as ``cfg.offload`` sets it up; ``timing``: the
     save and evaluation steps of :func:`~offloadkit.cli.build.schedule`."""
     with needs("offloadkit train"):
         from transformers import Trainer
 
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    if cfg.rl == "dpo":
+        return _quiet(_dpo_trainer(cfg, model, data, tokenizer, training_args(cfg, cuda, **timing)))
 
     class OffloadTrainer(ActivationOffloadingMixin, Trainer):
         pass
@@ -497,6 +500,35 @@ def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict):
             data_collator=data.collator,
             offload_config=cfg.offload,
         )
+    )
+
+
+def _dpo_trainer(cfg: TrainConfig, model, data, tokenizer, args):
+    """TRL's DPO trainer with offloadkit's mixin. The reference policy is the model before
+    training: with LoRA a frozen copy of the adapters as they start (TRL's own way), else a
+    frozen copy of the weights as loaded."""
+    import copy
+
+    with needs("offloadkit train"):
+        from trl import DPOTrainer
+
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    class OffloadDPOTrainer(ActivationOffloadingMixin, DPOTrainer):
+        pass
+
+    ref_model = None
+    if not cfg.lora_rank:
+        ref_model = copy.deepcopy(model).eval()
+        ref_model.requires_grad_(False)
+    return OffloadDPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=tokenizer,
+        offload_config=cfg.offload,
     )
 
 
@@ -646,6 +678,13 @@ def _without_offloadkit(cfg: TrainConfig, model, dataset, collator, steps: _Step
         # A rank that runs out of memory alone would leave the others waiting in a collective.
         return RunMeasure(
             "without offloadkit", status="skipped", note=f"a {ranks.world}-process run; run one process to compare"
+        )
+    if cfg.rl and cfg.compare:
+        return RunMeasure(
+            "without offloadkit",
+            status="skipped",
+            note=f"{cfg.name('rl')}: {cfg.rl}: the plain run it would be compared with is not built for preference "
+            "training",
         )
     if report["offload_summary"].startswith("nothing"):
         return RunMeasure(

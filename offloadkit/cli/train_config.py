@@ -29,6 +29,7 @@ _FLOATS = (
     "val_set_size",
     "cosine_min_lr_ratio",
     "loss_watchdog_threshold",
+    "rl_beta",
 )
 # Optimizers without Adam's betas and epsilon (the Trainer would leave adam_* unused).
 _NOT_ADAM = ("sgd", "adafactor", "adagrad", "rmsprop", "lomo", "adalomo", "muon")
@@ -156,6 +157,10 @@ class TrainConfig:
         tf32: TF32 matmuls on a GPU that has them (None: PyTorch's default).
         auto_resume_from_checkpoints: continue from the newest checkpoint in output_dir
             when there is one (else start).
+        rl: "dpo": Direct Preference Optimization (TRL's DPO trainer) on preference pairs
+            (``datasets`` of type chat_template with ``field_chosen`` and ``field_rejected``),
+            the reference policy being the model as loaded (kept frozen);
+            rl_beta: DPO's beta (default 0.1), how far the policy may move from the reference.
         drop_unsupported_keys: train an Axolotl config without the keys offloadkit cannot
             honour (listed in one warning and in the report) instead of refusing it.
         offload: the offloading configuration.
@@ -247,6 +252,8 @@ class TrainConfig:
     quantize_moe_experts: bool = False
     tf32: bool | None = None
     auto_resume_from_checkpoints: bool = False
+    rl: str | None = None
+    rl_beta: float | None = None
     drop_unsupported_keys: bool = False
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     _names: dict = field(default_factory=dict, repr=False, compare=False)  # key -> as written by the user
@@ -699,6 +706,44 @@ class TrainConfig:
             )
         if self.group_by_length is True and self.curriculum_sampling is True:
             fail("group_by_length", True, f"and {self.name('curriculum_sampling')} both order the examples; keep one")
+        self._check_rl(fail)
+
+    def _check_rl(self, fail) -> None:
+        """rl: dpo and its preference datasets; preference keys without it."""
+        pairs = [
+            i
+            for i, e in enumerate(self.datasets or [])
+            if isinstance(e, dict) and ("field_chosen" in e or "field_rejected" in e)
+        ]
+        if self.rl is None:
+            if self.rl_beta is not None:
+                fail("rl_beta", self.rl_beta, f"is DPO's beta; it needs {self.name('rl')}: dpo")
+            if pairs:
+                fail("datasets", self.datasets, f"(entry {pairs[0]}) is preference data; train it with rl: dpo")
+            return
+        if self.rl != "dpo":
+            fail("rl", self.rl, "must be dpo (preference training with TRL's DPO trainer)")
+            return
+        if self.rl_beta is not None and (
+            isinstance(self.rl_beta, bool) or not isinstance(self.rl_beta, (int, float)) or self.rl_beta <= 0
+        ):
+            fail("rl_beta", self.rl_beta, "must be a positive number, e.g. 0.1")
+        if not isinstance(self.datasets, list) or not self.datasets:
+            fail("rl", self.rl, f"trains on preference pairs: give {self.name('datasets')} of type chat_template")
+        else:
+            for i, entry in enumerate(self.datasets):
+                if isinstance(entry, dict) and entry.get("type") != "chat_template":
+                    fail(
+                        "datasets",
+                        entry.get("type"),
+                        f"(entry {i}): {self.name('rl')}: dpo reads preference pairs of type chat_template "
+                        "(a conversation with field_chosen and field_rejected answers)",
+                    )
+        for key in ("sample_packing", "pad_to_sequence_len"):
+            if getattr(self, key) is True:
+                fail(key, True, f"is not done for {self.name('rl')}: dpo (the DPO trainer pads each batch)")
+        if self.min_sample_len:
+            fail("min_sample_len", self.min_sample_len, f"is not done for {self.name('rl')}: dpo")
 
 
 def _float(value: str, key: str, source: str) -> float:

@@ -85,6 +85,9 @@ class DatasetSpec:
             ``train[10:200]``, ``train[-5%:]`` (None or "train": every record).
         shards, shards_idx: the file's records cut into ``shards`` contiguous pieces, of
             which piece ``shards_idx`` (default 0) is read.
+        field_chosen, field_rejected: preference data (``rl: dpo``): the fields holding the
+            preferred and the rejected answer to the conversation (defaults "chosen" and
+            "rejected"), each a message or its text.
     """
 
     path: str
@@ -100,6 +103,8 @@ class DatasetSpec:
     split: str | None = None
     shards: int | None = None
     shards_idx: int | None = None
+    field_chosen: str | None = None
+    field_rejected: str | None = None
 
 
 _SLICE = re.compile(r"^train(?:\[(-?\d+%?)?(?::(-?\d+%?)?)?\])?$")

@@ -201,9 +201,8 @@ NOT_HONOURED = {
 # Axolotl features offloadkit does not have: key -> what it is. Refused when set (not
 # empty, false or 1 for the parallel sizes).
 UNSUPPORTED = {
-    "rl": "RL and preference training (rl: dpo, orpo, kto, grpo, ...)",
+    "rl": "RL and preference training other than DPO (rl: orpo, kto, grpo, ...)",
     "trl": "RL trainer settings (trl:)",
-    "rl_beta": "RL and preference training",
     "orpo_alpha": "RL and preference training",
     "kto_desirable_weight": "RL and preference training",
     "vllm": "vLLM generation for RL",
@@ -320,9 +319,10 @@ def _unset(value) -> bool:
 class _Mapper:
     """One config's mapping: the output dict, names as written, warnings and problems."""
 
-    def __init__(self, native_keys: list[str], drop: bool) -> None:
+    def __init__(self, native_keys: list[str], drop: bool, rl=None) -> None:
         self.native = native_keys
         self.drop = drop
+        self.rl = rl  # the config's rl: preference datasets are read for rl: dpo
         self.out: dict = {}
         self.names: dict = {}
         self.ignored: list[str] = []
@@ -354,13 +354,15 @@ class _Mapper:
             "(drop_unsupported_keys: true trains without it)"
         )
 
-    def dataset(self, index: int, entry) -> dict | None:
-        where = f"datasets[{index}]"
+    def dataset(self, index: int | str, entry, rl: bool = True) -> dict | None:
+        where = index if isinstance(index, str) else f"datasets[{index}]"
         if not isinstance(entry, dict):
             self.fail(f"{where}={entry!r} must be a mapping like {{path: data/train.jsonl, type: alpaca}}")
             return None
         entry = {k: v for k, v in entry.items() if not _unset(v)}
         rl_keys = [k for k in entry if k in _RL_DATASET_KEYS]
+        if rl and self.rl == "dpo":
+            return self._preference_dataset(where, entry)
         if rl_keys:
             self.refuse(
                 f"{where} has {', '.join(rl_keys)}: preference data for RL training, which offloadkit train does not do"
@@ -431,6 +433,31 @@ class _Mapper:
                 self.ignored.append(f"{where}.{key}")
         return spec
 
+    def _preference_dataset(self, where: str, entry: dict) -> dict | None:
+        """A dataset of an rl: dpo config: Axolotl's chat_template preference layout (a
+        conversation, the chosen and the rejected answer)."""
+        kind = entry.get("type", "chat_template")
+        if kind not in ("chat_template", "chat_template.default"):
+            self.refuse(
+                f"{where}.type={kind!r}: rl: dpo reads the preference type chat_template.default (a conversation "
+                "with chosen and rejected answers); other preference formats are not supported"
+            )
+            return None
+        other = [k for k in entry if k in _RL_DATASET_KEYS and k not in ("field_chosen", "field_rejected")]
+        if other:
+            self.refuse(f"{where} has {', '.join(other)}: not read for rl: dpo preference pairs")
+            return None
+        spec = self.dataset(
+            where, {k: v for k, v in entry.items() if k not in ("field_chosen", "field_rejected")}, rl=False
+        )
+        if spec is None:
+            return None
+        spec["type"] = "chat_template"
+        for key in ("field_chosen", "field_rejected"):
+            if key in entry:
+                spec[key] = entry[key]
+        return spec
+
 
 def _map_keys(data: dict, m: _Mapper) -> None:
     unknown = []
@@ -470,6 +497,11 @@ def _map_keys(data: dict, m: _Mapper) -> None:
                 if templates:
                     _dataset_template(templates, data, m)
                 m.put("datasets", specs, "datasets")
+        elif key == "rl":
+            if value == "dpo":
+                m.put("rl", value, key)
+            elif value is not False:
+                m.refuse(f"{key}={value!r}: {UNSUPPORTED[key]} is not something offloadkit train does")
         elif key in SPECIAL:
             continue  # resolved below, once every key is known
         elif key in UNSUPPORTED:
@@ -695,7 +727,7 @@ def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict
             that changes the training and cannot be honoured (unless dropped), at once.
     """
     data = {k: v for k, v in data.items() if not _unset(v)}  # an empty key is unset
-    m = _Mapper(native_keys, drop=data.get("drop_unsupported_keys") is True)
+    m = _Mapper(native_keys, drop=data.get("drop_unsupported_keys") is True, rl=data.get("rl"))
     _map_keys(data, m)
     _map_adapter(data, m)
     _map_precision(data, m)

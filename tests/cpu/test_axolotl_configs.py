@@ -96,17 +96,17 @@ def test_axolotl_batch_size_is_the_whole_step():
 
 
 def test_every_problem_is_reported_at_once_on_one_line():
-    data = dict(BASE, lerning_rate=1e-4, rl="dpo", adapter="dora", pretraining_dataset=[{"path": "c4"}])
+    data = dict(BASE, lerning_rate=1e-4, rl="grpo", adapter="dora", pretraining_dataset=[{"path": "c4"}])
     with pytest.raises(ConfigProblemsError) as info:
         TrainConfig.from_dict(data, source="axolotl.yaml", cuda=False)
     message = str(info.value)
     assert "\n" not in message and "4 problems" in message
     assert "unknown key 'lerning_rate'" in message and "did you mean 'learning_rate'?" in message
-    assert "rl='dpo': RL and preference training" in message and "adapter='dora' is not supported" in message
+    assert "rl='grpo': RL and preference training" in message and "adapter='dora' is not supported" in message
     assert "pretraining_dataset" in message and "streaming pretraining datasets" in message
     assert not info.value.unsupported_only
     with pytest.raises(ConfigProblemsError) as info:
-        TrainConfig.from_dict(dict(BASE, rl="dpo", processor_type="AutoProcessor"), source="a.yaml", cuda=False)
+        TrainConfig.from_dict(dict(BASE, rl="grpo", processor_type="AutoProcessor"), source="a.yaml", cuda=False)
     assert info.value.unsupported_only  # refused only for features offloadkit does not have
 
 
@@ -245,7 +245,7 @@ def test_examples_benchmark_checks_and_trains_a_checkout(tmp_path):
         special_tokens={"pad_token": "<|end_of_text|>"},
     )
     (examples / "good.yml").write_text(yaml.safe_dump(good))
-    (examples / "rl.yml").write_text(yaml.safe_dump(dict(good, rl="dpo")))
+    (examples / "rl.yml").write_text(yaml.safe_dump(dict(good, rl="kto")))
     (examples / "typo.yml").write_text(yaml.safe_dump(dict(good, lora_alhpa=16)))
     (examples / "no-model.yml").write_text(yaml.safe_dump({"something": 1}))
     for command in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
@@ -260,7 +260,7 @@ def test_examples_benchmark_checks_and_trains_a_checkout(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split("\t")[0]: line.split("\t") for line in (out / "results.tsv").read_text().splitlines()[1:]}
     assert rows["examples/demo/good.yml"][3] == "trained"
-    assert rows["examples/demo/rl.yml"][3] == "refused" and "rl='dpo'" in rows["examples/demo/rl.yml"][4]
+    assert rows["examples/demo/rl.yml"][3] == "refused" and "rl='kto'" in rows["examples/demo/rl.yml"][4]
     assert rows["examples/demo/typo.yml"][3] == "refused" and "'lora_alhpa'" in rows["examples/demo/typo.yml"][4]
     assert rows["examples/demo/no-model.yml"][3] == "skipped"
     assert rows["examples/demo/good.yml"][1] == "2 problems"  # a hub id not cached, a hub dataset

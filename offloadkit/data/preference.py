@@ -1,0 +1,76 @@
+"""Preference data for DPO (``rl: dpo``): a conversation, the answer preferred and the answer
+rejected, from local records of Axolotl's ``chat_template`` preference layout::
+
+    {"conversation": [{"role": "user", "content": "..."}],
+     "chosen": {"role": "assistant", "content": "..."},
+     "rejected": {"role": "assistant", "content": "..."}}
+
+(the fields named by ``field_messages``, ``field_chosen`` and ``field_rejected``; an answer
+may also be its text alone). Each pair becomes TRL's conversational preference example
+(``prompt``: the messages, ``chosen``/``rejected``: the one answer), which the DPO trainer
+renders with the tokenizer's chat template: the prompt with the assistant's header, each
+answer as the assistant's turn after it. Pairs whose longer side does not fit ``seq_len``
+are dropped, as long SFT examples are.
+"""
+
+from __future__ import annotations
+
+from offloadkit.data.sft import DatasetSpec, _messages, load_records, select_records
+
+__all__ = ["preference_examples", "PREFERENCE_FIELDS"]
+
+PREFERENCE_FIELDS = ("chosen", "rejected")
+
+
+def _answer(record: dict, field: str, spec: DatasetSpec, where: str) -> dict:
+    value = record.get(field) if isinstance(record, dict) else None
+    if isinstance(value, str):
+        return {"role": "assistant", "content": value}
+    if isinstance(value, dict):
+        (message,) = _messages({"m": [value]}, DatasetSpec(path=spec.path, field_messages="m", **_reading(spec)), where)
+        return message
+    raise ValueError(
+        f"{where}: no answer under {field!r} (a message or its text); set field_chosen and field_rejected to the "
+        "fields that hold the two answers"
+    )
+
+
+def _reading(spec: DatasetSpec) -> dict:
+    """How ``spec`` reads a message: its property mappings and role names."""
+    return {"message_property_mappings": spec.message_property_mappings, "roles": spec.roles}
+
+
+def preference_examples(spec: DatasetSpec, tokenizer, seq_len: int) -> tuple[list[dict], int]:
+    """The preference pairs of one dataset, and how many were dropped for not fitting ``seq_len``.
+
+    Raises:
+        ValueError: a malformed record (file, record and fix in the message), a tokenizer
+            without a chat template, or no pair that fits.
+    """
+    if spec.type != "chat_template":
+        raise ValueError(f"{spec.path}: preference data is read from type chat_template (got {spec.type!r})")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{spec.path}: preference data needs a tokenizer with a chat template; this one has none "
+            "(set chat_template: chatml, or give a tokenizer that has one)"
+        )
+    chosen_field = spec.field_chosen or "chosen"
+    rejected_field = spec.field_rejected or "rejected"
+
+    def length(messages: list[dict]) -> int:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    examples, dropped = [], 0
+    for index, record in enumerate(select_records(load_records(spec.path), spec)):
+        where = f"{spec.path}[{index}]"
+        prompt = _messages(record, spec, where)
+        chosen = _answer(record, chosen_field, spec, f"{where}.{chosen_field}")
+        rejected = _answer(record, rejected_field, spec, f"{where}.{rejected_field}")
+        if max(length(prompt + [chosen]), length(prompt + [rejected])) > seq_len:
+            dropped += 1
+            continue
+        examples.append({"prompt": prompt, "chosen": [chosen], "rejected": [rejected]})
+    if not examples:
+        raise ValueError(f"{spec.path}: no preference pair fits in seq_len={seq_len} ({dropped} longer ones dropped)")
+    return examples, dropped
