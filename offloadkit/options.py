@@ -36,6 +36,20 @@ class Options:
         return {f.metadata["key"]: f.name for f in dataclasses.fields(cls) if "key" in f.metadata}  # type: ignore[arg-type]
 
     @classmethod
+    def config_keys(cls, **values: Any) -> dict[str, Any]:
+        """The config keys that set these fields to ``values`` (field name -> value), for code
+        that writes a config from options (a plan): the keys are spelled once, here.
+
+        Raises:
+            ValueError: a name that is not a field set by a config key.
+        """
+        by_field = {name: key for key, name in cls.keys().items()}
+        unknown = sorted(set(values) - set(by_field))
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no field set by a config key named {', '.join(unknown)}")
+        return {by_field[name]: value for name, value in values.items()}
+
+    @classmethod
     def default(cls, name: str) -> Any:
         """The default of field ``name``."""
         return next(f.default for f in dataclasses.fields(cls) if f.name == name)  # type: ignore[arg-type]

@@ -17,7 +17,9 @@ import torch
 
 from offloadkit.api import get_act_offloading_ctx_manager
 from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.layers import apply_layer_streaming
+from offloadkit.longctx.options import LongContextOptions
 from offloadkit.models.zoo import LLAMA_SHAPES
 from offloadkit.runtime.device import empty_host_cache
 
@@ -206,7 +208,7 @@ def _long_context(p: dict) -> dict:
         "chunked_cross_entropy_num_chunks": p["loss_chunks"],
         "tiled_mlp": p["mlp_shards"] > 1,
         "tiled_mlp_num_shards": p["mlp_shards"] if p["mlp_shards"] > 1 else None,
-        "attention_head_groups": p.get("head_groups") if (p.get("head_groups") or 1) > 1 else None,
+        **LongContextOptions.config_keys(head_groups=p.get("head_groups") if (p.get("head_groups") or 1) > 1 else None),
     }
 
 
@@ -227,7 +229,7 @@ def _everything_config(probe: dict) -> dict:
     if dropped:
         config["recompute_block_inputs"] = dropped
     if p.get("keep_attention"):
-        config["keep_attention_outputs"] = p["keep_attention"]
+        config |= CheckpointOptions.config_keys(keep_attention=p["keep_attention"])
     if probe.get("disk_dir"):
         config["disk_dir"] = probe["disk_dir"]
     return config

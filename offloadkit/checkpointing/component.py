@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CHECKPOINTING", "hf_checkpointing_on"]
 
-# Keys that act through offloadkit's checkpointing only.
-_OWN_KEYS = ("selective_checkpointing", "recompute_block_inputs", "block_input_placement", "keep_attention_outputs")
+# Fields that act through offloadkit's checkpointing only.
+_OWN_FIELDS = ("selective", "recompute_block_inputs", "block_input_placement", "keep_attention")
 
 
 def hf_checkpointing_on(model: nn.Module) -> bool:
@@ -32,11 +32,11 @@ def build_checkpointing(model: nn.Module, options: CheckpointOptions, run: Offlo
     if not options.enabled:
         return None
     if hf_checkpointing_on(model):
-        for key in _OWN_KEYS:
-            if getattr(run.config, key):
+        for name in _OWN_FIELDS:
+            if getattr(options, name):
                 run.note(
-                    f"{key} has no effect: Hugging Face gradient checkpointing is already on (turn it off "
-                    "to use offloadkit's)"
+                    f"{options.key(name)} has no effect: Hugging Face gradient checkpointing is already on (turn it "
+                    "off to use offloadkit's)"
                 )
         return None
     return apply_activation_checkpointing(

@@ -12,7 +12,7 @@ backward each group's kernel holds its group's workspace only, 1/G of the whole.
 inside it, ``F.scaled_dot_product_attention`` runs that way (a ``TorchFunctionMode`` scoped
 to the module's forward; nothing global is patched). Each group is an ordinary SDPA call
 with the kernel PyTorch picks, so every backend, the checkpoint's recompute and
-``keep_attention_outputs`` see ordinary kernel calls. A group count that does not divide the
+kept attention outputs see ordinary kernel calls. A group count that does not divide the
 key/value heads falls to its largest divisor that does; calls with dropout, 3-D inputs, or
 where that divisor is 1 run whole. The outputs are laid out as the kernels lay
 theirs out (``[B, S, H, D]`` memory), so a caller's ``transpose(1, 2)`` copies nothing.

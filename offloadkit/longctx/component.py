@@ -32,21 +32,23 @@ def _attached(run: OffloadRuntime, key: str, attach: Callable[[], Any]) -> Any:
 def build_chunked_loss(model: nn.Module, options: LongContextOptions, run: OffloadRuntime) -> ChunkedLossHandle | None:
     if not options.chunked_loss:
         return None
-    return _attached(run, "chunked_cross_entropy", lambda: apply_chunked_loss(model, options.loss_chunks))
+    return _attached(run, options.key("chunked_loss"), lambda: apply_chunked_loss(model, options.loss_chunks))
 
 
 def build_tiled_mlp(model: nn.Module, options: LongContextOptions, run: OffloadRuntime) -> TiledMLPHandle | None:
     if not options.tiled_mlp:
         return None
-    return _attached(
-        run, "tiled_mlp", lambda: apply_tiled_mlp(model, options.mlp_shards, projections=options.tiled_projections)
-    )
+
+    def attach() -> TiledMLPHandle:
+        return apply_tiled_mlp(model, options.mlp_shards, projections=options.tiled_projections)
+
+    return _attached(run, options.key("tiled_mlp"), attach)
 
 
 def build_head_groups(model: nn.Module, options: LongContextOptions, run: OffloadRuntime) -> AttentionHeadGroups | None:
     if not options.head_groups:
         return None
-    return _attached(run, "attention_head_groups", lambda: apply_attention_head_groups(model, options.head_groups))
+    return _attached(run, options.key("head_groups"), lambda: apply_attention_head_groups(model, options.head_groups))
 
 
 CHUNKED_LOSS = Component(

@@ -192,7 +192,7 @@ class Features:
             backward then holds one group's kernel workspace.
         keep_attention: layers (the last ones) whose attention output and log-sum-exp wait
             in host RAM for the recompute, which then skips their attention forward
-            (``keep_attention_outputs``).
+            (the checkpointing options' ``keep_attention``).
         rotation: with a sequence split over ranks, how ring attention moves keys and values
             ("allgather" or "alltoall"); None: the run's own
             (:func:`~offloadkit.planning.parallelism.ring_rotation`).

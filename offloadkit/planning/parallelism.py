@@ -33,7 +33,7 @@ for. Everything waited for adds to the step.
 GPU buffers (:func:`ring_buffer_bytes`): the all-gather rotation holds the gathered keys and
 values of the whole sequence, all-to-all one neighbour's share at a time; both hold the fp32
 gradient accumulators in backward and the fp32 merged output and log-sum-exp in forward.
-Where attention runs in key/value head groups (``attention_head_groups``) each group is one
+Where attention runs in key/value head groups (``LongContextOptions.head_groups``) each group is one
 ring call: every buffer is one group's.
 
 Ranks on one host share its RAM and disk: each plans on ``1/ranks_per_host`` of them

@@ -27,7 +27,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.layers.options import StreamingOptions
+from offloadkit.longctx.options import LongContextOptions
+from offloadkit.optim.options import OptimizerOptions
+from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     FRAGMENTATION,
@@ -50,6 +56,7 @@ from offloadkit.planning.memory import (
 from offloadkit.planning.parallelism import Parallelism, ring_rotation, rotation_name, search_step
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import StepTime, estimate_time
+from offloadkit.storage.options import BudgetOptions
 from offloadkit.storage.pool import size_class
 
 __all__ = ["Plan", "plan", "longest_sequence", "physical_limit", "Capacity", "OptimizerSetup", "SEQ_STEP"]
@@ -159,40 +166,42 @@ class Plan:
         """
         f = self.features
         out: dict = {
-            "gradient_checkpointing": f.checkpointing,
-            "layer_offloading": f.layer_streaming,
-            "layer_offloading_depth": f.stream_depth,
-            "chunked_cross_entropy": f.loss_chunks > 0,
-            "tiled_mlp": f.mlp_shards > 1,
-            "chunked_cross_entropy_num_chunks": f.loss_chunks or None,
-            "tiled_mlp_num_shards": f.mlp_shards if f.mlp_shards > 1 else None,
-            "disk_tiering": False,
-            "tiled_projections": f.tiled_projections and f.mlp_shards > 1,
-            "optimizer_offloading": f.optimizer_offloading,
+            **CheckpointOptions.config_keys(enabled=f.checkpointing),
+            **StreamingOptions.config_keys(enabled=f.layer_streaming, depth=f.stream_depth),
+            **LongContextOptions.config_keys(
+                chunked_loss=f.loss_chunks > 0,
+                tiled_mlp=f.mlp_shards > 1,
+                loss_chunks=f.loss_chunks or None,
+                mlp_shards=f.mlp_shards if f.mlp_shards > 1 else None,
+            ),
+            **ActivationOptions.config_keys(disk_tiering=False),
+            **LongContextOptions.config_keys(tiled_projections=f.tiled_projections and f.mlp_shards > 1),
+            **OptimizerOptions.config_keys(enabled=f.optimizer_offloading),
         }
         if f.head_groups > 1:
-            out["attention_head_groups"] = f.head_groups
+            out |= LongContextOptions.config_keys(head_groups=f.head_groups)
         if self.workload.parallel.context_parallel and self.workload.parallel.world_size > 1:
             # The rotation this plan counted; whether to split is the caller's (context_parallel).
-            out["context_parallel_rotation"] = ring_rotation(self.workload.parallel, f.rotation)
+            out |= ParallelOptions.config_keys(rotation=ring_rotation(self.workload.parallel, f.rotation))
         if f.keep_attention:
-            out["keep_attention_outputs"] = True if f.keep_attention >= self.workload.shape.layers else f.keep_attention
+            every = f.keep_attention >= self.workload.shape.layers
+            out |= CheckpointOptions.config_keys(keep_attention=True if every else f.keep_attention)
         if f.optimizer_offloading:
-            out["optimizer_precision"] = self.workload.optimizer_precision
+            out |= OptimizerOptions.config_keys(precision=self.workload.optimizer_precision)
         if f.offload_inputs and f.horizon is not None:
-            out["activation_loading_horizon"] = f.horizon
+            out |= ActivationOptions.config_keys(loading_horizon=f.horizon)
         if f.offload_inputs and f.checkpointing:
             # Where each block input waits, as planned: the engine realises it block by block.
-            out["block_input_placement"] = tuple(self.placement)
+            out |= CheckpointOptions.config_keys(block_input_placement=tuple(self.placement))
         if not f.offload_inputs:
-            out["activation_offloading"] = False
+            out |= ActivationOptions.config_keys(mode=False)
         elif "disk" not in self.placement:
-            out["activation_offloading"] = True
+            out |= ActivationOptions.config_keys(mode=True)
         else:
-            out["activation_offloading"] = "disk"
+            out |= ActivationOptions.config_keys(mode="disk")
             if "ram" in self.placement:
-                out["disk_tiering"] = True
-                out["host_budget_bytes"] = self.host_budget_bytes()
+                out |= ActivationOptions.config_keys(disk_tiering=True)
+                out |= BudgetOptions.config_keys(host_budget_bytes=self.host_budget_bytes())
         return out
 
     def at_depth(self, layers: int) -> "Plan":

@@ -224,3 +224,34 @@ def test_the_commands_do_not_import_each_other_in_a_circle():
     # What the run and the plain run it is compared with both need lives in cli/build.py.
     assert "offloadkit.cli.train" not in graph["offloadkit.cli.compare"]
     assert "offloadkit.cli.build" in graph["offloadkit.cli.compare"]
+
+
+def test_a_config_key_is_spelled_where_its_option_is_declared_and_in_the_flat_config():
+    """Code that writes a config from options (a plan, a bench mode) asks the options class for
+    the key (``Options.config_keys``): a key appears in its options class, ``OffloadConfig``
+    and at most two more product files."""
+    import re
+
+    for key in ("keep_attention_outputs", "attention_head_groups"):
+        pattern = re.compile(rf"\b{key}\b")
+        files = []
+        for path in _package_modules().values():
+            with open(path, encoding="utf-8") as f:
+                if pattern.search(f.read()):
+                    files.append(os.path.relpath(path, ROOT))
+        assert len(files) <= 4, (key, files)
+
+
+def test_config_keys_are_read_from_the_options_fields():
+    import pytest
+
+    from offloadkit.checkpointing.options import CheckpointOptions
+    from offloadkit.longctx.options import LongContextOptions
+
+    assert CheckpointOptions.config_keys(enabled=True, keep_attention=2) == {
+        "gradient_checkpointing": True,
+        "keep_attention_outputs": 2,
+    }
+    assert LongContextOptions.config_keys(head_groups=4) == {"attention_head_groups": 4}
+    with pytest.raises(ValueError, match="no field set by a config key named keep_attention_outputs"):
+        CheckpointOptions.config_keys(keep_attention_outputs=True)
