@@ -71,9 +71,11 @@ def load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
     tokenizer = _with_template(cfg, tokenizer, model)
     _add_tokens(cfg, tokenizer, model)
     if cfg.sample_packing or (cfg.eval_sample_packing and cfg.val_set_size):  # packing that will run
-        from offloadkit.data.packing import packing_keeps_documents_apart
+        from offloadkit.data.packing import mask_packed_documents, packing_keeps_documents_apart
 
         apart, why = packing_keeps_documents_apart(model)
+        if not apart and mask_packed_documents(model):
+            apart = True  # its masks are built from the position ids, as other models build theirs
         if not apart:
             key = cfg.name("sample_packing") if cfg.sample_packing else cfg.name("eval_sample_packing")
             kernel = getattr(model.config, "_attn_implementation", None) or "its attention"

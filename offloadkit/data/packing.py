@@ -9,7 +9,9 @@ the next: every example's loss is its loss alone. A row is padded at its end as 
 example of padding (labels -100), which no real token attends to.
 
 Whether a model's attention honours such position ids is measured, not assumed:
-:func:`packing_keeps_documents_apart` runs one packed probe through the model.
+:func:`packing_keeps_documents_apart` runs one packed probe through the model. A model
+whose decoder builds its masks without reading the position ids gets them built from the
+position ids before its forward (:func:`mask_packed_documents`), and is measured again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from offloadkit.data.sft import IGNORE
 
-__all__ = ["pack_examples", "PackedRows", "packed_collate", "packing_keeps_documents_apart"]
+__all__ = ["pack_examples", "PackedRows", "packed_collate", "packing_keeps_documents_apart", "mask_packed_documents"]
 
 
 def pack_examples(examples: list, seq_len: int, sequential: bool = False) -> list:
@@ -137,3 +139,67 @@ def packing_keeps_documents_apart(model, vocab_size: int | None = None, length: 
     if change > 1e-3 * scale:
         return False, "a document's logits change with the document packed before it"
     return True, ""
+
+
+def mask_packed_documents(model) -> bool:
+    """For a model whose decoder builds its attention masks without the position ids (GPT-OSS,
+    AFMoE, ...): build them from the position ids before its forward, with transformers' own
+    mask functions for each of its layer types (full, sliding window, chunked), as models that
+    read packed position ids do. Kept only when :func:`packing_keeps_documents_apart` then
+    holds; otherwise removed.
+
+    Returns:
+        Whether the model now keeps packed documents apart.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - a model here is a transformers model
+        return False
+    makers = {
+        "full_attention": masking_utils.create_causal_mask,
+        "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+        "chunked_attention": masking_utils.create_chunked_causal_mask,
+    }
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    config = getattr(decoder, "config", None)
+    if decoder is None or config is None:
+        return False
+    kinds = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
+    if not set(kinds) <= set(makers):
+        return False
+    embeddings = model.get_input_embeddings()
+
+    def packed_masks(module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is None or kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None:
+            return None
+        tokens = kwargs.get("inputs_embeds")
+        if tokens is None:
+            tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            return None
+        batch, length = tokens.shape[:2]
+        positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
+        if masking_utils.find_packed_sequence_indices(positions) is None:
+            return None  # one document per row: the model's own masks are right
+        # The mask functions read only the shape, dtype and device of the embeddings.
+        shape = torch.empty(batch, length, 0, dtype=embeddings.weight.dtype, device=positions.device)
+        kwargs["attention_mask"] = {
+            kind: makers[kind](
+                config=config, inputs_embeds=shape, attention_mask=None, cache=None, position_ids=positions
+            )
+            for kind in kinds
+        }
+        return args, kwargs
+
+    handle = decoder.register_forward_pre_hook(packed_masks, with_kwargs=True)
+    try:
+        apart = packing_keeps_documents_apart(model)[0]
+    except Exception:  # a decoder that takes no such masks (Mamba-style): it stays as it was
+        apart = False
+    if apart:
+        model._offloadkit_packed_masks = handle  # removable, and a sign for the report
+        return True
+    handle.remove()
+    return False
