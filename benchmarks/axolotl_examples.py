@@ -19,8 +19,8 @@ own, with no key dropped. What is replaced, and only that:
   config names LlamaTokenizer or CodeLlamaTokenizer) that has the config's special and
   end-of-turn tokens and a chat template in the model family's format;
 - each dataset's ``path`` (a hub id): a local file of 1000 records in the format its
-  ``type`` reads (alpaca, chat_template with the entry's field names, its preference pairs
-  with field_chosen and field_rejected, completion), without
+  ``type`` reads (alpaca, jeopardy, chat_template with the entry's field names, its preference
+  pairs with field_chosen and field_rejected, completion), without
   the hub-only keys ``data_files``, ``name`` and ``revision``;
 - the run's size: ``max_steps: 2``, ``sequence_len`` at most 512 (``min_sample_len`` at most
   a quarter of it), ``micro_batch_size`` and ``gradient_accumulation_steps`` at most 2
@@ -298,6 +298,11 @@ def _records(entry: dict) -> list:
     if kind.startswith("alpaca"):
         return [
             {"instruction": f"Add {i} and {i % 7}.", "input": "" if i % 3 else "numbers", "output": f"{i + i % 7}"}
+            for i in range(RECORDS)
+        ]
+    if kind.startswith("jeopardy"):
+        return [
+            {"question": f"This number is {i} doubled.", "category": "SUMS", "answer": f"{2 * i}"}
             for i in range(RECORDS)
         ]
     if kind.startswith("chat_template"):

@@ -395,7 +395,7 @@ class TrainConfig:
             raise ConfigProblemsError(source, problems)
 
     def _check(self, fail) -> None:
-        from offloadkit.data.sft import SFT_TYPES, DatasetSpec
+        from offloadkit.data.sft import PROMPT_STYLES, SFT_TYPES, DatasetSpec
         from offloadkit.models.zoo import LLAMA_SHAPES
 
         ints: dict[str, int] = {
@@ -470,6 +470,15 @@ class TrainConfig:
                         continue
                     if spec is None or spec.type not in SFT_TYPES or not isinstance(spec.path, str):
                         fail("datasets", entry, f"(entry {i}) must have a path and a type of {', '.join(SFT_TYPES)}")
+                    elif spec.prompt_style is not None and (
+                        spec.type not in ("alpaca", "jeopardy") or spec.prompt_style not in PROMPT_STYLES
+                    ):
+                        fail(
+                            "datasets",
+                            entry,
+                            f"(entry {i}) prompt_style is one of {', '.join(PROMPT_STYLES)}, for the types alpaca "
+                            "and jeopardy",
+                        )
         if not isinstance(self.train_on_inputs, bool):
             fail("train_on_inputs", self.train_on_inputs, "must be true or false")
         if self.chat_template is not None and not isinstance(self.chat_template, str):

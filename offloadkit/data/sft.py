@@ -30,20 +30,37 @@ __all__ = [
     "SFTExamples",
     "pad_collate",
     "CHATML_TEMPLATE",
+    "PROMPT_STYLES",
 ]
 
-SFT_TYPES = ("completion", "alpaca", "chat_template")
+SFT_TYPES = ("completion", "alpaca", "jeopardy", "chat_template")
 IGNORE = -100
-# Stanford Alpaca's prompt format, as Axolotl's ``alpaca`` type renders it.
-_ALPACA_INPUT = (
+# Instruction prompts as Axolotl renders them: a system line, then the turn with or without
+# an input, in one of its prompt styles (``alpaca`` is "instruct"; ``alpaca:chat`` "chat", ...).
+_SYSTEM_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further "
-    "context. Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+    "context. Write a response that appropriately completes the request."
 )
-_ALPACA = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the "
-    "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
-)
+_SYSTEM = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+PROMPT_STYLES = {
+    # style: (system line, turn with an input, turn without one)
+    "instruct": (
+        "{system}\n\n",
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+        "### Instruction:\n{instruction}\n\n### Response:\n",
+    ),
+    "chat": ("SYSTEM: {system}\n", "USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
+    "chatml": (
+        "<|im_start|>system\n{system}<|im_end|>\n",
+        "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n",
+    ),
+    "phi": (
+        "<|system|>\n{system}<|end|>\n",
+        "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+        "<|user|>\n{instruction}<|end|>\n<|assistant|>\n",
+    ),
+}
 # ChatML, for tokenizers without a template of their own (the built-in byte tokenizer).
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -69,7 +86,8 @@ class DatasetSpec:
 
     Attributes:
         path: a local ``.jsonl``/``.json`` file (``.txt`` for completion).
-        type: "completion" (one text field), "alpaca" (instruction, input, output) or
+        type: "completion" (one text field), "alpaca" (instruction, input, output), "jeopardy"
+            (question, category, answer: Axolotl's Jeopardy records in the alpaca prompt) or
             "chat_template" (a list of messages rendered with the tokenizer's template).
         field: completion: the text field (default "text").
         field_messages: chat_template: the field holding the messages (default "messages").
@@ -85,6 +103,9 @@ class DatasetSpec:
             ``train[10:200]``, ``train[-5%:]`` (None or "train": every record).
         shards, shards_idx: the file's records cut into ``shards`` contiguous pieces, of
             which piece ``shards_idx`` (default 0) is read.
+        prompt_style: alpaca and jeopardy: the prompt's style, as Axolotl's ``alpaca:STYLE``:
+            "instruct" (default, Alpaca's ``### Instruction:``), "chat" (``USER:`` /
+            ``ASSISTANT:``), "chatml" or "phi".
         field_chosen, field_rejected: preference data (``rl: dpo``): the fields holding the
             preferred and the rejected answer to the conversation (defaults "chosen" and
             "rejected"), each a message or its text.
@@ -105,6 +126,7 @@ class DatasetSpec:
     shards_idx: int | None = None
     field_chosen: str | None = None
     field_rejected: str | None = None
+    prompt_style: str | None = None
 
 
 _SLICE = re.compile(r"^train(?:\[(-?\d+%?)?(?::(-?\d+%?)?)?\])?$")
@@ -192,11 +214,22 @@ def _text(record, key: str, where: str, required: bool = True) -> str:
     return value
 
 
-def _alpaca(record, tokenizer, train_on_inputs: bool, where: str) -> tuple[list[int], list[int]]:
-    instruction = _text(record, "instruction", where)
-    context = _text(record, "input", where, required=False)
-    output = _text(record, "output", where)
-    prompt = (_ALPACA_INPUT if context.strip() else _ALPACA).format(instruction=instruction, input=context)
+def _alpaca(
+    record, tokenizer, train_on_inputs: bool, where: str, style: str | None = None, jeopardy: bool = False
+) -> tuple[list[int], list[int]]:
+    if jeopardy:  # a clue, its category as the input, and "what is" its answer
+        instruction = _text(record, "question", where)
+        context = _text(record, "category", where, required=False)
+        output = "what is " + _text(record, "answer", where)
+    else:
+        instruction = _text(record, "instruction", where)
+        context = _text(record, "input", where, required=False)
+        output = _text(record, "output", where)
+    system, with_input, without_input = PROMPT_STYLES[style or "instruct"]
+    if context.strip():
+        prompt = system.format(system=_SYSTEM_WITH_INPUT) + with_input.format(instruction=instruction, input=context)
+    else:
+        prompt = system.format(system=_SYSTEM) + without_input.format(instruction=instruction)
     prompt_ids = tokenizer(prompt)["input_ids"]
     answer_ids = tokenizer(output, add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
@@ -294,8 +327,8 @@ def build_examples(
     examples, dropped = [], 0
     for index, record in enumerate(select_records(load_records(spec.path), spec)):
         where = f"{spec.path}[{index}]"
-        if spec.type == "alpaca":
-            ids, labels = _alpaca(record, tokenizer, train_on_inputs, where)
+        if spec.type in ("alpaca", "jeopardy"):
+            ids, labels = _alpaca(record, tokenizer, train_on_inputs, where, spec.prompt_style, spec.type == "jeopardy")
         else:
             ids, labels = _chat(record, spec, tokenizer, train_on_inputs, where)
         if len(ids) > seq_len:

@@ -285,6 +285,7 @@ _TYPES = {
     "completion": "completion",
     "text": "completion",
     "alpaca": "alpaca",
+    "jeopardy": "jeopardy",
     "chat_template": "chat_template",
     "chat_template.default": "chat_template",
 }
@@ -380,13 +381,21 @@ class _Mapper:
                 f"{where} has unknown keys {shown}{more}{hint}; drop them (offloadkit reads Axolotl's path, type, "
                 "field and chat_template keys)"
             )
+        from offloadkit.data.sft import PROMPT_STYLES
+
         kind = entry.get("type", "completion")
-        if not isinstance(kind, str) or kind not in _TYPES:
+        style = None
+        if isinstance(kind, str) and ":" in kind and kind.split(":", 1)[0] in ("alpaca", "jeopardy"):
+            # Axolotl's TYPE:STYLE: the instruction prompt in another style (alpaca:chat, alpaca:phi, ...).
+            style = kind.split(":", 1)[1]
+        if not isinstance(kind, str) or (kind not in _TYPES and style not in PROMPT_STYLES):
             self.refuse(
-                f"{where}.type={kind!r}: offloadkit train reads the dataset types completion, alpaca and "
-                "chat_template; other prompt formats are not supported"
+                f"{where}.type={kind!r}: offloadkit train reads the dataset types completion, alpaca (and "
+                "alpaca:chat, :chatml, :phi), jeopardy and chat_template; other prompt formats are not supported"
             )
             return None
+        if style is not None:
+            kind = kind.split(":", 1)[0]
         path = entry.get("data_files") or entry.get("path")
         if isinstance(path, list) and len(path) == 1:
             path = path[0]
@@ -394,6 +403,8 @@ class _Mapper:
             self.fail(f"{where}.path={path!r} must be one local file (.jsonl or .json; .txt for completion)")
             return None
         spec: dict = {"path": path, "type": _TYPES[kind]}
+        if style is not None and style != "instruct":
+            spec["prompt_style"] = style
         if "field" in entry:
             spec["field"] = entry["field"]
         mappings = dict(entry.get("message_property_mappings") or {})
