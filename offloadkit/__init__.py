@@ -23,6 +23,7 @@ from offloadkit.engine import (
     OffloadStats,
 )
 from offloadkit.longctx import apply_attention_head_groups, apply_chunked_loss, apply_tiled_mlp, chunked_cross_entropy
+from offloadkit.lora import apply_fused_lora
 from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.storage import HostBufferPool, HostMemoryBudget, HostTier
 
@@ -39,6 +40,7 @@ __all__ = [
     "apply_chunked_loss",
     "apply_tiled_mlp",
     "apply_attention_head_groups",
+    "apply_fused_lora",
     "chunked_cross_entropy",
     "get_act_offloading_ctx_manager",
     "get_lora_act_offloading_ctx_manager",

@@ -23,6 +23,7 @@ from offloadkit.component import Component
 from offloadkit.engine.component import ACTIVATIONS
 from offloadkit.layers.component import LAYER_STREAMING
 from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
+from offloadkit.lora.component import FUSED_LORA
 from offloadkit.options import Options
 from offloadkit.parallel.component import CONTEXT_PARALLEL
 from offloadkit.storage.component import HOST_BUDGET
@@ -34,6 +35,7 @@ COMPONENTS: tuple[Component, ...] = (
     CHUNKED_LOSS,
     TILED_MLP,
     HEAD_GROUPS,
+    FUSED_LORA,
     CHECKPOINTING,
     HOST_BUDGET,
     ACTIVATIONS,

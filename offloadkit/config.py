@@ -24,6 +24,7 @@ from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.options import LongContextOptions
+from offloadkit.lora.options import LoraOptions
 from offloadkit.optim.options import OptimizerOptions
 from offloadkit.options import Options
 from offloadkit.parallel.options import ParallelOptions
@@ -56,6 +57,7 @@ COMPONENTS: tuple[type[Options], ...] = (
     StreamingOptions,
     OptimizerOptions,
     LongContextOptions,
+    LoraOptions,
     ParallelOptions,
     PlanOptions,
 )
@@ -281,6 +283,7 @@ class OffloadConfig:
     tiled_mlp_num_shards: int | None = _default("tiled_mlp_num_shards")
     tiled_projections: bool = _default("tiled_projections")
     attention_head_groups: int | None = _default("attention_head_groups")
+    fused_lora: bool = _default("fused_lora")
     context_parallel: bool = _default("context_parallel")
     context_parallel_rotation: str = _default("context_parallel_rotation")
     offload_plan: str = _default("offload_plan")

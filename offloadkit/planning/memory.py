@@ -196,6 +196,7 @@ class Features:
         rotation: with a sequence split over ranks, how ring attention moves keys and values
             ("allgather" or "alltoall"); None: the run's own
             (:func:`~offloadkit.planning.parallelism.ring_rotation`).
+        fused_lora: LoRA layers run fused in the compute dtype (``offloadkit/lora``).
     """
 
     checkpointing: bool = True
@@ -214,6 +215,7 @@ class Features:
     keep_attention: int = 0
     head_groups: int = 1
     rotation: str | None = None
+    fused_lora: bool = False
 
 
 @dataclass

@@ -32,6 +32,7 @@ from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
 from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.options import LongContextOptions
+from offloadkit.lora.options import LoraOptions
 from offloadkit.optim.options import OptimizerOptions
 from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.budgets import Budgets
@@ -188,6 +189,8 @@ class Plan:
             out |= CheckpointOptions.config_keys(keep_attention=True if every else f.keep_attention)
         if f.optimizer_offloading:
             out |= OptimizerOptions.config_keys(precision=self.workload.optimizer_precision)
+        if f.fused_lora:
+            out |= LoraOptions.config_keys(fused=True)
         if f.offload_inputs and f.horizon is not None:
             out |= ActivationOptions.config_keys(loading_horizon=f.horizon)
         if f.offload_inputs and f.checkpointing:

@@ -6,7 +6,7 @@ import torch
 
 from offloadkit.runtime.dispatch import TorchDispatchMode, tree_leaves
 
-__all__ = ["AllocationTracker", "SavedTensorTracker"]
+__all__ = ["AllocationTracker", "SavedTensorTracker", "saved_bytes_in_layer"]
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -64,3 +64,34 @@ class SavedTensorTracker(torch.autograd.graph.saved_tensors_hooks):
     @property
     def max_elements(self) -> int:
         return max((int(torch.Size(s).numel()) for s in self.shapes), default=0)
+
+
+def saved_bytes_in_layer(model, batch: dict, index: int) -> int:
+    """Bytes of the distinct storages autograd saves inside decoder layer ``index`` of ``model``
+    over one forward and backward of ``batch``, less parameters and storages the next layer
+    saves too (the rotary tables)."""
+    layers = [m for n, m in model.named_modules() if n.endswith(("layers.%d" % index, "layers.%d" % (index + 1)))]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: list[dict[int, int]] = [{}, {}]
+    own = [layer.__dict__.get("forward") for layer in layers]  # a wrapper already attached, if any
+    for k, layer in enumerate(layers):
+        original = layer.forward
+
+        def forward(*a, _o=original, _k=k, **kw):
+            def pack(t):
+                seen[_k][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return _o(*a, **kw)
+
+        layer.forward = forward
+    try:
+        model(**batch).loss.backward()
+    finally:
+        for layer, forward in zip(layers, own):
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = forward
+    return sum(n for ptr, n in seen[0].items() if ptr not in params and ptr not in seen[1])

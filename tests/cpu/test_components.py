@@ -32,6 +32,7 @@ APPLY_ORDER = (
     "chunked_loss",  # replaces the loss: the timeline's head hooks see it as the forward's tail
     "tiled_mlp",  # wraps modules inside the blocks, before checkpointing wraps the blocks
     "head_groups",  # likewise, the attention modules
+    "fused_lora",  # likewise, the adapted projections
     "checkpointing",  # replaces the blocks' forwards before the timeline and the manager exist
     "host_budget",  # shared by the two that follow
     "activations",  # the manager, on the timeline made after checkpointing
@@ -43,6 +44,7 @@ ARCHITECTURE_NAMES = {
     "chunked_loss": "chunked loss",
     "tiled_mlp": "tiled MLP",
     "head_groups": "attention head groups",
+    "fused_lora": "fused LoRA",
     "checkpointing": "checkpointing",
     "activations": "activation offloading",
     "layer_streaming": "layer streaming",

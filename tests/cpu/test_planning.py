@@ -25,25 +25,9 @@ BIG = Budgets(79 * GiB, 110 * GiB, 60 * GiB)
 
 
 def _saved_in_layer(model, ids, index):
-    """Bytes of distinct storages autograd saves inside decoder layer ``index`` that are not
-    parameters and not shared with the next layer (the rotary tables)."""
-    layers = [m for n, m in model.named_modules() if n.endswith(("layers.%d" % index, "layers.%d" % (index + 1)))]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = [dict(), dict()]
-    for k, layer in enumerate(layers):
-        original = layer.forward
+    from offloadkit.testing.allocations import saved_bytes_in_layer
 
-        def forward(*a, _o=original, _k=k, **kw):
-            def pack(t):
-                seen[_k][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                return _o(*a, **kw)
-
-        layer.forward = forward
-    model(input_ids=ids, labels=ids).loss.backward()
-    return sum(n for ptr, n in seen[0].items() if ptr not in params and ptr not in seen[1])
+    return saved_bytes_in_layer(model, {"input_ids": ids, "labels": ids}, index)
 
 
 @pytest.mark.parametrize(

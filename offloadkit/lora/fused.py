@@ -1,0 +1,201 @@
+"""A LoRA linear layer that costs what its FLOPs cost: the base projection and the adapter in
+the compute dtype, in one autograd function.
+
+PEFT's ``Linear.forward`` casts each adapter's input to the adapter's dtype (fp32 by default
+for a bf16 model), so every adapted projection writes and saves an fp32 copy of its input and
+runs the rank-r matmuls in fp32; at long context those casts and the fp32 result are about
+half of a step's linear time. Here the adapter's weights are cast to the input's dtype (they
+are rank-r: a few MB), ``x @ A^T`` and ``(x @ A^T) @ B^T`` run as bf16 GEMMs with fp32
+accumulation, the update is added into the base output by the GEMM itself (``addmm``), and
+the adapter's weight gradients come out in fp32 from bf16 operands. Saved for backward: the
+input (the same tensor the other projections of that input save: q, k and v share one) and
+the rank-r activation, in the compute dtype.
+
+Arithmetic differs from PEFT's by where it rounds (the rank-r activation is rounded to bf16;
+the sum is formed in the GEMM's fp32 accumulator and rounded once): outputs and gradients
+agree within bf16 tolerance (``tests/cpu/test_fused_lora.py``), not bitwise.
+
+A layer runs PEFT's own forward whenever the fused one would not compute the same thing:
+adapters disabled or merged, several active adapters or a mixed batch, DoRA and other
+variants, a base layer that is not a plain ``nn.Linear`` (QLoRA's 4-bit, 8-bit), a base
+weight that is trained or sharded (a DTensor), or an input in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FusedLoRA", "apply_fused_lora", "fusable_reason", "lora_linear"]
+
+_COMPUTE = (torch.bfloat16, torch.float16)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 result for 16-bit operands (fp32 accumulation either way)."""
+    if a.dtype not in _COMPUTE:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())  # CPU has no 16-bit GEMM with an fp32 output
+
+
+class _LoRALinear(torch.autograd.Function):
+    """``y = x W^T + b + s (drop(x) A^T) B^T``, every matmul in ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling: float):
+        a = lora_a.to(x.dtype)
+        b = lora_b.to(x.dtype)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xl2 = x2 if x_lora is None else x_lora.reshape(-1, shape[-1])
+        u = xl2 @ a.t()  # [T, r]
+        y = F.linear(x2, weight, bias)
+        y = torch.addmm(y, u, b.t(), alpha=scaling)  # the update summed in the GEMM's accumulator
+        ctx.scaling = scaling
+        ctx.separate = x_lora is not None
+        ctx.a_dtype, ctx.b_dtype = lora_a.dtype, lora_b.dtype
+        ctx.save_for_backward(xl2, u, weight, lora_a, lora_b)
+        ctx.x_shape = shape
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        xl2, u, weight, lora_a, lora_b = ctx.saved_tensors
+        s = ctx.scaling
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        a = lora_a.to(g.dtype)
+        b = lora_b.to(g.dtype)
+        gb = g @ b  # [T, r]
+        grad_x = grad_xl = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            if ctx.separate:
+                grad_x = (g @ weight).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+                grad_xl = (gb @ a).mul_(s).reshape(ctx.x_shape) if ctx.needs_input_grad[1] else None
+            else:
+                grad_x = torch.addmm(g @ weight, gb, a, alpha=s).reshape(ctx.x_shape)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[4]:
+            grad_a = _mm_fp32(gb.t(), xl2).mul_(s).to(ctx.a_dtype)  # [r, in]
+        if ctx.needs_input_grad[5]:
+            grad_b = _mm_fp32(g.t(), u).mul_(s).to(ctx.b_dtype)  # [out, r]
+        return grad_x, grad_xl, None, None, grad_a, grad_b, None
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    x_lora: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x W^T + bias + scaling (x_lora A^T) B^T`` in ``x``'s dtype, the base weight frozen.
+
+    Args:
+        x: the input, 16-bit.
+        weight / bias: the frozen base projection.
+        lora_a / lora_b: the adapter's ``[r, in]`` and ``[out, r]`` weights (any float dtype;
+            their gradients come back in it).
+        scaling: the adapter's scale (``alpha / r``).
+        x_lora: the adapter's input when it differs from ``x`` (after dropout); None: ``x``.
+    """
+    return _LoRALinear.apply(x, x_lora, weight, bias, lora_a, lora_b, scaling)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def fusable_reason(layer: Any, x: torch.Tensor, kwargs: dict) -> str | None:
+    """Why ``layer`` (a PEFT LoRA ``Linear``) runs PEFT's forward for this call; None: fused."""
+    if layer.disable_adapters or layer.merged:
+        return "adapters disabled or merged"
+    if kwargs.get("adapter_names") is not None:
+        return "a mixed batch of adapters"
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(active) != 1:
+        return "several active adapters"
+    name = active[0]
+    if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
+        return "DoRA or another LoRA variant"
+    base = layer.get_base_layer()
+    if type(base) is not nn.Linear:
+        return f"the base layer is a {type(base).__name__}, not nn.Linear"
+    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return "the base weight is trained"
+    if _is_dtensor(base.weight) or _is_dtensor(layer.lora_A[name].weight):
+        return "sharded weights"
+    if x.dtype not in _COMPUTE or base.weight.dtype != x.dtype:
+        return "the input is not in the base weight's 16-bit dtype"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out weights"
+    return None
+
+
+def _fused_forward(layer: Any, peft_forward):
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or set(kwargs) - {"adapter_names"} or fusable_reason(layer, x, kwargs) is not None:
+            return peft_forward(x, *args, **kwargs)
+        kwargs.pop("adapter_names", None)
+        name = next(n for n in layer.active_adapters if n in layer.lora_A)
+        dropout = layer.lora_dropout[name]
+        x_lora = None
+        if not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 0.0) > 0:
+            x_lora = dropout(x)
+        base = layer.get_base_layer()
+        return lora_linear(
+            x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], x_lora
+        )
+
+    return forward
+
+
+class FusedLoRA:
+    """What :func:`apply_fused_lora` attached: ``remove()`` gives each layer PEFT's forward back.
+
+    Attributes:
+        layers: the LoRA layers that run fused where they can.
+        skipped: layer name -> why it always runs PEFT's forward (its base layer's kind).
+    """
+
+    def __init__(self, layers: list[nn.Module], skipped: dict[str, str]) -> None:
+        self.layers = layers
+        self.skipped = skipped
+
+    def remove(self) -> None:
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+        self.layers = []
+
+
+def apply_fused_lora(model: nn.Module) -> FusedLoRA:
+    """Run every PEFT LoRA ``Linear`` of ``model`` through :func:`lora_linear` where it can
+    (see the module's docstring for when a call keeps PEFT's forward).
+
+    Raises:
+        ValueError: the model has no PEFT LoRA linear layer.
+    """
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError as exc:  # pragma: no cover - peft is what makes LoRA layers
+        raise ValueError("fused LoRA needs peft (pip install 'offloadkit[hf]')") from exc
+    layers: list[nn.Module] = []
+    skipped: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLinear):
+            continue
+        base = module.get_base_layer()
+        if type(base) is not nn.Linear:
+            skipped[name] = f"its base layer is a {type(base).__name__}"
+            continue
+        module.forward = _fused_forward(module, type(module).forward.__get__(module))  # type: ignore[method-assign]
+        layers.append(module)
+    if not layers and not skipped:
+        raise ValueError("the model has no PEFT LoRA linear layers to fuse")
+    return FusedLoRA(layers, skipped)

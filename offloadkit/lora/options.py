@@ -1,0 +1,28 @@
+"""The fused LoRA path's options, read from the config key of the same name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offloadkit.options import Options, option
+
+__all__ = ["LoraOptions"]
+
+
+@dataclass
+class LoraOptions(Options):
+    """How PEFT's LoRA linear layers compute.
+
+    Attributes:
+        fused: ``fused_lora``: run each LoRA linear layer's base projection and adapter in the
+            compute dtype in one autograd function (bf16 GEMMs with fp32 accumulation, the
+            adapter's weight gradients in fp32) instead of PEFT's fp32 copy of every adapter's
+            input: less memory saved per layer and less time at long context; outputs and
+            gradients within bf16 tolerance of PEFT's, not bitwise. Layers it cannot fuse
+            (QLoRA, DoRA, merged or several adapters) keep PEFT's forward.
+    """
+
+    fused: bool = option(False, "fused_lora")
+
+    def __post_init__(self) -> None:
+        self._bool("fused")

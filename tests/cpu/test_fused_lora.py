@@ -1,0 +1,188 @@
+"""The fused LoRA path (``fused_lora``): its gradients are exact in float64, its outputs and
+gradients agree with PEFT's within bf16 tolerance on a bf16 model, it keeps PEFT's forward
+wherever it would compute something else, offloading stays bitwise with it on, and it saves
+what its footprint says."""
+
+import copy
+
+import pytest
+import torch
+
+from offloadkit.lora import apply_fused_lora, lora_linear
+from offloadkit.testing import build_llama, randomize_lora_b
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_its_gradients_are_exact_in_float64(separate):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    xl = (x * 0.5).detach().requires_grad_() if separate else None
+    w = torch.randn(4, 6, dtype=torch.float64, generator=g)
+    b = torch.randn(4, dtype=torch.float64, generator=g)
+    a = torch.randn(3, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    bb = torch.randn(4, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    inputs = (x, w, b, a, bb, 0.7) if not separate else (x, w, b, a, bb, 0.7, xl)
+    assert torch.autograd.gradcheck(lora_linear, inputs)
+    expected = x @ w.t() + b + 0.7 * ((x if xl is None else xl) @ a.t()) @ bb.t()
+    torch.testing.assert_close(lora_linear(*inputs), expected)
+
+
+def _lora_model(dtype=torch.bfloat16, layers=2, **lora):
+    model = build_llama("tiny", dtype=dtype, attn_implementation="sdpa", num_hidden_layers=layers)
+    model.config.use_cache = False
+    config = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0) | lora
+    model = peft.get_peft_model(model, peft.LoraConfig(**config))
+    randomize_lora_b(model)
+    model.train()
+    return model
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _batch(seq=64, batch=2):
+    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def test_outputs_and_gradients_agree_with_peft_within_bf16_tolerance():
+    """Against an fp32 run of the same weights, the fused bf16 path is no further off than
+    PEFT's own bf16 path (plus bf16's rounding of one value), and close to it."""
+    peft_model = _lora_model()
+    reference = copy.deepcopy(peft_model).float()
+    fused = copy.deepcopy(peft_model)
+    handle = apply_fused_lora(fused)
+    assert len(handle.layers) == 2 * 7 and not handle.skipped
+    batch = _batch()
+    loss_p, grads_p = _step(peft_model, batch)
+    loss_f, grads_f = _step(fused, batch)
+    loss_r, grads_r = _step(reference, batch)
+    assert set(grads_f) == set(grads_p) and all("lora_" in n for n in grads_f)
+    assert abs(loss_f - loss_p) <= 1e-2 * abs(loss_p)
+    assert all(g.dtype == torch.float32 for g in grads_f.values())  # the adapters' own dtype
+    bf16 = 2.0**-8
+    for name in grads_p:
+        off_fused, off_peft = _rel(grads_f[name], grads_r[name]), _rel(grads_p[name], grads_r[name])
+        assert off_fused <= 2 * off_peft + bf16, (name, off_fused, off_peft)
+        assert _rel(grads_f[name], grads_p[name]) < 4 * bf16, name
+    handle.remove()
+    loss_again, grads_again = _step(fused, batch)
+    assert torch.equal(loss_again, loss_p)  # PEFT's forward back
+    assert all(torch.equal(grads_again[n], grads_p[n]) for n in grads_p)
+
+
+def test_dropout_goes_to_the_adapter_only():
+    model = _lora_model(lora_dropout=0.5)
+    apply_fused_lora(model)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 8, layer.in_features, dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    out = layer(x)
+    torch.manual_seed(3)
+    mask_input = layer.lora_dropout["default"](x)
+    base = layer.get_base_layer()
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    expected = lora_linear(x, base.weight, base.bias, a, b, layer.scaling["default"], x_lora=mask_input)
+    assert torch.equal(out, expected)
+    model.eval()
+    no_dropout = lora_linear(x, base.weight, base.bias, a, b, layer.scaling["default"])
+    assert torch.equal(layer(x), no_dropout)
+
+
+def _outputs(model, batch):
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+@pytest.mark.parametrize("case", ["disabled", "merged", "dora", "fp32", "two adapters"])
+def test_where_it_would_compute_something_else_peft_runs(case):
+    model = _lora_model(dtype=torch.float32 if case == "fp32" else torch.bfloat16, use_dora=case == "dora")
+    if case == "two adapters":
+        model.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
+        model.base_model.set_adapter(["default", "second"])
+    batch = _batch(seq=16)
+    fused = copy.deepcopy(model)
+    apply_fused_lora(fused)
+    if case == "merged":
+        model.merge_adapter()
+        fused.merge_adapter()
+    if case == "disabled":
+        with model.disable_adapter(), fused.disable_adapter():
+            assert torch.equal(_outputs(model, batch), _outputs(fused, batch))
+        return
+    assert torch.equal(_outputs(model, batch), _outputs(fused, batch))
+
+
+def test_a_model_without_lora_layers_is_refused_and_prepare_says_it_has_no_effect():
+    from offloadkit.compose import prepare
+
+    model = build_llama("tiny", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="no PEFT LoRA linear layers"):
+        apply_fused_lora(model)
+    with pytest.warns(UserWarning, match="fused_lora has no effect"):
+        runtime = prepare(model, {"fused_lora": True})
+    assert runtime.handles.get("fused_lora") is None
+    runtime.close()
+
+
+def test_offloading_stays_bitwise_with_it_on_and_close_detaches_it():
+    """Through prepare(): checkpointing with every block input offloaded, against the same
+    fused model checkpointed without offloading."""
+    from offloadkit.compose import prepare
+
+    model = _lora_model(layers=3)
+    batch = _batch()
+    plain = prepare(copy.deepcopy(model), {"fused_lora": True, "gradient_checkpointing": True})
+    offloaded_model = copy.deepcopy(model)
+    runtime = prepare(
+        offloaded_model, {"fused_lora": True, "gradient_checkpointing": True, "activation_offloading": True}
+    )
+    assert runtime.report()["fused_lora"] == {"layers": 3 * 7, "unfused": 0}
+    with plain.context():
+        expected = _step(plain.model, batch)
+    with runtime.context():
+        got = _step(offloaded_model, batch)
+    assert torch.equal(got[0], expected[0])
+    assert all(torch.equal(got[1][n], expected[1][n]) for n in expected[1])
+    runtime.close()
+    plain.close()
+    assert not any("forward" in m.__dict__ for m in offloaded_model.modules() if hasattr(m, "lora_A"))
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_a_layer_saves_what_the_footprint_says(tiled):
+    """What one decoder layer saves, fused against PEFT's, changes by the fused path's
+    footprint (its layer_saved: attention's adapters; untiled, the MLP's too)."""
+    from offloadkit import apply_tiled_mlp
+    from offloadkit.lora.component import fused_lora_footprint
+    from offloadkit.planning.memory import Features, Workload
+    from offloadkit.planning.shape import resolve_shape
+    from offloadkit.testing.allocations import saved_bytes_in_layer
+
+    batch = _batch(seq=256)
+    saved = {}
+    for fused in (False, True):
+        model = _lora_model(layers=3)
+        model.enable_input_require_grads()  # as under checkpointing: layer inputs require grad
+        if tiled:
+            apply_tiled_mlp(model, num_shards=4)
+        if fused:
+            apply_fused_lora(model)
+        saved[fused] = saved_bytes_in_layer(model, batch, 1)
+    w = Workload(resolve_shape("tiny"), 256, 2, lora_rank=8)
+    change = fused_lora_footprint(w, Features(fused_lora=True, mlp_shards=4 if tiled else 1)).layer_saved
+    assert change < 0
+    measured = saved[True] - saved[False]
+    assert abs(measured - change) <= 0.03 * saved[False], (measured, change, saved)
