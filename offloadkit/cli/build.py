@@ -70,6 +70,11 @@ def load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
         name = cfg.model
     tokenizer = _with_template(cfg, tokenizer, model)
     _add_tokens(cfg, tokenizer, model)
+    if cfg.reward_model and getattr(model.config, "pad_token_id", None) is None:
+        # A sequence classifier scores the last token before the padding: it must know the pad id.
+        model.config.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
     if cfg.sample_packing or (cfg.eval_sample_packing and cfg.val_set_size):  # packing that will run
         from offloadkit.data.packing import mask_packed_documents, packing_keeps_documents_apart
 
@@ -90,6 +95,8 @@ def _model_kwargs(cfg: TrainConfig, source: str) -> dict:
     """from_pretrained's arguments the config sets: attention, remote code, config overrides,
     and a dequantized MXFP4 checkpoint."""
     kwargs: dict = {"local_files_only": True}
+    if cfg.num_labels is not None:
+        kwargs["num_labels"] = cfg.num_labels
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.trust_remote_code:
@@ -396,6 +403,8 @@ def training_data(cfg: TrainConfig, tokenizer) -> TrainingData:
 
     if cfg.rl:
         return _preference_data(cfg, tokenizer)
+    if cfg.reward_model:
+        return _reward_data(cfg, tokenizer)
     plain = not (
         cfg.sample_packing
         or cfg.val_set_size
@@ -506,12 +515,6 @@ def _finish(cfg: TrainConfig, tokenizer, examples: list, notes: list) -> Trainin
 def _preference_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     """``rl: dpo``: the preference pairs of each dataset (pairs that do not fit dropped), repeats
     dropped, shuffled and split as SFT examples are; the DPO trainer tokenizes and batches them."""
-    import json
-    import math
-    import random
-
-    import datasets
-
     from offloadkit.data.preference import preference_examples
 
     examples: list = []
@@ -526,6 +529,39 @@ def _preference_data(cfg: TrainConfig, tokenizer) -> TrainingData:
             notes.append(
                 f"{spec.path}: {dropped} preference pairs longer than {cfg.name('seq_len')}={cfg.seq_len} dropped"
             )
+    notes.append(f"DPO on {{}} preference pairs (beta {cfg.rl_beta if cfg.rl_beta is not None else 0.1})")
+    return _pairs_data(cfg, examples, notes)
+
+
+def _reward_data(cfg: TrainConfig, tokenizer) -> TrainingData:
+    """``reward_model: true``: each record's chosen and rejected conversation rendered with
+    the chat template and tokenized (cut at ``seq_len``), repeats dropped, shuffled and split
+    as SFT examples are; TRL's reward trainer batches them."""
+    from offloadkit.data.preference import reward_examples
+
+    examples: list = []
+    notes: list = []
+    for spec in cfg.dataset_specs():
+        try:
+            got, cut = reward_examples(spec, tokenizer, cfg.seq_len)
+        except ValueError as exc:
+            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
+        examples += got
+        if cut:
+            notes.append(f"{spec.path}: {cut} pairs with a side longer than {cfg.name('seq_len')}={cfg.seq_len} cut")
+    notes.append("reward model (Bradley-Terry) on {} pairs")
+    return _pairs_data(cfg, examples, notes)
+
+
+def _pairs_data(cfg: TrainConfig, examples: list, notes: list) -> TrainingData:
+    """Pairs (DPO's or a reward model's): repeats dropped, shuffled, the held-out split; the
+    last note's ``{}`` becomes the number of pairs trained on."""
+    import json
+    import math
+    import random
+
+    import datasets
+
     if cfg.dataset_exact_deduplication:
         seen: set = set()
         unique = []
@@ -535,7 +571,7 @@ def _preference_data(cfg: TrainConfig, tokenizer) -> TrainingData:
                 seen.add(key)
                 unique.append(example)
         if len(unique) < len(examples):
-            notes.append(f"{len(examples) - len(unique)} repeated preference pairs dropped")
+            notes.insert(-1, f"{len(examples) - len(unique)} repeated pairs dropped")
         examples = unique
     if cfg.shuffle_merged_datasets:
         random.Random(cfg.seed).shuffle(examples)
@@ -545,12 +581,12 @@ def _preference_data(cfg: TrainConfig, tokenizer) -> TrainingData:
         count = math.ceil(size * len(examples)) if size < 1 else int(size)
         if count >= len(examples):
             raise ConfigError(
-                f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} preference pairs, "
+                f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} pairs, "
                 "leaving none to train on; lower it"
             )
         examples, held = examples[: len(examples) - count], examples[len(examples) - count :]
-        notes.append(f"{len(held)} of {len(examples) + len(held)} preference pairs held out for evaluation")
-    notes.append(f"DPO on {len(examples)} preference pairs (beta {cfg.rl_beta if cfg.rl_beta is not None else 0.1})")
+        notes.insert(-1, f"{len(held)} of {len(examples) + len(held)} pairs held out for evaluation")
+    notes[-1] = notes[-1].format(len(examples))
     data = TrainingData(datasets.Dataset.from_list(examples), None, notes)
     if held:
         data.eval = datasets.Dataset.from_list(held)
@@ -645,6 +681,17 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
     if cfg.tf32 is not None and cuda:
         kwargs["tf32"] = cfg.tf32
     arguments = TrainingArguments
+    if cfg.reward_model:
+        from trl import RewardConfig
+
+        arguments = RewardConfig
+        kwargs.update(
+            center_rewards_coefficient=cfg.center_rewards_coefficient,
+            max_length=None,  # the pairs are cut at seq_len already, as Axolotl cuts them
+            pad_to_multiple_of=cfg.seq_len if cfg.pad_to_sequence_len else None,
+            gradient_checkpointing=False,
+            bf16=False,
+        )
     if cfg.rl == "dpo":
         from trl import DPOConfig
 

@@ -320,7 +320,7 @@ def _save(cfg: TrainConfig, model, tokenizer, final: str) -> tuple[str, str]:
     save_dir = os.path.join(final, name)
     if cfg.lora_rank:
         return save_dir, f"peft.AutoPeftModelForCausalLM.from_pretrained({save_dir!r})"
-    return save_dir, f"transformers.AutoModelForCausalLM.from_pretrained({save_dir!r})"
+    return save_dir, f"transformers.{cfg.model_class or 'AutoModelForCausalLM'}.from_pretrained({save_dir!r})"
 
 
 def run_train(cfg: TrainConfig, log=print) -> dict:
@@ -487,6 +487,23 @@ def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, to
 
     if cfg.rl == "dpo":
         return _quiet(_dpo_trainer(cfg, model, data, tokenizer, training_args(cfg, cuda, **timing)))
+    if cfg.reward_model:
+        with needs("offloadkit train"):
+            from trl import RewardTrainer
+
+        class OffloadRewardTrainer(ActivationOffloadingMixin, RewardTrainer):
+            pass
+
+        return _quiet(
+            OffloadRewardTrainer(
+                model=model,
+                args=training_args(cfg, cuda, **timing),
+                train_dataset=data.train,
+                eval_dataset=data.eval,
+                processing_class=tokenizer,
+                offload_config=cfg.offload,
+            )
+        )
 
     class OffloadTrainer(ActivationOffloadingMixin, Trainer):
         pass
@@ -679,12 +696,12 @@ def _without_offloadkit(cfg: TrainConfig, model, dataset, collator, steps: _Step
         return RunMeasure(
             "without offloadkit", status="skipped", note=f"a {ranks.world}-process run; run one process to compare"
         )
-    if cfg.rl and cfg.compare:
+    if (cfg.rl or cfg.reward_model) and cfg.compare:
+        what = f"{cfg.name('rl')}: {cfg.rl}" if cfg.rl else f"{cfg.name('reward_model')}: true"
         return RunMeasure(
             "without offloadkit",
             status="skipped",
-            note=f"{cfg.name('rl')}: {cfg.rl}: the plain run it would be compared with is not built for preference "
-            "training",
+            note=f"{what}: the plain run it would be compared with is not built for preference or reward training",
         )
     if report["offload_summary"].startswith("nothing"):
         return RunMeasure(

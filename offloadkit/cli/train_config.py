@@ -30,6 +30,7 @@ _FLOATS = (
     "cosine_min_lr_ratio",
     "loss_watchdog_threshold",
     "rl_beta",
+    "center_rewards_coefficient",
 )
 # Optimizers without Adam's betas and epsilon (the Trainer would leave adam_* unused).
 _NOT_ADAM = ("sgd", "adafactor", "adagrad", "rmsprop", "lomo", "adalomo", "muon")
@@ -161,6 +162,10 @@ class TrainConfig:
             (``datasets`` of type chat_template with ``field_chosen`` and ``field_rejected``),
             the reference policy being the model as loaded (kept frozen);
             rl_beta: DPO's beta (default 0.1), how far the policy may move from the reference.
+        reward_model: a Bradley-Terry reward model (TRL's reward trainer): ``model_class:
+            AutoModelForSequenceClassification`` with ``num_labels: 1`` (one score), trained to
+            score each pair's chosen conversation above its rejected one (``datasets`` of type
+            bradley_terry); center_rewards_coefficient: TRL's penalty on the pair's mean score.
         drop_unsupported_keys: train an Axolotl config without the keys offloadkit cannot
             honour (listed in one warning and in the report) instead of refusing it.
         offload: the offloading configuration.
@@ -254,6 +259,9 @@ class TrainConfig:
     auto_resume_from_checkpoints: bool = False
     rl: str | None = None
     rl_beta: float | None = None
+    reward_model: bool = False
+    num_labels: int | None = None
+    center_rewards_coefficient: float | None = None
     drop_unsupported_keys: bool = False
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     _names: dict = field(default_factory=dict, repr=False, compare=False)  # key -> as written by the user
@@ -716,6 +724,58 @@ class TrainConfig:
         if self.group_by_length is True and self.curriculum_sampling is True:
             fail("group_by_length", True, f"and {self.name('curriculum_sampling')} both order the examples; keep one")
         self._check_rl(fail)
+        self._check_reward_model(fail)
+
+    def _check_reward_model(self, fail) -> None:
+        """reward_model: a one-score sequence classifier on bradley_terry pairs, fully fine-tuned."""
+        bradley_terry = [
+            i for i, e in enumerate(self.datasets or []) if isinstance(e, dict) and e.get("type") == "bradley_terry"
+        ]
+        if self.reward_model is not True:
+            if not isinstance(self.reward_model, bool):
+                fail("reward_model", self.reward_model, "must be true or false")
+            for key, what in (
+                ("num_labels", "a classification head"),
+                ("center_rewards_coefficient", "a reward-model setting"),
+            ):
+                if getattr(self, key) is not None:
+                    fail(
+                        key,
+                        getattr(self, key),
+                        f"is {what}; offloadkit trains it for {self.name('reward_model')}: true only",
+                    )
+            if bradley_terry:
+                fail(
+                    "datasets",
+                    self.datasets,
+                    f"(entry {bradley_terry[0]}) is reward-model data; it needs {self.name('reward_model')}: true",
+                )
+            return
+        if self.model_class != "AutoModelForSequenceClassification" or self.num_labels != 1:
+            fail(
+                "reward_model",
+                True,
+                f"trains a one-score classifier: set {self.name('model_class')}: "
+                f"AutoModelForSequenceClassification and {self.name('num_labels')}: 1",
+            )
+        if self.lora_rank:
+            fail(
+                "reward_model",
+                True,
+                f"is trained as a full fine-tune here; drop the LoRA adapter ({self.name('lora_rank')})",
+            )
+        if self.rl is not None:
+            fail("reward_model", True, f"and {self.name('rl')} are different trainings; keep one")
+        if not isinstance(self.datasets, list) or len(bradley_terry) != len(self.datasets):
+            fail("reward_model", True, f"trains on pairs: give {self.name('datasets')} of type bradley_terry")
+        for key in ("sample_packing", "min_sample_len"):
+            if getattr(self, key):
+                fail(key, getattr(self, key), f"is not done for {self.name('reward_model')}: true")
+        coefficient = self.center_rewards_coefficient
+        if coefficient is not None and (
+            isinstance(coefficient, bool) or not isinstance(coefficient, (int, float)) or coefficient < 0
+        ):
+            fail("center_rewards_coefficient", coefficient, "must be a number >= 0, e.g. 0.01")
 
     def _check_rl(self, fail) -> None:
         """rl: dpo and its preference datasets; preference keys without it."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from offloadkit.data.sft import DatasetSpec, _messages, load_records, select_records
 
-__all__ = ["preference_examples", "PREFERENCE_FIELDS"]
+__all__ = ["preference_examples", "reward_examples", "PREFERENCE_FIELDS"]
 
 PREFERENCE_FIELDS = ("chosen", "rejected")
 
@@ -74,3 +74,41 @@ def preference_examples(spec: DatasetSpec, tokenizer, seq_len: int) -> tuple[lis
     if not examples:
         raise ValueError(f"{spec.path}: no preference pair fits in seq_len={seq_len} ({dropped} longer ones dropped)")
     return examples, dropped
+
+
+def reward_examples(spec: DatasetSpec, tokenizer, seq_len: int) -> tuple[list[dict], int]:
+    """A reward model's pairs (Axolotl's ``bradley_terry.chat_template``): records of
+    ``system`` (optional), ``input``, ``chosen`` and ``rejected`` text, each side the
+    conversation system, user, assistant rendered with the chat template and tokenized, cut
+    at ``seq_len`` tokens as Axolotl cuts them. Returns the pairs (``chosen_ids``,
+    ``rejected_ids``) and how many were cut.
+
+    Raises:
+        ValueError: a malformed record, a tokenizer without a chat template, or no record.
+    """
+    from offloadkit.data.sft import _text
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{spec.path}: reward pairs are rendered with the tokenizer's chat template; this one has none "
+            "(set chat_template: chatml, or give a tokenizer that has one)"
+        )
+    pairs, cut = [], 0
+    for index, record in enumerate(select_records(load_records(spec.path), spec)):
+        where = f"{spec.path}[{index}]"
+        system = _text(record, "system", where, required=False)
+        head = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": _text(record, "input", where)}
+        ]
+        sides = {}
+        for side in PREFERENCE_FIELDS:
+            messages = head + [{"role": "assistant", "content": _text(record, side, where)}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            sides[f"{side}_ids"] = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if max(len(ids) for ids in sides.values()) > seq_len:
+            cut += 1
+            sides = {key: ids[:seq_len] for key, ids in sides.items()}
+        pairs.append(sides)
+    if not pairs:
+        raise ValueError(f"{spec.path}: no record")
+    return pairs, cut

@@ -33,7 +33,7 @@ __all__ = [
     "PROMPT_STYLES",
 ]
 
-SFT_TYPES = ("completion", "alpaca", "jeopardy", "chat_template")
+SFT_TYPES = ("completion", "alpaca", "jeopardy", "chat_template", "bradley_terry")
 IGNORE = -100
 # Instruction prompts as Axolotl renders them: a system line, then the turn with or without
 # an input, in one of its prompt styles (``alpaca`` is "instruct"; ``alpaca:chat`` "chat", ...).
@@ -87,7 +87,8 @@ class DatasetSpec:
     Attributes:
         path: a local ``.jsonl``/``.json`` file (``.txt`` for completion).
         type: "completion" (one text field), "alpaca" (instruction, input, output), "jeopardy"
-            (question, category, answer: Axolotl's Jeopardy records in the alpaca prompt) or
+            (question, category, answer: Axolotl's Jeopardy records in the alpaca prompt),
+            "bradley_terry" (a reward model's system, input, chosen and rejected texts) or
             "chat_template" (a list of messages rendered with the tokenizer's template).
         field: completion: the text field (default "text").
         field_messages: chat_template: the field holding the messages (default "messages").

@@ -206,10 +206,7 @@ UNSUPPORTED = {
     "orpo_alpha": "RL and preference training",
     "kto_desirable_weight": "RL and preference training",
     "vllm": "vLLM generation for RL",
-    "reward_model": "reward-model training",
     "process_reward_model": "process-reward-model training",
-    "center_rewards_coefficient": "reward-model training",
-    "num_labels": "classification heads",
     "processor_type": "multimodal processors (images, audio)",
     "freeze_mm_modules": "multimodal models",
     "pretraining_dataset": "streaming pretraining datasets",
@@ -286,6 +283,7 @@ _TYPES = {
     "text": "completion",
     "alpaca": "alpaca",
     "jeopardy": "jeopardy",
+    "bradley_terry": "bradley_terry",
     "chat_template": "chat_template",
     "chat_template.default": "chat_template",
 }
@@ -320,9 +318,10 @@ def _unset(value) -> bool:
 class _Mapper:
     """One config's mapping: the output dict, names as written, warnings and problems."""
 
-    def __init__(self, native_keys: list[str], drop: bool, rl=None) -> None:
+    def __init__(self, native_keys: list[str], drop: bool, rl=None, reward_model: bool = False) -> None:
         self.native = native_keys
         self.drop = drop
+        self.reward_model = reward_model  # bradley_terry datasets are read for reward_model: true
         self.rl = rl  # the config's rl: preference datasets are read for rl: dpo
         self.out: dict = {}
         self.names: dict = {}
@@ -384,6 +383,8 @@ class _Mapper:
         from offloadkit.data.sft import PROMPT_STYLES
 
         kind = entry.get("type", "completion")
+        if self.reward_model and kind in ("bradley_terry", "bradley_terry.chat_template"):
+            kind = "bradley_terry"  # pairs of system, input, chosen and rejected texts
         style = None
         if isinstance(kind, str) and ":" in kind and kind.split(":", 1)[0] in ("alpaca", "jeopardy"):
             # Axolotl's TYPE:STYLE: the instruction prompt in another style (alpaca:chat, alpaca:phi, ...).
@@ -618,7 +619,9 @@ def _map_model_class(data: dict, m: _Mapper) -> None:
     model_class = data.get("model_type")
     if not isinstance(model_class, str):
         return
-    if model_class in _MODEL_CLASSES_UNSUPPORTED:
+    if model_class == "AutoModelForSequenceClassification" and data.get("reward_model") is True:
+        m.put("model_class", model_class, "model_type")  # a reward model's one-score head
+    elif model_class in _MODEL_CLASSES_UNSUPPORTED:
         m.refuse(
             f"model_type={model_class!r}: {_MODEL_CLASSES_UNSUPPORTED[model_class]}; offloadkit train trains "
             "causal language models"
@@ -738,7 +741,12 @@ def to_train_dict(data: dict, native_keys: list[str], source: str) -> tuple[dict
             that changes the training and cannot be honoured (unless dropped), at once.
     """
     data = {k: v for k, v in data.items() if not _unset(v)}  # an empty key is unset
-    m = _Mapper(native_keys, drop=data.get("drop_unsupported_keys") is True, rl=data.get("rl"))
+    m = _Mapper(
+        native_keys,
+        drop=data.get("drop_unsupported_keys") is True,
+        rl=data.get("rl"),
+        reward_model=data.get("reward_model") is True,
+    )
     _map_keys(data, m)
     _map_adapter(data, m)
     _map_precision(data, m)

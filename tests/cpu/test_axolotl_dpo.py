@@ -99,7 +99,7 @@ def test_rl_dpo_trains_the_pairs_with_the_dpo_loss_and_rl_beta(tmp_path, monkeyp
     )
     seen, report = _run(tmp_path, monkeypatch, config)
     assert type(seen.args).__name__ == "DPOConfig" and seen.args.beta == 0.5 and seen.args.max_length == 256
-    assert "4 of 24 preference pairs held out for evaluation" in report["notes"]
+    assert "4 of 24 pairs held out for evaluation" in report["notes"]
     assert "DPO on 20 preference pairs (beta 0.5)" in report["notes"]
     # The first step's policy is the reference (a frozen copy of the adapters or of the
     # weights as loaded): DPO's loss is log 2 there, whatever the vocabulary
