@@ -680,6 +680,9 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
         kwargs["train_sampling_strategy"] = "sequential"
     if cfg.tf32 is not None and cuda:
         kwargs["tf32"] = cfg.tf32
+    if cfg.early_stopping_patience:
+        # Early stopping watches the evaluation loss; the best checkpoint's weights end the run.
+        kwargs.update(metric_for_best_model="eval_loss", greater_is_better=False)
     arguments = TrainingArguments
     if cfg.reward_model:
         from trl import RewardConfig
@@ -705,6 +708,8 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
             bf16=False,
         )
     kwargs.update(overrides)
+    if cfg.early_stopping_patience and kwargs.get("eval_strategy") == kwargs.get("save_strategy") == "steps":
+        kwargs["load_best_model_at_end"] = True
     args = arguments(**kwargs)  # type: ignore[arg-type]  # values checked by TrainConfig
     if cfg.gradient_checkpointing_kwargs:
         set_checkpointing(args, checkpointing_requested(args), cfg.gradient_checkpointing_kwargs)

@@ -480,6 +480,16 @@ def _plan_steps(cfg: TrainConfig, final: str, sequences: int, ranks, data_notes:
 def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, tokenizer=None):
     """The Trainer with offloadkit's mixin, as ``cfg.offload`` sets it up; ``timing``: the
     save and evaluation steps of :func:`~offloadkit.cli.build.schedule`."""
+    trainer = _trainer(cfg, model, data, cuda, timing, tokenizer)
+    if cfg.early_stopping_patience:
+        from transformers import EarlyStoppingCallback
+
+        trainer.add_callback(EarlyStoppingCallback(cfg.early_stopping_patience))
+    return trainer
+
+
+def _trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, tokenizer):
+    """The Trainer of ``cfg``'s training: TRL's DPO or reward trainer, else the Trainer."""
     with needs("offloadkit train"):
         from transformers import Trainer
 

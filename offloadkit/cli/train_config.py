@@ -162,6 +162,10 @@ class TrainConfig:
             (``datasets`` of type chat_template with ``field_chosen`` and ``field_rejected``),
             the reference policy being the model as loaded (kept frozen);
             rl_beta: DPO's beta (default 0.1), how far the policy may move from the reference.
+        early_stopping_patience: stop once the evaluation loss has not improved for that many
+            evaluations in a row (the Trainer's EarlyStoppingCallback), and end with the best
+            checkpoint's weights; needs a held-out set and save_steps a multiple of eval_steps,
+            as Axolotl requires.
         reward_model: a Bradley-Terry reward model (TRL's reward trainer): ``model_class:
             AutoModelForSequenceClassification`` with ``num_labels: 1`` (one score), trained to
             score each pair's chosen conversation above its rejected one (``datasets`` of type
@@ -259,6 +263,7 @@ class TrainConfig:
     auto_resume_from_checkpoints: bool = False
     rl: str | None = None
     rl_beta: float | None = None
+    early_stopping_patience: int | None = None
     reward_model: bool = False
     num_labels: int | None = None
     center_rewards_coefficient: float | None = None
@@ -725,6 +730,30 @@ class TrainConfig:
             fail("group_by_length", True, f"and {self.name('curriculum_sampling')} both order the examples; keep one")
         self._check_rl(fail)
         self._check_reward_model(fail)
+        patience = self.early_stopping_patience
+        if patience is not None:
+            if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+                fail("early_stopping_patience", patience, "must be an integer >= 1")
+            elif not self.val_set_size:
+                fail(
+                    "early_stopping_patience",
+                    patience,
+                    f"stops on the evaluation loss: it needs a held-out set ({self.name('val_set_size')})",
+                )
+            elif not (isinstance(self.save_steps, int) and isinstance(self.eval_steps, int)):
+                fail(
+                    "early_stopping_patience",
+                    patience,
+                    f"needs {self.name('save_steps')} and {self.name('eval_steps')} (evaluations per epoch or saves "
+                    "per epoch do not count), as Axolotl requires",
+                )
+            elif self.save_steps % self.eval_steps:
+                fail(
+                    "early_stopping_patience",
+                    patience,
+                    f"needs {self.name('save_steps')}={self.save_steps} to be a multiple of "
+                    f"{self.name('eval_steps')}={self.eval_steps}: the best model is kept at checkpoints",
+                )
 
     def _check_reward_model(self, fail) -> None:
         """reward_model: a one-score sequence classifier on bradley_terry pairs, fully fine-tuned."""

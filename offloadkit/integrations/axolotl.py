@@ -179,7 +179,6 @@ WITHOUT_EFFECT = (
 NOT_HONOURED = {
     "cosine_constant_lr_ratio": "Axolotl's cosine schedule with a constant phase",
     "lr_quadratic_warmup": "a quadratic warmup",
-    "early_stopping_patience": "early stopping on the evaluation loss",
     "sample_packing_seq_len_multiplier": "packing several rows' worth of examples per row",
     "max_packed_sequence_len": "packing to another length than sequence_len",
     "pretrain_multipack_attn": "packed pretraining attention",

@@ -100,7 +100,7 @@ lora_target_linear: true
 output_dir: out
 """
     good = _write(tmp_path / "axolotl.yml", text)
-    bad = _write(tmp_path / "typo.yml", text.replace("lora_r: 8", "lora_alhpa: 8") + "rl: dpo\n")
+    bad = _write(tmp_path / "typo.yml", text.replace("lora_r: 8", "lora_alhpa: 8") + "rl: grpo\n")
     code, lines = _check(capsys, good, bad)
     assert code == 1
     assert f"{good}: ok" in lines
