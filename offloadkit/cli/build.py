@@ -669,7 +669,7 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
     for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
         if getattr(cfg, key) is not None:
             kwargs[key] = getattr(cfg, key)
-    if cfg.cosine_min_lr_ratio is not None:
+    if cfg.cosine_min_lr_ratio is not None and not cfg.lr_quadratic_warmup:  # Axolotl's quadratic warmup wins
         # Cosine down to a fraction of the learning rate: the Trainer's cosine_with_min_lr.
         kwargs.update(
             lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": cfg.cosine_min_lr_ratio}

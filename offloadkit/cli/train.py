@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -481,11 +482,40 @@ def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, to
     """The Trainer with offloadkit's mixin, as ``cfg.offload`` sets it up; ``timing``: the
     save and evaluation steps of :func:`~offloadkit.cli.build.schedule`."""
     trainer = _trainer(cfg, model, data, cuda, timing, tokenizer)
+    trainer.quadratic_warmup = bool(cfg.lr_quadratic_warmup)
     if cfg.early_stopping_patience:
         from transformers import EarlyStoppingCallback
 
         trainer.add_callback(EarlyStoppingCallback(cfg.early_stopping_patience))
     return trainer
+
+
+class _QuadraticWarmup:
+    """``lr_quadratic_warmup``: the cosine schedule with its warmup factor squared, (step /
+    warmup)**2, then the cosine down to 0 over the remaining steps."""
+
+    quadratic_warmup = False
+    # Provided by the Trainer this is mixed into.
+    args: Any
+    optimizer: Any
+    lr_scheduler: Any
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if not self.quadratic_warmup or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer=optimizer)  # type: ignore[misc]
+        from torch.optim.lr_scheduler import LambdaLR
+
+        warmup = self.args.get_warmup_steps(num_training_steps)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step / max(1, warmup)) ** 2
+            progress = (step - warmup) / max(1, num_training_steps - warmup)
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+        self.lr_scheduler = LambdaLR(optimizer if optimizer is not None else self.optimizer, factor)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
 
 def _trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, tokenizer):
@@ -501,7 +531,7 @@ def _trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, tokenizer)
         with needs("offloadkit train"):
             from trl import RewardTrainer
 
-        class OffloadRewardTrainer(ActivationOffloadingMixin, RewardTrainer):
+        class OffloadRewardTrainer(ActivationOffloadingMixin, _QuadraticWarmup, RewardTrainer):
             pass
 
         return _quiet(
@@ -515,7 +545,7 @@ def _trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, tokenizer)
             )
         )
 
-    class OffloadTrainer(ActivationOffloadingMixin, Trainer):
+    class OffloadTrainer(ActivationOffloadingMixin, _QuadraticWarmup, Trainer):
         pass
 
     return _quiet(
@@ -541,7 +571,7 @@ def _dpo_trainer(cfg: TrainConfig, model, data, tokenizer, args):
 
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
-    class OffloadDPOTrainer(ActivationOffloadingMixin, DPOTrainer):
+    class OffloadDPOTrainer(ActivationOffloadingMixin, _QuadraticWarmup, DPOTrainer):
         pass
 
     ref_model = None

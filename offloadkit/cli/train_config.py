@@ -162,6 +162,8 @@ class TrainConfig:
             (``datasets`` of type chat_template with ``field_chosen`` and ``field_rejected``),
             the reference policy being the model as loaded (kept frozen);
             rl_beta: DPO's beta (default 0.1), how far the policy may move from the reference.
+        lr_quadratic_warmup: with the cosine schedule, the warmup's factor squared ((step /
+            warmup)**2), as Axolotl's cosine schedule with quadratic warmup.
         early_stopping_patience: stop once the evaluation loss has not improved for that many
             evaluations in a row (the Trainer's EarlyStoppingCallback), and end with the best
             checkpoint's weights; needs a held-out set and save_steps a multiple of eval_steps,
@@ -264,6 +266,7 @@ class TrainConfig:
     rl: str | None = None
     rl_beta: float | None = None
     early_stopping_patience: int | None = None
+    lr_quadratic_warmup: bool = False
     reward_model: bool = False
     num_labels: int | None = None
     center_rewards_coefficient: float | None = None
@@ -730,6 +733,14 @@ class TrainConfig:
             fail("group_by_length", True, f"and {self.name('curriculum_sampling')} both order the examples; keep one")
         self._check_rl(fail)
         self._check_reward_model(fail)
+        if not isinstance(self.lr_quadratic_warmup, bool):
+            fail("lr_quadratic_warmup", self.lr_quadratic_warmup, "must be true or false")
+        elif self.lr_quadratic_warmup and self.lr_scheduler != "cosine":
+            fail(
+                "lr_quadratic_warmup",
+                True,
+                f"shapes the cosine schedule's warmup, not {self.name('lr_scheduler')}: {self.lr_scheduler}",
+            )
         patience = self.early_stopping_patience
         if patience is not None:
             if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:

@@ -178,7 +178,6 @@ WITHOUT_EFFECT = (
 # Refused, one line each, unless drop_unsupported_keys: true.
 NOT_HONOURED = {
     "cosine_constant_lr_ratio": "Axolotl's cosine schedule with a constant phase",
-    "lr_quadratic_warmup": "a quadratic warmup",
     "sample_packing_seq_len_multiplier": "packing several rows' worth of examples per row",
     "max_packed_sequence_len": "packing to another length than sequence_len",
     "pretrain_multipack_attn": "packed pretraining attention",
@@ -518,6 +517,9 @@ def _map_keys(data: dict, m: _Mapper) -> None:
         elif key in UNSUPPORTED:
             if value is not False:
                 m.refuse(f"{key}={value!r}: {UNSUPPORTED[key]} is not something offloadkit train does")
+        elif key == "cosine_constant_lr_ratio" and value == 0:
+            # Axolotl's scheduler reads 0 as unset: the schedule is the one without it.
+            m.ignored.append("cosine_constant_lr_ratio (0: Axolotl's schedule reads it as unset)")
         elif key in NOT_HONOURED:
             if value is not False:
                 m.not_honoured(key, value, NOT_HONOURED[key])
