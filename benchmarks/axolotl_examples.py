@@ -15,9 +15,10 @@ own, with no key dropped. What is replaced, and only that:
 
 - ``base_model`` (and ``tokenizer_config``): a tiny random-weight model of the same
   architecture (the named model's ``model_type``, built from transformers' config class with
-  small sizes, no download) and a byte-level stand-in tokenizer (of Llama's class when the
-  config names LlamaTokenizer or CodeLlamaTokenizer) that has the config's special and
-  end-of-turn tokens and a chat template in the model family's format;
+  small sizes, wide enough for a ``qat`` group size, no download) and a byte-level stand-in
+  tokenizer (of Llama's class when the config names LlamaTokenizer or CodeLlamaTokenizer)
+  that has the config's special and end-of-turn tokens and a chat template in the model
+  family's format;
 - each dataset's ``path`` (a hub id): a local file of 1000 records in the format its
   ``type`` reads (alpaca, jeopardy, chat_template with the entry's field names, its preference
   pairs with field_chosen and field_rejected, bradley_terry's reward pairs, completion), without
@@ -225,12 +226,16 @@ def model_type(base_model: str) -> str | None:
     return None
 
 
-def tiny_config(kind: str, vocab: int):
-    """A small config of ``kind`` from transformers' config class (raises when it has none)."""
+def tiny_config(kind: str, vocab: int, width: int | None = None):
+    """A small config of ``kind`` from transformers' config class (raises when it has none);
+    ``width``: every linear layer's input a multiple of it (a QAT config's group size)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[kind]
     sizes = dict(_SIZES, vocab_size=vocab, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if width and width > _SIZES["hidden_size"]:
+        heads = _SIZES["num_attention_heads"]
+        sizes.update(hidden_size=width, intermediate_size=width, head_dim=width // heads)
     sizes.update(_MOE)
     extra = dict(_FAMILY_SIZES.get(kind, {}))
     vision, top = extra.pop("_vision", None), extra.pop("_top", {})
@@ -285,7 +290,8 @@ def stand_in(config: dict, kind: str, folder: str) -> str:
     hf_logging.disable_progress_bar()
     tokenizer = stand_in_tokenizer(config, kind)
     vocab = -(-len(tokenizer) // 64) * 64
-    model_config = tiny_config(kind, vocab)
+    qat = config.get("qat") if isinstance(config.get("qat"), dict) else {}
+    model_config = tiny_config(kind, vocab, qat.get("group_size"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config)
     model.save_pretrained(folder)

@@ -70,6 +70,14 @@ def load_model(cfg: TrainConfig, device: str, dtype: torch.dtype):
         name = cfg.model
     tokenizer = _with_template(cfg, tokenizer, model)
     _add_tokens(cfg, tokenizer, model)
+    if cfg.qat:
+        from offloadkit.cli.qat import apply_qat
+
+        with needs("offloadkit train (qat)", "lowbit-optim"):
+            try:
+                apply_qat(model, cfg.qat)
+            except ValueError as exc:
+                raise ConfigError(f"{cfg.name('qat')}: {exc}") from None
     if cfg.reward_model and getattr(model.config, "pad_token_id", None) is None:
         # A sequence classifier scores the last token before the padding: it must know the pad id.
         model.config.pad_token_id = (

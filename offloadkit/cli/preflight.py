@@ -192,13 +192,15 @@ def _has_template(cfg) -> bool:
 def _attention(cfg) -> None:
     """An attention kernel that is not installed here falls back to sdpa, with a warning."""
     name = cfg.attn_implementation
-    if name in (None, "sdpa", "eager", "flex_attention"):
+    if name in (None, "sdpa", "eager") or (name == "flex_attention" and _cuda()):
         return
     needs = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(name)
     if needs is not None and importlib.util.find_spec(needs) is not None and _cuda():
         return
     why = (
-        f"{needs} is not installed"
+        "PyTorch's FlexAttention has no backward on a CPU"
+        if name == "flex_attention"
+        else f"{needs} is not installed"
         if needs and importlib.util.find_spec(needs) is None
         else "it needs a CUDA GPU"
         if needs

@@ -316,6 +316,10 @@ def _save(cfg: TrainConfig, model, tokenizer, final: str) -> tuple[str, str]:
     """Save the model or adapter in output_dir; returns where it will be once the run has
     ended (in ``final``) and how to load it."""
     name = "adapter" if cfg.lora_rank else "model"
+    if cfg.qat:
+        from offloadkit.cli.qat import convert_qat
+
+        convert_qat(model)  # saved as plain linear layers, as Axolotl saves a QAT model
     model.save_pretrained(os.path.join(cfg.output_dir, name))  # offloading is detached by now
     tokenizer.save_pretrained(os.path.join(cfg.output_dir, name))
     save_dir = os.path.join(final, name)
@@ -483,6 +487,10 @@ def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, to
     save and evaluation steps of :func:`~offloadkit.cli.build.schedule`."""
     trainer = _trainer(cfg, model, data, cuda, timing, tokenizer)
     trainer.quadratic_warmup = bool(cfg.lr_quadratic_warmup)
+    if cfg.qat and cfg.qat.get("fake_quant_after_n_steps") is not None:
+        from offloadkit.cli.qat import fake_quant_switch
+
+        trainer.add_callback(fake_quant_switch(cfg.qat["fake_quant_after_n_steps"]))
     if cfg.early_stopping_patience:
         from transformers import EarlyStoppingCallback
 

@@ -162,6 +162,9 @@ class TrainConfig:
             (``datasets`` of type chat_template with ``field_chosen`` and ``field_rejected``),
             the reference policy being the model as loaded (kept frozen);
             rl_beta: DPO's beta (default 0.1), how far the policy may move from the reference.
+        qat: quantization-aware training (:mod:`offloadkit.cli.qat`): every linear layer
+            fake-quantized as Axolotl's ``qat:`` says (weight_dtype int4 with activation_dtype
+            int8 or none, group_size; or mxfp4), fake_quant_after_n_steps; a full fine-tune.
         lr_quadratic_warmup: with the cosine schedule, the warmup's factor squared ((step /
             warmup)**2), as Axolotl's cosine schedule with quadratic warmup.
         early_stopping_patience: stop once the evaluation loss has not improved for that many
@@ -267,6 +270,7 @@ class TrainConfig:
     rl_beta: float | None = None
     early_stopping_patience: int | None = None
     lr_quadratic_warmup: bool = False
+    qat: dict | None = None
     reward_model: bool = False
     num_labels: int | None = None
     center_rewards_coefficient: float | None = None
@@ -733,6 +737,14 @@ class TrainConfig:
             fail("group_by_length", True, f"and {self.name('curriculum_sampling')} both order the examples; keep one")
         self._check_rl(fail)
         self._check_reward_model(fail)
+        if self.qat is not None:
+            from offloadkit.cli.qat import qat_problem
+
+            problem = qat_problem(self.qat)
+            if problem:
+                fail("qat", self.qat, problem)
+            elif self.lora_rank or self.load_in_4bit or self.load_in_8bit:
+                fail("qat", self.qat, "trains every weight in full precision: drop the adapter and the 4/8-bit base")
         if not isinstance(self.lr_quadratic_warmup, bool):
             fail("lr_quadratic_warmup", self.lr_quadratic_warmup, "must be true or false")
         elif self.lr_quadratic_warmup and self.lr_scheduler != "cosine":

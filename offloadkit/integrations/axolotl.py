@@ -213,7 +213,6 @@ UNSUPPORTED = {
     "gptq_model_v1": "GPTQ-quantised bases",
     "gptq_disable_exllama": "GPTQ-quantised bases",
     "llmcompressor": "llm-compressor sparsity",
-    "qat": "quantisation-aware training",
     "fp8": "fp8 training",
     "fp8_enable_fsdp_float8_all_gather": "fp8 training",
     "nvfp4_merge_aware": "nvfp4 training",

@@ -302,3 +302,22 @@ def test_unknown_dataset_keys_are_named_without_listing_every_key():
     assert "datasets[0] has unknown keys ['fields', 'foo', 'bar'] and 1 more" in message
     assert "did you mean 'field' for 'fields'?" in message and "drop them" in message
     assert "preprocess_shards" not in message  # not the list of the keys offloadkit reads
+
+
+def test_flex_attention_falls_back_to_sdpa_on_a_cpu(tmp_path):
+    cfg, _ = _cfg(dict(BASE, attn_implementation="flex_attention", output_dir=str(tmp_path / "f")))
+    cfg = cfg.resolved(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        preflight(cfg)
+    if torch_cuda_available():
+        assert cfg.attn_implementation == "flex_attention"
+    else:  # FlexAttention has no backward on a CPU; sdpa computes the same attention
+        assert cfg.attn_implementation == "sdpa"
+        assert any("FlexAttention has no backward on a CPU" in str(w.message) for w in caught)
+
+
+def torch_cuda_available():
+    import torch
+
+    return torch.cuda.is_available()

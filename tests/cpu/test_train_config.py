@@ -114,8 +114,8 @@ def test_axolotl_without_adapter_is_a_full_fine_tune():
         ),
         ({"cosine_constant_lr_ratio": 0.8}, "cosine_constant_lr_ratio=0.8: .* which offloadkit cannot honour"),
         (
-            {"datasets": [{"path": "a.jsonl", "type": "jeopardy"}]},
-            r"datasets\[0\].type='jeopardy': offloadkit train reads",
+            {"datasets": [{"path": "a.jsonl", "type": "oasst"}]},
+            r"datasets\[0\].type='oasst': offloadkit train reads",
         ),
         ({"datasets": [{"path": "a.jsonl", "typ": "completion"}]}, r"datasets\[0\] has unknown keys \['typ'\]"),
         ({"seq_len": 128}, "seq_len and sequence_len are the same setting .seq_len.; keep one"),

@@ -1,0 +1,121 @@
+"""Quantization-aware training (Axolotl's ``qat:``) with torchao's fake quantization.
+
+Every linear layer of the model (the output head included) computes with its weights, and its
+inputs, rounded to the target format on the forward pass, while the weights train in full
+precision (the gradient passes the rounding unchanged). Two of Axolotl's formats run here:
+
+- ``weight_dtype: int4`` in groups of ``group_size`` (default 128) along each row, with
+  ``activation_dtype: int8`` (per token, asymmetric) or no activation rounding;
+- ``weight_dtype: mxfp4`` with ``activation_dtype: mxfp4``, blocks of 32 (MX scaling).
+
+``fake_quant_after_n_steps: N`` trains the first N steps without the rounding (int4 only).
+The saved model is the plain one: the fake-quantized layers are turned back into linear
+layers before saving, for a later post-training quantization to the same format.
+"""
+
+from __future__ import annotations
+
+__all__ = ["QAT_KEYS", "qat_problem", "apply_qat", "convert_qat", "fake_quant_switch"]
+
+QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "quantize_embedding", "fake_quant_after_n_steps")
+
+
+def qat_problem(qat) -> str | None:
+    """Why ``qat`` cannot run here (one line), or None."""
+    if not isinstance(qat, dict):
+        return "must be a mapping like {weight_dtype: int4, activation_dtype: int8, group_size: 32}"
+    unknown = sorted(str(k) for k in qat if k not in QAT_KEYS)
+    if unknown:
+        return f"has keys offloadkit does not read ({', '.join(unknown)}); it reads {', '.join(QAT_KEYS)}"
+    weight, activation = qat.get("weight_dtype"), qat.get("activation_dtype")
+    group = qat.get("group_size")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        return f"group_size={group!r} must be a positive integer"
+    after = qat.get("fake_quant_after_n_steps")
+    if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+        return f"fake_quant_after_n_steps={after!r} must be an integer >= 0"
+    if qat.get("quantize_embedding"):
+        return "quantize_embedding: true (fake-quantized embeddings) is not something offloadkit does"
+    if weight == "int4":
+        if activation not in (None, "int8"):
+            return f"weight_dtype int4 runs with activation_dtype int8 or none here, not {activation!r}"
+        return None
+    if weight == "mxfp4":
+        if activation != "mxfp4":
+            return "weight_dtype mxfp4 runs with activation_dtype mxfp4 (torchao has no weight-only MX training)"
+        if group not in (None, 32):
+            return f"mxfp4 uses blocks of 32, not group_size={group}"
+        if after is not None:
+            return "fake_quant_after_n_steps cannot switch mxfp4 fake quantization (it is always on)"
+        return None
+    return (
+        f"weight_dtype={weight!r}: offloadkit's QAT runs int4 weights (with int8 or no activation rounding) and "
+        "mxfp4; nvfp4 needs FP4 matmuls of a GPU that has them, and int8 or fp8 weights are not supported"
+    )
+
+
+def _config(qat: dict):
+    import torch
+    from torchao.quantization.qat import QATConfig
+
+    if qat["weight_dtype"] == "mxfp4":
+        from torchao.prototype.qat import MXFakeQuantizeConfig
+
+        mx = MXFakeQuantizeConfig(dtype=torch.float4_e2m1fn_x2, block_size=32)
+        return QATConfig(activation_config=mx, weight_config=mx), 32
+    from torchao.quantization.qat.fake_quantize_config import Int4WeightFakeQuantizeConfig, IntxFakeQuantizeConfig
+
+    group = qat.get("group_size") or 128
+    activation = None
+    if qat.get("activation_dtype") == "int8":
+        activation = IntxFakeQuantizeConfig(dtype=torch.int8, granularity="per_token", is_symmetric=False)
+    weight = Int4WeightFakeQuantizeConfig(group_size=group, activation_dtype=torch.bfloat16)
+    return QATConfig(weight_config=weight, activation_config=activation), group
+
+
+def apply_qat(model, qat: dict) -> None:
+    """Swap every linear layer of ``model`` for its fake-quantized form, in place.
+
+    Raises:
+        ValueError: a layer whose input width is not a multiple of the group size (one line).
+    """
+    import torch
+    from torchao.quantization import quantize_
+
+    config, group = _config(qat)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module.in_features % group:
+            raise ValueError(
+                f"{name} takes {module.in_features} inputs, not a multiple of the group size {group}: its weights "
+                "cannot be quantized in such groups"
+            )
+    quantize_(model, config)
+
+
+def convert_qat(model) -> None:
+    """The fake-quantized layers back into linear layers (same weights), in place."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+
+    quantize_(model, QATConfig(step="convert"))
+
+
+def fake_quant_switch(after: int):
+    """A Trainer callback: the first ``after`` steps train without the fake quantization."""
+    from transformers import TrainerCallback
+
+    def switch(model, on: bool) -> None:
+        for module in model.modules():
+            for name in ("weight_fake_quantizer", "activation_fake_quantizer"):
+                quantizer = getattr(module, name, None)
+                if quantizer is not None and hasattr(quantizer, "enabled"):
+                    quantizer.enabled = on
+
+    class FakeQuantAfter(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 0 and after > 0:
+                switch(model, False)
+            elif state.global_step == after:
+                switch(model, True)
+
+    return FakeQuantAfter()
