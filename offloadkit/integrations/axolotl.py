@@ -132,6 +132,8 @@ WITHOUT_EFFECT = (
     "ddp_find_unused_parameters",
     "accelerator_config",
     "context_parallel_size",
+    "use_ray",  # Ray launches the data-parallel workers: a multi-GPU layout, as deepspeed and fsdp
+    "ray_num_workers",
     "context_parapllel_size",
     "tensor_parallel_size",
     "expert_parallel_size",
@@ -228,8 +230,6 @@ UNSUPPORTED = {
     "jagged_restart_steps": "jagged learning-rate restarts",
     "jagged_restart_warmup_steps": "jagged learning-rate restarts",
     "jagged_restart_anneal_steps": "jagged learning-rate restarts",
-    "use_ray": "Ray training",
-    "ray_num_workers": "Ray training",
     "reinit_weights": "re-initialised weights",
     "use_eaft": "EAFT loss",
     "eaft_alpha": "EAFT loss",

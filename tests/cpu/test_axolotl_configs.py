@@ -321,3 +321,9 @@ def torch_cuda_available():
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_ray_workers_are_a_multi_gpu_layout_without_effect_here(tmp_path):
+    cfg, caught = _cfg(dict(BASE, use_ray=True, ray_num_workers=4, output_dir=str(tmp_path / "r")))
+    assert "use_ray" in cfg._ignored and "ray_num_workers" in cfg._ignored
+    assert any("use_ray, ray_num_workers" in message for message in caught)
