@@ -26,9 +26,9 @@ SHAPE = dict(
 )
 
 
-def _model(shape=SHAPE):
+def _model(shape=SHAPE, attention="sdpa"):
     torch.manual_seed(0)
-    model = build_llama(shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    model = build_llama(shape, dtype=torch.bfloat16, device="cuda", attn_implementation=attention)
     model.config.use_cache = False
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     randomize_lora_b(model)
@@ -68,11 +68,15 @@ def test_within_bf16_tolerance_of_peft_on_the_gpu():
 
 
 def test_offloading_is_bitwise_with_it_on_under_slow_copies(slow):
-    model = _model()
+    # Eager attention: SDPA's fused backward kernels may sum in a varying order at this shape.
+    model = _model(attention="eager")
     batch = make_batch(32000, 2, 2048, device="cuda")
     plain = prepare(copy.deepcopy(model), {"fused_lora": True, "gradient_checkpointing": True})
     expected = _step(plain.model, batch, plain.context)
+    again = _step(plain.model, batch, plain.context)
     plain.close()
+    deterministic = all(torch.equal(again[1][n], expected[1][n]) for n in expected[1])
+    assert deterministic, "the reference itself varies between runs"
     slow(20_000_000)
     runtime = prepare(model, {"fused_lora": True, "gradient_checkpointing": True, "activation_offloading": True})
     got = _step(model, batch, runtime.context)
