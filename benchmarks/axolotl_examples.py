@@ -15,10 +15,10 @@ own, with no key dropped. What is replaced, and only that:
 
 - ``base_model`` (and ``tokenizer_config``): a tiny random-weight model of the same
   architecture (the named model's ``model_type``, built from transformers' config class with
-  small sizes, wide enough for a ``qat`` group size, no download) and a byte-level stand-in
-  tokenizer (of Llama's class when the config names LlamaTokenizer or CodeLlamaTokenizer)
-  that has the config's special and end-of-turn tokens and a chat template in the model
-  family's format;
+  small sizes, wide enough for a ``qat`` group size and deep enough for ``lisa_n_layers``, no
+  download) and a byte-level stand-in tokenizer (of Llama's class when the config names
+  LlamaTokenizer or CodeLlamaTokenizer) that has the config's special and end-of-turn tokens
+  and a chat template in the model family's format;
 - each dataset's ``path`` (a hub id): a local file of 1000 records in the format its
   ``type`` reads (alpaca, jeopardy, chat_template with the entry's field names, its preference
   pairs with field_chosen and field_rejected, bradley_terry's reward pairs, completion), without
@@ -292,6 +292,9 @@ def stand_in(config: dict, kind: str, folder: str) -> str:
     vocab = -(-len(tokenizer) // 64) * 64
     qat = config.get("qat") if isinstance(config.get("qat"), dict) else {}
     model_config = tiny_config(kind, vocab, qat.get("group_size"))
+    lisa = config.get("lisa_n_layers")
+    if isinstance(lisa, int) and lisa > getattr(model_config, "num_hidden_layers", lisa):
+        model_config.num_hidden_layers = lisa  # deep enough for LISA's sampled layers
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config)
     model.save_pretrained(folder)

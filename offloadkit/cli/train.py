@@ -487,6 +487,8 @@ def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, to
     save and evaluation steps of :func:`~offloadkit.cli.build.schedule`."""
     trainer = _trainer(cfg, model, data, cuda, timing, tokenizer)
     trainer.quadratic_warmup = bool(cfg.lr_quadratic_warmup)
+    if cfg.lisa_n_layers:
+        trainer.add_callback(_lisa(cfg, model))
     if cfg.qat and cfg.qat.get("fake_quant_after_n_steps") is not None:
         from offloadkit.cli.qat import fake_quant_switch
 
@@ -496,6 +498,42 @@ def _offload_trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, to
 
         trainer.add_callback(EarlyStoppingCallback(cfg.early_stopping_patience))
     return trainer
+
+
+def _lisa(cfg: TrainConfig, model):
+    """LISA: every ``lisa_step_interval`` steps (and at step 1, as Axolotl), only
+    ``lisa_n_layers`` decoder layers drawn at random (seeded) train; the rest of the model keeps
+    training."""
+    import functools
+    import random
+
+    from transformers import TrainerCallback
+
+    from offloadkit.config import ConfigError
+
+    try:
+        layers = functools.reduce(getattr, cfg.lisa_layers_attribute.split("."), model)
+        count = len(layers)
+    except (AttributeError, TypeError):
+        raise ConfigError(
+            f"{cfg.name('lisa_layers_attribute')}={cfg.lisa_layers_attribute!r} names no list of layers of "
+            f"{type(model).__name__}"
+        ) from None
+    if cfg.lisa_n_layers > count:
+        raise ConfigError(
+            f"{cfg.name('lisa_n_layers')}={cfg.lisa_n_layers} is more than the model's {count} layers; lower it"
+        )
+    draw = random.Random(cfg.seed)
+    interval, n = cfg.lisa_step_interval, cfg.lisa_n_layers
+
+    class LISA(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step % interval == 0 or state.global_step == 1:
+                chosen = set(draw.sample(range(count), n))
+                for index, layer in enumerate(layers):
+                    layer.requires_grad_(index in chosen)
+
+    return LISA()
 
 
 class _QuadraticWarmup:

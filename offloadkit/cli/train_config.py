@@ -162,6 +162,10 @@ class TrainConfig:
             (``datasets`` of type chat_template with ``field_chosen`` and ``field_rejected``),
             the reference policy being the model as loaded (kept frozen);
             rl_beta: DPO's beta (default 0.1), how far the policy may move from the reference.
+        lisa_n_layers, lisa_step_interval, lisa_layers_attribute: LISA layer sampling (a full
+            fine-tune): every ``lisa_step_interval`` steps (and at step 1) only ``lisa_n_layers``
+            decoder layers, drawn at random, train; the embeddings and the head always train;
+            ``lisa_layers_attribute``: where the layers are (default ``model.layers``).
         qat: quantization-aware training (:mod:`offloadkit.cli.qat`): every linear layer
             fake-quantized as Axolotl's ``qat:`` says (weight_dtype int4 with activation_dtype
             int8 or none, group_size; or mxfp4), fake_quant_after_n_steps; a full fine-tune.
@@ -271,6 +275,9 @@ class TrainConfig:
     early_stopping_patience: int | None = None
     lr_quadratic_warmup: bool = False
     qat: dict | None = None
+    lisa_n_layers: int | None = None
+    lisa_step_interval: int | None = None
+    lisa_layers_attribute: str = "model.layers"
     reward_model: bool = False
     num_labels: int | None = None
     center_rewards_coefficient: float | None = None
@@ -737,6 +744,16 @@ class TrainConfig:
             fail("group_by_length", True, f"and {self.name('curriculum_sampling')} both order the examples; keep one")
         self._check_rl(fail)
         self._check_reward_model(fail)
+        lisa = (self.lisa_n_layers, self.lisa_step_interval)
+        if any(v is not None for v in lisa):
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in lisa):
+                fail(
+                    "lisa_n_layers", self.lisa_n_layers, f"and {self.name('lisa_step_interval')} must be integers >= 1"
+                )
+            elif self.lora_rank:
+                fail("lisa_n_layers", self.lisa_n_layers, "samples the layers of a full fine-tune; drop the adapter")
+            if not isinstance(self.lisa_layers_attribute, str) or not self.lisa_layers_attribute:
+                fail("lisa_layers_attribute", self.lisa_layers_attribute, "must be a dotted path like model.layers")
         if self.qat is not None:
             from offloadkit.cli.qat import qat_problem
 
