@@ -60,6 +60,7 @@ def test_a_closed_runtime_leaves_nothing_allocated(name):
     del model, runtime, loss, batch
     _settle()
     grown = {s: n - before_streams.get(s, 0) for s, n in _active_by_stream().items() if n > before_streams.get(s, 0)}
-    assert torch.cuda.memory_allocated() == before_bytes and not grown, (
-        f"{torch.cuda.memory_allocated() - before_bytes} bytes still allocated, by stream: {grown}"
+    # Not equal: an earlier test's leftovers may be collected meanwhile (seen: 86 MB of 2.2 GB).
+    assert torch.cuda.memory_allocated() <= before_bytes and not grown, (
+        f"{torch.cuda.memory_allocated() - before_bytes} bytes more allocated, by stream: {grown}"
     )
