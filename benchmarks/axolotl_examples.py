@@ -21,7 +21,8 @@ own, with no key dropped. What is replaced, and only that:
   and a chat template in the model family's format;
 - each dataset's ``path`` (a hub id): a local file of 1000 records in the format its
   ``type`` reads (alpaca, jeopardy, chat_template with the entry's field names, its preference
-  pairs with field_chosen and field_rejected, bradley_terry's reward pairs, completion), without
+  pairs with field_chosen and field_rejected, bradley_terry's reward pairs, UltraFeedback's
+  labelled completions and pairs, completion), without
   the hub-only keys ``data_files``, ``name`` and ``revision``;
 - the run's size: ``max_steps: 2``, ``sequence_len`` at most 512 (``min_sample_len`` at most
   a quarter of it), ``micro_batch_size`` and ``gradient_accumulation_steps`` at most 2
@@ -307,6 +308,18 @@ def _records(entry: dict) -> list:
     if kind.startswith("alpaca"):
         return [
             {"instruction": f"Add {i} and {i % 7}.", "input": "" if i % 3 else "numbers", "output": f"{i + i % 7}"}
+            for i in range(RECORDS)
+        ]
+    if kind.endswith(".ultra"):  # UltraFeedback's layouts: KTO's labelled completions, DPO's pairs
+        return [
+            {
+                "system": "" if i % 2 else "Answer briefly.",
+                "prompt": f"What is {i} plus {i}?",
+                "completion": f"{2 * i if i % 3 else i}.",
+                "label": bool(i % 3),
+                "chosen": f"{2 * i}.",
+                "rejected": f"{i}.",
+            }
             for i in range(RECORDS)
         ]
     if kind.startswith("bradley_terry"):

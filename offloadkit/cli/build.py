@@ -409,6 +409,8 @@ def training_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     and repeats dropped, the held-out split, then packed or padded per batch."""
     from offloadkit.data import TokenBlocks, load_texts
 
+    if cfg.rl == "kto":
+        return _kto_data(cfg, tokenizer)
     if cfg.rl:
         return _preference_data(cfg, tokenizer)
     if cfg.reward_model:
@@ -541,6 +543,27 @@ def _preference_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     return _pairs_data(cfg, examples, notes)
 
 
+def _kto_data(cfg: TrainConfig, tokenizer) -> TrainingData:
+    """``rl: kto``: each dataset's labelled completions (longer ones dropped), repeats dropped,
+    shuffled and split as SFT examples are; TRL's KTO trainer tokenizes and batches them."""
+    from offloadkit.data.preference import kto_examples
+
+    examples: list = []
+    notes: list = []
+    for spec in cfg.dataset_specs():
+        try:
+            got, dropped = kto_examples(spec, tokenizer, cfg.seq_len)
+        except ValueError as exc:
+            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
+        examples += got
+        if dropped:
+            notes.append(f"{spec.path}: {dropped} examples longer than {cfg.name('seq_len')}={cfg.seq_len} dropped")
+    desirable = sum(e["label"] for e in examples)
+    notes.append(f"{desirable} of the {len(examples)} completions are labelled desirable")
+    notes.append(f"KTO on {{}} labelled completions (beta {cfg.rl_beta if cfg.rl_beta is not None else 0.1})")
+    return _pairs_data(cfg, examples, notes, "examples")
+
+
 def _reward_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     """``reward_model: true``: each record's chosen and rejected conversation rendered with
     the chat template and tokenized (cut at ``seq_len``), repeats dropped, shuffled and split
@@ -561,7 +584,7 @@ def _reward_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     return _pairs_data(cfg, examples, notes)
 
 
-def _pairs_data(cfg: TrainConfig, examples: list, notes: list) -> TrainingData:
+def _pairs_data(cfg: TrainConfig, examples: list, notes: list, noun: str = "pairs") -> TrainingData:
     """Pairs (DPO's or a reward model's): repeats dropped, shuffled, the held-out split; the
     last note's ``{}`` becomes the number of pairs trained on."""
     import json
@@ -579,7 +602,7 @@ def _pairs_data(cfg: TrainConfig, examples: list, notes: list) -> TrainingData:
                 seen.add(key)
                 unique.append(example)
         if len(unique) < len(examples):
-            notes.insert(-1, f"{len(examples) - len(unique)} repeated pairs dropped")
+            notes.insert(-1, f"{len(examples) - len(unique)} repeated {noun} dropped")
         examples = unique
     if cfg.shuffle_merged_datasets:
         random.Random(cfg.seed).shuffle(examples)
@@ -589,11 +612,11 @@ def _pairs_data(cfg: TrainConfig, examples: list, notes: list) -> TrainingData:
         count = math.ceil(size * len(examples)) if size < 1 else int(size)
         if count >= len(examples):
             raise ConfigError(
-                f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} pairs, "
+                f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} {noun}, "
                 "leaving none to train on; lower it"
             )
         examples, held = examples[: len(examples) - count], examples[len(examples) - count :]
-        notes.insert(-1, f"{len(held)} of {len(examples) + len(held)} pairs held out for evaluation")
+        notes.insert(-1, f"{len(held)} of {len(examples) + len(held)} {noun} held out for evaluation")
     notes[-1] = notes[-1].format(len(examples))
     data = TrainingData(datasets.Dataset.from_list(examples), None, notes)
     if held:
@@ -703,6 +726,19 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
             gradient_checkpointing=False,
             bf16=False,
         )
+    if cfg.rl == "kto":
+        from trl import KTOConfig
+
+        arguments = KTOConfig
+        kwargs.update(
+            beta=cfg.rl_beta if cfg.rl_beta is not None else 0.1,
+            max_length=cfg.seq_len,
+            gradient_checkpointing=False,
+            bf16=False,
+        )
+        for key in ("desirable_weight", "undesirable_weight"):
+            if getattr(cfg, f"kto_{key}") is not None:
+                kwargs[key] = getattr(cfg, f"kto_{key}")
     if cfg.rl == "dpo":
         from trl import DPOConfig
 

@@ -571,7 +571,7 @@ def _trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, tokenizer)
 
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
-    if cfg.rl == "dpo":
+    if cfg.rl in ("dpo", "kto"):
         return _quiet(_dpo_trainer(cfg, model, data, tokenizer, training_args(cfg, cuda, **timing)))
     if cfg.reward_model:
         with needs("offloadkit train"):
@@ -607,24 +607,28 @@ def _trainer(cfg: TrainConfig, model, data, cuda: bool, timing: dict, tokenizer)
 
 
 def _dpo_trainer(cfg: TrainConfig, model, data, tokenizer, args):
-    """TRL's DPO trainer with offloadkit's mixin. The reference policy is the model before
+    """TRL's DPO (or KTO) trainer with offloadkit's mixin. The reference policy is the model before
     training: with LoRA a frozen copy of the adapters as they start (TRL's own way), else a
     frozen copy of the weights as loaded."""
     import copy
 
     with needs("offloadkit train"):
-        from trl import DPOTrainer
+        from trl import DPOTrainer, KTOTrainer
 
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
     class OffloadDPOTrainer(ActivationOffloadingMixin, _QuadraticWarmup, DPOTrainer):
         pass
 
+    class OffloadKTOTrainer(ActivationOffloadingMixin, _QuadraticWarmup, KTOTrainer):
+        pass
+
     ref_model = None
     if not cfg.lora_rank:
         ref_model = copy.deepcopy(model).eval()
         ref_model.requires_grad_(False)
-    return OffloadDPOTrainer(
+    trainer_class = OffloadKTOTrainer if cfg.rl == "kto" else OffloadDPOTrainer
+    return trainer_class(
         model=model,
         ref_model=ref_model,
         args=args,

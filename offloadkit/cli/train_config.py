@@ -30,6 +30,8 @@ _FLOATS = (
     "cosine_min_lr_ratio",
     "loss_watchdog_threshold",
     "rl_beta",
+    "kto_desirable_weight",
+    "kto_undesirable_weight",
     "center_rewards_coefficient",
 )
 # Optimizers without Adam's betas and epsilon (the Trainer would leave adam_* unused).
@@ -162,6 +164,9 @@ class TrainConfig:
             (``datasets`` of type chat_template with ``field_chosen`` and ``field_rejected``),
             the reference policy being the model as loaded (kept frozen);
             rl_beta: DPO's beta (default 0.1), how far the policy may move from the reference.
+            "kto": Kahneman-Tversky Optimization (TRL's KTO trainer) on single completions
+            labelled desirable or not (``datasets`` of type kto), with rl_beta and
+            kto_desirable_weight, kto_undesirable_weight (the loss's weights of the two kinds).
         lisa_n_layers, lisa_step_interval, lisa_layers_attribute: LISA layer sampling (a full
             fine-tune): every ``lisa_step_interval`` steps (and at step 1) only ``lisa_n_layers``
             decoder layers, drawn at random, train; the embeddings and the head always train;
@@ -272,6 +277,8 @@ class TrainConfig:
     auto_resume_from_checkpoints: bool = False
     rl: str | None = None
     rl_beta: float | None = None
+    kto_desirable_weight: float | None = None
+    kto_undesirable_weight: float | None = None
     early_stopping_patience: int | None = None
     lr_quadratic_warmup: bool = False
     qat: dict | None = None
@@ -422,7 +429,7 @@ class TrainConfig:
             raise ConfigProblemsError(source, problems)
 
     def _check(self, fail) -> None:
-        from offloadkit.data.sft import PROMPT_STYLES, SFT_TYPES, DatasetSpec
+        from offloadkit.data.sft import KTO_STYLES, PROMPT_STYLES, SFT_TYPES, DatasetSpec
         from offloadkit.models.zoo import LLAMA_SHAPES
 
         ints: dict[str, int] = {
@@ -497,8 +504,12 @@ class TrainConfig:
                         continue
                     if spec is None or spec.type not in SFT_TYPES or not isinstance(spec.path, str):
                         fail("datasets", entry, f"(entry {i}) must have a path and a type of {', '.join(SFT_TYPES)}")
-                    elif spec.prompt_style is not None and (
-                        spec.type not in ("alpaca", "jeopardy") or spec.prompt_style not in PROMPT_STYLES
+                    elif spec.type == "kto" and spec.prompt_style not in KTO_STYLES:
+                        fail("datasets", entry, f"(entry {i}) type kto needs prompt_style {' or '.join(KTO_STYLES)}")
+                    elif (
+                        spec.type != "kto"
+                        and spec.prompt_style is not None
+                        and (spec.type not in ("alpaca", "jeopardy") or spec.prompt_style not in PROMPT_STYLES)
                     ):
                         fail(
                             "datasets",
@@ -853,14 +864,23 @@ class TrainConfig:
             for i, e in enumerate(self.datasets or [])
             if isinstance(e, dict) and ("field_chosen" in e or "field_rejected" in e)
         ]
+        kto = [i for i, e in enumerate(self.datasets or []) if isinstance(e, dict) and e.get("type") == "kto"]
+        for key in ("kto_desirable_weight", "kto_undesirable_weight"):
+            value = getattr(self, key)
+            if value is not None and self.rl != "kto":
+                fail(key, value, f"weighs KTO's loss; it needs {self.name('rl')}: kto")
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                fail(key, value, "must be a positive number, e.g. 1.0")
         if self.rl is None:
             if self.rl_beta is not None:
-                fail("rl_beta", self.rl_beta, f"is DPO's beta; it needs {self.name('rl')}: dpo")
+                fail("rl_beta", self.rl_beta, f"is DPO's and KTO's beta; it needs {self.name('rl')}: dpo or kto")
             if pairs:
                 fail("datasets", self.datasets, f"(entry {pairs[0]}) is preference data; train it with rl: dpo")
+            if kto:
+                fail("datasets", self.datasets, f"(entry {kto[0]}) is KTO data; train it with rl: kto")
             return
-        if self.rl != "dpo":
-            fail("rl", self.rl, "must be dpo (preference training with TRL's DPO trainer)")
+        if self.rl not in ("dpo", "kto"):
+            fail("rl", self.rl, "must be dpo or kto (preference training with TRL's DPO or KTO trainer)")
             return
         if self.rl_beta is not None and (
             isinstance(self.rl_beta, bool) or not isinstance(self.rl_beta, (int, float)) or self.rl_beta <= 0
@@ -869,19 +889,27 @@ class TrainConfig:
         if not isinstance(self.datasets, list) or not self.datasets:
             fail("rl", self.rl, f"trains on preference pairs: give {self.name('datasets')} of type chat_template")
         else:
+            wanted = "chat_template" if self.rl == "dpo" else "kto"
+            what = (
+                "preference pairs of type chat_template (a conversation with field_chosen and field_rejected answers)"
+                if self.rl == "dpo"
+                else "labelled completions of type kto"
+            )
             for i, entry in enumerate(self.datasets):
-                if isinstance(entry, dict) and entry.get("type") != "chat_template":
-                    fail(
-                        "datasets",
-                        entry.get("type"),
-                        f"(entry {i}): {self.name('rl')}: dpo reads preference pairs of type chat_template "
-                        "(a conversation with field_chosen and field_rejected answers)",
-                    )
+                if isinstance(entry, dict) and entry.get("type") != wanted:
+                    fail("datasets", entry.get("type"), f"(entry {i}): {self.name('rl')}: {self.rl} reads {what}")
         for key in ("sample_packing", "pad_to_sequence_len"):
             if getattr(self, key) is True:
-                fail(key, True, f"is not done for {self.name('rl')}: dpo (the DPO trainer pads each batch)")
+                fail(key, True, f"is not done for {self.name('rl')}: {self.rl} (its trainer pads each batch)")
         if self.min_sample_len:
-            fail("min_sample_len", self.min_sample_len, f"is not done for {self.name('rl')}: dpo")
+            fail("min_sample_len", self.min_sample_len, f"is not done for {self.name('rl')}: {self.rl}")
+        if self.rl == "kto" and isinstance(self.batch_size, int) and self.batch_size < 2:
+            fail(
+                "batch_size",
+                self.batch_size,
+                f"must be 2 or more for {self.name('rl')}: kto (its KL term pairs each example with another of the "
+                "batch)",
+            )
 
 
 def _float(value: str, key: str, source: str) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from offloadkit.data.sft import DatasetSpec, _messages, load_records, select_records
 
-__all__ = ["preference_examples", "reward_examples", "PREFERENCE_FIELDS"]
+__all__ = ["preference_examples", "reward_examples", "kto_examples", "PREFERENCE_FIELDS"]
 
 PREFERENCE_FIELDS = ("chosen", "rejected")
 
@@ -112,3 +112,36 @@ def reward_examples(spec: DatasetSpec, tokenizer, seq_len: int) -> tuple[list[di
     if not pairs:
         raise ValueError(f"{spec.path}: no record")
     return pairs, cut
+
+
+def kto_examples(spec: DatasetSpec, tokenizer, seq_len: int) -> tuple[list[dict], int]:
+    """KTO's labelled completions (Axolotl's ``llama3.ultra``, ``chatml.ultra``): records of
+    ``system`` (optional), ``prompt``, ``completion`` and ``label`` (desirable or not), the
+    prompt in the style's chat format up to the assistant's header, the completion ended as a
+    turn. Returns them (``prompt``, ``completion``, ``label``) and how many were dropped for
+    being longer than ``seq_len`` tokens.
+
+    Raises:
+        ValueError: a malformed record, or none that fits.
+    """
+    from offloadkit.data.sft import KTO_STYLES, _text
+
+    system_turn, user_turn, end = KTO_STYLES[spec.prompt_style or "llama3"]
+    examples, dropped = [], 0
+    for index, record in enumerate(select_records(load_records(spec.path), spec)):
+        where = f"{spec.path}[{index}]"
+        label = record.get("label") if isinstance(record, dict) else None
+        if not isinstance(label, bool):
+            raise ValueError(f"{where}: 'label' must be true (a desirable completion) or false, got {label!r}")
+        system = _text(record, "system", where, required=False)
+        prompt = (system_turn.format(system=system) if system else "") + user_turn.format(
+            prompt=_text(record, "prompt", where)
+        )
+        completion = _text(record, "completion", where) + end
+        if len(tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]) > seq_len:
+            dropped += 1
+            continue
+        examples.append({"prompt": prompt, "completion": completion, "label": label})
+    if not examples:
+        raise ValueError(f"{spec.path}: no example fits in seq_len={seq_len} ({dropped} longer ones dropped)")
+    return examples, dropped

@@ -33,7 +33,21 @@ __all__ = [
     "PROMPT_STYLES",
 ]
 
-SFT_TYPES = ("completion", "alpaca", "jeopardy", "chat_template", "bradley_terry")
+SFT_TYPES = ("completion", "alpaca", "jeopardy", "chat_template", "bradley_terry", "kto")
+# kto data's prompt formats (Axolotl's llama3.ultra and chatml.ultra): (system turn, user turn
+# with the assistant's header, end of the completion).
+KTO_STYLES = {
+    "llama3": (
+        "<|start_header_id|>system<|end_header_id|>\n\n{system}<|eot_id|>",
+        "<|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        "<|eot_id|>",
+    ),
+    "chatml": (
+        "<|im_start|>system\n{system}<|im_end|>\n",
+        "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_end|>",
+    ),
+}
 IGNORE = -100
 # Instruction prompts as Axolotl renders them: a system line, then the turn with or without
 # an input, in one of its prompt styles (``alpaca`` is "instruct"; ``alpaca:chat`` "chat", ...).
@@ -88,7 +102,8 @@ class DatasetSpec:
         path: a local ``.jsonl``/``.json`` file (``.txt`` for completion).
         type: "completion" (one text field), "alpaca" (instruction, input, output), "jeopardy"
             (question, category, answer: Axolotl's Jeopardy records in the alpaca prompt),
-            "bradley_terry" (a reward model's system, input, chosen and rejected texts) or
+            "bradley_terry" (a reward model's system, input, chosen and rejected texts), "kto"
+            (rl: kto: system, prompt, completion and label; prompt_style llama3 or chatml) or
             "chat_template" (a list of messages rendered with the tokenizer's template).
         field: completion: the text field (default "text").
         field_messages: chat_template: the field holding the messages (default "messages").

@@ -201,10 +201,9 @@ NOT_HONOURED = {
 # Axolotl features offloadkit does not have: key -> what it is. Refused when set (not
 # empty, false or 1 for the parallel sizes).
 UNSUPPORTED = {
-    "rl": "RL and preference training other than DPO (rl: orpo, kto, grpo, ...)",
+    "rl": "RL and preference training other than DPO and KTO (rl: orpo, grpo, ...)",
     "trl": "RL trainer settings (trl:)",
     "orpo_alpha": "RL and preference training",
-    "kto_desirable_weight": "RL and preference training",
     "vllm": "vLLM generation for RL",
     "process_reward_model": "process-reward-model training",
     "processor_type": "multimodal processors (images, audio)",
@@ -357,6 +356,8 @@ class _Mapper:
         rl_keys = [k for k in entry if k in _RL_DATASET_KEYS]
         if rl and self.rl == "dpo":
             return self._preference_dataset(where, entry)
+        if rl and self.rl == "kto":
+            return self._kto_dataset(where, entry)
         if rl_keys:
             self.refuse(
                 f"{where} has {', '.join(rl_keys)}: preference data for RL training, which offloadkit train does not do"
@@ -464,6 +465,23 @@ class _Mapper:
                 spec[key] = entry[key]
         return spec
 
+    def _kto_dataset(self, where: str, entry: dict) -> dict | None:
+        """A dataset of an rl: kto config: Axolotl's llama3.ultra or chatml.ultra (a prompt, one
+        completion and whether it is desirable)."""
+        kind = entry.get("type")
+        styles = {"llama3.ultra": "llama3", "chatml.ultra": "chatml"}
+        if kind not in styles:
+            self.refuse(
+                f"{where}.type={kind!r}: rl: kto reads the types llama3.ultra and chatml.ultra (prompt, completion, "
+                "label); other formats are not supported"
+            )
+            return None
+        spec = self.dataset(where, dict(entry, type="completion"), rl=False)
+        if spec is None:
+            return None
+        spec.update(type="kto", prompt_style=styles[kind])
+        return spec
+
 
 def _map_keys(data: dict, m: _Mapper) -> None:
     unknown = []
@@ -504,7 +522,7 @@ def _map_keys(data: dict, m: _Mapper) -> None:
                     _dataset_template(templates, data, m)
                 m.put("datasets", specs, "datasets")
         elif key == "rl":
-            if value == "dpo":
+            if value in ("dpo", "kto"):
                 m.put("rl", value, key)
             elif value is not False:
                 m.refuse(f"{key}={value!r}: {UNSUPPORTED[key]} is not something offloadkit train does")

@@ -245,7 +245,7 @@ def test_examples_benchmark_checks_and_trains_a_checkout(tmp_path):
         special_tokens={"pad_token": "<|end_of_text|>"},
     )
     (examples / "good.yml").write_text(yaml.safe_dump(good))
-    (examples / "rl.yml").write_text(yaml.safe_dump(dict(good, rl="kto")))
+    (examples / "rl.yml").write_text(yaml.safe_dump(dict(good, rl="grpo")))
     (examples / "typo.yml").write_text(yaml.safe_dump(dict(good, lora_alhpa=16)))
     (examples / "no-model.yml").write_text(yaml.safe_dump({"something": 1}))
     for command in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
@@ -260,7 +260,7 @@ def test_examples_benchmark_checks_and_trains_a_checkout(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split("\t")[0]: line.split("\t") for line in (out / "results.tsv").read_text().splitlines()[1:]}
     assert rows["examples/demo/good.yml"][3] == "trained"
-    assert rows["examples/demo/rl.yml"][3] == "refused" and "rl='kto'" in rows["examples/demo/rl.yml"][4]
+    assert rows["examples/demo/rl.yml"][3] == "refused" and "rl='grpo'" in rows["examples/demo/rl.yml"][4]
     assert rows["examples/demo/typo.yml"][3] == "refused" and "'lora_alhpa'" in rows["examples/demo/typo.yml"][4]
     assert rows["examples/demo/no-model.yml"][3] == "skipped"
     assert rows["examples/demo/good.yml"][1] == "2 problems"  # a hub id not cached, a hub dataset

@@ -111,7 +111,7 @@ def test_rl_dpo_trains_the_pairs_with_the_dpo_loss_and_rl_beta(tmp_path, monkeyp
 @pytest.mark.parametrize(
     "keys, match",
     [
-        ({"rl": "kto"}, r"rl='kto': RL and preference training other than DPO"),
+        ({"rl": "orpo"}, r"rl='orpo': RL and preference training other than DPO and KTO"),
         ({"rl": None}, r"datasets\[0\] has field_chosen, field_rejected: preference data"),
         ({"rl": "dpo", "type": "chat_template.argilla"}, r"datasets\[0\]\.type='chat_template.argilla'"),
         ({"rl": "dpo", "field_prompt": "p"}, r"datasets\[0\] has field_prompt: not read for rl: dpo"),
