@@ -183,7 +183,8 @@ class TrainConfig:
         reward_model: a Bradley-Terry reward model (TRL's reward trainer): ``model_class:
             AutoModelForSequenceClassification`` with ``num_labels: 1`` (one score), trained to
             score each pair's chosen conversation above its rejected one (``datasets`` of type
-            bradley_terry); center_rewards_coefficient: TRL's penalty on the pair's mean score.
+            bradley_terry); center_rewards_coefficient: TRL's penalty on the square of the pair's
+            summed scores (rewards centred on 0).
         drop_unsupported_keys: train an Axolotl config without the keys offloadkit cannot
             honour (listed in one warning and in the report) instead of refusing it.
         offload: the offloading configuration.
