@@ -331,6 +331,7 @@ def plan_for(
         optimizer_precision=config.optimizer_precision,
         optimizer=optimizer,
         parallel=parallel,
+        fused_lora=config.fused_lora,
     )
 
 

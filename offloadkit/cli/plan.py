@@ -50,6 +50,11 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         "Trainer's): with the AdamW state in host memory, clipping holds every gradient until step(); 0 "
         "updates each parameter in backward",
     )
+    p.add_argument(
+        "--fused-lora",
+        action="store_true",
+        help="the LoRA layers run fused in the compute dtype (fused_lora: true): they save less per layer",
+    )
     p.add_argument("--layers", type=int, default=None, help="override the depth (same layer shape)")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU budget (default: this GPU's memory less 1 GiB)")
     p.add_argument(
@@ -219,6 +224,7 @@ def run_plan(args, log=print) -> int:
         "optimizer_precision": args.optimizer_precision,
         "optimizer": optimizer,
         "parallel": parallel,
+        "fused_lora": args.fused_lora,
     }
     p = plan(model, args.seq_len, **common)
     w, t = p.workload, p.time

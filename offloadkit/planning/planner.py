@@ -489,6 +489,7 @@ def plan(
     optimizer_precision: str = "params",
     optimizer: OptimizerSetup | None = None,
     parallel: Parallelism | None = None,
+    fused_lora: bool = False,
 ) -> Plan:
     """Choose the features for one step and predict its cost.
 
@@ -508,6 +509,8 @@ def plan(
             ``context_parallel`` it holds ``seq_len / world_size`` tokens of each row
             (``seq_len``, a multiple of ``2 x world_size``, is the whole sequence). ``budgets``
             are this rank's; read here, they are its share of the host's.
+        fused_lora: the LoRA layers run fused in the compute dtype (``fused_lora: true``):
+            every candidate counts what they save instead of PEFT's fp32 input copies.
 
     Returns:
         The fastest :class:`Plan` that fits, or the most frugal one with ``fits=False``.
@@ -523,6 +526,7 @@ def plan(
     results = []
     # Only what the run can realise: an optimizer that cannot be replaced keeps its state.
     for name, f in _candidates(w, b, stream_depth, optimizer.replaceable):
+        f = replace(f, fused_lora=fused_lora and bool(w.lora_rank))
         if w.parallel.splits_sequence:
             results.append(_with_rotation(w, b, name, f, optimizer))
         else:
@@ -870,6 +874,7 @@ def longest_sequence(
     optimizer_precision: str = "params",
     optimizer: OptimizerSetup | None = None,
     parallel: Parallelism | None = None,
+    fused_lora: bool = False,
 ) -> Capacity:
     """Binary search for the longest sequence :func:`plan` fits under ``budgets`` (split over
     ranks, ``parallel``: the whole sequence, in multiples of ``2 x world_size`` too).
@@ -895,6 +900,7 @@ def longest_sequence(
             optimizer_precision=optimizer_precision,
             optimizer=optimizer,
             parallel=parallel,
+            fused_lora=fused_lora,
         ).fits
 
     longest = _search(fits, (1 << 16) * parallel.sequence_ranks, search_step(parallel, SEQ_STEP))
@@ -922,6 +928,7 @@ def longest_sequence(
             optimizer_precision=optimizer_precision,
             optimizer=optimizer,
             parallel=parallel,
+            fused_lora=fused_lora,
         )
         if longest
         else None

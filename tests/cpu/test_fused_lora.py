@@ -186,3 +186,27 @@ def test_a_layer_saves_what_the_footprint_says(tiled):
     assert change < 0
     measured = saved[True] - saved[False]
     assert abs(measured - change) <= 0.03 * saved[False], (measured, change, saved)
+
+
+def test_the_planner_counts_it_when_the_run_asks_for_it(capsys):
+    from offloadkit.cli.main import main
+    from offloadkit.planning import Budgets, plan
+
+    budgets = Budgets(79 << 30, 110 << 30, 100 << 30)
+    peft_plan = plan("llama-3-8b", 65536, budgets=budgets)
+    fused_plan = plan("llama-3-8b", 65536, budgets=budgets, fused_lora=True)
+    assert fused_plan.features.fused_lora and not peft_plan.features.fused_lora
+    assert fused_plan.to_config()["fused_lora"] is True and "fused_lora" not in peft_plan.to_config()
+    assert fused_plan.memory.gpu_peak < peft_plan.memory.gpu_peak
+    assert not plan("llama-3-8b", 65536, lora_rank=0, budgets=budgets, fused_lora=True).features.fused_lora
+    argv = ["plan", "--shape", "llama-3-8b", "--seq-len", "262144", "--gpu-gib", "79", "--host-gib", "110"]
+    assert main([*argv, "--disk-gib", "100", "--fused-lora"]) == 0
+    assert "fused_lora: true" in capsys.readouterr().out
+    # Through prepare(): offload_plan auto plans the fused path the config asks for.
+    from offloadkit.compose import prepare
+
+    model = _lora_model(layers=2)
+    runtime = prepare(model, {"offload_plan": "auto", "seq_len": 256, "fused_lora": True})
+    assert runtime.plan.features.fused_lora and runtime.config.fused_lora
+    assert runtime.report()["fused_lora"]["layers"] == 2 * 7
+    runtime.close()
