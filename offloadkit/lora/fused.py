@@ -55,7 +55,8 @@ class _LoRALinear(torch.autograd.Function):
         xl2 = x2 if x_lora is None else x_lora.reshape(-1, shape[-1])
         u = xl2 @ a.t()  # [T, r]
         y = F.linear(x2, weight, bias)
-        y = torch.addmm(y, u, b.t(), alpha=scaling)  # the update summed in the GEMM's accumulator
+        # In place: the update summed in the GEMM's accumulator, without a copy of y.
+        y.addmm_(u, b.t(), alpha=scaling)
         ctx.scaling = scaling
         ctx.separate = x_lora is not None
         ctx.a_dtype, ctx.b_dtype = lora_a.dtype, lora_b.dtype
@@ -77,7 +78,7 @@ class _LoRALinear(torch.autograd.Function):
                 grad_x = (g @ weight).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
                 grad_xl = (gb @ a).mul_(s).reshape(ctx.x_shape) if ctx.needs_input_grad[1] else None
             else:
-                grad_x = torch.addmm(g @ weight, gb, a, alpha=s).reshape(ctx.x_shape)
+                grad_x = (g @ weight).addmm_(gb, a, alpha=s).reshape(ctx.x_shape)
         grad_a = grad_b = None
         if ctx.needs_input_grad[4]:
             grad_a = _mm_fp32(gb.t(), xl2).mul_(s).to(ctx.a_dtype)  # [r, in]
