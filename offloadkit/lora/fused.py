@@ -55,8 +55,9 @@ class _LoRALinear(torch.autograd.Function):
         xl2 = x2 if x_lora is None else x_lora.reshape(-1, shape[-1])
         u = xl2 @ a.t()  # [T, r]
         y = F.linear(x2, weight, bias)
-        # In place: the update summed in the GEMM's accumulator, without a copy of y.
-        y.addmm_(u, b.t(), alpha=scaling)
+        # Into y itself: the update summed in the GEMM's accumulator, without a copy of y (the
+        # out= form, which FLOP counters see, rather than addmm_).
+        torch.addmm(y, u, b.t(), alpha=scaling, out=y)
         ctx.scaling = scaling
         ctx.separate = x_lora is not None
         ctx.a_dtype, ctx.b_dtype = lora_a.dtype, lora_b.dtype
@@ -78,7 +79,9 @@ class _LoRALinear(torch.autograd.Function):
                 grad_x = (g @ weight).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
                 grad_xl = (gb @ a).mul_(s).reshape(ctx.x_shape) if ctx.needs_input_grad[1] else None
             else:
-                grad_x = (g @ weight).addmm_(gb, a, alpha=s).reshape(ctx.x_shape)
+                grad_x = g @ weight
+                torch.addmm(grad_x, gb, a, alpha=s, out=grad_x)
+                grad_x = grad_x.reshape(ctx.x_shape)
         grad_a = grad_b = None
         if ctx.needs_input_grad[4]:
             grad_a = _mm_fp32(gb.t(), xl2).mul_(s).to(ctx.a_dtype)  # [r, in]

@@ -158,6 +158,10 @@ class Budgets:
                 try:
                     rates = dataclasses.replace(rates, matmul_flops_per_s=timed.linear_rate(shape, lora_rank))
                     measured.append("layer linears")
+                    if lora_rank:
+                        fused = timed.linear_rate(shape, lora_rank, fused_lora=True)
+                        rates = dataclasses.replace(rates, fused_lora_matmul_flops_per_s=fused)
+                        measured.append("layer linears with fused_lora")
                 except torch.cuda.OutOfMemoryError:  # a GPU too full for one layer: keep the default
                     pass
             # Outside the handlers, whose tracebacks hold the probes' tensors.

@@ -114,7 +114,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def linear_rate(
-    shape, lora_rank: int, tokens: int = LINEAR_PROBE_TOKENS, device: str = "cuda", adapter_dtype=torch.float32
+    shape,
+    lora_rank: int,
+    tokens: int = LINEAR_PROBE_TOKENS,
+    device: str = "cuda",
+    adapter_dtype=torch.float32,
+    fused_lora: bool = False,
 ) -> float:
     """One decoder layer's work outside attention, forward and backward, in the planner's
     linear FLOP/s (:func:`offloadkit.planning.timing.step_flops`'s count for one layer).
@@ -133,8 +138,12 @@ def linear_rate(
         tokens: tokens per call.
         device: where to run it.
         adapter_dtype: the LoRA weights' dtype.
+        fused_lora: each adapter as ``fused_lora: true`` computes it
+            (:func:`offloadkit.lora.lora_linear`) instead of PEFT's way.
     """
     import torch.nn.functional as F
+
+    from offloadkit.lora import lora_linear
 
     dev, dt = device, torch.bfloat16
     full = not lora_rank
@@ -149,9 +158,11 @@ def linear_rate(
 
     def linear(x: torch.Tensor, wab: tuple) -> torch.Tensor:
         w, a, b = wab
-        y = F.linear(x, w)
         if a is None:
-            return y
+            return F.linear(x, w)
+        if fused_lora:
+            return lora_linear(x, w, None, a, b, 2.0)
+        y = F.linear(x, w)
         return (y + F.linear(F.linear(x.to(a.dtype), a), b) * 2.0).to(y.dtype)
 
     wq, wk, wv, wo, wg, wu, wd = (weight(a, b) for a, b in shape.linears)

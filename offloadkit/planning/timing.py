@@ -59,6 +59,11 @@ __all__ = [
 # (causal flash/efficient SDPA kernels, backward included).
 MATMUL_FLOPS_PER_S = 3.37e14
 ATTENTION_FLOPS_PER_S = 3.0e14
+# The same work outside attention runs this much faster with fused_lora (the adapters in the
+# compute dtype, offloadkit/lora): the compute stream's gemm and elementwise time of the 8B
+# LoRA r=16 step went 0.941 -> 0.725 s at 64K (1.298x) and 3.793 -> 2.913 s at 256K (1.302x)
+# on an H100 (benchmarks/results/fused-lora/h100-caa6bbc/).
+FUSED_LORA_LINEAR_SPEEDUP = 1.30
 # Pinned host<->device copies: 55.5 GB/s measured on the H200 (PCIe Gen5) in
 # benchmarks/results/README.md; a shared link is assumed to give each direction that much.
 PCIE_BYTES_PER_S = 55.5e9
@@ -93,6 +98,16 @@ class Rates:
     source: str = "defaults"
     link_bytes_per_s: float = LINK_BYTES_PER_S
     network_bytes_per_s: float = NETWORK_BYTES_PER_S
+    fused_lora_matmul_flops_per_s: float | None = None
+
+    def linear_flops_per_s(self, fused_lora: bool = False) -> float:
+        """The rate of the work outside attention: with ``fused_lora``, the measured fused rate,
+        else :data:`FUSED_LORA_LINEAR_SPEEDUP` times the PEFT path's."""
+        if not fused_lora:
+            return self.matmul_flops_per_s
+        if self.fused_lora_matmul_flops_per_s is not None:
+            return self.fused_lora_matmul_flops_per_s
+        return self.matmul_flops_per_s * FUSED_LORA_LINEAR_SPEEDUP
 
 
 @dataclass
@@ -177,8 +192,9 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
         A :class:`StepTime`.
     """
     lf, lb, af, ab = step_flops(w, f)
-    fwd_compute = lf / rates.matmul_flops_per_s + af / rates.attention_flops_per_s
-    bwd_compute = lb / rates.matmul_flops_per_s + ab / rates.attention_flops_per_s
+    linear_rate = rates.linear_flops_per_s(f.fused_lora and bool(w.lora_rank))
+    fwd_compute = lf / linear_rate + af / rates.attention_flops_per_s
+    bwd_compute = lb / linear_rate + ab / rates.attention_flops_per_s
     block = w.block_input_bytes
     moved = sum(1 for p in placement if p in ("ram", "disk")) * block  # each way
     kept = keeps_attention(f) * attention_kept_bytes(w)

@@ -829,7 +829,27 @@ def test_the_layer_linear_rate_counts_what_the_planner_counts(lora_rank):
     # warm-up, three timed) finds exactly four layers' worth.
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
-        rate = linear_rate(shape, lora_rank, tokens=tokens, device="cpu")
-    assert counter.get_total_flops() == 4 * layer_linear_flops(shape, lora_rank, tokens)
-    assert rate > 0
+    for fused in (False, True) if lora_rank else (False,):
+        with FlopCounterMode(display=False) as counter:
+            rate = linear_rate(shape, lora_rank, tokens=tokens, device="cpu", fused_lora=fused)
+        assert counter.get_total_flops() == 4 * layer_linear_flops(shape, lora_rank, tokens), fused
+        assert rate > 0
+
+
+def test_a_fused_lora_plan_runs_its_linear_work_at_the_fused_rate():
+    from offloadkit.planning.timing import FUSED_LORA_LINEAR_SPEEDUP, Rates, estimate_time
+
+    w = Workload(resolve_shape("llama-3-8b"), 65536, lora_rank=16)
+    f = Features(offload_inputs=True, loss_chunks=8, mlp_shards=4)
+    peft, fused = estimate_time(w, f, Rates(), ["ram"] * 31 + ["gpu"]), None
+    fused = estimate_time(w, replace(f, fused_lora=True), Rates(), ["ram"] * 31 + ["gpu"])
+    linear = peft.linear_flops / Rates().matmul_flops_per_s
+    assert fused.compute_s == pytest.approx(peft.compute_s - linear + linear / FUSED_LORA_LINEAR_SPEEDUP)
+    measured = Rates(fused_lora_matmul_flops_per_s=1e15)
+    assert (
+        measured.linear_flops_per_s(True) == 1e15 and measured.linear_flops_per_s(False) == Rates().matmul_flops_per_s
+    )
+    full = Workload(resolve_shape("llama-3-8b"), 65536, lora_rank=0)  # no adapters: nothing to fuse
+    assert estimate_time(full, replace(f, fused_lora=True), Rates(), ["ram"] * 31 + ["gpu"]) == estimate_time(
+        full, f, Rates(), ["ram"] * 31 + ["gpu"]
+    )
