@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offloadkit.lora import apply_fused_lora, lora_linear
-from offloadkit.testing import build_llama, randomize_lora_b
+from offloadkit.testing import build_llama, randomize_lora_b, run_step
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
@@ -41,11 +41,7 @@ def _lora_model(dtype=torch.bfloat16, layers=2, **lora):
 
 
 def _step(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
+    return run_step(model, batch)
 
 
 def _batch(seq=64, batch=2):

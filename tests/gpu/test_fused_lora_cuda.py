@@ -11,7 +11,7 @@ import torch
 
 from offloadkit.compose import prepare
 from offloadkit.lora import apply_fused_lora
-from offloadkit.testing import build_llama, make_batch, randomize_lora_b
+from offloadkit.testing import build_llama, make_batch, randomize_lora_b, run_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 peft = pytest.importorskip("peft")
@@ -37,14 +37,7 @@ def _model(shape=SHAPE, attention="sdpa"):
 
 
 def _step(model, batch, context=None):
-    model.zero_grad(set_to_none=True)
-    if context is None:
-        loss = model(**batch).loss
-    else:
-        with context():
-            loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return run_step(model, batch, context() if context is not None else None)
 
 
 def _rel(a, b):
