@@ -29,7 +29,7 @@ from offloadkit.components import COMPONENTS
 from offloadkit.config import OffloadConfig
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
-from offloadkit.parallel.compat import check_parallel
+from offloadkit.parallel.compat import check_parallel, fsdp2_sharded
 from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.transfer.options import TransferOptions
 from offloadkit.transfer.prefetch import PrefetchScheduler
@@ -314,6 +314,9 @@ def plan_for(
         if config.context_parallel and parallel.world_size > 1:
             # context_parallel: true splits each sequence over every rank (the Trainer's turns).
             parallel = dataclasses.replace(parallel, context_parallel=True, rotation=config.context_parallel_rotation)
+        if parallel.world_size > 1 and fsdp2_sharded(model) is not None:
+            # fully_shard-ed: each rank holds its shards of the weights, gradients and state.
+            parallel = dataclasses.replace(parallel, shard_weights=True)
     budgets = Budgets.detect(
         gpu_bytes=config.gpu_budget_bytes,
         host_bytes_per_rank=config.host_budget_bytes,

@@ -83,6 +83,12 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
         "share of one; only host RAM and disk are shared",
     )
     p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --world-size: FSDP2 shards the weights, gradients and optimizer state over the ranks "
+        "(fully_shard on each decoder layer, then the model); the plan streams no weights then",
+    )
+    p.add_argument(
         "--rotation",
         choices=("auto", "allgather", "alltoall"),
         default="auto",
@@ -160,17 +166,21 @@ def verdict(p) -> str:
 
 
 def _parallelism(args):
-    """The run's ranks from ``--world-size``, ``--ranks-per-host`` and ``--no-context-parallel``."""
+    """The run's ranks from ``--world-size``, ``--ranks-per-host``, ``--no-context-parallel`` and
+    ``--fsdp``."""
     from offloadkit.planning.parallelism import Parallelism
 
     for flag, value in (("world-size", args.world_size), ("ranks-per-host", args.ranks_per_host)):
         if value is not None and value < 1:
             raise ValueError(f"--{flag}={value} must be >= 1")
+    if getattr(args, "fsdp", False) and args.world_size < 2:
+        raise ValueError("--fsdp shards the weights over the ranks: give --world-size 2 or more")
     return Parallelism(
         world_size=args.world_size,
         context_parallel=args.world_size > 1 and not args.no_context_parallel,
         ranks_per_host=args.ranks_per_host if args.ranks_per_host is not None else args.world_size,
         rotation=args.rotation,
+        shard_weights=bool(getattr(args, "fsdp", False)),
     )
 
 

@@ -22,16 +22,21 @@ def optimizer_footprint(w: Workload, f: Features) -> Footprint:
     s, b = w.shape, w.dtype_bytes
     if w.lora_rank:
         return Footprint(gpu={"trainable state": s.lora_params(w.lora_rank) * w.adapter_bytes * 4})
+    # Sharded by FSDP2: each rank's share of the gradients and state, and one layer's whole
+    # gradient before its reduce-scatter.
+    shards = w.parallel.weight_shards
+    params = -(-s.params // shards)
+    unreduced = s.layer_params * b if shards > 1 else 0
     if not f.optimizer_offloading:
-        return Footprint(gpu={"trainable state": s.params * (b + w.optimizer_state_bytes)})
-    largest = max(max(a * c for a, c in s.linears), s.embed_params, s.head_params)
-    held = largest if w.updates_in_backward else s.params
-    grad = held * b
+        return Footprint(gpu={"trainable state": params * (b + w.optimizer_state_bytes) + unreduced})
+    largest = -(-max(max(a * c for a, c in s.linears), s.embed_params, s.head_params) // shards)
+    held = largest if w.updates_in_backward else params
+    grad = held * b + unreduced
     if w.optimizer_precision == "fp32_master":
         grad += largest * 4  # the fp32 master update widens one whole gradient
     if w.optimizer_precision == "compact":
         grad += min(largest, COMPACT_CHUNK_ELEMENTS) * COMPACT_CHUNK_BYTES_PER_ELEMENT  # one chunk
-    state = s.params * w.optimizer_state_bytes
+    state = params * w.optimizer_state_bytes
     window = f.copy_window_bytes
     if window is None:
         window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]

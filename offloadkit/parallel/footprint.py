@@ -11,7 +11,18 @@ from offloadkit.component import FootprintParallelism as Parallelism
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.longctx.attention_groups import kv_head_groups
 
-__all__ = ["GRADIENT_BYTES", "context_parallel_footprint", "ring_buffer_bytes", "ring_rotation"]
+__all__ = [
+    "GATHERED_LAYERS",
+    "GRADIENT_BYTES",
+    "context_parallel_footprint",
+    "ring_buffer_bytes",
+    "ring_rotation",
+    "sharded_weights_footprint",
+]
+
+# Decoder layers whose weights FSDP2 holds gathered at once: the one running and the one its
+# prefetch brings ahead (forward and backward prefetch one unit by default).
+GATHERED_LAYERS = 2
 
 # The ring backward accumulates query, key and value gradients in fp32 and sends the key and
 # value ones around the ring that way (torch's context-parallel option convert_to_f32, on by
@@ -72,3 +83,17 @@ def context_parallel_footprint(w: Workload, f: Features) -> Footprint:
     groups = kv_head_groups(f.head_groups, w.shape.kv_heads)
     ring = ring_buffer_bytes(w, groups, ring_rotation(w.parallel, f.rotation))
     return Footprint(attention_backward=ring, backward_part="ring attention buffers" if ring else "")
+
+
+def sharded_weights_footprint(w: Workload, f: Features) -> Footprint:
+    """FSDP2's weights on one rank (``parallel.shard_weights``): its shard of the decoder
+    layers', the root's whole (embeddings, final norm, head: gathered from forward to backward)
+    and :data:`GATHERED_LAYERS` layers gathered. Replaces the model's whole weights."""
+    shards = w.parallel.weight_shards
+    if shards <= 1:
+        return Footprint()
+    s, b = w.shape, w.dtype_bytes
+    root = s.embed_params + s.head_params + s.hidden
+    layers = s.layers * s.layer_params
+    gathered = min(GATHERED_LAYERS, s.layers) * s.layer_params
+    return Footprint(gpu={"weights": (-(-layers // shards) + root + gathered) * b})

@@ -32,6 +32,7 @@ from offloadkit.longctx.footprint import (
 from offloadkit.longctx.loss import auto_chunk_tokens
 from offloadkit.longctx.tiled_mlp import auto_num_shards
 from offloadkit.optim.footprint import optimizer_footprint
+from offloadkit.parallel.footprint import sharded_weights_footprint
 from offloadkit.planning.parallelism import Parallelism
 from offloadkit.planning.shape import ModelShape
 from offloadkit.storage.disk import MAX_INFLIGHT_BYTES
@@ -325,10 +326,11 @@ def tiles_final_norm(f: Features) -> bool:
 
 
 def footprints(w: Workload, f: Features) -> list[tuple[str, Footprint]]:
-    """Each part's footprint in this step, in the order they are summed: the optimizer's (the
-    loop's or the Trainer's: not a component :func:`~offloadkit.prepare` builds), then each
-    component's of :data:`~offloadkit.components.COMPONENTS`, in apply order."""
-    out = [("optimizer", optimizer_footprint(w, f))]
+    """Each part's footprint in this step, in the order they are summed: the optimizer's and
+    FSDP2's sharded weights (the loop's or the Trainer's: not components
+    :func:`~offloadkit.prepare` builds), then each component's of
+    :data:`~offloadkit.components.COMPONENTS`, in apply order."""
+    out = [("optimizer", optimizer_footprint(w, f)), ("sharded weights", sharded_weights_footprint(w, f))]
     return out + [(c.name, c.footprint(w, f)) for c in COMPONENTS if c.footprint is not None]
 
 

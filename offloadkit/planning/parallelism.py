@@ -86,8 +86,14 @@ class Parallelism:
         world_size: ranks of the run (with ``context_parallel``: the ranks one sequence is
             split over).
         context_parallel: each sequence is split over the ranks (``apply_context_parallel``);
-            False: each rank trains its own sequences (DDP; FSDP's sharded weights are not
-            counted: the plan holds the whole model on each rank).
+            False: each rank trains its own sequences (DDP, or FSDP2 with ``shard_weights``).
+        shard_weights: FSDP2 (``fully_shard`` on each decoder layer, then the model) shards
+            the weights, gradients and optimizer state over the ``world_size`` ranks: a rank
+            holds its shards, the root's weights (embeddings, head: gathered from forward to
+            backward) and two layers' gathered weights (the one running and the one fetched
+            ahead); each step all-gathers the weights twice and reduce-scatters the gradients.
+            The plan then streams no weights and drops no block inputs (both refused under
+            FSDP2). False: every rank holds the whole model (DDP).
         ranks_per_host: ranks on one host, sharing its RAM and disk (may exceed
             ``world_size`` where other groups share the host).
         rotation: how ring attention moves keys and values between the ranks of a sequence:
@@ -105,12 +111,18 @@ class Parallelism:
     context_parallel: bool = False
     ranks_per_host: int = 1
     rotation: str = "auto"
+    shard_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "ranks_per_host"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; pass a number of ranks (an int >= 1)")
+        if not isinstance(self.shard_weights, bool):
+            raise ValueError(
+                f"shard_weights={self.shard_weights!r} is invalid; pass True (FSDP2 shards the weights over the "
+                "ranks) or False (each rank holds the whole model)"
+            )
         if not isinstance(self.context_parallel, bool):
             raise ValueError(
                 f"context_parallel={self.context_parallel!r} is invalid; pass True (one sequence split over "
@@ -131,6 +143,11 @@ class Parallelism:
     def sequence_ranks(self) -> int:
         """Ranks each sequence is split over (1 without context parallelism)."""
         return self.world_size if self.context_parallel else 1
+
+    @property
+    def weight_shards(self) -> int:
+        """Ranks the weights, gradients and optimizer state are sharded over (1: none)."""
+        return self.world_size if self.shard_weights else 1
 
     @property
     def splits_sequence(self) -> bool:
@@ -161,6 +178,8 @@ class Parallelism:
             split = f"context parallel: {seq_len // self.world_size} of the {seq_len} tokens each"
         else:
             split = "each with its own sequences"
+        if self.weight_shards > 1:
+            split += f", weights sharded over {self.weight_shards} (FSDP2)"
         host = (
             f"host RAM and disk shared by {self.ranks_per_host} ranks"
             if self.ranks_per_host > 1

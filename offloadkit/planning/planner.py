@@ -33,6 +33,7 @@ from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.lora.options import LoraOptions
+from offloadkit.optim.footprint import optimizer_footprint
 from offloadkit.optim.options import OptimizerOptions
 from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.budgets import Budgets
@@ -297,7 +298,9 @@ class Plan:
             f"{b.host_bytes / GiB:.2f} GiB + process |",
             f"| disk | {m.disk / GiB:.2f} GiB | {b.disk_bytes / GiB:.2f} GiB |",
             f"| step time | {t.seconds:.2f} s ({t.bound}-bound; compute {t.compute_s:.2f} s, PCIe {t.pcie_s:.2f} s, "
-            f"disk {t.disk_s:.2f} s{ring}) | |",
+            f"disk {t.disk_s:.2f} s{ring}"
+            + (f", FSDP2 all-gathers and reduce-scatter {t.shard_s:.2f} s" if t.shard_s else "")
+            + ") | |",
             f"| tokens/s, TFLOP/s | {w.tokens / t.seconds:.0f}, {t.flops / t.seconds / 1e12:.0f} | |",
             "",
             "GPU peak parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.gpu_parts.items()) + " GiB",
@@ -345,7 +348,7 @@ def _streamed_host_bytes(w: Workload, f: Features) -> int:
 def _held_host_bytes(w: Workload, f: Features) -> int:
     """Host RAM held beside the block inputs: the streamed layers, and a full fine-tune's
     AdamW state in host memory (the optimizer's own, outside the engine's budget)."""
-    state = w.shape.params * w.optimizer_state_bytes if f.optimizer_offloading and not w.lora_rank else 0
+    state = optimizer_footprint(w, f).host.get("optimizer state", 0)  # each rank's share under FSDP2
     return _streamed_host_bytes(w, f) + state
 
 
@@ -441,6 +444,9 @@ def _candidates(w: Workload, b: Budgets, stream_depth: int, state_movable: bool 
         for name, f in out[-len(tiled) :]
         if f.layer_streaming and stream_depth > 1
     ]
+    if w.parallel.weight_shards > 1:
+        # FSDP2 owns the weights' placement: streaming them is refused (parallel/compat.py).
+        out = [(name, f) for name, f in out if not f.layer_streaming]
     return out
 
 
@@ -584,7 +590,9 @@ def _realise(w: Workload, b: Budgets, name: str, f: Features, optimizer: Optimiz
         m = estimate_memory(w, f)
         t = estimate_time(w, f, b.rates, m.block_placement)
         reasons = _check(w, m, b)
-    if f.offload_inputs and f.checkpointing and (reasons or "disk" in m.block_placement):
+    # Not under FSDP2: replaying blocks it shards is refused (parallel/compat.py).
+    replayable = w.parallel.weight_shards == 1
+    if replayable and f.offload_inputs and f.checkpointing and (reasons or "disk" in m.block_placement):
         dropped = _drop_inputs(w, f, b, m, t)
         if dropped is not None:
             f, m, t = dropped

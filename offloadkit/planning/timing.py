@@ -122,6 +122,8 @@ class StepTime:
         linear_flops / attention_flops: executed FLOPs.
         ring_s / ring_wait_s: the link's time for ring attention's traffic, and the part of
             it the step waits for (both 0 without a sequence split over ranks).
+        shard_s: the link's time for FSDP2's all-gathers and reduce-scatters (0 unsharded);
+            "shards"-bound where it is longer than the compute it overlaps.
     """
 
     seconds: float
@@ -133,6 +135,7 @@ class StepTime:
     attention_flops: float
     ring_s: float = 0.0
     ring_wait_s: float = 0.0
+    shard_s: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -204,7 +207,9 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
         # Per pass: forward, then backward. A full fine-tune's updated weights go back on the
         # other direction's queue, beside the state's way back.
         streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes
-    state = w.shape.params * w.optimizer_state_bytes if f.optimizer_offloading and not w.lora_rank else 0
+    # Each rank's share of the state where FSDP2 shards it.
+    shards = w.parallel.weight_shards
+    state = -(-w.shape.params // shards) * w.optimizer_state_bytes if f.optimizer_offloading and not w.lora_rank else 0
     fwd_pcie = (moved + streamed) / rates.pcie_bytes_per_s  # inputs out and weights in share the link
     # Backward's host->device queue carries the block inputs, streamed weights and optimizer
     # state; the state's way back is the other direction's queue, as long.
@@ -233,8 +238,15 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     link = rates.link_bytes_per_s if w.parallel.one_host else rates.network_bytes_per_s
     rotation = ring_rotation(w.parallel, f.rotation)
     ring = ring_traffic(w, reruns, af / rates.attention_flops_per_s / w.shape.layers, link, rotation)
-    fwd = max(fwd_compute + fwd_exposed + ring.forward_wait_s, fwd_pcie, fwd_disk)
-    bwd = max(bwd_compute + exposed + ring.backward_wait_s, bwd_pcie, bwd_disk)
+    # FSDP2: each rank receives the others' shards of the layers' weights in forward and again
+    # in backward, and sends its gradients' reduce-scatter, prefetched a layer ahead: the link
+    # sets a phase's time only where it is slower than the compute it overlaps.
+    gathered = w.shape.layers * w.shape.layer_params * w.dtype_bytes * (shards - 1) // shards
+    shard_link = rates.link_bytes_per_s if shards <= w.parallel.ranks_per_host else rates.network_bytes_per_s
+    fwd_shard = gathered / shard_link if shards > 1 else 0.0
+    bwd_shard = 2 * gathered / shard_link if shards > 1 else 0.0
+    fwd = max(fwd_compute + fwd_exposed + ring.forward_wait_s, fwd_pcie, fwd_disk, fwd_shard)
+    bwd = max(bwd_compute + exposed + ring.backward_wait_s, bwd_pcie, bwd_disk, bwd_shard)
     totals = {
         "compute": fwd_compute + bwd_compute,
         "pcie": fwd_pcie + bwd_pcie + update_pcie,
@@ -242,12 +254,12 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     }
     # The bound is the resource that sets the longest phase's time.
     phases = [
-        (fwd, (fwd_compute, fwd_pcie, fwd_disk, ring.forward_wait_s)),
-        (bwd, (bwd_compute, bwd_pcie + exposed, bwd_disk, ring.backward_wait_s)),
-        (update_pcie, (0.0, update_pcie, 0.0, 0.0)),
+        (fwd, (fwd_compute, fwd_pcie, fwd_disk, ring.forward_wait_s, fwd_shard)),
+        (bwd, (bwd_compute, bwd_pcie + exposed, bwd_disk, ring.backward_wait_s, bwd_shard)),
+        (update_pcie, (0.0, update_pcie, 0.0, 0.0, 0.0)),
     ]
     _, parts = max(phases, key=lambda x: x[0])
-    bound = ("compute", "pcie", "disk", "ring")[max(range(4), key=lambda k: parts[k])]
+    bound = ("compute", "pcie", "disk", "ring", "shards")[max(range(5), key=lambda k: parts[k])]
     return StepTime(
         seconds=fwd + bwd + update_pcie,
         compute_s=totals["compute"],
@@ -258,4 +270,5 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
         attention_flops=af + ab,
         ring_s=ring.seconds,
         ring_wait_s=ring.wait_s,
+        shard_s=fwd_shard + bwd_shard,
     )

@@ -1,0 +1,51 @@
+"""One rank of the FSDP2 planning test, started by ``torchrun`` (gloo, CPU): a tiny Llama
+``fully_shard``-ed per decoder layer and then whole; the bytes of the rank's own shards against
+the planner's sharded weights, and what ``prepare()`` plans for it. Prints ``RESULT`` lines."""
+
+
+import torch.distributed as dist
+
+from offloadkit.compose import prepare
+from offloadkit.models.blocks import find_blocks
+from offloadkit.parallel.footprint import GATHERED_LAYERS, sharded_weights_footprint
+from offloadkit.planning.memory import Features, Workload
+from offloadkit.planning.parallelism import Parallelism
+from offloadkit.planning.shape import resolve_shape
+from offloadkit.testing import build_llama
+
+
+def main(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_llama("tiny", num_hidden_layers=4)
+    for _, layer in find_blocks(model):
+        fully_shard(layer)
+    fully_shard(model)
+    local = {name: p.to_local() for name, p in model.named_parameters()}
+    shape = resolve_shape("tiny", layers=4)
+    layers_local = sum(t.numel() for name, t in local.items() if ".layers." in name)
+    w = Workload(shape, 64, lora_rank=0, dtype_bytes=4, parallel=Parallelism(world, shard_weights=True))
+    planned = sharded_weights_footprint(w, Features()).gpu["weights"] // 4
+    root = shape.embed_params + shape.head_params + shape.hidden
+    gathered = GATHERED_LAYERS * shape.layer_params
+    # FSDP2 pads each parameter's dim-0 shards to equal sizes: a rank holds at most one row more.
+    assert 0 <= planned - root - gathered - layers_local <= sum(1 + t.shape[-1] for n, t in local.items()), (
+        planned - root - gathered,
+        layers_local,
+    )
+    print(f"RESULT shards rank={rank} ok", flush=True)
+    runtime = prepare(model, {"offload_plan": "auto", "seq_len": 64, "gradient_checkpointing": True})
+    try:
+        assert runtime.plan.workload.parallel.shard_weights, runtime.plan.workload.parallel
+        assert not runtime.plan.features.layer_streaming and not runtime.plan.features.recompute_blocks
+    finally:
+        runtime.close()
+    print(f"RESULT prepare rank={rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    try:
+        main(dist.get_rank(), dist.get_world_size())
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,110 @@
+"""The planner under FSDP2 (``Parallelism(shard_weights=True)``, ``offloadkit plan --fsdp``,
+found by ``prepare()`` on a ``fully_shard``-ed model): a rank holds its share of the weights,
+gradients and optimizer state, the root's weights and two gathered layers; the link carries the
+all-gathers and reduce-scatters; the plan streams no weights and drops no block inputs."""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+from offloadkit.optim.footprint import optimizer_footprint
+from offloadkit.parallel.footprint import GATHERED_LAYERS, sharded_weights_footprint
+from offloadkit.planning import Budgets, Features, Parallelism, Workload, estimate_memory, plan, resolve_shape
+from offloadkit.planning.timing import Rates, estimate_time
+from tests.torchrun import assert_ranks_reported, torchrun
+
+GiB = 1 << 30
+EIGHT_B = resolve_shape("llama-3-8b")
+
+
+def _work(shards: int, **kw) -> Workload:
+    parallel = Parallelism(4, ranks_per_host=4, shard_weights=shards > 1)
+    return Workload(EIGHT_B, 32768, lora_rank=0, parallel=parallel, **kw)
+
+
+def test_a_rank_holds_its_shards_the_root_and_two_gathered_layers():
+    s, b = EIGHT_B, 2
+    f = Features(offload_inputs=True, loss_chunks=8)
+    whole, sharded = estimate_memory(_work(1), f), estimate_memory(_work(4), f)
+    root = (s.embed_params + s.head_params + s.hidden) * b
+    layers = s.layers * s.layer_params * b
+    assert whole.gpu_parts["weights"] == s.params * b
+    assert sharded.gpu_parts["weights"] == layers // 4 + root + GATHERED_LAYERS * s.layer_params * b
+    # Gradients and AdamW state: each rank's share, plus one layer's gradient before its reduce-scatter.
+    assert sharded.gpu_parts["trainable state"] == -(-s.params // 4) * (b + 4) + s.layer_params * b
+    assert whole.gpu_parts["trainable state"] == s.params * (b + 4)
+    # Everything else (block inputs, the loss, a layer's backward) is the same.
+    rest = {k for k in whole.gpu_parts if k not in ("weights", "trainable state")}
+    assert {k: whole.gpu_parts[k] for k in rest} == {k: sharded.gpu_parts[k] for k in rest}
+    assert not sharded_weights_footprint(_work(1), f).gpu
+
+
+def test_the_optimizer_state_in_host_memory_is_each_ranks_share():
+    f = Features(offload_inputs=True, optimizer_offloading=True)
+    for precision in ("params", "fp32_master", "compact"):
+        whole = optimizer_footprint(_work(1, optimizer_precision=precision), f).host["optimizer state"]
+        sharded = optimizer_footprint(_work(4, optimizer_precision=precision), f).host["optimizer state"]
+        assert sharded == -(-EIGHT_B.params // 4) * (whole // EIGHT_B.params)
+
+
+def test_the_link_carries_two_all_gathers_and_a_reduce_scatter():
+    f = Features(offload_inputs=True, loss_chunks=8)
+    w = _work(4)
+    gathered = EIGHT_B.layers * EIGHT_B.layer_params * 2 * 3 // 4
+    fast = estimate_time(w, f, Rates(), ["ram"] * 31 + ["gpu"])
+    assert fast.shard_s == pytest.approx(3 * gathered / Rates().link_bytes_per_s)
+    assert fast.bound != "shards"
+    slow = estimate_time(w, f, Rates(link_bytes_per_s=1e9), ["ram"] * 31 + ["gpu"])
+    assert slow.bound == "shards" and slow.seconds > fast.seconds
+    assert estimate_time(_work(1), f, Rates(), ["ram"] * 31 + ["gpu"]).shard_s == 0
+    # Ranks over several hosts all-gather over the network.
+    hosts = dataclasses.replace(w, parallel=Parallelism(4, ranks_per_host=2, shard_weights=True))
+    across = estimate_time(hosts, f, Rates(), ["ram"] * 31 + ["gpu"])
+    assert across.shard_s == pytest.approx(3 * gathered / Rates().network_bytes_per_s)
+
+
+def test_a_sharded_plan_streams_no_weights_and_drops_no_inputs():
+    """A host too small for the block inputs: unsharded, the plan streams or drops; sharded, it
+    does neither (FSDP2 refuses both) and says what does not fit instead."""
+    budgets = Budgets(40 * GiB, 8 * GiB, 0)
+    for lora in (16, 0):
+        p = plan(
+            "llama-3-8b",
+            131072,
+            lora_rank=lora,
+            budgets=budgets,
+            parallel=Parallelism(4, ranks_per_host=1, shard_weights=True),
+        )
+        assert not p.features.layer_streaming and not p.features.recompute_blocks, p.name
+        assert "layer_offloading" not in p.to_config() or not p.to_config()["layer_offloading"]
+        assert "recompute_block_inputs" not in p.to_config()
+    whole = plan("llama-3-8b", 131072, lora_rank=16, budgets=budgets, parallel=Parallelism(4, ranks_per_host=1))
+    assert whole.features.layer_streaming or whole.features.recompute_blocks
+
+
+def test_an_8b_full_fine_tune_fits_where_fsdp2_shards_it():
+    budgets = Budgets(79 * GiB, 100 * GiB, 100 * GiB)
+    kw = dict(lora_rank=0, budgets=budgets)
+    whole = plan("llama-3-8b", 65536, parallel=Parallelism(4, ranks_per_host=4), **kw)
+    sharded = plan("llama-3-8b", 65536, parallel=Parallelism(4, ranks_per_host=4, shard_weights=True), **kw)
+    assert sharded.fits and sharded.memory.gpu_peak < 0.6 * whole.memory.gpu_peak
+
+
+def test_the_options_are_checked(capsys):
+    from offloadkit.cli.main import main
+
+    with pytest.raises(ValueError, match="shard_weights='yes' is invalid"):
+        Parallelism(2, shard_weights="yes")
+    assert main(["plan", "--shape", "llama-3-8b", "--seq-len", "8192", "--fsdp"]) != 0
+    assert "--fsdp shards the weights over the ranks" in capsys.readouterr().err
+    argv = ["plan", "--shape", "llama-3-8b", "--seq-len", "8192", "--lora-rank", "0", "--world-size", "2"]
+    assert main([*argv, "--no-context-parallel", "--fsdp", "--gpu-gib", "79", "--host-gib", "50"]) == 0
+    assert "weights sharded over 2 (FSDP2)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
+def test_a_fully_sharded_models_shards_are_what_the_planner_holds_and_prepare_plans_them():
+    worker = os.path.join(os.path.dirname(__file__), "dist", "fsdp_plan_worker.py")
+    assert_ranks_reported(torchrun(worker), ["shards", "prepare"])
