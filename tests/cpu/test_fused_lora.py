@@ -206,3 +206,19 @@ def test_the_planner_counts_it_when_the_run_asks_for_it(capsys):
     assert runtime.plan.features.fused_lora and runtime.config.fused_lora
     assert runtime.report()["fused_lora"]["layers"] == 2 * 7
     runtime.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_under_autocast_it_agrees_with_peft(dtype):
+    """As the Trainer runs a bf16 model (autocast on): fused; an fp32 model under autocast feeds
+    the layers fp32 inputs, which keep PEFT's forward."""
+    peft_model = _lora_model(dtype=dtype)
+    fused = copy.deepcopy(peft_model)
+    apply_fused_lora(fused)
+    batch = _batch(seq=32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_p, grads_p = _step(peft_model, batch)
+        loss_f, grads_f = _step(fused, batch)
+    assert abs(loss_f - loss_p) <= 1e-2 * abs(loss_p)
+    for name in grads_p:
+        assert _rel(grads_f[name], grads_p[name]) < 2.0**-6, name
