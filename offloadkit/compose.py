@@ -334,7 +334,7 @@ def plan_for(
         optimizer_precision=config.optimizer_precision,
         optimizer=optimizer,
         parallel=parallel,
-        fused_lora=config.fused_lora,
+        fused_lora=config.fused_lora is True,  # a list fuses some layers: counted as none (the larger)
     )
 
 

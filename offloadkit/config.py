@@ -283,7 +283,7 @@ class OffloadConfig:
     tiled_mlp_num_shards: int | None = _default("tiled_mlp_num_shards")
     tiled_projections: bool = _default("tiled_projections")
     attention_head_groups: int | None = _default("attention_head_groups")
-    fused_lora: bool = _default("fused_lora")
+    fused_lora: bool | list[str] = _default("fused_lora")
     context_parallel: bool = _default("context_parallel")
     context_parallel_rotation: str = _default("context_parallel_rotation")
     offload_plan: str = _default("offload_plan")

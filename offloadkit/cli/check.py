@@ -440,7 +440,7 @@ def _check_plan(cfg, args, problems: _Problems) -> str | None:
         stream_depth=off.layer_offloading_depth,
         optimizer_precision=off.optimizer_precision,
         optimizer=OptimizerSetup(updates_in_backward=not clipping, source=f"max_grad_norm={cfg.max_grad_norm}"),
-        fused_lora=off.fused_lora,
+        fused_lora=off.fused_lora is True,
     )
     m, b = chosen.memory, chosen.budgets
     if not chosen.fits:

@@ -24,7 +24,7 @@ def build_fused_lora(model: nn.Module, options: LoraOptions, run: OffloadRuntime
     if not options.fused:
         return None
     try:
-        handle = apply_fused_lora(model)
+        handle = apply_fused_lora(model, None if options.every_layer else options.fused)
     except ValueError as exc:
         run.note(f"{options.key('fused')} has no effect: {exc}")
         return None

@@ -23,7 +23,7 @@ weight that is trained or sharded (a DTensor), or an input in fp32.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -178,21 +178,29 @@ class FusedLoRA:
         self.layers = []
 
 
-def apply_fused_lora(model: nn.Module) -> FusedLoRA:
+def apply_fused_lora(model: nn.Module, modules: Iterable[str] | None = None) -> FusedLoRA:
     """Run every PEFT LoRA ``Linear`` of ``model`` through :func:`lora_linear` where it can
     (see the module's docstring for when a call keeps PEFT's forward).
 
+    Args:
+        model: a PEFT model (or any module holding PEFT LoRA linear layers).
+        modules: only the LoRA layers whose name ends with one of these (``"q_proj"``,
+            ``"mlp.down_proj"``); None: all of them.
+
     Raises:
-        ValueError: the model has no PEFT LoRA linear layer.
+        ValueError: the model has no PEFT LoRA linear layer (of those names).
     """
     try:
         from peft.tuners.lora.layer import Linear as LoraLinear
     except ImportError as exc:  # pragma: no cover - peft is what makes LoRA layers
         raise ValueError("fused LoRA needs peft (pip install 'offloadkit[hf]')") from exc
+    wanted = None if modules is None else tuple(modules)
     layers: list[nn.Module] = []
     skipped: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, LoraLinear):
+            continue
+        if wanted is not None and not any(name == w or name.endswith("." + w) for w in wanted):
             continue
         base = module.get_base_layer()
         if type(base) is not nn.Linear:
@@ -201,5 +209,6 @@ def apply_fused_lora(model: nn.Module) -> FusedLoRA:
         module.forward = _fused_forward(module, type(module).forward.__get__(module))  # type: ignore[method-assign]
         layers.append(module)
     if not layers and not skipped:
-        raise ValueError("the model has no PEFT LoRA linear layers to fuse")
+        named = "" if wanted is None else f" named {', '.join(wanted)}"
+        raise ValueError(f"the model has no PEFT LoRA linear layers{named} to fuse")
     return FusedLoRA(layers, skipped)

@@ -19,10 +19,24 @@ class LoraOptions(Options):
             adapter's weight gradients in fp32) instead of PEFT's fp32 copy of every adapter's
             input: less memory saved per layer and less time at long context; outputs and
             gradients within bf16 tolerance of PEFT's, not bitwise. Layers it cannot fuse
-            (QLoRA, DoRA, merged or several adapters) keep PEFT's forward.
+            (QLoRA, DoRA, merged or several adapters) keep PEFT's forward. A list of module
+            names (``[q_proj, k_proj, v_proj]``) fuses only the LoRA layers of those names.
     """
 
-    fused: bool = option(False, "fused_lora")
+    fused: bool | list[str] = option(False, "fused_lora")
 
     def __post_init__(self) -> None:
-        self._bool("fused")
+        if isinstance(self.fused, (list, tuple)):
+            if not self.fused or not all(isinstance(n, str) and n for n in self.fused):
+                raise ValueError(
+                    f"{self.said('fused', self.fused)} is invalid; give true, false or a non-empty list of module "
+                    "names (e.g. [q_proj, k_proj, v_proj])"
+                )
+            self.fused = list(self.fused)
+        else:
+            self._bool("fused")
+
+    @property
+    def every_layer(self) -> bool:
+        """Whether every LoRA linear layer is fused (not only the named ones)."""
+        return self.fused is True

@@ -222,3 +222,26 @@ def test_under_autocast_it_agrees_with_peft(dtype):
     assert abs(loss_f - loss_p) <= 1e-2 * abs(loss_p)
     for name in grads_p:
         assert _rel(grads_f[name], grads_p[name]) < 2.0**-6, name
+
+
+def test_a_list_fuses_the_layers_of_those_names_only():
+    from offloadkit.compose import prepare
+    from offloadkit.lora.options import LoraOptions
+
+    model = _lora_model(layers=2)
+    handle = apply_fused_lora(model, ["q_proj", "k_proj", "v_proj"])
+    assert len(handle.layers) == 2 * 3
+    assert all(
+        n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")
+        for n, m in model.named_modules()
+        if "forward" in m.__dict__
+    )
+    handle.remove()
+    with pytest.raises(ValueError, match="no PEFT LoRA linear layers named nothing_here"):
+        apply_fused_lora(model, ["nothing_here"])
+    runtime = prepare(model, {"fused_lora": ["gate_proj", "up_proj", "down_proj"]})
+    assert runtime.report()["fused_lora"]["layers"] == 2 * 3
+    runtime.close()
+    for bad in ([], [""], "q_proj", 1):
+        with pytest.raises(ValueError, match="fused_lora"):
+            LoraOptions.from_config(type("C", (), {"fused_lora": bad})())
