@@ -24,7 +24,8 @@ def build_fused_lora(model: nn.Module, options: LoraOptions, run: OffloadRuntime
     if not options.fused:
         return None
     try:
-        handle = apply_fused_lora(model, None if options.every_layer else options.fused)
+        names = options.fused if isinstance(options.fused, list) else None
+        handle = apply_fused_lora(model, names)
     except ValueError as exc:
         run.note(f"{options.key('fused')} has no effect: {exc}")
         return None
