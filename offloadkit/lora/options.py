@@ -35,8 +35,3 @@ class LoraOptions(Options):
             self.fused = list(self.fused)
         else:
             self._bool("fused")
-
-    @property
-    def every_layer(self) -> bool:
-        """Whether every LoRA linear layer is fused (not only the named ones)."""
-        return self.fused is True
