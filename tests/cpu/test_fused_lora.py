@@ -245,3 +245,42 @@ def test_a_list_fuses_the_layers_of_those_names_only():
     for bad in ([], [""], "q_proj", 1):
         with pytest.raises(ValueError, match="fused_lora"):
             LoraOptions.from_config(type("C", (), {"fused_lora": bad})())
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral", "gpt_oss", "qwen2_vl"],
+)
+def test_every_family_agrees_with_peft_within_bf16_tolerance(family):
+    """The compatibility matrix's families, LoRA on every linear layer (Phi-3's fused qkv and
+    gate_up included; experts' fused parameters are PEFT's ParamWrapper, which keeps its path):
+    the fused run against PEFT's, both bf16, judged against an fp32 run."""
+    from offloadkit.testing.families import build_family, family_batch
+
+    base = build_family(family, dtype=torch.bfloat16)
+    peft_model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    randomize_lora_b(peft_model)
+    reference = copy.deepcopy(peft_model).float()
+    fused = copy.deepcopy(peft_model)
+    handle = apply_fused_lora(fused)
+    assert handle.layers
+    batch = family_batch(family, peft_model.get_base_model(), 32, batch=2)
+    if "pixel_values" in batch:
+        batch_bf16 = dict(batch, pixel_values=batch["pixel_values"].to(torch.bfloat16))
+    else:
+        batch_bf16 = batch
+    loss_p, grads_p = _step(peft_model, batch_bf16)
+    loss_f, grads_f = _step(fused, batch_bf16)
+    _, grads_r = _step(reference, batch)
+    assert abs(loss_f - loss_p) <= 2e-2 * abs(loss_p), (loss_f, loss_p)
+    # Top-k routing turns a rounding difference into another expert for a token near a tie
+    # (seen: 1 of 64 tokens in Mixtral's second layer, against both PEFT's bf16 run and the
+    # fp32 one), which moves every gradient upstream of it by more than rounding: there the
+    # mixture-of-experts families are held to 30% of the fp32 run's gradient (a wrong scale,
+    # transpose or dropped term is off by 100%), the dense ones to PEFT's own rounding.
+    moe = family in ("qwen3_moe", "mixtral", "gpt_oss")
+    bf16 = 2.0**-8
+    for name in grads_p:
+        off_fused, off_peft = _rel(grads_f[name], grads_r[name]), _rel(grads_p[name], grads_r[name])
+        bound = max(0.3, 2 * off_peft + 2 * bf16) if moe else 2 * off_peft + 2 * bf16
+        assert off_fused <= bound, (name, off_fused, off_peft)
