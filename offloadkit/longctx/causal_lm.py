@@ -204,22 +204,24 @@ class ChunkedLossHandle:
         signature = inspect.signature(original)
         if "labels" not in signature.parameters:
             raise ValueError(f"{self.model_name}.forward takes no labels; apply_chunked_loss is for causal LMs")
-
-        @functools.wraps(original)
-        def forward(*args, **kwargs):
-            labels = kwargs.get("labels")
-            if labels is None and args:
-                labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
-            # Evaluation and prediction need real logits (compute_metrics, generate); the
-            # chunked loss is for training steps.
-            if labels is None or not self._active or not model.training:
-                return original(*args, **kwargs)
-            return self._run(original, args, kwargs)
-
+        self._original, self._signature = original, signature
+        # A partial of this handle, not a closure: a deep copy of the model (a reference model,
+        # an EMA copy) deep-copies the handle with it and runs its own weights.
+        forward = functools.update_wrapper(functools.partial(ChunkedLossHandle._forward, self), original)
         self._previous = model.__dict__.get("forward")
         model.forward = forward
         model.__dict__[_MARK] = forward
         self._active = True
+
+    def _forward(self, *args, **kwargs):
+        labels = kwargs.get("labels")
+        if labels is None and args:
+            labels = self._signature.bind_partial(*args, **kwargs).arguments.get("labels")
+        # Evaluation and prediction need real logits (compute_metrics, generate); the chunked
+        # loss is for training steps.
+        if labels is None or not self._active or not self.model.training:
+            return self._original(*args, **kwargs)
+        return self._run(self._original, args, kwargs)
 
     def _run(self, original, args, kwargs):
         call = _Call(self)

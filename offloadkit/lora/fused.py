@@ -23,6 +23,7 @@ weight that is trained or sharded (a DTensor), or an input in fp32.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 import torch
@@ -142,22 +143,21 @@ def fusable_reason(layer: Any, x: torch.Tensor, kwargs: dict) -> str | None:
     return None
 
 
-def _fused_forward(layer: Any, peft_forward):
-    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or set(kwargs) - {"adapter_names"} or fusable_reason(layer, x, kwargs) is not None:
-            return peft_forward(x, *args, **kwargs)
-        kwargs.pop("adapter_names", None)
-        name = next(n for n in layer.active_adapters if n in layer.lora_A)
-        dropout = layer.lora_dropout[name]
-        x_lora = None
-        if not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 0.0) > 0:
-            x_lora = dropout(x)
-        base = layer.get_base_layer()
-        return lora_linear(
-            x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], x_lora
-        )
-
-    return forward
+def _fused_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """A LoRA layer's forward: fused where it can, else PEFT's own (its class's forward). Bound
+    to the layer as a partial, so a deep copy of the model binds its copy to the copied layer."""
+    if args or set(kwargs) - {"adapter_names"} or fusable_reason(layer, x, kwargs) is not None:
+        return type(layer).forward(layer, x, *args, **kwargs)
+    kwargs.pop("adapter_names", None)
+    name = next(n for n in layer.active_adapters if n in layer.lora_A)
+    dropout = layer.lora_dropout[name]
+    x_lora = None
+    if not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 0.0) > 0:
+        x_lora = dropout(x)
+    base = layer.get_base_layer()
+    return lora_linear(
+        x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], x_lora
+    )
 
 
 class FusedLoRA:
@@ -206,7 +206,7 @@ def apply_fused_lora(model: nn.Module, modules: Iterable[str] | None = None) -> 
         if type(base) is not nn.Linear:
             skipped[name] = f"its base layer is a {type(base).__name__}"
             continue
-        module.forward = _fused_forward(module, type(module).forward.__get__(module))  # type: ignore[method-assign]
+        module.forward = functools.partial(_fused_forward, module)  # type: ignore[method-assign]
         layers.append(module)
     if not layers and not skipped:
         named = "" if wanted is None else f" named {', '.join(wanted)}"
