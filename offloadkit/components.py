@@ -33,9 +33,9 @@ __all__ = ["COMPONENTS", "Component", "config_docs", "key_docs"]
 COMPONENTS: tuple[Component, ...] = (
     CONTEXT_PARALLEL,
     CHUNKED_LOSS,
+    FUSED_LORA,
     TILED_MLP,
     HEAD_GROUPS,
-    FUSED_LORA,
     CHECKPOINTING,
     HOST_BUDGET,
     ACTIVATIONS,

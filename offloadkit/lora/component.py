@@ -61,7 +61,7 @@ def fused_lora_footprint(w: Workload, f: Features) -> Footprint:
 FUSED_LORA = Component(
     name="fused_lora",
     options=LoraOptions,
-    why_here="replaces the adapted projections' forward inside the blocks, before checkpointing wraps the blocks",
+    why_here="gives the adapted projections a forward before the tiled projections and checkpointing wrap them",
     build=build_fused_lora,
     report=report_fused_lora,
     footprint=fused_lora_footprint,

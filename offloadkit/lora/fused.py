@@ -30,9 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offloadkit.models.forwards import ForwardWraps
+
 __all__ = ["FusedLoRA", "apply_fused_lora", "fusable_reason", "lora_linear"]
 
 _COMPUTE = (torch.bfloat16, torch.float16)
+_MARK = "_offloadkit_fused_lora"
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -161,20 +164,21 @@ def _fused_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> to
 
 
 class FusedLoRA:
-    """What :func:`apply_fused_lora` attached: ``remove()`` gives each layer PEFT's forward back.
+    """What :func:`apply_fused_lora` attached: ``remove()`` gives each layer PEFT's forward back
+    (or whatever the instance held before).
 
     Attributes:
         layers: the LoRA layers that run fused where they can.
         skipped: layer name -> why it always runs PEFT's forward (its base layer's kind).
     """
 
-    def __init__(self, layers: list[nn.Module], skipped: dict[str, str]) -> None:
+    def __init__(self, layers: list[nn.Module], skipped: dict[str, str], wraps: ForwardWraps) -> None:
         self.layers = layers
         self.skipped = skipped
+        self._wraps = wraps
 
     def remove(self) -> None:
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+        self._wraps.remove()
         self.layers = []
 
 
@@ -195,6 +199,7 @@ def apply_fused_lora(model: nn.Module, modules: Iterable[str] | None = None) -> 
     except ImportError as exc:  # pragma: no cover - peft is what makes LoRA layers
         raise ValueError("fused LoRA needs peft (pip install 'offloadkit[hf]')") from exc
     wanted = None if modules is None else tuple(modules)
+    wraps = ForwardWraps(_MARK)
     layers: list[nn.Module] = []
     skipped: dict[str, str] = {}
     for name, module in model.named_modules():
@@ -206,9 +211,15 @@ def apply_fused_lora(model: nn.Module, modules: Iterable[str] | None = None) -> 
         if type(base) is not nn.Linear:
             skipped[name] = f"its base layer is a {type(base).__name__}"
             continue
-        module.forward = functools.partial(_fused_forward, module)  # type: ignore[method-assign]
+        if wraps.holds(module):
+            raise ValueError(f"{name} already runs fused; remove() the first handle")
+        if "forward" in module.__dict__:
+            # Another wrapper (the tiled projections) would call PEFT's forward past ours.
+            raise ValueError(f"{name}'s forward is already wrapped; apply the fused LoRA path first")
         layers.append(module)
+    for module in layers:
+        wraps.wrap(module, functools.partial(_fused_forward, module))
     if not layers and not skipped:
         named = "" if wanted is None else f" named {', '.join(wanted)}"
         raise ValueError(f"the model has no PEFT LoRA linear layers{named} to fuse")
-    return FusedLoRA(layers, skipped)
+    return FusedLoRA(layers, skipped, wraps)

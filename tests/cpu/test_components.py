@@ -30,9 +30,9 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 APPLY_ORDER = (
     "context_parallel",  # switches the attention function the others run through
     "chunked_loss",  # replaces the loss: the timeline's head hooks see it as the forward's tail
+    "fused_lora",  # the adapted projections' forward, which the tiled projections then call
     "tiled_mlp",  # wraps modules inside the blocks, before checkpointing wraps the blocks
     "head_groups",  # likewise, the attention modules
-    "fused_lora",  # likewise, the adapted projections
     "checkpointing",  # replaces the blocks' forwards before the timeline and the manager exist
     "host_budget",  # shared by the two that follow
     "activations",  # the manager, on the timeline made after checkpointing

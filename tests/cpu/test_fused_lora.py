@@ -284,3 +284,31 @@ def test_every_family_agrees_with_peft_within_bf16_tolerance(family):
         off_fused, off_peft = _rel(grads_f[name], grads_r[name]), _rel(grads_p[name], grads_r[name])
         bound = max(0.3, 2 * off_peft + 2 * bf16) if moe else 2 * off_peft + 2 * bf16
         assert off_fused <= bound, (name, off_fused, off_peft)
+
+
+def test_inside_the_tiled_projections_the_fused_path_runs_shard_by_shard(monkeypatch):
+    """prepare() fuses the LoRA layers before the tiled projections wrap them: the tiles call
+    the fused forward; a fused path applied after another wrapper is refused, not hidden."""
+    from offloadkit import apply_tiled_mlp
+    from offloadkit.compose import prepare
+    from offloadkit.lora import fused as fused_module
+
+    calls = []
+    real = fused_module.lora_linear
+    monkeypatch.setattr(fused_module, "lora_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _lora_model(layers=2)
+    reference = copy.deepcopy(model)
+    batch = _batch(seq=128)
+    config = {"fused_lora": True, "tiled_mlp": True, "tiled_mlp_num_shards": 4, "tiled_projections": True}
+    runtime = prepare(model, config)
+    loss, grads = _step(model, batch)
+    runtime.close()
+    assert len(calls) >= 2 * 7 * 4  # every adapted projection, once a shard (recomputes add more)
+    loss_ref, grads_ref = _step(reference, batch)
+    assert abs(loss - loss_ref) <= 1e-2 * abs(loss_ref)
+    assert all(_rel(grads[n], grads_ref[n]) < 2.0**-5 for n in grads_ref)
+    handle = apply_tiled_mlp(model, num_shards=2, projections=True)
+    with pytest.raises(ValueError, match="already wrapped; apply the fused LoRA path first"):
+        apply_fused_lora(model)
+    handle.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules())
