@@ -312,3 +312,57 @@ def test_inside_the_tiled_projections_the_fused_path_runs_shard_by_shard(monkeyp
         apply_fused_lora(model)
     handle.remove()
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_the_trainer_mixin_trains_with_it_evaluates_midway_and_saves_the_adapters(tmp_path):
+    """As a user runs it: a bf16 LoRA model through the Trainer with the mixin and
+    ``fused_lora: true``, gradient accumulation, an evaluation between steps, the adapters
+    saved; the run's losses within bf16 tolerance of the same run without it."""
+    transformers = pytest.importorskip("transformers")
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    def run(fused: bool, out: str):
+        model = build_llama("tiny", vocab_size=259, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+        data = TokenBlocks(byte_tokenizer(), load_texts(), 64)
+        args = transformers.TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            eval_strategy="steps",
+            eval_steps=2,
+            per_device_eval_batch_size=2,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            bf16=True,
+            remove_unused_columns=False,
+            logging_steps=1,
+            learning_rate=1e-3,
+        )
+        trainer = OffloadTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            eval_dataset=torch.utils.data.Subset(data, range(4)),
+            offload_config={"gradient_checkpointing": True, "activation_offloading": True, "fused_lora": fused},
+        )
+        trainer.train()
+        logs = trainer.state.log_history
+        model.save_pretrained(out + "/adapter")
+        return trainer, [e["loss"] for e in logs if "loss" in e], [e["eval_loss"] for e in logs if "eval_loss" in e]
+
+    trainer, losses, evals = run(True, str(tmp_path / "fused"))
+    _, losses_peft, evals_peft = run(False, str(tmp_path / "peft"))
+    assert trainer.offload_report["fused_lora"]["layers"] == 2 * 7
+    assert len(losses) == 3 and evals and len(evals) == len(evals_peft)
+    assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses + evals, losses_peft + evals_peft))
+    assert (tmp_path / "fused" / "adapter" / "adapter_model.safetensors").exists()
+    model = trainer.model
+    assert not any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "lora_A")), "detached after train()"
