@@ -18,7 +18,8 @@ agree within bf16 tolerance (``tests/cpu/test_fused_lora.py``), not bitwise.
 A layer runs PEFT's own forward whenever the fused one would not compute the same thing:
 adapters disabled or merged, several active adapters or a mixed batch, DoRA and other
 variants, a base layer that is not a plain ``nn.Linear`` (QLoRA's 4-bit, 8-bit), a base
-weight that is trained or sharded (a DTensor), or an input in fp32.
+weight that is trained or sharded (a DTensor), or an input in fp32 outside autocast (under
+autocast an fp32 layer computes in autocast's 16-bit dtype, as PEFT's path does there).
 """
 
 from __future__ import annotations
@@ -120,6 +121,18 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype the layer computes in: its input's and weight's, or, for fp32 ones under
+    autocast, autocast's (what PEFT's path computes in there too); None: not 16-bit."""
+    if x.dtype in _COMPUTE and weight.dtype == x.dtype:
+        return x.dtype
+    kind = x.device.type
+    if x.dtype == weight.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        return dtype if dtype in _COMPUTE else None
+    return None
+
+
 def fusable_reason(layer: Any, x: torch.Tensor, kwargs: dict) -> str | None:
     """Why ``layer`` (a PEFT LoRA ``Linear``) runs PEFT's forward for this call; None: fused."""
     if layer.disable_adapters or layer.merged:
@@ -139,8 +152,8 @@ def fusable_reason(layer: Any, x: torch.Tensor, kwargs: dict) -> str | None:
         return "the base weight is trained"
     if _is_dtensor(base.weight) or _is_dtensor(layer.lora_A[name].weight):
         return "sharded weights"
-    if x.dtype not in _COMPUTE or base.weight.dtype != x.dtype:
-        return "the input is not in the base weight's 16-bit dtype"
+    if _compute_dtype(x, base.weight) is None:
+        return "the input is not in the base weight's 16-bit dtype (nor cast to one by autocast)"
     if getattr(layer, "fan_in_fan_out", False):
         return "fan_in_fan_out weights"
     return None
@@ -158,8 +171,14 @@ def _fused_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> to
     if not isinstance(dropout, nn.Identity) and dropout.training and getattr(dropout, "p", 0.0) > 0:
         x_lora = dropout(x)
     base = layer.get_base_layer()
+    weight, bias = base.weight, base.bias
+    dtype = _compute_dtype(x, weight)
+    if x.dtype != dtype:  # fp32 under autocast: cast once, as autocast would for each matmul
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        x_lora = x_lora.to(dtype) if x_lora is not None else None
     return lora_linear(
-        x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], x_lora
+        x, weight, bias, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name], x_lora
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from offloadkit.lora import apply_fused_lora, lora_linear
+from offloadkit.lora import fused as fused_module
 from offloadkit.testing import build_llama, randomize_lora_b, run_step
 
 peft = pytest.importorskip("peft")
@@ -210,15 +211,23 @@ def test_the_planner_counts_it_when_the_run_asks_for_it(capsys):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_under_autocast_it_agrees_with_peft(dtype):
-    """As the Trainer runs a bf16 model (autocast on): fused; an fp32 model under autocast feeds
-    the layers fp32 inputs, which keep PEFT's forward."""
+    """As the Trainer runs a model with ``bf16=True`` (autocast on): a bf16 model, and an fp32
+    one, whose fp32 inputs the fused path computes in bf16 as autocast does PEFT's."""
     peft_model = _lora_model(dtype=dtype)
     fused = copy.deepcopy(peft_model)
     apply_fused_lora(fused)
     batch = _batch(seq=32)
+    calls = []
+    real = fused_module.lora_linear
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss_p, grads_p = _step(peft_model, batch)
-        loss_f, grads_f = _step(fused, batch)
+        fused_module.lora_linear = lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k)
+        try:
+            loss_f, grads_f = _step(fused, batch)
+        finally:
+            fused_module.lora_linear = real
+    assert calls and set(calls) == {torch.bfloat16}
+    assert all(grads_f[n].dtype == grads_p[n].dtype for n in grads_p)
     assert abs(loss_f - loss_p) <= 1e-2 * abs(loss_p)
     for name in grads_p:
         assert _rel(grads_f[name], grads_p[name]) < 2.0**-6, name
