@@ -317,6 +317,9 @@ def plan_for(
         if parallel.world_size > 1 and fsdp2_sharded(model) is not None:
             # fully_shard-ed: each rank holds its shards of the weights, gradients and state.
             parallel = dataclasses.replace(parallel, shard_weights=True)
+        if getattr(model, "gradient_as_bucket_view", False) is True:
+            # Already wrapped by DDP with its gradients as views of its buckets: no second copy.
+            parallel = dataclasses.replace(parallel, bucket_view=True)
     budgets = Budgets.detect(
         gpu_bytes=config.gpu_budget_bytes,
         host_bytes_per_rank=config.host_budget_bytes,

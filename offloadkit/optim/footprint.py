@@ -20,18 +20,27 @@ def optimizer_footprint(w: Workload, f: Features) -> Footprint:
     fetched ahead and on its way back (a window each; the two hold different parameters, so
     together never more than the state)."""
     s, b = w.shape, w.dtype_bytes
+    ddp = w.parallel.ddp
     if w.lora_rank:
-        return Footprint(gpu={"trainable state": s.lora_params(w.lora_rank) * w.adapter_bytes * 4})
+        adapters = s.lora_params(w.lora_rank) * w.adapter_bytes
+        gpu = {"trainable state": adapters * 4}
+        if ddp and not w.parallel.bucket_view:
+            gpu["DDP gradient buckets"] = adapters
+        return Footprint(gpu=gpu)
     # Sharded by FSDP2: each rank's share of the gradients and state, and one layer's whole
     # gradient before its reduce-scatter.
     shards = w.parallel.weight_shards
     params = -(-s.params // shards)
     unreduced = s.layer_params * b if shards > 1 else 0
+    # Under DDP its buckets hold every gradient for the model's life: a second copy, or, with
+    # gradient_as_bucket_view, the gradients themselves (then held whatever the optimizer frees).
+    buckets = {"DDP gradient buckets": s.params * b} if ddp else {}
     if not f.optimizer_offloading:
-        return Footprint(gpu={"trainable state": params * (b + w.optimizer_state_bytes) + unreduced})
+        grads = 0 if ddp and w.parallel.bucket_view else params * b
+        return Footprint(gpu={"trainable state": grads + params * w.optimizer_state_bytes + unreduced} | buckets)
     largest = -(-max(max(a * c for a, c in s.linears), s.embed_params, s.head_params) // shards)
     held = largest if w.updates_in_backward else params
-    grad = held * b + unreduced
+    grad = (0 if ddp and w.parallel.bucket_view else held * b) + unreduced
     if w.optimizer_precision == "fp32_master":
         grad += largest * 4  # the fp32 master update widens one whole gradient
     if w.optimizer_precision == "compact":
@@ -41,4 +50,4 @@ def optimizer_footprint(w: Workload, f: Features) -> Footprint:
     if window is None:
         window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
     in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes
-    return Footprint(gpu={"trainable state": grad + in_flight}, host={"optimizer state": state})
+    return Footprint(gpu={"trainable state": grad + in_flight} | buckets, host={"optimizer state": state})

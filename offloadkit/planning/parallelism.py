@@ -94,6 +94,9 @@ class Parallelism:
             ahead); each step all-gathers the weights twice and reduce-scatters the gradients.
             The plan then streams no weights and drops no block inputs (both refused under
             FSDP2). False: every rank holds the whole model (DDP).
+        bucket_view: under DDP, ``gradient_as_bucket_view=True``: the gradients are views of
+            DDP's all-reduce buckets. False (DDP's default): the buckets are a second copy of
+            every trainable gradient, held for the model's life.
         ranks_per_host: ranks on one host, sharing its RAM and disk (may exceed
             ``world_size`` where other groups share the host).
         rotation: how ring attention moves keys and values between the ranks of a sequence:
@@ -112,6 +115,7 @@ class Parallelism:
     ranks_per_host: int = 1
     rotation: str = "auto"
     shard_weights: bool = False
+    bucket_view: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "ranks_per_host"):
@@ -143,6 +147,11 @@ class Parallelism:
     def sequence_ranks(self) -> int:
         """Ranks each sequence is split over (1 without context parallelism)."""
         return self.world_size if self.context_parallel else 1
+
+    @property
+    def ddp(self) -> bool:
+        """Whether each rank holds the whole model and DDP all-reduces its gradients."""
+        return self.world_size > 1 and not self.context_parallel and not self.shard_weights
 
     @property
     def weight_shards(self) -> int:

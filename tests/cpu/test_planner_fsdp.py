@@ -6,6 +6,7 @@ all-gathers and reduce-scatters; the plan streams no weights and drops no block 
 import dataclasses
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -36,7 +37,9 @@ def test_a_rank_holds_its_shards_the_root_and_two_gathered_layers():
     assert sharded.gpu_parts["trainable state"] == -(-s.params // 4) * (b + 4) + s.layer_params * b
     assert whole.gpu_parts["trainable state"] == s.params * (b + 4)
     # Everything else (block inputs, the loss, a layer's backward) is the same.
-    rest = {k for k in whole.gpu_parts if k not in ("weights", "trainable state")}
+    # Unsharded, the ranks are DDP's: its buckets hold a second copy of every gradient.
+    assert whole.gpu_parts["DDP gradient buckets"] == s.params * b and "DDP gradient buckets" not in sharded.gpu_parts
+    rest = {k for k in whole.gpu_parts if k not in ("weights", "trainable state", "DDP gradient buckets")}
     assert {k: whole.gpu_parts[k] for k in rest} == {k: sharded.gpu_parts[k] for k in rest}
     assert not sharded_weights_footprint(_work(1), f).gpu
 
@@ -107,4 +110,33 @@ def test_the_options_are_checked(capsys):
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
 def test_a_fully_sharded_models_shards_are_what_the_planner_holds_and_prepare_plans_them():
     worker = os.path.join(os.path.dirname(__file__), "dist", "fsdp_plan_worker.py")
-    assert_ranks_reported(torchrun(worker), ["shards", "prepare"])
+    assert_ranks_reported(torchrun(worker), ["shards", "prepare", "ddp"])
+
+
+def test_ddp_buckets_hold_every_gradient_beside_what_the_optimizer_holds():
+    """DDP's all-reduce buckets hold every trainable gradient for the model's life: a second
+    copy by default; with ``gradient_as_bucket_view`` the gradients themselves, which updates in
+    backward then cannot free."""
+    s, b = EIGHT_B, 2
+    f = Features(offload_inputs=True, loss_chunks=8)
+    offloaded = replace(f, optimizer_offloading=True)
+
+    def parts(features, **parallel):
+        w = Workload(EIGHT_B, 32768, lora_rank=0, updates_in_backward=True, parallel=Parallelism(2, **parallel))
+        return optimizer_footprint(w, features).gpu
+
+    one = optimizer_footprint(Workload(EIGHT_B, 32768, lora_rank=0, updates_in_backward=True), offloaded).gpu
+    ddp, view = parts(offloaded), parts(offloaded, bucket_view=True)
+    assert "DDP gradient buckets" not in one
+    assert ddp["DDP gradient buckets"] == view["DDP gradient buckets"] == s.params * b
+    # The one gradient in flight of an update in backward is, with bucket views, inside a bucket.
+    largest = max(max(x * y for x, y in s.linears), s.embed_params, s.head_params)
+    assert ddp["trainable state"] - view["trainable state"] == largest * b
+    assert ddp["trainable state"] == one["trainable state"]
+    plain, plain_view = parts(f), parts(f, bucket_view=True)
+    assert plain["trainable state"] - plain_view["trainable state"] == s.params * b
+    lora = Workload(EIGHT_B, 32768, lora_rank=16, parallel=Parallelism(2))
+    assert optimizer_footprint(lora, f).gpu["DDP gradient buckets"] == s.lora_params(16) * 4
+    # Context parallelism all-reduces each gradient itself: no buckets.
+    cp = Workload(EIGHT_B, 32768, lora_rank=0, parallel=Parallelism(2, context_parallel=True))
+    assert "DDP gradient buckets" not in optimizer_footprint(cp, f).gpu

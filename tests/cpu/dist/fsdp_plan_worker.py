@@ -1,6 +1,7 @@
 """One rank of the FSDP2 planning test, started by ``torchrun`` (gloo, CPU): a tiny Llama
 ``fully_shard``-ed per decoder layer and then whole; the bytes of the rank's own shards against
-the planner's sharded weights, and what ``prepare()`` plans for it. Prints ``RESULT`` lines."""
+the planner's sharded weights, and what ``prepare()`` plans for it; then what it plans for a
+DDP-wrapped model, with and without gradient bucket views. Prints ``RESULT`` lines."""
 
 
 import torch.distributed as dist
@@ -41,6 +42,18 @@ def main(rank: int, world: int) -> None:
     finally:
         runtime.close()
     print(f"RESULT prepare rank={rank} ok", flush=True)
+    from torch.nn.parallel import DistributedDataParallel
+
+    for view in (False, True):
+        ddp = DistributedDataParallel(build_llama("tiny", num_hidden_layers=2), gradient_as_bucket_view=view)
+        runtime = prepare(ddp, {"offload_plan": "auto", "seq_len": 64, "gradient_checkpointing": True})
+        try:
+            parallel = runtime.plan.workload.parallel
+            assert parallel.ddp and parallel.bucket_view is view, parallel
+            assert "DDP gradient buckets" in runtime.plan.memory.gpu_parts
+        finally:
+            runtime.close()
+    print(f"RESULT ddp rank={rank} ok", flush=True)
 
 
 if __name__ == "__main__":
