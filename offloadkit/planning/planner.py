@@ -820,13 +820,16 @@ def physical_limit(
     pooled = budgets.gpu_bytes + budgets.host_bytes + budgets.disk_bytes
     # A full fine-tune's AdamW state lives in host RAM where RAM holds it, and the optimizer
     # can be replaced by one that keeps it there.
-    state = 0 if lora_rank else w0.shape.params * w0.optimizer_state_bytes
+    state = 0 if lora_rank else -(-w0.shape.params // parallel.weight_shards) * w0.optimizer_state_bytes
     movable = (optimizer or OptimizerSetup()).replaceable
     state_on_host = bool(state) and movable and state <= budgets.host_bytes
     # Streamed weights (frozen, or trainable ones whose state is in host RAM) live in host RAM
     # beside the state; where RAM cannot hold them they stay on the GPU.
     streamed = w0.shape.layers * w0.shape.layer_params * w0.dtype_bytes
     streaming = (bool(lora_rank) or state_on_host) and streamed + (state if state_on_host else 0) <= budgets.host_bytes
+    # FSDP2 owns the weights: it streams none and replays no block (both refused under it).
+    sharded = parallel.weight_shards > 1
+    streaming = streaming and not sharded
 
     # Ring attention's lighter rotation where the run allows it: one neighbour's keys and values at a time.
     lightest = parallel.rotations[-1]
@@ -855,7 +858,7 @@ def physical_limit(
 
     def storage_ok(seq: int) -> bool:
         # Dropped block inputs take no storage; the runs they lengthen are replayed on the GPU.
-        for drops in range(max(1, w0.shape.layers - 1)):
+        for drops in range(1 if sharded else max(1, w0.shape.layers - 1)):
             w, gpu = working_set(seq, drops)
             if gpu > budgets.gpu_bytes:
                 return False

@@ -140,3 +140,19 @@ def test_ddp_buckets_hold_every_gradient_beside_what_the_optimizer_holds():
     # Context parallelism all-reduces each gradient itself: no buckets.
     cp = Workload(EIGHT_B, 32768, lora_rank=0, parallel=Parallelism(2, context_parallel=True))
     assert "DDP gradient buckets" not in optimizer_footprint(cp, f).gpu
+
+
+def test_the_physical_limit_under_fsdp2_neither_streams_nor_replays():
+    """With RAM too small for the block inputs, a run that may drop inputs and stream weights
+    is physically allowed far longer sequences than one under FSDP2, which may do neither: the
+    limit under FSDP2 is what fits with every input kept and the shards on the GPU."""
+    from offloadkit.planning import longest_sequence, physical_limit
+
+    budgets = Budgets(40 * GiB, 4 * GiB, 0)
+    sharded = Parallelism(4, ranks_per_host=1, shard_weights=True)
+    limit, why = physical_limit("llama-3-8b", lora_rank=16, budgets=budgets, parallel=sharded)
+    free, _ = physical_limit("llama-3-8b", lora_rank=16, budgets=budgets, parallel=Parallelism(4, ranks_per_host=1))
+    assert why == "storage" and limit < free
+    cap = longest_sequence("llama-3-8b", lora_rank=16, budgets=budgets, parallel=sharded)
+    assert cap.plan is not None and not cap.plan.features.layer_streaming and not cap.plan.features.recompute_blocks
+    assert cap.longest <= limit
