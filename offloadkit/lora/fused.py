@@ -18,7 +18,8 @@ agree within bf16 tolerance (``tests/cpu/test_fused_lora.py``), not bitwise.
 A layer runs PEFT's own forward whenever the fused one would not compute the same thing:
 adapters disabled or merged, several active adapters or a mixed batch, DoRA and other
 variants, a base layer that is not a plain ``nn.Linear`` (QLoRA's 4-bit, 8-bit), a base
-weight that is trained or sharded (a DTensor), or an input in fp32 outside autocast (under
+weight that is trained or a DTensor when called (tensor parallelism; FSDP2 calls a layer with
+its gathered weights, plain tensors: fused), or an input in fp32 outside autocast (under
 autocast an fp32 layer computes in autocast's 16-bit dtype, as PEFT's path does there).
 """
 

@@ -110,7 +110,7 @@ def test_the_options_are_checked(capsys):
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
 def test_a_fully_sharded_models_shards_are_what_the_planner_holds_and_prepare_plans_them():
     worker = os.path.join(os.path.dirname(__file__), "dist", "fsdp_plan_worker.py")
-    assert_ranks_reported(torchrun(worker), ["shards", "prepare", "ddp"])
+    assert_ranks_reported(torchrun(worker), ["shards", "prepare", "ddp", "fused"])
 
 
 def test_ddp_buckets_hold_every_gradient_beside_what_the_optimizer_holds():
