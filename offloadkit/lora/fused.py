@@ -17,10 +17,11 @@ agree within bf16 tolerance (``tests/cpu/test_fused_lora.py``), not bitwise.
 
 A layer runs PEFT's own forward whenever the fused one would not compute the same thing:
 adapters disabled or merged, several active adapters or a mixed batch, DoRA and other
-variants, a base layer that is not a plain ``nn.Linear`` (QLoRA's 4-bit, 8-bit), a base
-weight that is trained or a DTensor when called (tensor parallelism; FSDP2 calls a layer with
-its gathered weights, plain tensors: fused), or an input in fp32 outside autocast (under
-autocast an fp32 layer computes in autocast's 16-bit dtype, as PEFT's path does there).
+variants, an adapter with a bias (``lora_bias``), a base layer that is not a plain
+``nn.Linear`` (QLoRA's 4-bit, 8-bit), a base weight that is trained or a DTensor when called
+(tensor parallelism; FSDP2 calls a layer with its gathered weights, plain tensors: fused), or
+an input in fp32 outside autocast (under autocast an fp32 layer computes in autocast's 16-bit
+dtype, as PEFT's path does there).
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def fusable_reason(layer: Any, x: torch.Tensor, kwargs: dict) -> str | None:
     name = active[0]
     if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
         return "DoRA or another LoRA variant"
+    if layer.lora_B[name].bias is not None or layer.lora_A[name].bias is not None:
+        return "the adapter has a bias (lora_bias)"
     base = layer.get_base_layer()
     if type(base) is not nn.Linear:
         return f"the base layer is a {type(base).__name__}, not nn.Linear"

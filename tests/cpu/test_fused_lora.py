@@ -103,9 +103,15 @@ def _outputs(model, batch):
         return model(**batch).logits
 
 
-@pytest.mark.parametrize("case", ["disabled", "merged", "dora", "fp32", "two adapters"])
+@pytest.mark.parametrize("case", ["disabled", "merged", "dora", "fp32", "two adapters", "lora bias"])
 def test_where_it_would_compute_something_else_peft_runs(case):
-    model = _lora_model(dtype=torch.float32 if case == "fp32" else torch.bfloat16, use_dora=case == "dora")
+    extra = {"lora_bias": True} if case == "lora bias" else {}
+    model = _lora_model(dtype=torch.float32 if case == "fp32" else torch.bfloat16, use_dora=case == "dora", **extra)
+    if case == "lora bias":
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n and n.endswith("bias"):
+                    p.normal_()  # PEFT starts it at zero
     if case == "two adapters":
         model.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
         model.base_model.set_adapter(["default", "second"])
