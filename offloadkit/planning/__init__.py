@@ -16,9 +16,11 @@ Example:
 """
 
 from offloadkit.planning.budgets import Budgets
+from offloadkit.planning.capacity import Capacity, longest_sequence, physical_limit
 from offloadkit.planning.memory import Features, MemoryEstimate, Workload, estimate_memory
 from offloadkit.planning.parallelism import Parallelism
-from offloadkit.planning.planner import Capacity, OptimizerSetup, Plan, longest_sequence, physical_limit, plan
+from offloadkit.planning.plan import OptimizerSetup, Plan
+from offloadkit.planning.planner import plan
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import Rates, StepTime, estimate_time
 

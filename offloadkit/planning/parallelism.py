@@ -103,7 +103,7 @@ class Parallelism:
             ``"allgather"`` (one all-gather a layer: fewer, larger transfers; the whole
             sequence's keys and values on each GPU), ``"alltoall"`` (one exchange a ring step:
             one rank's share at a time), or ``"auto"``: the planner takes all-gather where it
-            fits, else all-to-all (:attr:`Plan.rotation <offloadkit.planning.planner.Plan.rotation>`).
+            fits, else all-to-all (:attr:`Plan.rotation <offloadkit.planning.plan.Plan.rotation>`).
 
     Example:
         >>> Parallelism(world_size=4, context_parallel=True, ranks_per_host=4).sequence_ranks

@@ -1,0 +1,312 @@
+"""A plan: the features the planner chose for one step, where each block input waits, the
+predicted GPU, host and disk bytes and step time, the config keys that realise it
+(:meth:`Plan.to_config`, through the options classes), the same plan at another depth, and
+the table and verdict the CLI prints. :mod:`~offloadkit.planning.planner` searches for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.layers.options import StreamingOptions
+from offloadkit.longctx.options import LongContextOptions
+from offloadkit.lora.options import LoraOptions
+from offloadkit.optim.options import OptimizerOptions
+from offloadkit.parallel.options import ParallelOptions
+from offloadkit.planning.budgets import Budgets
+from offloadkit.planning.memory import (
+    HOST_BASELINE_BYTES,
+    Features,
+    MemoryEstimate,
+    Workload,
+    estimate_memory,
+    region_length,
+    streams_weights,
+    tiered_reserve_bytes,
+)
+from offloadkit.planning.parallelism import ring_rotation, rotation_name
+from offloadkit.planning.timing import StepTime, estimate_time
+from offloadkit.storage.options import BudgetOptions
+from offloadkit.storage.pool import size_class
+
+__all__ = ["OptimizerSetup", "Plan"]
+
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class OptimizerSetup:
+    """What a full fine-tune's optimizer lets the plan assume.
+
+    Attributes:
+        replaceable: the run's optimizer may be replaced by BackwardAdamW (or BackwardSGD),
+            whose state lives in host memory, so the plan may offer that (the Trainer's own
+            AdamW or SGD). False: the state stays where the run's optimizer keeps it (one
+            passed to the Trainer, Adafactor, 8-bit Adam, ...), counted as AdamW's on the GPU.
+        updates_in_backward: with the state in host memory, each parameter is updated in
+            backward and its gradient freed at once. False, the Trainer's default
+            (``max_grad_norm=1.0``): clipping, fp16 loss scaling or gradient accumulation
+            defer the updates to ``step()``, and every gradient is held until then.
+        source: where this was read from, for the plan's table.
+
+    Example:
+        >>> OptimizerSetup(updates_in_backward=True, source="max_grad_norm=0").updates_in_backward
+        True
+    """
+
+    replaceable: bool = True
+    updates_in_backward: bool = False
+    source: str = "assumed: the Trainer's default max_grad_norm=1.0"
+
+    def describe(self) -> str:
+        """When the updates happen (or that the state cannot move), and why that was assumed."""
+        if not self.replaceable:
+            when = "not replaceable, state on the GPU"
+        elif self.updates_in_backward:
+            when = "updated in backward, one gradient held at a time"
+        else:
+            when = "updates at step(), every gradient held until then"
+        return f"{when} ({self.source})"
+
+
+@dataclass
+class Plan:
+    """What to do for one step, and what it is predicted to cost.
+
+    Attributes:
+        workload / features / budgets: the inputs and the chosen features.
+        name: the chosen candidate.
+        memory / time: predictions.
+        fits: whether every budget holds.
+        reasons: why it does not fit (empty when it does).
+        rejected: the faster candidates that did not fit, with why.
+        optimizer: what was assumed of a full fine-tune's optimizer.
+        rotation_note: with a sequence split over ranks, why the rotation (:attr:`rotation`)
+            was taken.
+    """
+
+    workload: Workload
+    features: Features
+    budgets: Budgets
+    name: str
+    memory: MemoryEstimate
+    time: StepTime
+    fits: bool
+    reasons: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    optimizer: OptimizerSetup = field(default_factory=OptimizerSetup)
+    rotation_note: str = ""
+
+    @property
+    def rotation(self) -> str | None:
+        """How ring attention moves keys and values in this plan, "allgather" or "alltoall"
+        (``apply_context_parallel(model, mesh, rotation=plan.rotation)``); None without a
+        sequence split over ranks."""
+        par = self.workload.parallel
+        return ring_rotation(par, self.features.rotation) if par.splits_sequence else None
+
+    @property
+    def placement(self) -> list[str]:
+        """Per layer: where its input waits for backward ("gpu", "ram" or "disk"), or
+        "recompute" (kept nowhere, replayed from the kept input before it); every layer's
+        inner activations are recomputed."""
+        return self.memory.block_placement
+
+    def host_budget_bytes(self) -> int | None:
+        """``host_budget_bytes`` that realises the RAM share (streamed weights included: they
+        share the budget), or None when nothing spills to disk."""
+        if "disk" not in self.placement:
+            return None
+        w, f = self.workload, self.features
+        ram = self.placement.count("ram") * size_class(w.block_input_bytes) + _streamed_host_bytes(w, f)
+        # The tiered tier keeps some of its cap free, demoting ahead of need; the disk tier's
+        # staging buffers are reserved outside the cap (the plan's host figure counts them).
+        return max(ram + tiered_reserve_bytes(ram), 1 << 20)
+
+    def to_config(self) -> dict:
+        """The :class:`~offloadkit.config.OffloadConfig` keys that realise this plan.
+
+        Example:
+            >>> from offloadkit.config import OffloadConfig
+            >>> OffloadConfig.from_dict(plan("tiny", 512, budgets=Budgets(8 << 30, 8 << 30, 8 << 30)).to_config())
+            ... # doctest: +ELLIPSIS
+            OffloadConfig(...)
+        """
+        f = self.features
+        out: dict = {
+            **CheckpointOptions.config_keys(enabled=f.checkpointing),
+            **StreamingOptions.config_keys(enabled=f.layer_streaming, depth=f.stream_depth),
+            **LongContextOptions.config_keys(
+                chunked_loss=f.loss_chunks > 0,
+                tiled_mlp=f.mlp_shards > 1,
+                loss_chunks=f.loss_chunks or None,
+                mlp_shards=f.mlp_shards if f.mlp_shards > 1 else None,
+            ),
+            **ActivationOptions.config_keys(disk_tiering=False),
+            **LongContextOptions.config_keys(tiled_projections=f.tiled_projections and f.mlp_shards > 1),
+            **OptimizerOptions.config_keys(enabled=f.optimizer_offloading),
+        }
+        if f.head_groups > 1:
+            out |= LongContextOptions.config_keys(head_groups=f.head_groups)
+        if self.workload.parallel.context_parallel and self.workload.parallel.world_size > 1:
+            # The rotation this plan counted; whether to split is the caller's (context_parallel).
+            out |= ParallelOptions.config_keys(rotation=ring_rotation(self.workload.parallel, f.rotation))
+        if f.keep_attention:
+            every = f.keep_attention >= self.workload.shape.layers
+            out |= CheckpointOptions.config_keys(keep_attention=True if every else f.keep_attention)
+        if f.optimizer_offloading:
+            out |= OptimizerOptions.config_keys(precision=self.workload.optimizer_precision)
+        if f.fused_lora:
+            out |= LoraOptions.config_keys(fused=True)
+        if f.offload_inputs and f.horizon is not None:
+            out |= ActivationOptions.config_keys(loading_horizon=f.horizon)
+        if f.offload_inputs and f.checkpointing:
+            # Where each block input waits, as planned: the engine realises it block by block.
+            out |= CheckpointOptions.config_keys(block_input_placement=tuple(self.placement))
+        if not f.offload_inputs:
+            out |= ActivationOptions.config_keys(mode=False)
+        elif "disk" not in self.placement:
+            out |= ActivationOptions.config_keys(mode=True)
+        else:
+            out |= ActivationOptions.config_keys(mode="disk")
+            if "ram" in self.placement:
+                out |= ActivationOptions.config_keys(disk_tiering=True)
+                out |= BudgetOptions.config_keys(host_budget_bytes=self.host_budget_bytes())
+        return out
+
+    def at_depth(self, layers: int) -> "Plan":
+        """This plan realised on a model of ``layers`` decoder layers of the same shape (a
+        reduced-depth run of a full-depth plan): the same tiling, streaming, prefetch horizon
+        and optimizer placement, block inputs placed for that depth with the plan's longest
+        replayed run where the depth allows, and memory, time and fit estimated again.
+
+        Example:
+            >>> p = plan("llama-3-8b", 131072, budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
+            >>> len(p.at_depth(2).to_config()["block_input_placement"])
+            2
+        """
+        if layers == self.workload.shape.layers:
+            return self
+        w = replace(self.workload, shape=self.workload.shape.with_layers(layers))
+        f = self.features
+        f = replace(
+            f,
+            # The oldest block inputs stay offloaded where the plan offloads them; the GPU
+            # holds no more of the newest than leave one to offload.
+            gpu_blocks=min(f.gpu_blocks, max(0, layers - 2)),
+            # A run of dropped inputs replays as many blocks as at full depth, where it fits.
+            recompute_blocks=region_length(self.placement) - 1 if f.recompute_blocks else 0,
+            keep_attention=min(f.keep_attention, layers),
+        )
+        m = estimate_memory(w, f)
+        t = estimate_time(w, f, self.budgets.rates, m.block_placement)
+        reasons = _check(w, m, self.budgets)
+        name = f"{self.name}, at {layers} of its {self.workload.shape.layers} layers"
+        return Plan(
+            w,
+            f,
+            self.budgets,
+            name,
+            m,
+            t,
+            not reasons,
+            reasons,
+            optimizer=self.optimizer,
+            rotation_note=self.rotation_note,
+        )
+
+    def table(self) -> str:
+        """The plan as a text table."""
+        w, m, t, b = self.workload, self.memory, self.time, self.budgets
+        lora = f"LoRA r={w.lora_rank}" if w.lora_rank else "full fine-tune"
+        runs = _runs(self.placement)
+        par = w.parallel
+        per_rank = ""
+        if par.world_size > 1:
+            per_rank = f" (per rank of {par.world_size}" + (
+                f": {w.tokens} tokens each)" if par.splits_sequence else ")"
+            )
+        ring = f", ring {t.ring_s:.2f} s, {t.ring_wait_s:.2f} s of it waited for" if par.splits_sequence else ""
+        link = b.rates.link_bytes_per_s if par.one_host else b.rates.network_bytes_per_s
+        lines = [
+            f"plan for {w.shape.name} ({w.shape.layers} layers), {w.seq_len} tokens x {w.batch}{per_rank}, {lora}: "
+            f"{self.name}" + ("" if self.fits else "  ** DOES NOT FIT: " + "; ".join(self.reasons) + " **"),
+            "",
+            "| layers | block input | kept in |",
+            "|---|---|---|",
+        ]
+        for (lo, hi), where in runs:
+            if where == "recompute":
+                where = "nowhere: replayed from the kept input before it"
+            lines.append(f"| {lo}-{hi} | {w.block_input_bytes / GiB:.2f} GiB each | {where} |")
+        f = self.features
+        lines += [
+            "",
+            f"loss: {'chunked, ' + str(f.loss_chunks) + ' chunks' if f.loss_chunks else 'unchunked'};  "
+            f"MLP: {str(f.mlp_shards) + ' shards' if f.mlp_shards > 1 else 'untiled'}"
+            f"{' (norms and attention projections too)' if f.tiled_projections else ''};  "
+            f"{'attention: ' + str(f.head_groups) + ' head groups;  ' if f.head_groups > 1 else ''}"
+            f"{'ring attention: ' + rotation_name(self.rotation) + ' rotation;  ' if self.rotation else ''}"
+            f"{'prefetch horizon: ' + str(f.horizon) + ';  ' if f.offload_inputs and f.horizon is not None else ''}"
+            f"layer streaming: {'on, depth ' + str(f.stream_depth) if f.layer_streaming else 'off'}"
+            + (
+                ""
+                if w.lora_rank
+                else f";  AdamW state ({w.optimizer_precision}, {w.optimizer_state_bytes} bytes a parameter): "
+                + ("host memory, " + self.optimizer.describe() if f.optimizer_offloading else "GPU")
+            ),
+            "",
+            "| | predicted | budget |",
+            "|---|---|---|",
+            f"| GPU peak allocated | {m.gpu_peak / GiB:.2f} GiB ({m.phase}) | |",
+            f"| GPU reserved | {m.gpu_reserved / GiB:.2f} GiB | {b.gpu_bytes / GiB:.2f} GiB |",
+            f"| host RAM | {m.host / GiB:.2f} GiB (incl. {HOST_BASELINE_BYTES / GiB:.0f} GiB process) | "
+            f"{b.host_bytes / GiB:.2f} GiB + process |",
+            f"| disk | {m.disk / GiB:.2f} GiB | {b.disk_bytes / GiB:.2f} GiB |",
+            f"| step time | {t.seconds:.2f} s ({t.bound}-bound; compute {t.compute_s:.2f} s, PCIe {t.pcie_s:.2f} s, "
+            f"disk {t.disk_s:.2f} s{ring}"
+            + (f", FSDP2 all-gathers and reduce-scatter {t.shard_s:.2f} s" if t.shard_s else "")
+            + ") | |",
+            f"| tokens/s, TFLOP/s | {w.tokens / t.seconds:.0f}, {t.flops / t.seconds / 1e12:.0f} | |",
+            "",
+            "GPU peak parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.gpu_parts.items()) + " GiB",
+            f"rates ({b.rates.source}): matmul {b.rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s, attention "
+            f"{b.rates.attention_flops_per_s / 1e12:.0f} TFLOP/s, PCIe {b.rates.pcie_bytes_per_s / 1e9:.1f} GB/s, "
+            f"disk write/read {b.rates.disk_write_bytes_per_s / 1e9:.2f}/"
+            f"{b.rates.disk_read_bytes_per_s / 1e9:.2f} GB/s"
+            + (
+                f", ring {link / 1e9:.0f} GB/s ({'within a host' if par.one_host else 'between hosts'})" if ring else ""
+            ),
+        ]
+        for name, why in self.rejected:
+            lines.append(f"not chosen: {name}: {why}")
+        return "\n".join(lines)
+
+
+def _runs(placement: list[str]) -> list[tuple[tuple[int, int], str]]:
+    runs: list[tuple[tuple[int, int], str]] = []
+    for i, where in enumerate(placement):
+        if runs and runs[-1][1] == where:
+            runs[-1] = ((runs[-1][0][0], i), where)
+        else:
+            runs.append(((i, i), where))
+    return runs
+
+
+def _check(w: Workload, m: MemoryEstimate, b: Budgets) -> list[str]:
+    reasons = []
+    if m.gpu_reserved > b.gpu_bytes:
+        reasons.append(f"GPU needs {m.gpu_reserved / GiB:.1f} GiB of {b.gpu_bytes / GiB:.1f}")
+    if m.host - HOST_BASELINE_BYTES > b.host_bytes:
+        reasons.append(f"host RAM needs {(m.host - HOST_BASELINE_BYTES) / GiB:.1f} GiB of {b.host_bytes / GiB:.1f}")
+    if m.disk > b.disk_bytes:
+        reasons.append(f"disk needs {m.disk / GiB:.1f} GiB of {b.disk_bytes / GiB:.1f}")
+    return reasons
+
+
+def _streamed_host_bytes(w: Workload, f: Features) -> int:
+    """Host RAM of the streamed layers (they share the engine's host budget)."""
+    if streams_weights(w, f):
+        return w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)
+    return 0
