@@ -61,7 +61,17 @@ SPECIAL = (
     "plugins",
     "auto_resume_from_checkpoints",
     "base_model_config",
+    "lora_mlp_kernel",
+    "lora_qkv_kernel",
+    "lora_o_kernel",
 )
+# Axolotl's fused LoRA kernels, per group of projections: offloadkit's fused LoRA path on the
+# LoRA layers of those names (all three: every LoRA linear layer).
+LORA_KERNELS = {
+    "lora_qkv_kernel": ("q_proj", "k_proj", "v_proj", "qkv_proj"),
+    "lora_o_kernel": ("o_proj",),
+    "lora_mlp_kernel": ("gate_proj", "up_proj", "down_proj", "gate_up_proj"),
+}
 # Accepted without changing what is trained: how a run is logged or published, caches of
 # data preparation, kernels and compilers that compute the same thing another way, and the
 # layout of a multi-GPU run (one process here, with offloadkit's memory options instead).
@@ -152,9 +162,6 @@ WITHOUT_EFFECT = (
     "use_kernels",
     "use_scattermoe",
     "use_sonicmoe",
-    "lora_mlp_kernel",
-    "lora_qkv_kernel",
-    "lora_o_kernel",
     "experts_implementation",
     "use_dsv4_kernels",
     "dsv4_fp4_grouped_mode",
@@ -728,6 +735,10 @@ def _map_values(data: dict, m: _Mapper) -> None:
         written = "cut_cross_entropy" if data.get("cut_cross_entropy") is True else "liger_fused_linear_cross_entropy"
         if "chunked_cross_entropy" not in out:
             m.put("chunked_cross_entropy", True, written)
+    kernels = [key for key in LORA_KERNELS if data.get(key) is True]
+    if kernels and "fused_lora" not in out:
+        names = [name for key in kernels for name in LORA_KERNELS[key]]
+        m.put("fused_lora", True if len(kernels) == len(LORA_KERNELS) else names, "/".join(kernels))
     if out.get("chat_template") == "jinja":
         jinja = data.get("chat_template_jinja")
         if not isinstance(jinja, str) or not jinja:

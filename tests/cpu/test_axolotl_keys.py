@@ -592,3 +592,22 @@ def test_packing_in_order_and_the_last_partial_batch_left_out(tmp_path, monkeypa
     assert cfg.sample_packing_sequentially and cfg.dataloader_drop_last  # Axolotl drops it in this case
     seen, _ = _run(tmp_path, monkeypatch, config)
     assert seen.args.dataloader_drop_last is True
+
+
+@pytest.mark.parametrize(
+    "kernels, expected",
+    [
+        ({"lora_mlp_kernel": True, "lora_qkv_kernel": True, "lora_o_kernel": True}, True),
+        ({"lora_qkv_kernel": True, "lora_o_kernel": False}, ["q_proj", "k_proj", "v_proj", "qkv_proj"]),
+        ({"lora_mlp_kernel": False}, False),
+    ],
+)
+def test_axolotls_lora_kernels_run_offloadkits_fused_lora_path(tmp_path, kernels, expected):
+    """lora_*_kernel asks for fused LoRA kernels on those projections: offloadkit's fused path
+    on the LoRA layers of those names (all three: every one), trained as written."""
+    cfg = TrainConfig.from_dict(_axolotl(tmp_path, **kernels), source="axolotl.yaml", cuda=False)
+    assert cfg.offload.fused_lora == expected
+    if expected is not False:
+        report = run_train(cfg, log=lambda *a: None)
+        fused = report["offload"]["fused_lora"]
+        assert fused["layers"] == (2 * 7 if expected is True else 2 * 3)
