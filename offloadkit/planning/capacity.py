@@ -4,6 +4,7 @@ allow (the irreducible bytes of one step): :func:`longest_sequence`, :func:`phys
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from offloadkit.defaults import STREAM_DEPTH
 from offloadkit.planning.budgets import Budgets
@@ -177,25 +178,7 @@ def longest_sequence(
     b = budgets if budgets is not None else Budgets.detect(ranks_per_host=parallel.ranks_per_host if parallel else None)
     parallel = parallel or Parallelism()
 
-    def fits(seq: int) -> bool:
-        return plan(
-            model,
-            seq,
-            batch=batch,
-            lora_rank=lora_rank,
-            budgets=b,
-            layers=layers,
-            dtype_bytes=dtype_bytes,
-            stream_depth=stream_depth,
-            optimizer_precision=optimizer_precision,
-            optimizer=optimizer,
-            parallel=parallel,
-            fused_lora=fused_lora,
-        ).fits
-
-    longest = _search(fits, (1 << 16) * parallel.sequence_ranks, search_step(parallel, SEQ_STEP))
-    physical, limit = physical_limit(
-        model,
+    common: dict[str, Any] = dict(
         batch=batch,
         lora_rank=lora_rank,
         budgets=b,
@@ -205,22 +188,12 @@ def longest_sequence(
         optimizer=optimizer,
         parallel=parallel,
     )
-    best = (
-        plan(
-            model,
-            longest,
-            batch=batch,
-            lora_rank=lora_rank,
-            budgets=b,
-            layers=layers,
-            dtype_bytes=dtype_bytes,
-            stream_depth=stream_depth,
-            optimizer_precision=optimizer_precision,
-            optimizer=optimizer,
-            parallel=parallel,
-            fused_lora=fused_lora,
-        )
-        if longest
-        else None
-    )
+
+    def planned(seq: int) -> Plan:
+        return plan(model, seq, stream_depth=stream_depth, fused_lora=fused_lora, **common)
+
+    step = search_step(parallel, SEQ_STEP)
+    longest = _search(lambda seq: planned(seq).fits, (1 << 16) * parallel.sequence_ranks, step)
+    physical, limit = physical_limit(model, **common)
+    best = planned(longest) if longest else None
     return Capacity(longest, max(physical, longest), best, limit, parallel)
