@@ -522,23 +522,31 @@ def _finish(cfg: TrainConfig, tokenizer, examples: list, notes: list) -> Trainin
     return data
 
 
+def _read_datasets(cfg: TrainConfig, read, what: str) -> tuple[list, list]:
+    """Every dataset's examples as ``read(spec, tokenizer, seq_len) -> (examples, skipped)``
+    gives them, and a note per dataset that skipped some (``what``: how, e.g. "preference pairs
+    longer than ... dropped")."""
+    examples: list = []
+    notes: list = []
+    limit = f"{cfg.name('seq_len')}={cfg.seq_len}"
+    for spec in cfg.dataset_specs():
+        try:
+            got, skipped = read(spec)
+        except ValueError as exc:
+            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
+        examples += got
+        if skipped:
+            notes.append(f"{spec.path}: {skipped} {what.format(limit=limit)}")
+    return examples, notes
+
+
 def _preference_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     """``rl: dpo``: the preference pairs of each dataset (pairs that do not fit dropped), repeats
     dropped, shuffled and split as SFT examples are; the DPO trainer tokenizes and batches them."""
     from offloadkit.data.preference import preference_examples
 
-    examples: list = []
-    notes: list = []
-    for spec in cfg.dataset_specs():
-        try:
-            got, dropped = preference_examples(spec, tokenizer, cfg.seq_len)
-        except ValueError as exc:
-            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
-        examples += got
-        if dropped:
-            notes.append(
-                f"{spec.path}: {dropped} preference pairs longer than {cfg.name('seq_len')}={cfg.seq_len} dropped"
-            )
+    read = lambda spec: preference_examples(spec, tokenizer, cfg.seq_len)  # noqa: E731
+    examples, notes = _read_datasets(cfg, read, "preference pairs longer than {limit} dropped")
     notes.append(f"DPO on {{}} preference pairs (beta {cfg.rl_beta if cfg.rl_beta is not None else 0.1})")
     return _pairs_data(cfg, examples, notes)
 
@@ -548,16 +556,9 @@ def _kto_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     shuffled and split as SFT examples are; TRL's KTO trainer tokenizes and batches them."""
     from offloadkit.data.preference import kto_examples
 
-    examples: list = []
-    notes: list = []
-    for spec in cfg.dataset_specs():
-        try:
-            got, dropped = kto_examples(spec, tokenizer, cfg.seq_len)
-        except ValueError as exc:
-            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
-        examples += got
-        if dropped:
-            notes.append(f"{spec.path}: {dropped} examples longer than {cfg.name('seq_len')}={cfg.seq_len} dropped")
+    examples, notes = _read_datasets(
+        cfg, lambda spec: kto_examples(spec, tokenizer, cfg.seq_len), "examples longer than {limit} dropped"
+    )
     desirable = sum(e["label"] for e in examples)
     notes.append(f"{desirable} of the {len(examples)} completions are labelled desirable")
     notes.append(f"KTO on {{}} labelled completions (beta {cfg.rl_beta if cfg.rl_beta is not None else 0.1})")
@@ -570,16 +571,9 @@ def _reward_data(cfg: TrainConfig, tokenizer) -> TrainingData:
     as SFT examples are; TRL's reward trainer batches them."""
     from offloadkit.data.preference import reward_examples
 
-    examples: list = []
-    notes: list = []
-    for spec in cfg.dataset_specs():
-        try:
-            got, cut = reward_examples(spec, tokenizer, cfg.seq_len)
-        except ValueError as exc:
-            raise ConfigError(f"{cfg.name('datasets')}: {exc}") from None
-        examples += got
-        if cut:
-            notes.append(f"{spec.path}: {cut} pairs with a side longer than {cfg.name('seq_len')}={cfg.seq_len} cut")
+    examples, notes = _read_datasets(
+        cfg, lambda spec: reward_examples(spec, tokenizer, cfg.seq_len), "pairs with a side longer than {limit} cut"
+    )
     notes.append("reward model (Bradley-Terry) on {} pairs")
     return _pairs_data(cfg, examples, notes)
 
