@@ -27,7 +27,7 @@ from offloadkit.lora import apply_fused_lora
 from offloadkit.runtime.device import use_expandable_segments
 from offloadkit.storage import HostBufferPool, HostMemoryBudget, HostTier
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "HostBufferPool",
