@@ -18,18 +18,26 @@ COMMIT_ENV = "OFFLOADKIT_COMMIT"
 
 
 def source_commit() -> str | None:
-    """The commit of the offloadkit checkout that is running: ``git rev-parse HEAD`` in the
-    package's own directory (not the working directory, which may be another checkout), else
-    ``$OFFLOADKIT_COMMIT`` (for a tree copied without ``.git``), else None."""
+    """The commit of the offloadkit checkout that is running: ``git rev-parse HEAD`` where the
+    package's own directory is the top of a git checkout (not the working directory, which may
+    be another checkout; nor a repository around a tree copied without ``.git``, whose HEAD is
+    not this tree's), else ``$OFFLOADKIT_COMMIT`` (set for such a copy), else None."""
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
         )
     except (OSError, subprocess.SubprocessError):
         out = None
-    if out is not None and out.returncode == 0 and out.stdout.strip():
-        return out.stdout.strip()
+    if out is not None and out.returncode == 0:
+        lines = out.stdout.split()
+        if len(lines) == 2 and os.path.realpath(lines[0]) == os.path.realpath(here):
+            return lines[1]
     return os.environ.get(COMMIT_ENV) or None
 
 

@@ -84,3 +84,27 @@ def test_save_report_writes_provenance_and_keeps_a_reports_own(tmp_path, monkeyp
     own = {**report, "provenance": {"commit": "abc"}}
     save_report(own, str(path))
     assert json.loads(path.read_text())["provenance"] == {"commit": "abc"}
+
+
+def test_a_tree_copied_into_another_checkout_takes_the_commit_it_was_given(tmp_path, monkeypatch):
+    """A ``git archive`` of the tree unpacked inside the repository (how a device run gets its
+    code): git answers with the surrounding repository's HEAD, which is not this tree's; the
+    commit is the one ``$OFFLOADKIT_COMMIT`` names."""
+    import importlib.util
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    outer = tmp_path / "outer"
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    ident = ["-c", "user.email=a@b", "-c", "user.name=a"]
+    subprocess.run(["git", "-C", str(outer), *ident, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    copied = outer / "snap" / "offloadkit" / "bench" / "provenance.py"
+    copied.parent.mkdir(parents=True)
+    shutil.copy(prov_module.__file__, copied)
+    spec = importlib.util.spec_from_file_location("provenance_copy", copied)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv(COMMIT_ENV, "feedbee")
+    assert module.source_commit() == "feedbee"
+    monkeypatch.delenv(COMMIT_ENV)
+    assert module.source_commit() is None
