@@ -95,6 +95,7 @@ _CP2 = _r("multi-gpu/h200x4-d6af501/cp-llama-3-8b-2x819200-1L.json")
 _CP4 = _r("multi-gpu/h200x4-d6af501/cp-llama-3-8b-4x819200-1L.json")
 _CP_SCALE1 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-1x131072-2L.json")
 _CP_SCALE4 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-4x131072-2L.json")
+_FUSED = _r("fused-lora/h100-caa6bbc/summary.json")
 _LONGEST = "longest sequence that fits: ([0-9]+) tokens"
 _REACHED = "reached ([0-9]+)%"
 
@@ -104,6 +105,23 @@ def _probe(mode: str, seq: int, layers: int, field: str) -> str:
 
 
 CLAIMS: list[Claim | Ratio] = [
+    # PEFT's LoRA path against fused_lora, 8B LoRA r=16 at 2 layers, one H100.
+    Claim("fused-64k-peft-step", "8B LoRA, 64K, 2 layers, one H100, PEFT's path: step", _FUSED,
+          "rows[seq_len=65536,mode=peft].step_s", unit="s"),
+    Claim("fused-64k-peft-peak", "8B LoRA, 64K, 2 layers, one H100, PEFT's path: peak allocated", _FUSED,
+          "rows[seq_len=65536,mode=peft].peak_allocated_gib", unit="GiB", fmt=".2f"),
+    Claim("fused-64k-step", "8B LoRA, 64K, 2 layers, one H100, fused_lora: step", _FUSED,
+          "rows[seq_len=65536,mode=fused].step_s", unit="s"),
+    Claim("fused-64k-peak", "8B LoRA, 64K, 2 layers, one H100, fused_lora: peak allocated", _FUSED,
+          "rows[seq_len=65536,mode=fused].peak_allocated_gib", unit="GiB", fmt=".2f"),
+    Claim("fused-256k-peft-step", "8B LoRA, 256K, 2 layers, one H100, PEFT's path: step", _FUSED,
+          "rows[seq_len=262144,mode=peft].step_s", unit="s", fmt=".2f"),
+    Claim("fused-256k-peft-peak", "8B LoRA, 256K, 2 layers, one H100, PEFT's path: peak allocated", _FUSED,
+          "rows[seq_len=262144,mode=peft].peak_allocated_gib", unit="GiB", fmt=".2f"),
+    Claim("fused-256k-step", "8B LoRA, 256K, 2 layers, one H100, fused_lora: step", _FUSED,
+          "rows[seq_len=262144,mode=fused].step_s", unit="s", fmt=".2f"),
+    Claim("fused-256k-peak", "8B LoRA, 256K, 2 layers, one H100, fused_lora: peak allocated", _FUSED,
+          "rows[seq_len=262144,mode=fused].peak_allocated_gib", unit="GiB", fmt=".2f"),
     # Context parallelism, 8B LoRA on H200s capped to 79 GiB a rank, 1 layer timed.
     Claim("cp2-tokens", "8B LoRA, context parallel over 2 GPUs: tokens", _CP2, "tokens", unit="tokens", fmt=",.0f"),
     Claim("cp2-step", "8B LoRA, context parallel over 2 GPUs, 1 layer: step", _CP2, "step_s", unit="s"),
