@@ -709,6 +709,9 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
         # Early stopping watches the evaluation loss; the best checkpoint's weights end the run.
         kwargs.update(metric_for_best_model="eval_loss", greater_is_better=False)
     arguments = TrainingArguments
+    # TRL's argument classes default to what would override the config's own: checkpointing is
+    # offloadkit's (the mixin's) to switch on, and the weights' dtype is the config's.
+    trl_defaults = dict(gradient_checkpointing=False, bf16=False)
     if cfg.reward_model:
         from trl import RewardConfig
 
@@ -717,34 +720,16 @@ def training_args(cfg: TrainConfig, cuda: bool, **overrides):
             center_rewards_coefficient=cfg.center_rewards_coefficient,
             max_length=None,  # the pairs are cut at seq_len already, as Axolotl cuts them
             pad_to_multiple_of=cfg.seq_len if cfg.pad_to_sequence_len else None,
-            gradient_checkpointing=False,
-            bf16=False,
+            **trl_defaults,
         )
-    if cfg.rl == "kto":
-        from trl import KTOConfig
+    if cfg.rl in ("dpo", "kto"):
+        from trl import DPOConfig, KTOConfig
 
-        arguments = KTOConfig
-        kwargs.update(
-            beta=cfg.rl_beta if cfg.rl_beta is not None else 0.1,
-            max_length=cfg.seq_len,
-            gradient_checkpointing=False,
-            bf16=False,
-        )
-        for key in ("desirable_weight", "undesirable_weight"):
+        arguments = KTOConfig if cfg.rl == "kto" else DPOConfig
+        kwargs.update(beta=cfg.rl_beta if cfg.rl_beta is not None else 0.1, max_length=cfg.seq_len, **trl_defaults)
+        for key in ("desirable_weight", "undesirable_weight") if cfg.rl == "kto" else ():
             if getattr(cfg, f"kto_{key}") is not None:
                 kwargs[key] = getattr(cfg, f"kto_{key}")
-    if cfg.rl == "dpo":
-        from trl import DPOConfig
-
-        arguments = DPOConfig
-        kwargs.update(
-            beta=cfg.rl_beta if cfg.rl_beta is not None else 0.1,
-            max_length=cfg.seq_len,
-            # TRL's defaults that would override the config's own: checkpointing is offloadkit's
-            # (the mixin's) to switch on, and the weights' dtype is the config's.
-            gradient_checkpointing=False,
-            bf16=False,
-        )
     kwargs.update(overrides)
     if cfg.early_stopping_patience and kwargs.get("eval_strategy") == kwargs.get("save_strategy") == "steps":
         kwargs["load_best_model_at_end"] = True
