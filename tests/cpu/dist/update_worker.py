@@ -324,5 +324,8 @@ if __name__ == "__main__":
     try:
         for name in sys.argv[1:]:
             globals()[f"check_{name}"](dist.get_rank(), dist.get_world_size())
+        # Every rank past its last collective before the group goes: a rank tearing gloo down
+        # while the other still exchanges aborted once (SIGABRT after every check had passed).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
