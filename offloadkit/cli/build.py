@@ -454,7 +454,6 @@ def training_data(cfg: TrainConfig, tokenizer) -> TrainingData:
 
 
 def _finish(cfg: TrainConfig, tokenizer, examples: list, notes: list) -> TrainingData:
-    import math
     import random
 
     from offloadkit.data.packing import PackedRows, pack_examples, packed_collate
@@ -485,18 +484,11 @@ def _finish(cfg: TrainConfig, tokenizer, examples: list, notes: list) -> Trainin
         examples = unique
     held: list = []
     if cfg.val_set_size:
-        size = cfg.val_set_size
-        count = math.ceil(size * len(examples)) if size < 1 else int(size)
-        if count >= len(examples):
-            raise ConfigError(
-                f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} examples, leaving none "
-                "to train on; lower it"
-            )
         if cfg.shuffle_merged_datasets:
             examples = list(examples)
             random.Random(cfg.seed).shuffle(examples)
-        examples, held = examples[: len(examples) - count], examples[len(examples) - count :]
-        notes.append(f"{len(held)} of {len(examples) + len(held)} examples held out for evaluation")
+        examples, held, note = _hold_out(cfg, examples, "examples")
+        notes.append(note)
     if not examples:
         raise ConfigError(f"{cfg.name('datasets')}: no example left to train on")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -520,6 +512,26 @@ def _finish(cfg: TrainConfig, tokenizer, examples: list, notes: list) -> Trainin
             packed, padded = (collator, data.eval_collator) if cfg.sample_packing else (data.eval_collator, collator)
             data.collator = lambda items: (packed if "position_ids" in items[0] else padded)(items)
     return data
+
+
+def _hold_out(cfg: TrainConfig, examples: list, noun: str) -> tuple[list, list, str]:
+    """``val_set_size`` (a fraction below 1, else a count) of ``examples`` held out from the end:
+    ``(train, held, note)``.
+
+    Raises:
+        ConfigError: nothing would be left to train on.
+    """
+    import math
+
+    size = cfg.val_set_size
+    count = math.ceil(size * len(examples)) if size < 1 else int(size)
+    if count >= len(examples):
+        raise ConfigError(
+            f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} {noun}, leaving none "
+            "to train on; lower it"
+        )
+    cut = len(examples) - count
+    return examples[:cut], examples[cut:], f"{count} of {len(examples)} {noun} held out for evaluation"
 
 
 def _read_datasets(cfg: TrainConfig, read, what: str) -> tuple[list, list]:
@@ -582,7 +594,6 @@ def _pairs_data(cfg: TrainConfig, examples: list, notes: list, noun: str = "pair
     """Pairs (DPO's or a reward model's): repeats dropped, shuffled, the held-out split; the
     last note's ``{}`` becomes the number of pairs trained on."""
     import json
-    import math
     import random
 
     import datasets
@@ -602,15 +613,8 @@ def _pairs_data(cfg: TrainConfig, examples: list, notes: list, noun: str = "pair
         random.Random(cfg.seed).shuffle(examples)
     held: list = []
     if cfg.val_set_size:
-        size = cfg.val_set_size
-        count = math.ceil(size * len(examples)) if size < 1 else int(size)
-        if count >= len(examples):
-            raise ConfigError(
-                f"{cfg.name('val_set_size')}={size!r} holds out {count} of the {len(examples)} {noun}, "
-                "leaving none to train on; lower it"
-            )
-        examples, held = examples[: len(examples) - count], examples[len(examples) - count :]
-        notes.insert(-1, f"{len(held)} of {len(examples) + len(held)} {noun} held out for evaluation")
+        examples, held, note = _hold_out(cfg, examples, noun)
+        notes.insert(-1, note)
     notes[-1] = notes[-1].format(len(examples))
     data = TrainingData(datasets.Dataset.from_list(examples), None, notes)
     if held:
