@@ -48,7 +48,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--tokens-per-gpu", type=int, default=524288)
+    ap.add_argument(
+        "--tokens-per-gpu", type=int, default=524288, help="0: the planner's longest sequence for these budgets"
+    )
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--steps", type=int, default=1)
@@ -73,6 +75,12 @@ def main() -> None:
         default=None,
         help="plan for this much GPU memory and cap the process to it (a smaller card's memory on a larger one)",
     )
+    ap.add_argument(
+        "--input-grads",
+        action="store_true",
+        help="make the embeddings' output need a gradient, so that the first layer holds what a middle "
+        "layer of a deeper model holds (its input's gradient too): a 1-layer run's peak then stands for any depth",
+    )
     args = ap.parse_args()
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -84,6 +92,7 @@ def main() -> None:
     from offloadkit.parallel import apply_context_parallel
     from offloadkit.planning import Budgets, Parallelism, plan, resolve_shape
     from offloadkit.planning.budgets import GPU_CONTEXT_BYTES
+    from offloadkit.planning.capacity import longest_sequence
     from offloadkit.runtime.ranks import local_world_size
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -106,6 +115,13 @@ def main() -> None:
     # Ranks sharing one GPU (over gloo) rotate all-to-all, as the GPU tests on one card do.
     asked = args.rotation or ("alltoall" if shared else "auto")
     parallel = Parallelism(world_size=world, context_parallel=True, ranks_per_host=local_world_size(), rotation=asked)
+    capacity = None
+    if args.tokens_per_gpu == 0:
+        capacity = longest_sequence(
+            resolve_shape(args.shape), lora_rank=args.lora_rank, budgets=budgets, parallel=parallel
+        )
+        seq = capacity.longest
+        args.tokens_per_gpu = seq // world
     p = plan(resolve_shape(args.shape), seq, lora_rank=args.lora_rank, budgets=budgets, parallel=parallel)
     model = build_llama(
         args.shape,
@@ -118,6 +134,8 @@ def main() -> None:
     model.config.use_cache = False
     if args.lora_rank:
         model = apply_lora(model, rank=args.lora_rank)
+    if args.input_grads:
+        model.enable_input_require_grads()
     model.train()
     # Realised on the layers built: one block-input place per layer the model has.
     layers = len(find_blocks(model))
@@ -179,12 +197,22 @@ def main() -> None:
             "model_tflops_per_gpu": flops / step_s / 1e12,
             "rotation": rotation,
             "overrides": args.set,
+            "input_grads": args.input_grads,
             "losses": losses,
             "peak_allocated_gib": [g[0].item() for g in gathered],
             "peak_reserved_gib": [g[1].item() for g in gathered],
             "plan": p.name,
             "plan_at_depth": built.name,
             "predicted_full_depth_gpu_gib": p.memory.gpu_reserved / GiB,
+            "planner_longest": capacity.longest if capacity else None,
+            "planner_physical_limit": capacity.physical if capacity else None,
+            "budgets_gib": {
+                "gpu": budgets.gpu_bytes / GiB,
+                "host": budgets.host_bytes / GiB,
+                "disk": budgets.disk_bytes / GiB,
+            },
+            "full_depth_host_gib": p.memory.host / GiB,
+            "full_depth_disk_gib": p.memory.disk / GiB,
             "predicted_gpu_gib": built.memory.gpu_reserved / GiB,
             "config": config,
             "offloaded_gib": report.get("activations", {}).get("offloaded_bytes", 0) / GiB,

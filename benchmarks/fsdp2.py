@@ -8,6 +8,18 @@ AdamW), synchronised around the timer. Per-rank peak GPU memory is gathered; los
 grad norms are compared with the first mode.
 
     torchrun --nproc_per_node 2 benchmarks/fsdp2.py --out bench-results/fsdp2
+
+Two more modes for full fine-tuning past one GPU: ``ckpt+input_offload+backward_adamw``
+(the same, with BackwardAdamW updating each reduce-scattered shard in backward, its state in
+pinned host memory, no gradients kept) and ``cpu_offload_policy`` (FSDP2's own
+``CPUOffloadPolicy``: parameters, gradients and the optimizer on the host, Hugging Face
+checkpointing, torch AdamW on the CPU). All modes keep bf16 parameters. ``--chunked-loss N``
+computes offloadkit modes' loss over N token chunks (the longest sequence a full fine-tune
+reaches is bound by the logits otherwise). A mode that runs out of GPU memory is recorded as
+such (``oom``); run a capacity ladder one mode and length per process.
+
+    torchrun --nproc_per_node 4 benchmarks/fsdp2.py --shape llama-3-8b --seq-len 16384 \
+        --modes hf_ckpt,ckpt+input_offload+backward_adamw --out bench-results/fsdp2-8b
 """
 
 from __future__ import annotations
@@ -28,18 +40,34 @@ from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.models.zoo import build_llama, make_batch
 
 
-def build(shape: str, mode: str):
+def build(shape: str, mode: str, chunked_loss: int = 0):
     model = build_llama(shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     model.train()
     handle = None
-    if mode == "hf_ckpt":
+    kwargs = {}
+    if mode in ("hf_ckpt", "cpu_offload_policy"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        handle = apply_activation_checkpointing(model, offload_inputs=(mode == "ckpt+input_offload"))
+        handle = apply_activation_checkpointing(model, offload_inputs=mode.startswith("ckpt+input_offload"))
+        if chunked_loss:
+            from offloadkit.longctx import apply_chunked_loss
+
+            apply_chunked_loss(model, chunked_loss)
+    if mode == "cpu_offload_policy":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model, handle
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if mode.endswith("+backward_adamw"):
+        from offloadkit.optim import BackwardAdamW
+
+        # Each shard updated on FSDP2's post-reduce stream, its moments in pinned host memory.
+        opt = BackwardAdamW(model.parameters(), lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    return model, handle, opt
 
 
 def run(mode: str, args, rank: int, world: int) -> dict:
@@ -49,24 +77,29 @@ def run(mode: str, args, rank: int, world: int) -> dict:
     torch.cuda.empty_cache()
     start_allocated = torch.cuda.memory_allocated()
     torch.manual_seed(0)
-    model, handle = build(args.shape, mode)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model, handle, opt = build(args.shape, mode, args.chunked_loss)
     batch = make_batch(model.config.vocab_size, 1, args.seq_len, device="cuda", seed=rank)
     times, losses, norms = [], [], []
     torch.cuda.reset_peak_memory_stats()
-    for i in range(2 + args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        norms.append(norm.item())
+    try:
+        for i in range(2 + args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = model(**batch).loss
+            loss.backward()
+            # Updates in backward keep no gradients: nothing to measure (NaN).
+            has_grads = any(p.grad is not None for p in model.parameters())
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) if has_grads else None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+            norms.append(norm.full_tensor().item() if norm is not None else float("nan"))
+    except torch.OutOfMemoryError as exc:
+        print(f"OOM rank {rank} mode {mode} at {args.seq_len} tokens: {str(exc)[:160]}", flush=True)
+        os._exit(3)  # the other ranks wait in a collective: a capacity ladder's stop
     peaks = torch.tensor(
         [torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30], device="cuda"
     )
@@ -104,6 +137,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", default="hf_ckpt,ckpt,ckpt+input_offload")
+    ap.add_argument("--chunked-loss", type=int, default=0, help="offloadkit modes: loss over this many chunks")
     ap.add_argument("--out", default="bench-results/fsdp2")
     args = ap.parse_args()
     dist.init_process_group("nccl")
@@ -118,7 +152,7 @@ def main() -> None:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
-            rel = max(abs(a - b) / abs(b) for a, b in zip(r["grad_norms"], base["grad_norms"]))
+            rel = max(abs(a - b) / abs(b) for a, b in zip(r["grad_norms"], base["grad_norms"]))  # NaN: no gradients
             r["loss_equal_to_first"] = r["losses"] == base["losses"]
             r["grad_norm_max_rel_diff"] = rel
             lines.append(
@@ -130,12 +164,13 @@ def main() -> None:
             )
         head = (
             f"{args.shape}, {args.seq_len} tokens per rank, {world} x {torch.cuda.get_device_name()}, "
-            f"torch {torch.__version__}"
+            f"torch {torch.__version__}" + (f", chunked loss {args.chunked_loss}" if args.chunked_loss else "")
         )
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fsdp2.json"), "w") as f:
+        stem = f"fsdp2-{args.shape}-{world}x{args.seq_len}-{'+'.join(r['mode'] for r in rows)}"
+        with open(os.path.join(args.out, stem + ".json"), "w") as f:
             json.dump(dict(setup=head, rows=rows, provenance=provenance()), f, indent=1)
-        with open(os.path.join(args.out, "fsdp2.md"), "w") as f:
+        with open(os.path.join(args.out, stem + ".md"), "w") as f:
             f.write(f"# FSDP2\n\n{head}\n\n" + "\n".join(lines) + "\n")
         print(head)
         print("\n".join(lines))

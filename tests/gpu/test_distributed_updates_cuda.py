@@ -28,3 +28,10 @@ CHECKS = {
 def test_updates_in_backward_apply_the_reduced_gradient_on_two_gpus(route):
     env = {"OFFLOADKIT_TEST_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **GPU_ENV}
     assert_ranks_reported(torchrun(WORKER, route, env=env), CHECKS[route])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.parametrize("route", sorted(CHECKS))
+def test_updates_in_backward_apply_the_reduced_gradient_on_four_gpus(route):
+    env = {"OFFLOADKIT_TEST_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **GPU_ENV}
+    assert_ranks_reported(torchrun(WORKER, route, nproc=4, timeout=420, env=env), CHECKS[route], ranks=4)
