@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rotation", choices=("allgather", "alltoall"), default="allgather")
+    ap.add_argument(
+        "--gpu-gib", type=float, default=None, help="cap the process to this much GPU memory (an H100's on an H200)"
+    )
     ap.add_argument("--out", default="bench-results/cp")
     args = ap.parse_args()
 
@@ -59,6 +62,9 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if args.gpu_gib is not None:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gib * GiB / total))
     seq = world * args.tokens_per_gpu
     shape = resolve_shape(args.shape)
     layers = args.layers or shape.layers
@@ -153,6 +159,7 @@ def main() -> None:
             "peak_allocated_gib": [g[0].item() for g in gathered],
             "peak_reserved_gib": [g[1].item() for g in gathered],
             "device": torch.cuda.get_device_name(),
+            "gpu_gib_cap": args.gpu_gib,
             "commit": os.environ.get("OFFLOADKIT_COMMIT"),
             "command": " ".join(["torchrun", f"--nproc_per_node {world}", *sys.argv]),
             "torch": torch.__version__,
@@ -168,8 +175,7 @@ def main() -> None:
             f"peak {', '.join(f'{g[0].item():.2f}' for g in gathered)} GiB, loss {losses[-1]:.4f}",
             flush=True,
         )
-    accelerator.end_training()
-    dist.destroy_process_group()
+    accelerator.end_training()  # destroys the process group
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
 #             16K a rank; then the longest a rank reaches, FSDP2's CPUOffloadPolicy against offloadkit
 #   capacity  the planner's longest context-parallel sequence, 1 layer whose input needs a gradient
 #             (a middle layer's memory), each rank capped to 79 GiB
-#   PHASES="tests peer side fsdp2 capacity" bash benchmarks/device/past_one_gpu.sh
+#   PHASES="tests peer side fsdp2 capacity" GPU_GIB=79 bash benchmarks/device/past_one_gpu.sh
 # Results under $RESULTS (default $OUT): progress.txt, env.txt, logs, json records.
 source benchmarks/device/common.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -20,6 +20,8 @@ OUT=$RESULTS
 GPUS=$(nvidia-smi -L | wc -l)
 PHASES=${PHASES:-tests peer side fsdp2 capacity}
 SIDE_LAYERS=${SIDE_LAYERS:-4}
+# GPU_GIB=79 caps every process (and offloadkit's plan) to an H100's memory on a larger card.
+CAP=(); [[ -n ${GPU_GIB:-} ]] && CAP=(--gpu-gib "$GPU_GIB")
 { nvidia-smi -L; python3 -c "import torch, transformers, peft, accelerate; print(torch.__version__, transformers.__version__, peft.__version__, accelerate.__version__)"
   echo "commit ${OFFLOADKIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } > "$RESULTS/env.txt"
 
@@ -46,7 +48,7 @@ if [[ " $PHASES " == *" peer "* ]]; then
   say "peer ladder, full depth, $GPUS GPUs"
   for t in ${PEER_LADDER:-32768 65536 98304 131072}; do
     run "peer_${GPUS}x${t}.txt" 420 "$GPUS" benchmarks/cp_peer.py --tokens-per-gpu "$t" --warmup 0 --steps 1 \
-      --out "$RESULTS/cp" || break
+      "${CAP[@]}" --out "$RESULTS/cp" || break
     PEER_FIT=$t
   done
   say "peer's longest: ${PEER_FIT:-none} a GPU"
@@ -56,9 +58,9 @@ if [[ " $PHASES " == *" side "* ]]; then
   for t in ${SIDE_TOKENS:-32768 ${PEER_FIT:-65536}}; do
     say "side by side: $GPUS x $t, $SIDE_LAYERS layers"
     run "side_peer_${t}.txt" 300 "$GPUS" benchmarks/cp_peer.py --tokens-per-gpu "$t" --layers "$SIDE_LAYERS" \
-      --warmup 1 --steps 2 --out "$RESULTS/cp"
+      --warmup 1 --steps 2 "${CAP[@]}" --out "$RESULTS/cp"
     run "side_ours_${t}.txt" 300 "$GPUS" benchmarks/context_parallel.py --shape llama-3-8b --lora-rank 16 \
-      --tokens-per-gpu "$t" --layers "$SIDE_LAYERS" --warmup 1 --steps 2 --out "$RESULTS/cp"
+      --tokens-per-gpu "$t" --layers "$SIDE_LAYERS" --warmup 1 --steps 2 "${CAP[@]}" --out "$RESULTS/cp"
   done
 fi
 
@@ -80,6 +82,7 @@ fi
 if [[ " $PHASES " == *" capacity "* ]]; then
   say "capacity: the planner's longest on $GPUS ranks (${CAP_TOKENS:=0} a rank; 0: the planner's), 1 layer, input gradients, 79 GiB a rank"
   run "capacity_${GPUS}.txt" 560 "$GPUS" benchmarks/context_parallel.py --shape llama-3-8b --lora-rank 16 \
-    --tokens-per-gpu "$CAP_TOKENS" --layers 1 --input-grads --gpu-gib 79 --rotation alltoall --out "$RESULTS/cp"
+    --tokens-per-gpu "$CAP_TOKENS" --layers 1 --input-grads --gpu-gib "${GPU_GIB:-79}" --rotation alltoall \
+    --out "$RESULTS/cp"
 fi
 say "done"
