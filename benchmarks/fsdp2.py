@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--chunked-loss", type=int, default=0, help="offloadkit modes: loss over this many chunks")
     ap.add_argument("--out", default="bench-results/fsdp2")
     args = ap.parse_args()
-    dist.init_process_group("nccl")
+    dist.init_process_group("cpu:gloo,cuda:nccl")  # CPUOffloadPolicy reduces host-side tensors too
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     rows = [run(mode, args, rank, world) for mode in args.modes.split(",")]
