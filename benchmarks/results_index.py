@@ -92,7 +92,14 @@ _STREAMED = _r("full-ft/streamed/streamed-bf16-16k-report.json")
 _WEIGHTS = _r("weights/weights-offload.json")
 _FIRST = _r("first-run/gpu/report.json")
 _CP2 = _r("multi-gpu/h200x4-d6af501/cp-llama-3-8b-2x819200-1L.json")
-_CP4 = _r("multi-gpu/h200x4-d6af501/cp-llama-3-8b-4x819200-1L.json")
+_CP4 = _r("multi-gpu/h200x4-7c17d82/cp/cp-llama-3-8b-4x795136-1L.json")
+_PEER4_LONGEST = _r("multi-gpu/h200x4-7c17d82/cp/peer-llama-3-8b-4x32768-32L.json")
+_PEER4_SIDE = _r("multi-gpu/h200x4-7c17d82/cp/peer-llama-3-8b-4x32768-4L.json")
+_OURS4_SIDE = _r("multi-gpu/h200x4-7c17d82/cp/cp-llama-3-8b-4x32768-4L-fused.json")
+_FSDP2_16K = _r("multi-gpu/h200x4-7c17d82/fsdp2/fsdp2-llama-3-8b-4x16384-hf_ckpt+ckpt+input_offload+backward_adamw.json")
+_FSDP2_64K = _r("multi-gpu/h200x4-7c17d82/fsdp2/fsdp2-llama-3-8b-4x65536-ckpt+input_offload+backward_adamw.json")
+_CPUOFF_16K = _r("multi-gpu/h200x4-893588b/fsdp2-llama-3-8b-4x16384-cpu_offload_policy.json")
+_CPUOFF_64K = _r("multi-gpu/h200x4-893588b/fsdp2-llama-3-8b-4x65536-cpu_offload_policy.json")
 _CP_SCALE1 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-1x131072-2L.json")
 _CP_SCALE4 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-4x131072-2L.json")
 _FUSED = _r("fused-lora/h100-caa6bbc/summary.json")
@@ -127,10 +134,43 @@ CLAIMS: list[Claim | Ratio] = [
     Claim("cp2-step", "8B LoRA, context parallel over 2 GPUs, 1 layer: step", _CP2, "step_s", unit="s"),
     Claim("cp2-peak", "8B LoRA, context parallel over 2 GPUs: a rank's peak allocated", _CP2,
           "peak_allocated_gib[0]", unit="GiB"),
-    Claim("cp4-tokens", "8B LoRA, context parallel over 4 GPUs: tokens", _CP4, "tokens", unit="tokens", fmt=",.0f"),
+    Claim("cp4-tokens", "8B LoRA, context parallel over 4 GPUs: the planner's longest", _CP4, "tokens", unit="tokens",
+          fmt=",.0f"),
+    Claim("cp4-allowed", "8B LoRA, context parallel over 4 GPUs: what the budgets physically allow", _CP4,
+          "planner_physical_limit", unit="tokens", fmt=",.0f"),
     Claim("cp4-step", "8B LoRA, context parallel over 4 GPUs, 1 layer: step", _CP4, "step_s", unit="s"),
     Claim("cp4-peak", "8B LoRA, context parallel over 4 GPUs: a rank's peak allocated", _CP4,
           "peak_allocated_gib[0]", unit="GiB"),
+    # The peer side by side on 4 GPUs: accelerate's FSDP2 + context parallel.
+    Claim("peer4-longest", "8B LoRA, accelerate FSDP2 + CP over 4 GPUs, full depth: longest that ran", _PEER4_LONGEST,
+          "tokens", unit="tokens", fmt=",.0f"),
+    Claim("peer4-side-step", "8B LoRA, 4 x 32K, 4 layers, accelerate FSDP2 + CP: step", _PEER4_SIDE, "step_s",
+          unit="s"),
+    Claim("peer4-side-peak", "8B LoRA, 4 x 32K, 4 layers, accelerate FSDP2 + CP: a rank's peak allocated",
+          _PEER4_SIDE, "peak_allocated_gib[0]", unit="GiB"),
+    Claim("ours4-side-step", "8B LoRA, 4 x 32K, 4 layers, offloadkit (planner + fused_lora): step", _OURS4_SIDE,
+          "step_s", unit="s"),
+    Claim("ours4-side-peak", "8B LoRA, 4 x 32K, 4 layers, offloadkit: a rank's peak allocated", _OURS4_SIDE,
+          "peak_allocated_gib[0]", unit="GiB"),
+    Ratio("ours4-side-vs-peer", "8B LoRA, 4 x 32K: offloadkit's step over the peer's", "ours4-side-step",
+          "peer4-side-step", fmt=".2f"),
+    # 8B full fine-tune under FSDP2 over 4 GPUs, bf16 weights.
+    Claim("fsdp2-8b-hf-step", "8B full FT, FSDP2 over 4 GPUs, 16K a rank, HF checkpointing: step", _FSDP2_16K,
+          "rows[mode=hf_ckpt].step_s", unit="s", fmt=".2f"),
+    Claim("fsdp2-8b-hf-peak", "8B full FT, FSDP2 over 4 GPUs, 16K a rank, HF checkpointing: peak", _FSDP2_16K,
+          "rows[mode=hf_ckpt].peak_allocated_gib[0]", unit="GiB", fmt=".1f"),
+    Claim("fsdp2-8b-step", "8B full FT, FSDP2 over 4 GPUs, 16K a rank, offloadkit: step", _FSDP2_16K,
+          "rows[mode=ckpt+input_offload+backward_adamw].step_s", unit="s", fmt=".2f"),
+    Claim("fsdp2-8b-peak", "8B full FT, FSDP2 over 4 GPUs, 16K a rank, offloadkit: peak", _FSDP2_16K,
+          "rows[mode=ckpt+input_offload+backward_adamw].peak_allocated_gib[0]", unit="GiB", fmt=".1f"),
+    Ratio("fsdp2-8b-vs-hf", "8B full FT, FSDP2 over 4 GPUs, 16K: offloadkit's step over HF checkpointing's",
+          "fsdp2-8b-step", "fsdp2-8b-hf-step", fmt=".2f"),
+    Claim("fsdp2-8b-cpuoff-step", "8B full FT, FSDP2 CPUOffloadPolicy over 4 GPUs, 16K a rank: step", _CPUOFF_16K,
+          "rows[mode=cpu_offload_policy].step_s", unit="s", fmt=".2f"),
+    Claim("fsdp2-8b-64k-peak", "8B full FT, FSDP2 over 4 GPUs, 64K a rank, offloadkit: peak", _FSDP2_64K,
+          "rows[mode=ckpt+input_offload+backward_adamw].peak_allocated_gib[0]", unit="GiB", fmt=".1f"),
+    Claim("fsdp2-8b-cpuoff-64k-peak", "8B full FT, FSDP2 CPUOffloadPolicy over 4 GPUs, 64K a rank: peak",
+          _CPUOFF_64K, "rows[mode=cpu_offload_policy].peak_allocated_gib[0]", unit="GiB", fmt=".1f"),
     Claim("cp-scale1-tflops", "128K a GPU, 2 layers: one GPU's model TFLOP/s", _CP_SCALE1, "model_tflops_per_gpu",
           fmt=".0f", quoted=False),
     Claim("cp-scale4-tflops", "128K a GPU, 2 layers: model TFLOP/s per GPU over 4", _CP_SCALE4,
