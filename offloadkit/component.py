@@ -11,7 +11,7 @@ registry imports that ``component.py``.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from torch import nn
 
@@ -28,6 +28,9 @@ __all__ = [
     "FootprintShape",
     "FootprintWorkload",
 ]
+
+
+OptionsT = TypeVar("OptionsT", bound=Options)
 
 
 def _remove(handle: Any) -> None:
@@ -61,6 +64,8 @@ class FootprintShape(Protocol):
     def embed_params(self) -> int: ...
     @property
     def head_params(self) -> int: ...
+    @property
+    def tied(self) -> bool: ...
     def lora_params(self, rank: int) -> int: ...
 
 
@@ -144,6 +149,9 @@ class FootprintFeatures(Protocol):
     def rotation(self) -> str | None: ...
     @property
     def fused_lora(self) -> bool: ...
+    def of(self, cls: type[OptionsT]) -> OptionsT:
+        """A component's options as the run sets them (a component the planner does not choose)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -253,6 +253,12 @@ def _check_placement_depth(model: nn.Module, config: OffloadConfig) -> None:
         )
 
 
+def component_options(config: OffloadConfig) -> tuple:
+    """Every component's options as ``config`` sets them, for the planner to count their
+    footprints (it chooses some of them itself; the others pass through its plan)."""
+    return tuple(config.options(cls) for cls in dict.fromkeys(c.options for c in COMPONENTS))
+
+
 def run_parallelism() -> Parallelism:
     """This process's ranks as the launcher and ``torch.distributed`` tell them: the world
     size of an initialised process group (else the launcher's ``WORLD_SIZE``) and the ranks on
@@ -338,6 +344,7 @@ def plan_for(
         optimizer=optimizer,
         parallel=parallel,
         fused_lora=config.fused_lora is True,  # a list fuses some layers: counted as none (the larger)
+        options=component_options(config),
     )
 
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, TypeVar
 
 from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.components import COMPONENTS as REGISTRY
 from offloadkit.engine.options import ActivationOptions
+from offloadkit.errors import ConfigError, ConfigProblemsError, UnsupportedError
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.lora.options import LoraOptions
@@ -47,8 +49,9 @@ __all__ = [
 ]
 
 ALIASES = {"sm_activation_offloading": "activation_offloading"}
-# The components whose options the config keys set, each key owned by exactly one.
-COMPONENTS: tuple[type[Options], ...] = (
+# The components whose options the config keys set, each key owned by exactly one: these, then
+# any registered component's (offloadkit.components) not among them.
+_DECLARED: tuple[type[Options], ...] = (
     CheckpointOptions,
     ActivationOptions,
     TransferOptions,
@@ -61,6 +64,10 @@ COMPONENTS: tuple[type[Options], ...] = (
     ParallelOptions,
     PlanOptions,
 )
+COMPONENTS: tuple[type[Options], ...] = _DECLARED + tuple(
+    dict.fromkeys(c.options for c in REGISTRY if c.options not in _DECLARED)
+)
+
 OptionsT = TypeVar("OptionsT", bound=Options)
 _OWNER = {key: (cls, name) for cls in COMPONENTS for key, name in cls.keys().items()}
 
@@ -87,36 +94,6 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names key, value and fix."""
-
-
-class UnsupportedError(ConfigError):
-    """A setting asking for a feature offloadkit does not have; the message names it."""
-
-
-class ConfigProblemsError(ConfigError):
-    """Several problems of one config, reported together.
-
-    Attributes:
-        problems: ``(message, unsupported)`` pairs, in the order found.
-    """
-
-    def __init__(self, source: str, problems: list[tuple[str, bool]]) -> None:
-        self.problems = problems
-        if len(problems) == 1:
-            text = f"{source}: {problems[0][0]}"
-        else:
-            text = f"{source}: {len(problems)} problems: " + "; ".join(
-                f"({i}) {m}" for i, (m, _) in enumerate(problems, 1)
-            )
-        super().__init__(text)
-
-    @property
-    def unsupported_only(self) -> bool:
-        return all(unsupported for _, unsupported in self.problems)
 
 
 def parse_bytes(value: Any, key: str) -> int | None:
@@ -245,7 +222,7 @@ class OffloadConfig:
 
     Each key sets one component's options (:data:`COMPONENTS`), documented there, beside the
     component's code. ``docs/config.md`` lists every key with its component, default and
-    documentation (``python -m offloadkit.components --write-docs docs/config.md`` writes it).
+    documentation (``python -m offloadkit.config_docs --write-docs docs/config.md`` writes it).
 
     Example:
         >>> OffloadConfig.from_dict({"gradient_checkpointing": True, "activation_offloading": True})
@@ -283,17 +260,35 @@ class OffloadConfig:
     tiled_mlp_num_shards: int | None = _default("tiled_mlp_num_shards")
     tiled_projections: bool = _default("tiled_projections")
     attention_head_groups: int | None = _default("attention_head_groups")
-    fused_lora: bool | list[str] = _default("fused_lora")
+    fused_lora: bool | list[str] | None = _default("fused_lora")
     context_parallel: bool = _default("context_parallel")
     context_parallel_rotation: str = _default("context_parallel_rotation")
     offload_plan: str = _default("offload_plan")
     seq_len: int | None = _default("seq_len")
     batch_size: int = _default("batch_size")
     _warnings: list[str] = field(default_factory=list, repr=False, compare=False)
+    # The keys of registered components that have no field above (a feature added to the
+    # registry needs no line here): set by from_dict and replace, read as attributes.
+    _extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names no field has: a registered component's key reads as its value or default.
+        owner = _EXTRA_OWNER.get(name)
+        if owner is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        extra = self.__dict__.get("_extra", {})
+        return extra[name] if name in extra else owner[0].default(owner[1])
 
     @classmethod
     def keys(cls) -> list[str]:
-        return [f.name for f in fields(cls) if not f.name.startswith("_")]
+        return [f.name for f in fields(cls) if not f.name.startswith("_")] + list(_EXTRA_OWNER)
+
+    @classmethod
+    def _split(cls, data: dict) -> tuple[dict, dict]:
+        """``data`` as (keys with a field, keys of registered components without one)."""
+        return {k: v for k, v in data.items() if k not in _EXTRA_OWNER}, {
+            k: v for k, v in data.items() if k in _EXTRA_OWNER
+        }
 
     @classmethod
     def from_dict(cls, data: dict | None, source: str = "config") -> "OffloadConfig":
@@ -311,7 +306,8 @@ class OffloadConfig:
             data["activation_offloading"] = data["activation_offloading"].lower() == "true"
         if data.get("tiled_mlp_num_shards") == "auto":
             data["tiled_mlp_num_shards"] = None
-        config = cls(**data)
+        declared, extra = cls._split(data)
+        config = cls(**declared, _extra=extra)
         config.validate()
         return config
 
@@ -429,4 +425,10 @@ class OffloadConfig:
         warnings.warn(f"offloadkit: {message}", UserWarning, stacklevel=4)
 
     def replace(self, **changes) -> "OffloadConfig":
-        return dataclasses.replace(self, **changes).validate()
+        declared, extra = self._split(changes)
+        return dataclasses.replace(self, **declared, _extra={**self._extra, **extra}).validate()
+
+
+# Keys of registered components' options that have no field of their own above.
+_FIELDS = {f.name for f in fields(OffloadConfig)}
+_EXTRA_OWNER = {key: owner for key, owner in _OWNER.items() if key not in _FIELDS}

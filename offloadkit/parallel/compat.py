@@ -104,7 +104,7 @@ def check_parallel(
     Raises:
         ConfigError: one line naming the feature, FSDP2 and the alternative.
     """
-    from offloadkit.config import ConfigError
+    from offloadkit.errors import ConfigError
 
     where = fsdp2_sharded(model)
     if where is None:

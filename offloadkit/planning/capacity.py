@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from offloadkit.defaults import STREAM_DEPTH
+from offloadkit.options import Options
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     Features,
@@ -166,6 +167,7 @@ def longest_sequence(
     optimizer: OptimizerSetup | None = None,
     parallel: Parallelism | None = None,
     fused_lora: bool = False,
+    options: tuple[Options, ...] = (),
 ) -> Capacity:
     """Binary search for the longest sequence :func:`plan` fits under ``budgets`` (split over
     ranks, ``parallel``: the whole sequence, in multiples of ``2 x world_size`` too).
@@ -190,7 +192,7 @@ def longest_sequence(
     )
 
     def planned(seq: int) -> Plan:
-        return plan(model, seq, stream_depth=stream_depth, fused_lora=fused_lora, **common)
+        return plan(model, seq, stream_depth=stream_depth, fused_lora=fused_lora, options=options, **common)
 
     step = search_step(parallel, SEQ_STEP)
     longest = _search(lambda seq: planned(seq).fits, (1 << 16) * parallel.sequence_ranks, step)

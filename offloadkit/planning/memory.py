@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from offloadkit.checkpointing.footprint import attention_kept_bytes, keeps_attention
 from offloadkit.component import Footprint
@@ -32,6 +33,7 @@ from offloadkit.longctx.footprint import (
 from offloadkit.longctx.loss import auto_chunk_tokens
 from offloadkit.longctx.tiled_mlp import auto_num_shards
 from offloadkit.optim.footprint import optimizer_footprint
+from offloadkit.options import Options
 from offloadkit.parallel.footprint import sharded_weights_footprint
 from offloadkit.planning.parallelism import Parallelism
 from offloadkit.planning.shape import ModelShape
@@ -160,6 +162,9 @@ class Workload:
         return self.tokens * self.shape.hidden * self.dtype_bytes
 
 
+OptionsT = TypeVar("OptionsT", bound=Options)
+
+
 @dataclass(frozen=True)
 class Features:
     """Which offloadkit features are on.
@@ -198,6 +203,8 @@ class Features:
             ("allgather" or "alltoall"); None: the run's own
             (:func:`~offloadkit.planning.parallelism.ring_rotation`).
         fused_lora: LoRA layers run fused in the compute dtype (``offloadkit/lora``).
+        options: the options of components the planner does not choose, as the run sets them
+            (each footprint reads its own with :meth:`of`; one not given has its defaults).
     """
 
     checkpointing: bool = True
@@ -217,6 +224,11 @@ class Features:
     head_groups: int = 1
     rotation: str | None = None
     fused_lora: bool = False
+    options: tuple[Options, ...] = ()
+
+    def of(self, cls: type[OptionsT]) -> OptionsT:
+        """``cls``'s options as the run sets them, or its defaults."""
+        return next((o for o in self.options if isinstance(o, cls)), None) or cls()
 
 
 @dataclass

@@ -5,6 +5,7 @@ the table and verdict the CLI prints. :mod:`~offloadkit.planning.planner` search
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 
 from offloadkit.checkpointing.options import CheckpointOptions
@@ -13,6 +14,7 @@ from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.lora.options import LoraOptions
 from offloadkit.optim.options import OptimizerOptions
+from offloadkit.options import Options
 from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
@@ -31,6 +33,30 @@ from offloadkit.storage.options import BudgetOptions
 from offloadkit.storage.pool import size_class
 
 __all__ = ["OptimizerSetup", "Plan"]
+
+# The options a plan chooses (its config keys are written from its features); any other
+# component's, the run's own, pass through a plan unchanged.
+_CHOSEN = (
+    CheckpointOptions,
+    StreamingOptions,
+    LongContextOptions,
+    ActivationOptions,
+    OptimizerOptions,
+    LoraOptions,
+    ParallelOptions,
+    BudgetOptions,
+)
+
+
+def _changed(options: Options) -> dict:
+    """The fields of ``options`` set by a config key that differ from their defaults."""
+    keyed = set(options.keys().values())
+    return {
+        f.name: getattr(options, f.name)
+        for f in dataclasses.fields(options)  # type: ignore[arg-type]
+        if f.name in keyed and getattr(options, f.name) != f.default
+    }
+
 
 GiB = float(1 << 30)
 
@@ -159,6 +185,10 @@ class Plan:
             out |= OptimizerOptions.config_keys(precision=self.workload.optimizer_precision)
         if f.fused_lora:
             out |= LoraOptions.config_keys(fused=True)
+        for options in f.options:
+            if type(options) not in _CHOSEN:
+                # A component the planner does not choose: the plan keeps what the run set.
+                out |= type(options).config_keys(**_changed(options))
         if f.offload_inputs and f.horizon is not None:
             out |= ActivationOptions.config_keys(loading_horizon=f.horizon)
         if f.offload_inputs and f.checkpointing:

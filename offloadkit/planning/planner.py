@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
 from offloadkit.optim.footprint import optimizer_footprint
+from offloadkit.options import Options
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     FRAGMENTATION,
@@ -210,6 +211,7 @@ def plan(
     optimizer: OptimizerSetup | None = None,
     parallel: Parallelism | None = None,
     fused_lora: bool = False,
+    options: tuple[Options, ...] = (),
 ) -> Plan:
     """Choose the features for one step and predict its cost.
 
@@ -231,6 +233,8 @@ def plan(
             are this rank's; read here, they are its share of the host's.
         fused_lora: the LoRA layers run fused in the compute dtype (``fused_lora: true``):
             every candidate counts what they save instead of PEFT's fp32 input copies.
+        options: the options of components the planner does not choose, as the run sets
+            them: each one's footprint is counted, and the plan's config keeps them.
 
     Returns:
         The fastest :class:`Plan` that fits, or the most frugal one with ``fits=False``.
@@ -246,7 +250,7 @@ def plan(
     results = []
     # Only what the run can realise: an optimizer that cannot be replaced keeps its state.
     for name, f in _candidates(w, b, stream_depth, optimizer.replaceable):
-        f = replace(f, fused_lora=fused_lora and bool(w.lora_rank))
+        f = replace(f, fused_lora=fused_lora and bool(w.lora_rank), options=tuple(options))
         if w.parallel.splits_sequence:
             results.append(_with_rotation(w, b, name, f, optimizer))
         else:

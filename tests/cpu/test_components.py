@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from offloadkit.checkpointing.apply import CheckpointedBlocks
-from offloadkit.components import COMPONENTS, config_docs, key_docs
+from offloadkit.components import COMPONENTS
 from offloadkit.compose import OffloadRuntime, _Handle, prepare
 from offloadkit.config import COMPONENTS as OPTIONS
 from offloadkit.config import OffloadConfig
+from offloadkit.config_docs import config_docs, key_docs
 from offloadkit.engine import OffloadActivations
 from offloadkit.layers import LayerStreamer
 from offloadkit.longctx import AttentionHeadGroups, ChunkedLossHandle, TiledMLPHandle
@@ -36,7 +37,8 @@ APPLY_ORDER = (
     "checkpointing",  # replaces the blocks' forwards before the timeline and the manager exist
     "host_budget",  # shared by the two that follow
     "activations",  # the manager, on the timeline made after checkpointing
-    "layer_streaming",  # last: moves the weights the others wrapped; acts after the manager
+    "layer_streaming",  # moves the weights the others wrapped; acts after the manager
+    "embeddings",  # last: one weight no other feature wraps
 )
 # The components as docs/architecture.md's "Apply order" names them.
 ARCHITECTURE_NAMES = {
@@ -48,6 +50,7 @@ ARCHITECTURE_NAMES = {
     "checkpointing": "checkpointing",
     "activations": "activation offloading",
     "layer_streaming": "layer streaming",
+    "embeddings": "embedding offloading",
 }
 HANDLES = ("manager", "checkpointing", "streamer", "chunked_loss", "tiled_mlp", "head_groups")
 
@@ -317,7 +320,7 @@ def test_docs_config_md_is_current():
     with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:
         written = f.read()
     assert written == config_docs(), (
-        "docs/config.md is stale: python -m offloadkit.components --write-docs docs/config.md"
+        "docs/config.md is stale: python -m offloadkit.config_docs --write-docs docs/config.md"
     )
     for key in OffloadConfig.keys():
         assert f"| `{key}` |" in written, key
