@@ -253,6 +253,17 @@ def _check_placement_depth(model: nn.Module, config: OffloadConfig) -> None:
         )
 
 
+def _plans_fused_lora(model: nn.Module, config: OffloadConfig) -> bool:
+    """Whether the plan counts the fused LoRA path: asked for, or left unset with every LoRA
+    linear layer fusable (the plan then turns it on: faster, and less saved per layer). A
+    list fuses some layers: counted as none (the larger)."""
+    if config.fused_lora is None:
+        from offloadkit.lora.fused import unfusable_reason
+
+        return unfusable_reason(model) is None
+    return config.fused_lora is True
+
+
 def component_options(config: OffloadConfig) -> tuple:
     """Every component's options as ``config`` sets them, for the planner to count their
     footprints (it chooses some of them itself; the others pass through its plan)."""
@@ -343,7 +354,7 @@ def plan_for(
         optimizer_precision=config.optimizer_precision,
         optimizer=optimizer,
         parallel=parallel,
-        fused_lora=config.fused_lora is True,  # a list fuses some layers: counted as none (the larger)
+        fused_lora=_plans_fused_lora(model, config),
         options=component_options(config),
     )
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from offloadkit.models.forwards import ForwardWraps
 
-__all__ = ["FusedLoRA", "apply_fused_lora", "fusable_reason", "lora_linear"]
+__all__ = ["FusedLoRA", "apply_fused_lora", "fusable_reason", "lora_linear", "unfusable_reason"]
 
 _COMPUTE = (torch.bfloat16, torch.float16)
 _MARK = "_offloadkit_fused_lora"
@@ -137,10 +137,20 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
 
 def fusable_reason(layer: Any, x: torch.Tensor, kwargs: dict) -> str | None:
     """Why ``layer`` (a PEFT LoRA ``Linear``) runs PEFT's forward for this call; None: fused."""
-    if layer.disable_adapters or layer.merged:
-        return "adapters disabled or merged"
     if kwargs.get("adapter_names") is not None:
         return "a mixed batch of adapters"
+    reason = _layer_reason(layer)
+    if reason is not None:
+        return reason
+    if _compute_dtype(x, layer.get_base_layer().weight) is None:
+        return "the input is not in the base weight's 16-bit dtype (nor cast to one by autocast)"
+    return None
+
+
+def _layer_reason(layer: Any) -> str | None:
+    """Why ``layer`` runs PEFT's forward whatever its input; None: it can run fused."""
+    if layer.disable_adapters or layer.merged:
+        return "adapters disabled or merged"
     active = [name for name in layer.active_adapters if name in layer.lora_A]
     if len(active) != 1:
         return "several active adapters"
@@ -156,10 +166,28 @@ def fusable_reason(layer: Any, x: torch.Tensor, kwargs: dict) -> str | None:
         return "the base weight is trained"
     if _is_dtensor(base.weight) or _is_dtensor(layer.lora_A[name].weight):
         return "sharded weights"
-    if _compute_dtype(x, base.weight) is None:
-        return "the input is not in the base weight's 16-bit dtype (nor cast to one by autocast)"
     if getattr(layer, "fan_in_fan_out", False):
         return "fan_in_fan_out weights"
+    return None
+
+
+def unfusable_reason(model: nn.Module) -> str | None:
+    """Why ``model`` would not run every LoRA linear layer fused (the first reason found), or
+    None where each one would, in its weights' 16-bit dtype: the test ``offload_plan: auto``
+    applies before choosing ``fused_lora`` itself."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:
+        return "peft is not installed"
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    if not layers:
+        return "no PEFT LoRA linear layers"
+    for layer in layers:
+        reason = _layer_reason(layer)
+        if reason is None and layer.get_base_layer().weight.dtype not in _COMPUTE:
+            reason = "32-bit weights (fused only under autocast)"
+        if reason is not None:
+            return reason
     return None
 
 

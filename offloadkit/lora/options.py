@@ -21,11 +21,15 @@ class LoraOptions(Options):
             gradients within bf16 tolerance of PEFT's, not bitwise. Layers it cannot fuse
             (QLoRA, DoRA, merged or several adapters) keep PEFT's forward. A list of module
             names (``[q_proj, k_proj, v_proj]``) fuses only the LoRA layers of those names.
+            Unset (the default): off, unless ``offload_plan: auto`` turns it on for a model
+            whose every LoRA linear layer it can fuse; ``false`` keeps PEFT's path then too.
     """
 
-    fused: bool | list[str] = option(False, "fused_lora")
+    fused: bool | list[str] | None = option(None, "fused_lora")
 
     def __post_init__(self) -> None:
+        if self.fused is None:
+            return
         if isinstance(self.fused, (list, tuple)):
             if not self.fused or not all(isinstance(n, str) and n for n in self.fused):
                 raise ValueError(

@@ -215,6 +215,29 @@ def test_the_planner_counts_it_when_the_run_asks_for_it(capsys):
     runtime.close()
 
 
+@pytest.mark.parametrize(
+    "case, fused",
+    [("unset", True), ("false", False), ("fp32 weights", False), ("dora", False), ("full fine-tune", False)],
+)
+def test_offload_plan_auto_turns_it_on_where_every_layer_fuses(case, fused):
+    """Left unset, ``offload_plan: auto`` runs a 16-bit LoRA model's layers fused (faster,
+    less saved): not where the config says false, nor where some layer would keep PEFT's
+    forward (32-bit weights, DoRA), nor without LoRA."""
+    from offloadkit.compose import prepare
+
+    if case == "full fine-tune":
+        model = build_llama("tiny", dtype=torch.bfloat16, attn_implementation="sdpa")
+    else:
+        kwargs = {"use_dora": True} if case == "dora" else {}
+        model = _lora_model(dtype=torch.float32 if case == "fp32 weights" else torch.bfloat16, **kwargs)
+    config = {"offload_plan": "auto", "seq_len": 256} | ({"fused_lora": False} if case == "false" else {})
+    runtime = prepare(model, config)
+    assert runtime.plan.features.fused_lora is fused
+    assert ("fused_lora" in runtime.report()) is fused
+    assert (runtime.config.fused_lora is True) is fused
+    runtime.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_under_autocast_it_agrees_with_peft(dtype):
     """As the Trainer runs a model with ``bf16=True`` (autocast on): a bf16 model, and an fp32
