@@ -6,7 +6,14 @@ precision (the gradient passes the rounding unchanged). Two of Axolotl's formats
 
 - ``weight_dtype: int4`` in groups of ``group_size`` (default 128) along each row, with
   ``activation_dtype: int8`` (per token, asymmetric) or no activation rounding;
-- ``weight_dtype: mxfp4`` with ``activation_dtype: mxfp4``, blocks of 32 (MX scaling).
+- ``weight_dtype: mxfp4`` with ``activation_dtype: mxfp4``, blocks of 32 (MX scaling);
+- ``weight_dtype: nvfp4`` with ``activation_dtype: nvfp4``, blocks of 16 with fp8 e4m3 scales, as
+  torchao's ``NVFP4Tensor`` rounds them (the weights under one fp32 scale per tensor too; the
+  activations by their blocks' scales alone, so that a token's rounding does not depend on the
+  other tokens of the batch and packed documents stay apart), emulated on any
+  device: the rounded values are multiplied in the model's dtype, where torchao's own NVFP4
+  training needs a GPU with FP4 matmuls (Blackwell); its backward computes with the rounded
+  values too.
 
 ``fake_quant_after_n_steps: N`` trains the first N steps without the rounding (int4 only).
 The saved model is the plain one: the fake-quantized layers are turned back into linear
@@ -48,9 +55,17 @@ def qat_problem(qat) -> str | None:
         if after is not None:
             return "fake_quant_after_n_steps cannot switch mxfp4 fake quantization (it is always on)"
         return None
+    if weight == "nvfp4":
+        if activation != "nvfp4":
+            return "weight_dtype nvfp4 runs with activation_dtype nvfp4 here"
+        if group not in (None, 16):
+            return f"nvfp4 uses blocks of 16, not group_size={group}"
+        if after is not None:
+            return "fake_quant_after_n_steps cannot switch nvfp4 fake quantization (it is always on)"
+        return None
     return (
-        f"weight_dtype={weight!r}: offloadkit's QAT runs int4 weights (with int8 or no activation rounding) and "
-        "mxfp4; nvfp4 needs FP4 matmuls of a GPU that has them, and int8 or fp8 weights are not supported"
+        f"weight_dtype={weight!r}: offloadkit's QAT runs int4 weights (with int8 or no activation rounding), "
+        "mxfp4 and nvfp4; int8 or fp8 weights are not supported"
     )
 
 
@@ -73,6 +88,43 @@ def _config(qat: dict):
     return QATConfig(weight_config=weight, activation_config=activation), group
 
 
+def _nvfp4_round(x, tensor_scale: bool):
+    """``x`` rounded to NVFP4 along its last dim (blocks of 16 with fp8 e4m3 scales, under one
+    fp32 scale for the whole tensor with ``tensor_scale``), back in ``x``'s dtype."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    scale = per_tensor_amax_to_scale(rows.abs().max().float()) if tensor_scale else None
+    return NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=scale).dequantize(x.dtype).reshape(x.shape)
+
+
+def _nvfp4_linear_class():
+    import torch
+    import torch.nn.functional as F
+
+    class _Rounded(torch.autograd.Function):
+        """NVFP4 rounding whose gradient passes unchanged (straight through)."""
+
+        @staticmethod
+        def forward(ctx, x, tensor_scale):
+            return _nvfp4_round(x, tensor_scale)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    class NVFP4FakeQuantizedLinear(torch.nn.Linear):
+        """A linear layer computing with its input and weight rounded to NVFP4 (the weight
+        trains in full precision). The weight takes the two-level scales; each token of the
+        input its blocks' own, so that its rounding does not depend on the other tokens of
+        the batch (packed documents stay apart)."""
+
+        def forward(self, x):
+            return F.linear(_Rounded.apply(x, False), _Rounded.apply(self.weight, True), self.bias)
+
+    return NVFP4FakeQuantizedLinear
+
+
 def apply_qat(model, qat: dict) -> None:
     """Swap every linear layer of ``model`` for its fake-quantized form, in place.
 
@@ -80,23 +132,38 @@ def apply_qat(model, qat: dict) -> None:
         ValueError: a layer whose input width is not a multiple of the group size (one line).
     """
     import torch
-    from torchao.quantization import quantize_
 
-    config, group = _config(qat)
+    group = 16 if qat["weight_dtype"] == "nvfp4" else None
+    config = None
+    if group is None:
+        config, group = _config(qat)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module.in_features % group:
             raise ValueError(
                 f"{name} takes {module.in_features} inputs, not a multiple of the group size {group}: its weights "
                 "cannot be quantized in such groups"
             )
+    if config is None:
+        # The same parameters, the forward of the fake-quantized class; convert_qat swaps it back.
+        rounded = _nvfp4_linear_class()
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                module.__class__ = rounded
+        return
+    from torchao.quantization import quantize_
+
     quantize_(model, config)
 
 
 def convert_qat(model) -> None:
     """The fake-quantized layers back into linear layers (same weights), in place."""
+    import torch
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 
+    for module in model.modules():
+        if type(module).__name__ == "NVFP4FakeQuantizedLinear" and type(module).__module__ == __name__:
+            module.__class__ = torch.nn.Linear
     quantize_(model, QATConfig(step="convert"))
 
 

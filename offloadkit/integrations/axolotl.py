@@ -723,6 +723,10 @@ def _map_values(data: dict, m: _Mapper) -> None:
         # checkpoint-input offload, which is checkpointing with activation offloading.
         out["activation_offloading"] = True
         out.setdefault("gradient_checkpointing", True)
+    if isinstance(out.get("tokens"), dict):
+        # Axolotl's older spelling of special_tokens (bos_token, eos_token, pad_token, ...).
+        m.names.pop("tokens", None)
+        m.put("special_tokens", out.pop("tokens"), "tokens")
     _map_model_class(data, m)
     _map_schedules(data, m)
     if "attn_implementation" not in out:

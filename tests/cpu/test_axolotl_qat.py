@@ -54,7 +54,12 @@ def test_fake_quant_after_n_steps_switches_it_on_at_that_step():
 
 
 @pytest.mark.parametrize(
-    "qat", [dict(INT4, fake_quant_after_n_steps=1), {"weight_dtype": "mxfp4", "activation_dtype": "mxfp4"}]
+    "qat",
+    [
+        dict(INT4, fake_quant_after_n_steps=1),
+        {"weight_dtype": "mxfp4", "activation_dtype": "mxfp4"},
+        {"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16},
+    ],
 )
 def test_qat_trains_fake_quantized_and_saves_plain_linear_layers(tmp_path, monkeypatch, qat):
     keys = dict(adapter=None, lora_r=..., lora_alpha=..., lora_target_linear=..., base_model=_base(tmp_path))
@@ -74,7 +79,8 @@ def test_qat_trains_fake_quantized_and_saves_plain_linear_layers(tmp_path, monke
 @pytest.mark.parametrize(
     "qat, keys, match",
     [
-        ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4"}, {}, r"qat=.*weight_dtype='nvfp4'"),
+        ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 32}, {}, r"nvfp4 uses blocks of 16"),
+        ({"weight_dtype": "fp8", "activation_dtype": "fp8"}, {}, r"qat=.*weight_dtype='fp8'"),
         (INT4, {"adapter": "lora"}, r"qat=.*drop the adapter"),
         ({"weight_dtype": "mxfp4"}, {"adapter": None}, r"mxfp4 runs with activation_dtype mxfp4"),
     ],
@@ -90,3 +96,40 @@ def test_a_group_size_the_layers_cannot_take_is_one_line(tmp_path, monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"qat: .* not a multiple of the group size 96"):
         _run(tmp_path, monkeypatch, config)
+
+
+def test_nvfp4_rounds_both_operands_as_torchao_and_passes_the_gradient_straight_through():
+    """The emulated NVFP4 layer multiplies its input and weight as torchao's NVFP4Tensor rounds
+    them (blocks of 16 along the input width; a tensor-wide scale for the weight only); the
+    gradients are those of that product."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=True))
+    apply_qat(model, {"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16})
+    layer = model[0]
+    assert type(layer).__name__ == "NVFP4FakeQuantizedLinear"
+    x = torch.randn(3, 5, 64, requires_grad=True)
+
+    def rounded(t, tensor_scale):
+        rows = t.detach().reshape(-1, t.shape[-1])
+        scale = per_tensor_amax_to_scale(rows.abs().max().float()) if tensor_scale else None
+        return NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=scale).dequantize(t.dtype).reshape(t.shape)
+
+    x_q, w_q = rounded(x, False), rounded(layer.weight, True)
+    assert not torch.equal(x_q, x.detach()) and torch.equal(rounded(x_q, False), x_q)  # rounded, a fixed point
+    # A token's rounding is its own: the same with the other tokens of the batch scaled up.
+    other = x.detach().clone()
+    other[1:] *= 100
+    assert torch.equal(layer(other)[0], layer(x)[0].detach())
+    out = layer(x)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x_q, w_q, layer.bias), rtol=0, atol=0)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    g2 = grad.reshape(-1, 32)
+    torch.testing.assert_close(layer.weight.grad, g2.t() @ x_q.reshape(-1, 64), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, grad @ w_q, rtol=1e-5, atol=1e-5)
+    from offloadkit.cli.qat import convert_qat
+
+    convert_qat(model)
+    assert type(model[0]) is torch.nn.Linear
