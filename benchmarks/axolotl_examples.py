@@ -297,7 +297,15 @@ def stand_in(config: dict, kind: str, folder: str) -> str:
     if isinstance(lisa, int) and lisa > getattr(model_config, "num_hidden_layers", lisa):
         model_config.num_hidden_layers = lisa  # deep enough for LISA's sampled layers
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(model_config)
+    from transformers.models.auto import modeling_auto
+
+    causal = type(model_config) in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    if not causal and type(model_config) in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        from transformers import AutoModelForImageTextToText  # a vision-language model without a causal LM
+
+        model = AutoModelForImageTextToText.from_config(model_config)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -376,7 +384,7 @@ def _records(entry: dict) -> list:
             }
             for i in range(RECORDS)
         ]
-    field = entry.get("field") or "text"
+    field = entry.get("field") or entry.get("text_column") or "text"
     return [
         {field: f"Document {i}. " + "First Citizen: Before we proceed any further, hear me speak. " * (1 + i % 4)}
         for i in range(RECORDS)
@@ -390,20 +398,22 @@ def localise(config: dict, model_dir: str, folder: str) -> dict:
     if config.get("tokenizer_config"):
         config["tokenizer_config"] = model_dir
     config["output_dir"] = os.path.join(folder, "out")
-    entries = config.get("datasets")
-    if isinstance(entries, list):
+    for key in ("datasets", "pretraining_dataset"):
+        entries = config.get(key)
+        if not isinstance(entries, list):
+            continue
         local = []
         for k, entry in enumerate(entries):
             if not isinstance(entry, dict):
                 local.append(entry)
                 continue
-            path = os.path.join(folder, f"data-{k}.jsonl")
+            path = os.path.join(folder, f"{key}-{k}.jsonl")
             with open(path, "w", encoding="utf-8") as f:
                 for record in _records(entry):
                     f.write(json.dumps(record) + "\n")
-            entry = {key: v for key, v in entry.items() if key not in ("data_files", "name", "revision")}
+            entry = {name: v for name, v in entry.items() if name not in ("data_files", "name", "revision")}
             local.append(dict(entry, path=path))
-        config["datasets"] = local
+        config[key] = local
     config["max_steps"] = 2
     config["sequence_len"] = min(int(config.get("sequence_len") or 512), 512)
     if config.get("min_sample_len"):

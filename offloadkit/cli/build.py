@@ -137,24 +137,43 @@ def _model_kwargs(cfg: TrainConfig, source: str) -> dict:
     return kwargs
 
 
-def _model_class(cfg: TrainConfig):
+def _model_class(cfg: TrainConfig, source: str | None = None):
+    """The class that loads the model: the config's ``model_class``; else a causal LM, or, for
+    a vision-language model that has no causal-LM class (Mistral 3), its image-text-to-text
+    class, whose text path then trains (as Axolotl trains its text-only configs)."""
     with needs("offloadkit train"):
         import transformers
-    return getattr(transformers, cfg.model_class or "AutoModelForCausalLM")
+    if cfg.model_class:
+        return getattr(transformers, cfg.model_class)
+    if source is not None:
+        from transformers.models.auto import modeling_auto
+
+        try:
+            config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError):
+            return transformers.AutoModelForCausalLM  # its own error says what is missing
+        if (
+            type(config) not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+            and type(config) in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+        ):
+            return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def _pretrained(cfg: TrainConfig, source: str, **kwargs):
     """``from_pretrained`` with the model's own attention when it has no kernel of the name
     asked for (Gemma 2 runs eager attention, not sdpa): the same computation, and a warning."""
     try:
-        return _model_class(cfg).from_pretrained(source, **kwargs)
+        return _model_class(cfg, source).from_pretrained(source, **kwargs)
     except ValueError as exc:
         asked = kwargs.get("attn_implementation")
         if not asked or "does not support" not in str(exc) or "attention" not in str(exc).lower():
             raise
     import warnings
 
-    model = _model_class(cfg).from_pretrained(source, **{k: v for k, v in kwargs.items() if k != "attn_implementation"})
+    model = _model_class(cfg, source).from_pretrained(
+        source, **{k: v for k, v in kwargs.items() if k != "attn_implementation"}
+    )
     warnings.warn(
         f"offloadkit: {type(model).__name__} has no {asked!r} attention; it uses its own "
         f"({getattr(model.config, '_attn_implementation', 'default')})",
@@ -166,12 +185,26 @@ def _pretrained(cfg: TrainConfig, source: str, **kwargs):
 
 def _from_pretrained(cfg: TrainConfig, source: str, dtype: torch.dtype, **extra):
     try:
+        if cfg.reinit_weights:
+            return _from_config(cfg, source, dtype)
         return _pretrained(cfg, source, dtype=dtype, **_model_kwargs(cfg, source), **extra)
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"{cfg.name('model')}={cfg.model!r} could not be loaded as a local Hugging Face model "
             f"({' '.join(str(exc).split())[:300]})"
         ) from None
+
+
+def _from_config(cfg: TrainConfig, source: str, dtype: torch.dtype):
+    """The model's architecture with random weights (``reinit_weights``), drawn after the seed."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    torch.manual_seed(cfg.seed)
+    return _model_class(cfg, source).from_config(config, **kwargs)
 
 
 def _load_tokenizer(cfg: TrainConfig):

@@ -134,6 +134,8 @@ class TrainConfig:
             above the threshold for that many logged steps (default 3).
         trust_remote_code: let the model and tokenizer run their own code from their
             directory (as ``from_pretrained(trust_remote_code=True)``).
+        reinit_weights: train the model's architecture from random weights (its config only,
+            ``from_config`` after ``seed``), as a pretraining run from scratch does.
         model_revision: the hub revision (branch, tag or commit) of a hub id ``model``.
         model_class: the transformers class the model loads with (default
             AutoModelForCausalLM); model_config: overrides of the model's config.json.
@@ -254,6 +256,7 @@ class TrainConfig:
     loss_watchdog_threshold: float | None = None
     loss_watchdog_patience: int | None = None
     trust_remote_code: bool = False
+    reinit_weights: bool = False
     model_revision: str | None = None
     model_class: str | None = None
     model_config: dict | None = None
@@ -651,6 +654,7 @@ class TrainConfig:
             "group_by_length",
             "curriculum_sampling",
             "trust_remote_code",
+            "reinit_weights",
             "resize_token_embeddings_to_32x",
             "lora_use_rslora",
             "lora_fan_in_fan_out",
@@ -781,6 +785,13 @@ class TrainConfig:
                 "lr_quadratic_warmup",
                 True,
                 f"shapes the cosine schedule's warmup, not {self.name('lr_scheduler')}: {self.lr_scheduler}",
+            )
+        if self.reinit_weights is True and (self.load_in_4bit or self.load_in_8bit or self.model is None):
+            fail(
+                "reinit_weights",
+                True,
+                "builds the named model's architecture from random weights: it needs a model (not the built-in one), "
+                "and cannot start from quantized weights",
             )
         patience = self.early_stopping_patience
         if patience is not None:

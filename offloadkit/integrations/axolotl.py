@@ -215,7 +215,6 @@ UNSUPPORTED = {
     "process_reward_model": "process-reward-model training",
     "processor_type": "multimodal processors (images, audio)",
     "freeze_mm_modules": "multimodal models",
-    "pretraining_dataset": "streaming pretraining datasets",
     "gptq": "GPTQ-quantised bases",
     "gptq_groupsize": "GPTQ-quantised bases",
     "gptq_model_v1": "GPTQ-quantised bases",
@@ -233,7 +232,6 @@ UNSUPPORTED = {
     "jagged_restart_steps": "jagged learning-rate restarts",
     "jagged_restart_warmup_steps": "jagged learning-rate restarts",
     "jagged_restart_anneal_steps": "jagged learning-rate restarts",
-    "reinit_weights": "re-initialised weights",
     "use_eaft": "EAFT loss",
     "eaft_alpha": "EAFT loss",
     "eaft_k": "EAFT loss",
@@ -490,6 +488,39 @@ class _Mapper:
         return spec
 
 
+def _map_pretraining(value, data: dict, m: _Mapper) -> None:
+    """Axolotl's ``pretraining_dataset``: text documents read whole (not streamed: the same
+    documents and loss, the order shuffled over the whole set rather than a stream's buffer),
+    as completion datasets."""
+    if "datasets" in data:
+        m.fail("pretraining_dataset and datasets both name the training data; keep one")
+        return
+    entries = value if isinstance(value, list) else [value]
+    specs = []
+    for i, entry in enumerate(entries):
+        where = f"pretraining_dataset[{i}]"
+        if not isinstance(entry, dict):
+            m.fail(f"{where}={entry!r} must be a mapping like {{path: data/c4.jsonl, type: pretrain}}")
+            return
+        kind = entry.get("type", "pretrain")
+        if kind not in ("pretrain", "completion"):
+            m.refuse(f"{where}.type={kind!r}: offloadkit reads pretraining text (type: pretrain)")
+            return
+        if entry.get("skip"):
+            m.not_honoured(f"{where}.skip", entry["skip"], "documents skipped at the stream's start")
+        known = {"path", "name", "split", "text_column", "type", "data_files", "trust_remote_code", "skip"}
+        extra = sorted(str(k) for k in entry if k not in known)
+        if extra:
+            m.fail(f"{where} has unknown keys {extra}; offloadkit reads path, name, split, text_column and type")
+            return
+        fields = {k: v for k, v in entry.items() if k in ("path", "data_files", "split", "name")}
+        spec = m.dataset(where, dict(fields, type="completion", field=entry.get("text_column") or "text"))
+        if spec is None:
+            return
+        specs.append(spec)
+    m.put("datasets", specs, "pretraining_dataset")
+
+
 def _map_keys(data: dict, m: _Mapper) -> None:
     unknown = []
     for key, value in data.items():
@@ -528,6 +559,8 @@ def _map_keys(data: dict, m: _Mapper) -> None:
                 if templates:
                     _dataset_template(templates, data, m)
                 m.put("datasets", specs, "datasets")
+        elif key == "pretraining_dataset":
+            _map_pretraining(value, data, m)
         elif key == "rl":
             if value in ("dpo", "kto"):
                 m.put("rl", value, key)
