@@ -55,6 +55,15 @@ LLAMA_SHAPES: dict[str, dict] = {
         vocab_size=128256,
         rope_theta=500000.0,
     ),
+    "llama-3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
 }
 
 
