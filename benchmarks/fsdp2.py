@@ -25,15 +25,19 @@ such (``oom``); run a capacity ladder one mode and length per process.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offloadkit.bench.provenance import provenance
 from offloadkit.checkpointing import apply_activation_checkpointing
@@ -70,6 +74,12 @@ def build(shape: str, mode: str, chunked_loss: int = 0):
     return model, handle, opt
 
 
+def _one_step(model, opt, batch) -> None:
+    model(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def run(mode: str, args, rank: int, world: int) -> dict:
     # The previous mode's model sits in reference cycles (hooks, FSDP2 state): collect it, or
     # its parameters would count in this mode's peak.
@@ -100,6 +110,12 @@ def run(mode: str, args, rank: int, world: int) -> dict:
     except torch.OutOfMemoryError as exc:
         print(f"OOM rank {rank} mode {mode} at {args.seq_len} tokens: {str(exc)[:160]}", flush=True)
         os._exit(3)  # the other ranks wait in a collective: a capacity ladder's stop
+    kernels = None
+    if args.kernel_breakdown:
+        from benchmarks.kernel_time import profile_step
+
+        # After the timed steps: the peaks above are theirs.
+        kernels = profile_step(functools.partial(_one_step, model, opt, batch))
     peaks = torch.tensor(
         [torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30], device="cuda"
     )
@@ -115,6 +131,8 @@ def run(mode: str, args, rank: int, world: int) -> dict:
         peak_allocated_gib=[g[0].item() for g in gathered],
         peak_reserved_gib=[g[1].item() for g in gathered],
     )
+    if kernels is not None:
+        row["kernels_rank0" if rank == 0 else "kernels"] = kernels
     if handle is not None and handle.offloader is not None:
         stats = handle.offloader.collect_stats()
         row.update(
@@ -138,6 +156,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", default="hf_ckpt,ckpt,ckpt+input_offload")
     ap.add_argument("--chunked-loss", type=int, default=0, help="offloadkit modes: loss over this many chunks")
+    ap.add_argument(
+        "--kernel-breakdown",
+        action="store_true",
+        help="one more step of each mode under the profiler: GPU time by kernel group, the compute stream's idle time",
+    )
     ap.add_argument("--out", default="bench-results/fsdp2")
     args = ap.parse_args()
     dist.init_process_group("cpu:gloo,cuda:nccl")  # CPUOffloadPolicy reduces host-side tensors too

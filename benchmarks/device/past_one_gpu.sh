@@ -67,7 +67,7 @@ fi
 if [[ " $PHASES " == *" fsdp2 "* ]]; then
   say "FSDP2 8B full fine-tune, $GPUS GPUs, 16K a rank"
   run "fsdp2_16k.txt" 420 "$GPUS" benchmarks/fsdp2.py --shape llama-3-8b --seq-len 16384 --steps 3 \
-    --modes hf_ckpt,ckpt+input_offload+backward_adamw --out "$RESULTS/fsdp2"
+    --modes hf_ckpt,ckpt,ckpt+input_offload,ckpt+input_offload+backward_adamw --kernel-breakdown --out "$RESULTS/fsdp2"
   grep -A4 "^| mode" "$RESULTS/fsdp2_16k.txt" | tee -a "$RESULTS/progress.txt"
   for mode in cpu_offload_policy ckpt+input_offload+backward_adamw; do
     for s in ${FSDP2_LADDER:-32768 65536 131072}; do
