@@ -35,8 +35,8 @@ def report_embeddings(handle: HostEmbeddings) -> dict:
 
 def embeddings_footprint(w: Workload, f: Features) -> Footprint:
     """The table's bytes move from the GPU's weights to pinned host RAM: a LoRA model's frozen
-    table only, and not one the output head shares."""
-    if not (f.of(EmbeddingOptions).offload and w.lora_rank) or w.shape.tied:
+    table only, not one the output head shares nor one FSDP2 shards (the build refuses both)."""
+    if not (f.of(EmbeddingOptions).offload and w.lora_rank) or w.shape.tied or w.parallel.weight_shards > 1:
         return Footprint()
     table = w.shape.embed_params * w.dtype_bytes
     return Footprint(gpu={"input embeddings in host memory": -table}, host={"input embeddings": table})

@@ -12,7 +12,7 @@ import pytest
 from offloadkit.compose import component_options, prepare
 from offloadkit.config import ConfigError, ConfigProblemsError, OffloadConfig
 from offloadkit.embeddings import EmbeddingOptions
-from offloadkit.planning import Budgets, plan
+from offloadkit.planning import Budgets, Parallelism, plan
 from offloadkit.testing import build_llama
 
 peft = pytest.importorskip("peft")
@@ -93,6 +93,9 @@ def test_the_planner_counts_its_footprint_and_the_plan_keeps_it():
     assert full.memory.gpu_peak == plan("llama-3-8b", 16384, lora_rank=0, budgets=BUDGETS).memory.gpu_peak
     tied = plan("llama-3.2-1b", 65536, budgets=BUDGETS, options=on)
     assert tied.memory.gpu_peak == plan("llama-3.2-1b", 65536, budgets=BUDGETS).memory.gpu_peak
+    fsdp = Parallelism(world_size=2, shard_weights=True, ranks_per_host=2)
+    sharded = plan("llama-3-8b", 16384, budgets=BUDGETS, parallel=fsdp, options=on)
+    assert sharded.memory.gpu_peak == plan("llama-3-8b", 16384, budgets=BUDGETS, parallel=fsdp).memory.gpu_peak
 
 
 def test_prepare_hands_the_planner_every_components_options():
