@@ -44,6 +44,31 @@ def model_flops(shape, lora_rank: int, seq: int, layers: int, world: int) -> flo
     return float(linear + head + attention)
 
 
+def timed_steps(step, warmup: int, steps: int) -> tuple[list[float], list[float], list[torch.Tensor]]:
+    """``warmup`` steps, then ``steps`` timed ones (each rank starts together, the GPU
+    synchronised around the timer): their seconds, their losses and every rank's peak
+    allocated and reserved GiB since the warm-up."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peaks = torch.tensor(
+        [torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB],
+        dtype=torch.float64,
+        device="cuda",
+    )
+    gathered = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, peaks)
+    return times, losses, gathered
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3-8b")
@@ -161,24 +186,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return float(cp.reduce_loss(loss))
 
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for _ in range(args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses.append(step())
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peaks = torch.tensor(
-        [torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB],
-        dtype=torch.float64,
-        device="cuda",
-    )
-    gathered = [torch.zeros_like(peaks) for _ in range(world)]
-    dist.all_gather(gathered, peaks)
+    times, losses, gathered = timed_steps(step, args.warmup, args.steps)
     report = runtime.report()
     if rank == 0:
         step_s = statistics.median(times)

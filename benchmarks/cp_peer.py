@@ -24,14 +24,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.context_parallel import GiB, model_flops  # noqa: E402
+from benchmarks.context_parallel import GiB, model_flops, timed_steps  # noqa: E402
 
 
 def main() -> None:
@@ -116,27 +115,10 @@ def main() -> None:
         return float(total) / world
 
     try:
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times, losses = [], []
-        for _ in range(args.steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses.append(step())
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        times, losses, gathered = timed_steps(step, args.warmup, args.steps)
     except torch.OutOfMemoryError as exc:
         print(f"OOM rank {dist.get_rank()} at {seq} tokens ({args.tokens_per_gpu}/GPU): {str(exc)[:200]}", flush=True)
         os._exit(3)  # the other ranks wait in a collective: leave without tearing the group down
-    peaks = torch.tensor(
-        [torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB],
-        dtype=torch.float64,
-        device="cuda",
-    )
-    gathered = [torch.zeros_like(peaks) for _ in range(world)]
-    dist.all_gather(gathered, peaks)
     if dist.get_rank() == 0:
         import accelerate
 
