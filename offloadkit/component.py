@@ -211,6 +211,9 @@ class Component:
         footprint: ``(workload, features) -> Footprint``: what it costs in a step as the
             planner counts it, from its own constants (None: the planner still counts it
             itself).
+        effective: ``(model, options) -> options``: the options as they will take effect on
+            this model (what its build would refuse, turned off), for the planner to count
+            (None: as set).
     """
 
     name: str
@@ -220,3 +223,4 @@ class Component:
     report: Callable[[Any], dict] | None = None
     remove: Callable[[Any], None] = _remove
     footprint: Callable[[FootprintWorkload, FootprintFeatures], Footprint] | None = None
+    effective: Callable[[nn.Module, Any], Any] | None = None

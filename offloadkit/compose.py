@@ -264,10 +264,16 @@ def _plans_fused_lora(model: nn.Module, config: OffloadConfig) -> bool:
     return config.fused_lora is True
 
 
-def component_options(config: OffloadConfig) -> tuple:
+def component_options(config: OffloadConfig, model: nn.Module | None = None) -> tuple:
     """Every component's options as ``config`` sets them, for the planner to count their
-    footprints (it chooses some of them itself; the others pass through its plan)."""
-    return tuple(config.options(cls) for cls in dict.fromkeys(c.options for c in COMPONENTS))
+    footprints (it chooses some of them itself; the others pass through its plan); with
+    ``model``, as they will take effect on it (what a build would refuse, off)."""
+    options = {c.options: config.options(c.options) for c in COMPONENTS}
+    if model is not None:
+        for c in COMPONENTS:
+            if c.effective is not None:
+                options[c.options] = c.effective(model, options[c.options])
+    return tuple(options.values())
 
 
 def run_parallelism() -> Parallelism:
@@ -355,7 +361,7 @@ def plan_for(
         optimizer=optimizer,
         parallel=parallel,
         fused_lora=_plans_fused_lora(model, config),
-        options=component_options(config),
+        options=component_options(config, model),
     )
 
 

@@ -268,8 +268,15 @@ class OffloadConfig:
     batch_size: int = _default("batch_size")
     _warnings: list[str] = field(default_factory=list, repr=False, compare=False)
     # The keys of registered components that have no field above (a feature added to the
-    # registry needs no line here): set by from_dict and replace, read as attributes.
-    _extra: dict[str, Any] = field(default_factory=dict)
+    # registry needs no line here): every one of them, at its value or its default; set by
+    # from_dict, replace or assignment, read as attributes.
+    _extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self._extra) - set(_EXTRA_OWNER))
+        if unknown:
+            raise ConfigError(f"{unknown_keys(unknown, self.keys())}; {KEYS_HELP}")
+        self._extra = {key: self._extra.get(key, cls.default(name)) for key, (cls, name) in _EXTRA_OWNER.items()}
 
     def __getattr__(self, name: str) -> Any:
         # Only for names no field has: a registered component's key reads as its value or default.
@@ -278,6 +285,16 @@ class OffloadConfig:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         extra = self.__dict__.get("_extra", {})
         return extra[name] if name in extra else owner[0].default(owner[1])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXTRA_OWNER:
+            self._extra[name] = value
+        else:
+            super().__setattr__(name, value)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.keys())
+        return f"{type(self).__name__}({shown})"
 
     @classmethod
     def keys(cls) -> list[str]:

@@ -149,7 +149,9 @@ def _model_class(cfg: TrainConfig, source: str | None = None):
         from transformers.models.auto import modeling_auto
 
         try:
-            config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+            config = transformers.AutoConfig.from_pretrained(
+                source, local_files_only=True, trust_remote_code=cfg.trust_remote_code
+            )
         except (OSError, ValueError):
             return transformers.AutoModelForCausalLM  # its own error says what is missing
         if (
@@ -196,15 +198,21 @@ def _from_pretrained(cfg: TrainConfig, source: str, dtype: torch.dtype, **extra)
 
 
 def _from_config(cfg: TrainConfig, source: str, dtype: torch.dtype):
-    """The model's architecture with random weights (``reinit_weights``), drawn after the seed."""
+    """The model's architecture with random weights (``reinit_weights``), drawn after the seed:
+    its config as the pretrained route reads it (``model_config`` overrides, ``num_labels``)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
-    kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
+    kwargs = _model_kwargs(cfg, source)
+    config = kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(
+        source, local_files_only=True, trust_remote_code=cfg.trust_remote_code
+    )
+    if "num_labels" in kwargs:
+        config.num_labels = kwargs.pop("num_labels")
+    built: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if "attn_implementation" in kwargs:
+        built["attn_implementation"] = kwargs["attn_implementation"]
     torch.manual_seed(cfg.seed)
-    return _model_class(cfg, source).from_config(config, **kwargs)
+    return _model_class(cfg, source).from_config(config, **built)
 
 
 def _load_tokenizer(cfg: TrainConfig):

@@ -404,6 +404,8 @@ def _check_adapter(cfg, problems: _Problems) -> None:
 
 def _check_plan(cfg, args, problems: _Problems) -> str | None:
     """Whether the planner fits the run within the budgets; returns a note for the verdict."""
+    import torch
+
     from offloadkit.compose import component_options
     from offloadkit.planning import Budgets, OptimizerSetup, plan, resolve_shape
 
@@ -441,13 +443,20 @@ def _check_plan(cfg, args, problems: _Problems) -> str | None:
         stream_depth=off.layer_offloading_depth,
         optimizer_precision=off.optimizer_precision,
         optimizer=OptimizerSetup(updates_in_backward=not clipping, source=f"max_grad_norm={cfg.max_grad_norm}"),
-        # Unset: the run's plan fuses a LoRA model's layers where each one can be (16-bit, plain LoRA).
+        # Unset: the run's plan fuses a LoRA model's layers where each one can be (16-bit
+        # weights: bf16, or auto on a GPU; plain LoRA).
         fused_lora=off.fused_lora is True
         or (
             off.fused_lora is None
             and bool(cfg.lora_rank)
-            and cfg.dtype != "float32"
-            and not (cfg.load_in_4bit or cfg.load_in_8bit or cfg.lora_use_dora or cfg.model_quantization_config)
+            and (cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and torch.cuda.is_available()))
+            and not (
+                cfg.load_in_4bit
+                or cfg.load_in_8bit
+                or cfg.lora_use_dora
+                or cfg.lora_fan_in_fan_out
+                or cfg.model_quantization_config
+            )
         ),
         options=component_options(off),
     )

@@ -52,8 +52,10 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fused-lora",
-        action="store_true",
-        help="the LoRA layers run fused in the compute dtype (fused_lora: true): they save less per layer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the LoRA layers run fused in the compute dtype (fused_lora: true): they save less per layer; "
+        "default: fused with LoRA, as offload_plan: auto runs a 16-bit plain LoRA model (--no-fused-lora: PEFT's)",
     )
     p.add_argument("--layers", type=int, default=None, help="override the depth (same layer shape)")
     p.add_argument("--gpu-gib", type=float, default=None, help="GPU budget (default: this GPU's memory less 1 GiB)")
@@ -234,7 +236,7 @@ def run_plan(args, log=print) -> int:
         "optimizer_precision": args.optimizer_precision,
         "optimizer": optimizer,
         "parallel": parallel,
-        "fused_lora": args.fused_lora,
+        "fused_lora": args.fused_lora if args.fused_lora is not None else bool(args.lora_rank),
     }
     p = plan(model, args.seq_len, **common)
     w, t = p.workload, p.time

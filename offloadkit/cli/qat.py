@@ -7,10 +7,10 @@ precision (the gradient passes the rounding unchanged). Two of Axolotl's formats
 - ``weight_dtype: int4`` in groups of ``group_size`` (default 128) along each row, with
   ``activation_dtype: int8`` (per token, asymmetric) or no activation rounding;
 - ``weight_dtype: mxfp4`` with ``activation_dtype: mxfp4``, blocks of 32 (MX scaling);
-- ``weight_dtype: nvfp4`` with ``activation_dtype: nvfp4``, blocks of 16 with fp8 e4m3 scales, as
-  torchao's ``NVFP4Tensor`` rounds them (the weights under one fp32 scale per tensor too; the
-  activations by their blocks' scales alone, so that a token's rounding does not depend on the
-  other tokens of the batch and packed documents stay apart), emulated on any
+- ``weight_dtype: nvfp4`` with ``activation_dtype: nvfp4``, blocks of 16 with fp8 e4m3 scales under
+  a second fp32 scale, as torchao's ``NVFP4Tensor`` rounds them: the weights' of the whole
+  tensor, the activations' of each token (so that a token's rounding does not depend on the
+  other tokens of the batch, and packed documents stay apart), emulated on any
   device: the rounded values are multiplied in the model's dtype, where torchao's own NVFP4
   training needs a GPU with FP4 matmuls (Blackwell); its backward computes with the rounded
   values too.
@@ -22,7 +22,10 @@ layers before saving, for a later post-training quantization to the same format.
 
 from __future__ import annotations
 
-__all__ = ["QAT_KEYS", "qat_problem", "apply_qat", "convert_qat", "fake_quant_switch"]
+import torch
+import torch.nn.functional as F
+
+__all__ = ["QAT_KEYS", "NVFP4FakeQuantizedLinear", "qat_problem", "apply_qat", "convert_qat", "fake_quant_switch"]
 
 QAT_KEYS = ("weight_dtype", "activation_dtype", "group_size", "quantize_embedding", "fake_quant_after_n_steps")
 
@@ -88,41 +91,46 @@ def _config(qat: dict):
     return QATConfig(weight_config=weight, activation_config=activation), group
 
 
-def _nvfp4_round(x, tensor_scale: bool):
-    """``x`` rounded to NVFP4 along its last dim (blocks of 16 with fp8 e4m3 scales, under one
-    fp32 scale for the whole tensor with ``tensor_scale``), back in ``x``'s dtype."""
+def _nvfp4_round(x, per: str):
+    """``x`` rounded to NVFP4 along its last dim: blocks of 16 with fp8 e4m3 scales under an
+    fp32 scale of the whole tensor (``per="tensor"``) or of each row (``per="row"``), back in
+    ``x``'s dtype."""
+    import torch
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    scale = per_tensor_amax_to_scale(rows.abs().max().float()) if tensor_scale else None
-    return NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=scale).dequantize(x.dtype).reshape(x.shape)
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if per == "tensor":
+        scale = per_tensor_amax_to_scale(rows.abs().max())
+        rounded = NVFP4Tensor.to_nvfp4(rows.contiguous(), per_tensor_scale=scale).dequantize(torch.float32)
+    else:
+        # Each row its own second-level scale: the two-level rounding of the row alone.
+        amax = rows.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(amax > 0, per_tensor_amax_to_scale(amax), torch.ones_like(amax))
+        unit = NVFP4Tensor.to_nvfp4((rows / scale).contiguous(), per_tensor_scale=None)
+        rounded = unit.dequantize(torch.float32) * scale
+    return rounded.to(x.dtype).reshape(x.shape)
 
 
-def _nvfp4_linear_class():
-    import torch
-    import torch.nn.functional as F
+class _Rounded(torch.autograd.Function):
+    """NVFP4 rounding whose gradient passes unchanged (straight through)."""
 
-    class _Rounded(torch.autograd.Function):
-        """NVFP4 rounding whose gradient passes unchanged (straight through)."""
+    @staticmethod
+    def forward(ctx, x, per):
+        return _nvfp4_round(x, per)
 
-        @staticmethod
-        def forward(ctx, x, tensor_scale):
-            return _nvfp4_round(x, tensor_scale)
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
-        @staticmethod
-        def backward(ctx, grad):
-            return grad, None
 
-    class NVFP4FakeQuantizedLinear(torch.nn.Linear):
-        """A linear layer computing with its input and weight rounded to NVFP4 (the weight
-        trains in full precision). The weight takes the two-level scales; each token of the
-        input its blocks' own, so that its rounding does not depend on the other tokens of
-        the batch (packed documents stay apart)."""
+class NVFP4FakeQuantizedLinear(torch.nn.Linear):
+    """A linear layer computing with its input and weight rounded to NVFP4 (the weight trains
+    in full precision): the weight under a scale of the whole tensor, each token of the input
+    under its own, so that a token's rounding does not depend on the other tokens of the batch
+    (packed documents stay apart) and small activations keep their precision."""
 
-        def forward(self, x):
-            return F.linear(_Rounded.apply(x, False), _Rounded.apply(self.weight, True), self.bias)
-
-    return NVFP4FakeQuantizedLinear
+    def forward(self, x):
+        return F.linear(_Rounded.apply(x, "row"), _Rounded.apply(self.weight, "tensor"), self.bias)
 
 
 def apply_qat(model, qat: dict) -> None:
@@ -145,10 +153,9 @@ def apply_qat(model, qat: dict) -> None:
             )
     if config is None:
         # The same parameters, the forward of the fake-quantized class; convert_qat swaps it back.
-        rounded = _nvfp4_linear_class()
         for module in model.modules():
             if type(module) is torch.nn.Linear:
-                module.__class__ = rounded
+                module.__class__ = NVFP4FakeQuantizedLinear
         return
     from torchao.quantization import quantize_
 
@@ -162,8 +169,8 @@ def convert_qat(model) -> None:
     from torchao.quantization.qat import QATConfig
 
     for module in model.modules():
-        if type(module).__name__ == "NVFP4FakeQuantizedLinear" and type(module).__module__ == __name__:
-            module.__class__ = torch.nn.Linear
+        if type(module) is NVFP4FakeQuantizedLinear:
+            module.__class__ = torch.nn.Linear  # type: ignore[assignment]  # the same parameters, plain again
     quantize_(model, QATConfig(step="convert"))
 
 

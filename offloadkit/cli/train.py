@@ -325,7 +325,20 @@ def _save(cfg: TrainConfig, model, tokenizer, final: str) -> tuple[str, str]:
     save_dir = os.path.join(final, name)
     if cfg.lora_rank:
         return save_dir, f"peft.AutoPeftModelForCausalLM.from_pretrained({save_dir!r})"
-    return save_dir, f"transformers.{cfg.model_class or 'AutoModelForCausalLM'}.from_pretrained({save_dir!r})"
+    loader = cfg.model_class or _loader_of(model)
+    return save_dir, f"transformers.{loader}.from_pretrained({save_dir!r})"
+
+
+def _loader_of(model) -> str:
+    """The auto class that loads ``model``'s saved directory again."""
+    from transformers.models.auto import modeling_auto
+
+    config = type(getattr(model, "config", None))
+    if config not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING and config in (
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    ):
+        return "AutoModelForImageTextToText"
+    return "AutoModelForCausalLM"
 
 
 def run_train(cfg: TrainConfig, log=print) -> dict:

@@ -10,13 +10,13 @@ from torch import nn
 from offloadkit.component import Component, Footprint
 from offloadkit.component import FootprintFeatures as Features
 from offloadkit.component import FootprintWorkload as Workload
-from offloadkit.embeddings.host_table import HostEmbeddings, offload_embeddings
+from offloadkit.embeddings.host_table import HostEmbeddings, offload_embeddings, refusal
 from offloadkit.embeddings.options import EmbeddingOptions
 
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime
 
-__all__ = ["EMBEDDINGS", "embeddings_footprint"]
+__all__ = ["EMBEDDINGS", "effective_embeddings", "embeddings_footprint"]
 
 
 def build_embeddings(model: nn.Module, options: EmbeddingOptions, run: OffloadRuntime) -> HostEmbeddings | None:
@@ -27,6 +27,12 @@ def build_embeddings(model: nn.Module, options: EmbeddingOptions, run: OffloadRu
     except ValueError as exc:
         run.note(f"{options.key('offload')} has no effect: {exc}")
         return None
+
+
+def effective_embeddings(model: nn.Module, options: EmbeddingOptions) -> EmbeddingOptions:
+    """Off where the build would refuse this model's table (it trains, the head shares it, it is
+    not a plain tensor on a GPU): the planner then counts it on the GPU."""
+    return options if not options.offload or refusal(model) is None else EmbeddingOptions(offload=False)
 
 
 def report_embeddings(handle: HostEmbeddings) -> dict:
@@ -49,4 +55,5 @@ EMBEDDINGS = Component(
     build=build_embeddings,
     report=report_embeddings,
     footprint=embeddings_footprint,
+    effective=effective_embeddings,
 )

@@ -16,7 +16,7 @@ from torch import nn
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.runtime.device import device_alias_of_host
 
-__all__ = ["HostEmbeddings", "offload_embeddings"]
+__all__ = ["HostEmbeddings", "offload_embeddings", "refusal"]
 
 
 class HostEmbeddings:
@@ -41,8 +41,13 @@ class HostEmbeddings:
         self.table_host = torch.empty(0)
 
 
+def refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s input embedding table cannot stay in host memory, or None."""
+    base = unwrap_model(model)
+    return _refusal(base, getattr(base, "get_input_embeddings", lambda: None)())
+
+
 def _refusal(model: nn.Module, module: nn.Module | None) -> str | None:
-    """Why the input embedding table cannot stay in host memory, or None."""
     if not isinstance(module, nn.Embedding):
         return f"the model's input embeddings are {type(module).__name__}, not an nn.Embedding table"
     weight = module.weight

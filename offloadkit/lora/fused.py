@@ -177,8 +177,12 @@ def unfusable_reason(model: nn.Module) -> str | None:
     applies before choosing ``fused_lora`` itself."""
     try:
         from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.lora.layer import LoraLayer
     except ImportError:
         return "peft is not installed"
+    others = {type(m).__name__ for m in model.modules() if isinstance(m, LoraLayer) and not isinstance(m, LoraLinear)}
+    if others:
+        return f"LoRA layers of other kinds ({', '.join(sorted(others))})"  # QLoRA's Linear4bit, ...
     layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     if not layers:
         return "no PEFT LoRA linear layers"

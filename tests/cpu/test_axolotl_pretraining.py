@@ -68,6 +68,14 @@ def test_reinit_weights_trains_the_architecture_from_random_weights(tmp_path, mo
     )
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(base).model.embed_tokens.weight
     assert seen.found.shape == pretrained.shape and not torch.equal(seen.found, pretrained)
+    # The architecture as the config overrides it, as the pretrained route reads it.
+    shallow, _ = _run(
+        tmp_path / "shallow",
+        monkeypatch,
+        _axolotl(tmp_path / "shallow", reinit_weights=True, model_config={"num_hidden_layers": 1}, **keys),
+        probe=lambda m: len(m.model.layers),
+    )
+    assert shallow.found == 1
     # The seed draws the same weights again.
     again, _ = _run(
         tmp_path / "again",

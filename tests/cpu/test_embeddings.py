@@ -114,3 +114,31 @@ def test_a_longer_sequence_fits_with_the_table_off_the_gpu():
     plain = longest_sequence("llama-3-8b", budgets=budgets).longest
     offloaded = longest_sequence("llama-3-8b", budgets=budgets, options=(EmbeddingOptions(offload=True),)).longest
     assert offloaded > plain
+
+
+def test_the_plan_counts_the_table_where_the_build_would_leave_it():
+    """``offload_plan: auto`` plans the table off the GPU only where the build takes it off:
+    not for a table that trains (PEFT's modules_to_save), nor on a CPU."""
+    from offloadkit.compose import plan_for
+
+    trained = peft.get_peft_model(
+        build_llama("tiny"), peft.LoraConfig(r=4, target_modules="all-linear", modules_to_save=["embed_tokens"])
+    )
+    for model in (trained, _lora()):
+        config = OffloadConfig.from_dict({"offload_plan": "auto", "seq_len": 256, "embedding_offloading": True})
+        assert component_options(config, model)[-1] == EmbeddingOptions(offload=False)
+        planned = plan_for(model, config, None, None)
+        assert planned.features.of(EmbeddingOptions).offload is False
+        assert "input embeddings in host memory" not in planned.memory.gpu_parts
+
+
+def test_a_config_equals_itself_through_its_keys_and_takes_the_key_by_assignment():
+    assert OffloadConfig.from_dict(OffloadConfig().to_dict()) == OffloadConfig()
+    assert OffloadConfig.from_dict({"embedding_offloading": False}) == OffloadConfig()
+    assert OffloadConfig.from_dict({"embedding_offloading": True}) != OffloadConfig()
+    config = OffloadConfig()
+    config.embedding_offloading = True
+    assert config.replace(gradient_checkpointing=True).embedding_offloading is True
+    assert "embedding_offloading=True" in repr(config)
+    with pytest.raises(ConfigError, match="unknown key 'bogus'"):
+        OffloadConfig(_extra={"bogus": 1})

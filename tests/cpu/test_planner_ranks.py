@@ -282,6 +282,7 @@ def test_cli_plans_one_rank_of_the_world_size():
         262144,
         budgets=Budgets.detect(79 * GiB, 220 * GiB, 120 * GiB, ranks_per_host=2),
         parallel=_cp(2),
+        fused_lora=True,  # the command's default with LoRA, as offload_plan: auto runs it
     )
     assert lines[0].startswith(
         "per rank of 2 (context parallel: 131072 of the 262144 tokens each; host RAM and disk shared by 2 ranks): "

@@ -453,7 +453,8 @@ def test_cli_plan_prints_the_verdict_the_keys_as_yaml_and_the_longest_sequence()
     r = _cli("--shape", "llama-3-8b", "--seq-len", "131072", *budgets)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    expected = plan("llama-3-8b", 131072, budgets=Budgets(79 * GiB, 110 * GiB, 60 * GiB))
+    # LoRA layers fused: the command's default, as offload_plan: auto runs a 16-bit LoRA model.
+    expected = plan("llama-3-8b", 131072, budgets=Budgets(79 * GiB, 110 * GiB, 60 * GiB), fused_lora=True)
     assert lines[0].startswith(f"fits: {expected.name}, GPU {expected.memory.gpu_reserved / GiB:.1f}/79.0 GiB, host ")
     start = lines.index("# offloadkit config keys for this plan") + 1
     block = lines[start : lines.index("", start)]
