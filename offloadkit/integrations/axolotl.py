@@ -773,9 +773,13 @@ def _map_values(data: dict, m: _Mapper) -> None:
         if "chunked_cross_entropy" not in out:
             m.put("chunked_cross_entropy", True, written)
     kernels = [key for key in LORA_KERNELS if data.get(key) is True]
+    declined = [key for key in LORA_KERNELS if data.get(key) is False]
     if kernels and "fused_lora" not in out:
         names = [name for key in kernels for name in LORA_KERNELS[key]]
         m.put("fused_lora", True if len(kernels) == len(LORA_KERNELS) else names, "/".join(kernels))
+    elif declined and "fused_lora" not in out:
+        # Kernels declined and none asked for: PEFT's path, also where offload_plan: auto would fuse.
+        m.put("fused_lora", False, "/".join(declined))
     if out.get("chat_template") == "jinja":
         jinja = data.get("chat_template_jinja")
         if not isinstance(jinja, str) or not jinja:

@@ -96,14 +96,14 @@ def test_axolotl_batch_size_is_the_whole_step():
 
 
 def test_every_problem_is_reported_at_once_on_one_line():
-    data = dict(BASE, lerning_rate=1e-4, rl="grpo", adapter="dora", pretraining_dataset=[{"path": "c4"}])
+    data = dict(BASE, lerning_rate=1e-4, rl="grpo", adapter="dora", relora=True)
     with pytest.raises(ConfigProblemsError) as info:
         TrainConfig.from_dict(data, source="axolotl.yaml", cuda=False)
     message = str(info.value)
     assert "\n" not in message and "4 problems" in message
     assert "unknown key 'lerning_rate'" in message and "did you mean 'learning_rate'?" in message
     assert "rl='grpo': RL and preference training" in message and "adapter='dora' is not supported" in message
-    assert "pretraining_dataset" in message and "streaming pretraining datasets" in message
+    assert "relora=True: ReLoRA" in message
     assert not info.value.unsupported_only
     with pytest.raises(ConfigProblemsError) as info:
         TrainConfig.from_dict(dict(BASE, rl="grpo", processor_type="AutoProcessor"), source="a.yaml", cuda=False)
