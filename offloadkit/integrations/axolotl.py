@@ -188,7 +188,7 @@ WITHOUT_EFFECT = (
 NOT_HONOURED = {
     "cosine_constant_lr_ratio": "Axolotl's cosine schedule with a constant phase",
     "sample_packing_seq_len_multiplier": "packing several rows' worth of examples per row",
-    "max_packed_sequence_len": "packing to another length than sequence_len",
+    "max_packed_sequence_len": "Axolotl's retired packing (Axolotl refuses it too; sample_packing packs rows)",
     "pretrain_multipack_attn": "packed pretraining attention",
     "streaming_multipack_buffer_size": "packing a streamed dataset",
     "curriculum_sampling_by": "curriculum ordering",
