@@ -1,10 +1,12 @@
 """Optimizer state between pinned host memory and the GPU, on the process's copy streams.
 
-A parameter's state (moments, fp32 master copy) comes to the GPU on the host->device stream,
+A parameter's state (moments, fp32 master copy) comes to the GPU on the bulk host->device stream,
 is updated on the compute stream, and goes back on the device->host stream while backward goes
 on. The order in which parameters were updated in the last pass is remembered, so that while
 one parameter is updated the state of the next ones is already on its way in. Every copy goes
-through :func:`offloadkit.transfer.queue_copy`, in the same two queues as the activations'.
+through :func:`offloadkit.transfer.queue_copy`: back in the activations' device->host queue, in
+through the bulk host->device queue, since each copy in waits for the compute stream and a
+block input's prefetch must not wait behind it.
 
 GPU memory: the states fetched ahead and those still being copied back are bounded by
 ``window_bytes`` each; past it the host waits for the oldest copy back (the GPU keeps running
@@ -94,7 +96,9 @@ class StateCopies:
 
     # -- in -----------------------------------------------------------------------------
     def _queue_in(self, p: torch.Tensor, state: dict, keys: tuple[str, ...], device: torch.device):
-        h2d = copy_stream(device, "h2d")
+        # Not the "h2d" queue: this copy waits for the compute stream (below), and a block input
+        # or a streamed layer queued behind it would wait for that compute work too.
+        h2d = copy_stream(device, "h2d_bulk")
         compute = torch.cuda.current_stream(device)
         # Allocated on the compute stream, as fetched activations are: between updates the
         # memory serves the compute stream's own allocations, where a pool of the copy stream's

@@ -1,5 +1,5 @@
 """The one transfer layer on the GPU: every client (RAM tier, disk tier, layer streaming)
-copies through the device's two copy streams, and all of them together, with every copy
+copies through the device's copy streams, and all of them together, with every copy
 delayed, stay bitwise equal to the run without offloading."""
 
 import pytest
@@ -17,9 +17,9 @@ peft = pytest.importorskip("peft")
 DEV = "cuda"
 
 
-def test_two_copy_streams_per_device():
-    d2h, h2d = copy_stream(DEV, "d2h"), copy_stream(DEV, "h2d")
-    assert d2h != h2d
+def test_three_copy_streams_per_device():
+    d2h, h2d, bulk = copy_stream(DEV, "d2h"), copy_stream(DEV, "h2d"), copy_stream(DEV, "h2d_bulk")
+    assert len({d2h, h2d, bulk}) == 3
     assert copy_stream(torch.device("cuda", torch.cuda.current_device()), "d2h") == d2h
     with pytest.raises(ValueError, match="direction"):
         copy_stream(DEV, "sideways")
