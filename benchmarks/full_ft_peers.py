@@ -45,6 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offloadkit.models.zoo import LLAMA_SHAPES, build_llama, make_batch  # noqa: E402
 from offloadkit.planning.shape import ModelShape  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_trace  # noqa: E402
+
 MODES = (
     "offloadkit",
     "offloadkit+chunked_loss",
@@ -274,7 +277,10 @@ def run_one(mode: str, shape: str, args) -> dict:
     times, losses = [], []
     if waits is not None:
         waits()  # from here on: the timed steps' waits
+    traced = None
     for i in range(args.warmup + args.steps):
+        if i == args.warmup and args.memory_trace:
+            traced = memory_trace.start()  # the timed steps' allocations (their times then include the recording)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = step(batch)
@@ -284,6 +290,8 @@ def run_one(mode: str, shape: str, args) -> dict:
             times.append(time.perf_counter() - t0)
         elif waits is not None:
             waits()  # warm-up steps' waits are not counted
+    if traced is not None:
+        record["memory_trace"] = memory_trace.summarize(memory_trace.stop(), traced)
     step_s = statistics.median(times)
     record.update(
         step_s=step_s,
@@ -352,6 +360,11 @@ def main() -> None:
     ap.add_argument(
         "--copy-window-mib", type=int, default=None, help="offloadkit modes: BackwardAdamW's window (default: its own)"
     )
+    ap.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="record the allocator's history over the timed steps; the record says what was live at the peaks",
+    )
     ap.add_argument("--disk-dir", default=None, help="offloadkit_plan: where the disk tier writes")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "SHAPE"), help="run one case in this process")
     args = ap.parse_args()
@@ -374,6 +387,7 @@ def main() -> None:
             cmd += ["--budgets", args.budgets, "--precision", args.precision, "--one", mode, shape]
             cmd += ["--copy-window-mib", str(args.copy_window_mib)] if args.copy_window_mib else []
             cmd += ["--ours-params"] if args.ours_params else []
+            cmd += ["--memory-trace"] if args.memory_trace else []
             if args.disk_dir:
                 cmd += ["--disk-dir", args.disk_dir]
             log = os.path.join(args.out, f"{shape}-{mode}.log")
