@@ -10,76 +10,54 @@ copy has landed, and the source's stream waits on that copy before its memory is
 
 from __future__ import annotations
 
-import threading
 import warnings
-import weakref
-from collections import deque
 
 import torch
 
 from offloadkit.engine.decide import REFUSED_BY_STORAGE, decide
-from offloadkit.engine.policy import OffloadPolicy
-from offloadkit.engine.prefetch import PrefetchPlanner, Step
-from offloadkit.engine.spans import DeathQueue, Entry, Kept, Packed, span_view, storage_span
-from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.engine.lifetime import Lifetime
+from offloadkit.engine.prefetch import Step
+from offloadkit.engine.spans import Entry, Kept, Packed, span_view, storage_span
+from offloadkit.engine.state import EngineState
 from offloadkit.runtime.autograd import in_backward
 from offloadkit.runtime.device import current_stream
 from offloadkit.runtime.storages import StorageRef, storage_key, version_of
-from offloadkit.storage.base import StorageTier
-from offloadkit.storage.budget import HostMemoryBudget
 
 __all__ = ["ForwardPath"]
 
 
 class ForwardPath:
-    """Pack and stash of :class:`~offloadkit.OffloadActivations` (which holds the state
-    declared here)."""
+    """Pack and stash of one engine: what each save becomes, in the ``shared`` state; a
+    dropped source goes through ``lifetime``."""
 
-    _lock: threading.RLock
-    _stash: deque[Entry]
-    _entries: set[Entry]
-    _by_storage: dict[int, list[Entry]]
-    _planner: PrefetchPlanner
-    _clock: WaitClock
-    _dead: DeathQueue
-    _budget_warned: bool
-    _closed: bool
-    policy: OffloadPolicy
-    stats: OffloadStats
-    tier: StorageTier
-    budget: HostMemoryBudget
-    max_fwd_stash_size: int
-    tensor_id: int
-    _saves: weakref.WeakValueDictionary
+    def __init__(self, shared: EngineState, lifetime: Lifetime) -> None:
+        self.shared = shared
+        self.lifetime = lifetime
+        self.budget_warned = False  # the host budget's refusal is told once
 
-    def _state(self):  # per-thread forward state, kept by the engine
-        raise NotImplementedError
-
-    def _drain(self) -> None:
-        raise NotImplementedError
-
-    def _pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor):
         nbytes = t.numel() * t.element_size()
-        state = self._state()
+        shared = self.shared
+        state = shared.thread()
         state.saves += 1
         # in_backward first: on CUDA a save inside backward runs on the engine's device
         # thread, which inherits the hooks but none of this thread's forward state.
         decision = decide(
             t,
-            self.policy,
-            closed=self._closed,
+            shared.policy,
+            closed=shared.closed,
             in_backward=in_backward(),
             excluded=bool(state.keep_depth or state.tail),
             placed=state.placed,
         )
         if not decision.offload:
-            with self._lock:
-                self.stats.saved_tensors += 1
-                self.stats.note_kept(decision.reason, nbytes)
+            with shared.lock:
+                shared.stats.saved_tensors += 1
+                shared.stats.note_kept(decision.reason, nbytes)
                 return self._register(Kept(t))
-        with self._lock:
-            self.stats.saved_tensors += 1
-            self._drain()
+        with shared.lock:
+            shared.stats.saved_tensors += 1
+            self.lifetime.drain()
             step = state.step
             if step is None or step.passes or step.live <= 0:
                 step = state.step = Step()  # a new forward, or one whose backward already began
@@ -90,14 +68,14 @@ class ForwardPath:
             copied = entry is None
             if entry is not None:
                 entry.saved_again(state.group)  # needed with its newest saver's group
-                self.stats.deduplicated_tensors += 1
-                self.stats.deduplicated_bytes += nbytes
-                self._planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
+                shared.stats.deduplicated_tensors += 1
+                shared.stats.deduplicated_bytes += nbytes
+                shared.planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
             else:
                 overlapping = self._overlapping(step, key, start, end, version, now)
                 lo, hi = start, end
                 whole = storage.nbytes()
-                if 2 * (end - start) >= whole and not any(e.step is step for e in self._by_storage.get(key, ())):
+                if 2 * (end - start) >= whole and not any(e.step is step for e in shared.by_storage.get(key, ())):
                     # Most of a fresh storage is needed: move all of it, so that its other parts
                     # saved right after (the halves of a fused projection, a tensor saved after
                     # its slice) are served by this copy instead of being copied again.
@@ -110,7 +88,7 @@ class ForwardPath:
                     entry = self._offload(step, storage, start, end, t.device, version, decision.where)
                 if entry is None:
                     self._warn_budget()
-                    self.stats.note_kept(REFUSED_BY_STORAGE.reason, nbytes)
+                    shared.stats.note_kept(REFUSED_BY_STORAGE.reason, nbytes)
                     return self._register(Kept(t))
                 entry.first_saved(
                     state.group,
@@ -123,18 +101,41 @@ class ForwardPath:
                 for old in overlapping:
                     self._merge(old, entry)
             entry.add_handle()
-            return self._register(Packed(entry, t, self._dead, copied))
+            return self._register(Packed(entry, t, shared.dead, copied))
 
     def _register(self, handle):
         """Number the save and remember it weakly: read by the ``tracker`` view (caller holds the lock)."""
-        self.tensor_id += 1
-        self._saves[self.tensor_id] = handle
+        shared = self.shared
+        shared.tensor_id += 1
+        shared.saves[shared.tensor_id] = handle
         return handle
 
+    def tracker(self) -> dict[int, tuple]:
+        """The saves autograd still holds, by id (the manager's ``tracker``)."""
+        shared = self.shared
+        with shared.lock:
+            saves = list(shared.saves.items())
+        out = {}
+        for tid, handle in saves:
+            if isinstance(handle, Kept):
+                t = handle.tensor
+                out[tid] = (t, False, t.stride(), t.storage_offset(), t.shape)
+            else:
+                offset = (handle.entry.start // handle.itemsize) + handle.offset
+                out[tid] = (None, handle.copied, handle.stride, offset, handle.size)
+        return out
+
+    def storage_to_tensor_id(self) -> dict[int, int]:
+        """The save that copied each storage range still held (the manager's ``storage_to_tensor_id``)."""
+        with self.shared.lock:
+            saves = list(self.shared.saves.items())
+        return {id(h.entry): tid for tid, h in saves if not isinstance(h, Kept) and h.copied}
+
     def _find(self, step: Step, key: int, start: int, end: int, version: int, now: int) -> Entry | None:
+        shared = self.shared
         # Same storage and graph, range covered, and no in-place write since the copy was taken
         # (views share their base's version counter).
-        for entry in self._by_storage.get(key, ()):
+        for entry in shared.by_storage.get(key, ()):
             if entry.step is step and entry.version == version:
                 lo, hi = _reach(entry, now)
                 if lo <= start and end <= hi:
@@ -142,8 +143,9 @@ class ForwardPath:
         return None
 
     def _overlapping(self, step: Step, key: int, start: int, end: int, version: int, now: int) -> list[Entry]:
+        shared = self.shared
         out = []
-        for e in self._by_storage.get(key, ()):
+        for e in shared.by_storage.get(key, ()):
             if e.step is step and e.version == version:
                 lo, hi = _reach(e, now)
                 if lo < end and start < hi:
@@ -153,29 +155,31 @@ class ForwardPath:
     def _merge(self, old: Entry, new: Entry) -> None:
         """``new`` covers ``old``'s range: serve ``old``'s handles from it and give ``old``'s
         copy back, so each storage's bytes are held once (a slice saved before the whole)."""
+        shared = self.shared
         old.merge_into(new)
-        self.stats.offloaded_bytes -= old.nbytes
-        self.stats.offloaded_tensors -= 1
-        self.stats.merged_entries += 1
+        shared.stats.offloaded_bytes -= old.nbytes
+        shared.stats.offloaded_tensors -= 1
+        shared.stats.merged_entries += 1
         if old.src is not None:
             try:
-                self._stash.remove(old)
+                shared.stash.remove(old)
             except ValueError:
                 pass
             # Copies on one stream run in order: new's copy, queued after, covers old's source.
             same = new.stored.done_stream is not None and old.stored.done_stream is new.stored.done_stream
-            self._drop_source(old, wait=not same)
-        self._entries.discard(old)
-        self._by_storage[old.key].remove(old)
-        self._planner.on_released(old)
+            self.lifetime.drop_source(old, wait=not same)
+        shared.entries.discard(old)
+        shared.by_storage[old.key].remove(old)
+        shared.planner.on_released(old)
         old.stored.tier.free(old.stored)  # its pending copy is remembered by the tier
 
     def _offload(
         self, step: Step, storage, start: int, end: int, device: torch.device, version: int, where: str | None
     ):
+        shared = self.shared
         src = span_view(storage, start, end, device)
         # A planned place only when there is one: tiers written before places need not take it.
-        stored = self.tier.store(src) if where is None else self.tier.store(src, where)
+        stored = shared.tier.store(src) if where is None else shared.tier.store(src, where)
         if stored is None:
             return None
         entry = Entry(
@@ -187,46 +191,42 @@ class ForwardPath:
             stored=stored,
             version=version,
         )
-        self.stats.offloaded_tensors += 1
-        self.stats.offloaded_bytes += entry.nbytes
-        self.stats.copied_bytes += entry.nbytes
-        self._entries.add(entry)
-        self._by_storage.setdefault(entry.key, []).append(entry)
-        self._planner.on_saved(step, entry, new=True)
+        shared.stats.offloaded_tensors += 1
+        shared.stats.offloaded_bytes += entry.nbytes
+        shared.stats.copied_bytes += entry.nbytes
+        shared.entries.add(entry)
+        shared.by_storage.setdefault(entry.key, []).append(entry)
+        shared.planner.on_saved(step, entry, new=True)
         if not stored.copy_finished():
             entry.keep_source(src, current_stream(device))
-            self._stash.append(entry)
+            shared.stash.append(entry)
             self._trim_stash()
         return entry
 
     def _warn_budget(self) -> None:
-        if not self._budget_warned:
-            self._budget_warned = True
+        if not self.budget_warned:
+            self.budget_warned = True
             warnings.warn(
-                f"offloadkit: host-memory budget reached ({self.budget.describe()}); further "
+                f"offloadkit: host-memory budget reached ({self.shared.budget.describe()}); further "
                 "activations stay on the device. Raise host_budget_bytes or add a disk tier.",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=6,  # under the manager's pack hook
             )
 
     def _trim_stash(self) -> None:
-        stash = self._stash
+        shared = self.shared
+        stash = shared.stash
         # Copies complete in order on the side stream: drop landed sources from the front.
         while stash and stash[0].stored.copy_finished():
-            self._drop_source(stash.popleft(), wait=False)
-        while len(stash) > self.max_fwd_stash_size:
-            self._drop_source(stash.popleft(), wait=True)
+            self.lifetime.drop_source(stash.popleft(), wait=False)
+        while len(stash) > shared.max_fwd_stash_size:
+            self.lifetime.drop_source(stash.popleft(), wait=True)
 
-    def _drop_source(self, entry: Entry, wait: bool) -> None:
-        if wait:
-            # The side stream may still read the source: its memory must not be reused on the
-            # source's stream until the copy is done (GPU-side wait, no host sync).
-            self._clock.wait(entry.src_stream, entry.stored.done, "forward", self.stats)
-        entry.drop_source()
-
-    def _flush_stash(self) -> None:
-        while self._stash:
-            self._drop_source(self._stash.popleft(), wait=True)
+    def flush_stash(self) -> None:
+        """Let go of every source in the stash; reusing its memory waits for its copy."""
+        shared = self.shared
+        while shared.stash:
+            self.lifetime.drop_source(shared.stash.popleft(), wait=True)
 
 
 # Saves within this many of a copy that moved a whole storage may be served by its extra

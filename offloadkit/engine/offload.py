@@ -1,9 +1,12 @@
 """The activation offloading engine: a ``saved_tensors_hooks`` context manager.
 
-This module holds the manager's state, its context-manager and public API, and the
-lifetime of entries (a handle autograd releases, a closed manager). The forward half (pack,
-stash) is :mod:`offloadkit.engine.forward`; the backward half (passes, prefetch,
-residency) is :mod:`offloadkit.engine.backward`; which tensors move is
+This module holds the manager: its context-manager and public API, the per-thread
+forward regions, and the hooks it hands to autograd. The work is done by collaborators
+sharing one :class:`~offloadkit.engine.state.EngineState`: the forward path (pack, stash:
+:mod:`offloadkit.engine.forward`), the backward path (passes, prefetch, residency:
+:mod:`offloadkit.engine.backward`), the lifetime of entries (a handle autograd releases, a
+closed manager: :mod:`offloadkit.engine.lifetime`) and the hooks' pushing on other threads
+(:mod:`offloadkit.engine.threads`). Which tensors move is
 :mod:`offloadkit.engine.policy`, in which order they come back :mod:`offloadkit.engine.prefetch`.
 The host copy of an entry is freed when autograd releases its last handle.
 """
@@ -12,30 +15,30 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import warnings
 import weakref
-from collections import deque
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from offloadkit.defaults import MAX_FWD_STASH_SIZE, MIN_OFFLOAD_SIZE
 from offloadkit.engine.backward import BackwardPath
 from offloadkit.engine.decide import PLACES
 from offloadkit.engine.forward import ForwardPath
+from offloadkit.engine.lifetime import Lifetime
 from offloadkit.engine.policy import OffloadPolicy
-from offloadkit.engine.prefetch import PrefetchPlanner, Step
-from offloadkit.engine.spans import DeathQueue, Entry, Kept
+from offloadkit.engine.prefetch import Step
+from offloadkit.engine.spans import Entry
+from offloadkit.engine.state import EngineState, Shared
 from offloadkit.engine.stats import OffloadStats, WaitClock
+from offloadkit.engine.threads import FollowThreads
 from offloadkit.engine.validation import check_args
 from offloadkit.runtime.autograd import (
-    in_backward,
     pop_saved_tensor_hooks,
     push_saved_tensor_hooks,
 )
 from offloadkit.runtime.device import accelerator_available
+from offloadkit.storage.base import StorageTier
 from offloadkit.storage.budget import HostMemoryBudget
 from offloadkit.storage.factory import build_tier
 from offloadkit.transfer.prefetch import Ahead, PrefetchScheduler
@@ -46,7 +49,7 @@ __all__ = ["OffloadActivations"]
 _warned_no_accelerator = False
 
 
-class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, contextlib.ContextDecorator):
+class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
     """Offload tensors saved for backward to host memory; bring them back ahead of need.
 
     Args:
@@ -94,6 +97,20 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         True
     """
 
+    # Fields of the engine state (``_shared``), which the collaborators read and write.
+    policy = Shared[OffloadPolicy]()
+    tier = Shared[StorageTier]()
+    budget = Shared[HostMemoryBudget]()
+    scheduler = Shared[PrefetchScheduler]()
+    timeline = Shared[StepTimeline]()
+    stats = Shared[OffloadStats]()
+    prefetch = Shared[int]()
+    prefetch_bytes = Shared[int | None]()
+    max_fwd_stash_size = Shared[int]()
+    tensor_id = Shared[int]()  # saves numbered so far (TRL's name); never reset
+    _entries = Shared[set[Entry]]("entries")
+    _passes = Shared[dict[int, Step]]("passes")
+
     def __init__(
         self,
         use_pin_memory: bool = True,
@@ -130,112 +147,98 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
             raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         device_types = ("cuda", "cpu") if offload_cpu_tensors else ("cuda",)
-        self.policy = OffloadPolicy(min_offload_size, device_types)
+        policy = OffloadPolicy(min_offload_size, device_types)
         self.use_streams = bool(use_streams)
         self.use_pin_memory = bool(use_pin_memory)
-        self.max_fwd_stash_size = max_fwd_stash_size
-        self.prefetch_bytes = prefetch_bytes
         self._window_bytes = prefetch_bytes or 0  # resolved per backward pass when None
         self.offload_cpu_tensors = bool(offload_cpu_tensors)
         self._check_accelerator()
 
-        self.budget = budget if budget is not None else HostMemoryBudget(host_budget_bytes)
+        budget = budget if budget is not None else HostMemoryBudget(host_budget_bytes)
         pin = self.use_pin_memory and accelerator_available()
         if tier is None:
-            tier = build_tier(storage, self.budget, pin_memory=pin, use_streams=self.use_streams, disk=disk)
-        self.tier = tier
-        self.prefetch = tier.default_prefetch if prefetch is None else prefetch
-        self.scheduler = scheduler if scheduler is not None else PrefetchScheduler()
-        self._lane = self.scheduler.lane("activations", self._fetch_ahead, Ahead(groups=self.prefetch))
+            tier = build_tier(storage, budget, pin_memory=pin, use_streams=self.use_streams, disk=disk)
+        prefetch = tier.default_prefetch if prefetch is None else prefetch
+        scheduler = scheduler if scheduler is not None else PrefetchScheduler()
+        lane = scheduler.lane("activations", self._fetch_ahead, Ahead(groups=prefetch))
         if timeline is not None and not isinstance(timeline, StepTimeline):
             raise ValueError(f"timeline={timeline!r} is invalid; pass a transfer.StepTimeline or None")
         # Where backward passes end (and, once wired to a model, where the step is): a bare
         # manager's own timeline hooks nothing and only reports the ends of backward.
-        self.timeline = timeline if timeline is not None else StepTimeline()
+        timeline = timeline if timeline is not None else StepTimeline()
         # Kept past close(): a graph saved before it may still be in backward.
-        self.timeline.subscribe(_PassEnds(self))
-        self.stats = OffloadStats()
-        self._clock = WaitClock(measure_waits and accelerator_available())
+        timeline.subscribe(_PassEnds(self))
+        self._shared = EngineState(
+            policy=policy,
+            tier=tier,
+            budget=budget,
+            scheduler=scheduler,
+            lane=lane,
+            timeline=timeline,
+            stats=OffloadStats(),
+            clock=WaitClock(measure_waits and accelerator_available()),
+            prefetch=prefetch,
+            prefetch_bytes=prefetch_bytes,
+            max_fwd_stash_size=max_fwd_stash_size,
+        )
+        self._lifetime = Lifetime(self._shared)
+        self._forward = ForwardPath(self._shared, self._lifetime)
+        self._backward = BackwardPath(self._shared, self._lifetime)
 
-        self._lock = threading.RLock()
-        self._dead = DeathQueue()  # (entry, seen_gen) from handles that died
-        self._entries: set[Entry] = set()
-        self._by_storage: dict[int, list[Entry]] = {}
-        self._planner = PrefetchPlanner()
-        self._stash: deque[Entry] = deque()
-        self._passes: dict[int, Step] = {}  # steps being consumed by a backward pass, by step id
-        # Forward state is per thread: a forward in another thread (nn.DataParallel replicas,
-        # user threads) has its own step, tail and excluded regions.
-        self._local = threading.local()
-        self._entered_threads: set[int] = set()
+        # The hooks autograd, other threads and the scheduler call are this manager's methods:
+        # a live graph (or lane) keeps the manager itself alive.
+        self._threads = FollowThreads(self._shared, self._pack, self._unpack)
         self._groups = itertools.count()
-        self._budget_warned = False
-        self._follow: tuple = ()  # process-wide module hooks of a bare manager's open region
-        self._follow_depth = 0
-        self._pushed_forwards = 0  # forwards on other threads that have the hooks pushed now
         self._handles: list = []  # module hooks attached on this manager's behalf
-        self.tensor_id = 0  # saves numbered so far (TRL's name); never reset
-        self._saves: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> handle autograd holds
-        self._closed = False
         super().__init__(self._pack, self._unpack)
+
+    # -- hooks, delegated to the collaborators ------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        return self._forward.pack(t)
+
+    def _unpack(self, packed):
+        return self._backward.unpack(packed)
+
+    def _fetch_ahead(self, entry) -> None:
+        self._backward.fetch_ahead(entry)
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self):
-        if self._closed:
+        if self._shared.closed:
             raise RuntimeError("this OffloadActivations was closed; create a new one")
-        with self._lock:
-            self._drain()
+        with self._shared.lock:
+            self._lifetime.drain()
             self.policy.refresh()
             self._reset_forward()
-            self._entered_threads.add(threading.get_ident())
             # Saved-tensor hooks are per thread: while the region is open, module forwards on
             # other threads (nn.DataParallel replicas, workers) get them pushed.
-            if not self._follow_depth:
-                self._follow = (
-                    register_module_forward_pre_hook(self._follow_pre),
-                    register_module_forward_hook(self._follow_post, always_call=True),
-                )
-            self._follow_depth += 1
+            self._threads.open()
         super().__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         super().__exit__(exc_type, exc, tb)
-        with self._lock:
-            if self._follow_depth:
-                self._follow_depth -= 1
-                self._release_follow()
-            self._entered_threads.discard(threading.get_ident())
+        with self._shared.lock:
+            self._threads.close()
             state = self._state()
             state.tail, state.keep_depth, state.placed = False, 0, None
             if exc_type is not None:
                 # The graph of a failed forward is about to be dropped; do not pin device memory for it.
-                self._flush_stash()
-            self._drain()
+                self._forward.flush_stash()
+            self._lifetime.drain()
         return False
 
-    def _release_follow(self) -> None:
-        """Remove the process-wide module hooks once the region is closed and no forward on
-        another thread still has the saved-tensor hooks pushed: such a forward, begun inside
-        the region, needs the post-hook that pops them, or they would outlive the region on
-        that thread. Called with the lock held."""
-        if not self._follow_depth and not self._pushed_forwards and self._follow:
-            for handle in self._follow:
-                handle.remove()
-            self._follow = ()
+    @property
+    def _follow(self) -> tuple:
+        """The process-wide module hooks of an open region (empty once it is closed)."""
+        return self._threads.hooks
 
     # -- per-thread forward state -------------------------------------------------------------
     def _state(self):
-        local = self._local
-        if not hasattr(local, "step"):
-            local.step, local.tail, local.keep_depth, local.pushed, local.group = None, False, 0, [], None
-            local.placed = None  # the planned place of the saves now being made ("gpu", "ram", "disk")
-            local.saves = 0  # tensors packed on this thread
-        return local
+        return self._shared.thread()
 
     def _reset_forward(self) -> None:
-        state = self._state()
-        state.step, state.tail, state.keep_depth, state.placed = None, False, 0, None
+        self._shared.reset_forward()
 
     def current_step(self) -> Step | None:
         """The step (graph) this thread's forward is saving into, if any."""
@@ -293,24 +296,12 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         by an earlier save's copy (``tensor`` is None) are False. Emptied as autograd releases
         its handles after backward.
         """
-        with self._lock:
-            saves = list(self._saves.items())
-        out = {}
-        for tid, handle in saves:
-            if isinstance(handle, Kept):
-                t = handle.tensor
-                out[tid] = (t, False, t.stride(), t.storage_offset(), t.shape)
-            else:
-                offset = (handle.entry.start // handle.itemsize) + handle.offset
-                out[tid] = (None, handle.copied, handle.stride, offset, handle.size)
-        return out
+        return self._forward.tracker()
 
     @property
     def storage_to_tensor_id(self) -> dict[int, int]:
         """For each storage range copied and still held: the id of the save that copied it (TRL's name)."""
-        with self._lock:
-            saves = list(self._saves.items())
-        return {id(h.entry): tid for tid, h in saves if not isinstance(h, Kept) and h.copied}
+        return self._forward.storage_to_tensor_id()
 
     def exclude(self, module: torch.nn.Module) -> None:
         """Keep everything ``module`` saves on the device. Detached by :meth:`remove`."""
@@ -335,36 +326,11 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         Module forwards inside a backward are left alone: they are checkpointing's
         recomputation (on CUDA, on the engine's device thread), whose saves its own hooks
         must see."""
-        state = self._state()
-        if (
-            self._entered_threads
-            and threading.get_ident() not in self._entered_threads
-            and torch.is_grad_enabled()
-            and not state.pushed
-            and not in_backward()
-        ):
-            self._reset_forward()  # a pooled worker thread may keep the state of its last forward
-            push_saved_tensor_hooks(self._pack, self._unpack)
-            state.pushed.append(module)
-            with self._lock:
-                self._pushed_forwards += 1
-
-    def _follow_pre(self, module, args) -> None:
-        if not torch.compiler.is_compiling():  # compiled code runs on the thread that called it
-            self.thread_pre_hook(module, args)
-
-    def _follow_post(self, module, args, output) -> None:
-        if not torch.compiler.is_compiling():
-            self.forward_post_hook(module, args, output)
+        self._threads.pre_hook(module, args)
 
     def forward_post_hook(self, module, args, output) -> None:
-        state = self._state()
-        if state.pushed and state.pushed[-1] is module:
-            state.pushed.pop()
-            pop_saved_tensor_hooks()
-            with self._lock:
-                self._pushed_forwards -= 1
-                self._release_follow()
+        """Module post-hook: pops the hooks :meth:`thread_pre_hook` pushed for this forward."""
+        self._threads.post_hook(module, args, output)
 
     def flush(self) -> None:
         """Let go of every device source whose copy is in flight (GPU-side waits only).
@@ -372,8 +338,8 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         Called before the output head so that the large logits allocation does not stack
         on top of activations still being copied.
         """
-        with self._lock:
-            self._flush_stash()
+        with self._shared.lock:
+            self._forward.flush_stash()
 
     def mark_tail(self) -> None:
         """Keep everything saved in the rest of this forward on the GPU: called once the
@@ -383,21 +349,21 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
         needed first in backward; offloading it only to fetch it straight back costs time and
         saves nothing at the peak.
         """
-        with self._lock:
+        with self._shared.lock:
             self._state().tail = True
-            self._flush_stash()
+            self._forward.flush_stash()
 
     def begin_backward(self, step: Step | None) -> None:
         """Backward reached a known point of ``step``'s graph (the head, a block's output):
         start its pass if it has not started, and top the prefetch window up."""
         if step is None:
             return
-        with self._lock:
-            self._drain()
+        with self._shared.lock:
+            self._lifetime.drain()
             if step.live <= 0:
                 return
-            self._pass_for(step)
-            self._look_ahead(step, None)
+            self._backward.pass_for(step)
+            self._backward.look_ahead(step, None)
 
     @contextlib.contextmanager
     def capture(self):
@@ -421,52 +387,53 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
 
     def close(self) -> None:
         """Detach hooks and release the host pool (buffers still in use go as they are freed)."""
-        if self._closed:
+        if self._shared.closed:
             return
         self.remove()
-        with self._lock:
-            self._flush_stash()
-            self._drain()
-            self._closed = True
+        with self._shared.lock:
+            self._forward.flush_stash()
+            self._lifetime.drain()
+            self._shared.closed = True
             # Graphs still alive keep their host copies; when autograd drops them, give them back.
-            self._dead.close(self._death_after_close)
+            self._shared.dead.close(self._death_after_close)
         self.tier.close()
         self.policy.untrack_all()
-        self._lane.close()
+        self._shared.lane.close()
 
     def _death_after_close(self, entry: Entry, seen_gen: int) -> None:
-        with self._lock:
-            self._handle_died(entry, seen_gen)
+        with self._shared.lock:
+            self._lifetime.handle_died(entry, seen_gen)
 
     def drain(self) -> None:
         """Process handles autograd has released (done automatically on every hook call)."""
-        with self._lock:
-            self._drain()
-            self._clock.collect(self.stats)
+        with self._shared.lock:
+            self._lifetime.drain()
+            self._shared.clock.collect(self.stats)
 
     def is_idle(self) -> bool:
         """True when nothing is held for any graph: no entries, no stash, no resident copies."""
-        with self._lock:
-            self._drain()
-            return not self._entries and not self._stash and not self._by_storage
+        with self._shared.lock:
+            self._lifetime.drain()
+            shared = self._shared
+            return not shared.entries and not shared.stash and not shared.by_storage
 
     @property
     def live_entries(self) -> int:
-        with self._lock:
-            self._drain()
-            return len(self._entries)
+        with self._shared.lock:
+            self._lifetime.drain()
+            return len(self._shared.entries)
 
     def collect_stats(self, block: bool = True) -> OffloadStats:
         """Stats with all wait timings resolved (``block`` synchronises pending timers)."""
-        with self._lock:
-            self._clock.collect(self.stats, block=block)
+        with self._shared.lock:
+            self._shared.clock.collect(self.stats, block=block)
             return self.stats
 
     def reset_stats(self) -> None:
         """Start every counter again: the engine's and its storage tier's, so that both
         count the same steps."""
-        with self._lock:
-            self._clock.collect(self.stats, block=True)
+        with self._shared.lock:
+            self._shared.clock.collect(self.stats, block=True)
             self.stats = OffloadStats()
             self.tier.reset_stats()
 
@@ -482,45 +449,6 @@ class OffloadActivations(ForwardPath, BackwardPath, saved_tensors_hooks, context
     def storage_stats(self) -> dict:
         """Counters of the storage tier(s): bytes written/read and bandwidth for disk, demotions."""
         return {"tier": self.tier.name, "host_bytes": self.tier.host_bytes(), **self.tier.stats_dict()}
-
-    # -- lifetime ----------------------------------------------------------------------------
-    def _drain(self) -> None:
-        dead = self._dead
-        while dead:
-            entry, seen_gen = dead.popleft()
-            self._handle_died(entry, seen_gen)
-
-    def _handle_died(self, entry: Entry, seen_gen: int) -> None:
-        entry, _ = entry.resolve()
-        unawaited, last = entry.handle_died(seen_gen)
-        if unawaited:
-            self._drop_resident(entry, consumed=False)
-        if last:
-            self._release(entry)
-
-    def _release(self, entry: Entry) -> None:
-        if entry.released:
-            return
-        entry.release()
-        if entry.src is not None:
-            try:
-                self._stash.remove(entry)
-            except ValueError:
-                pass
-            self._drop_source(entry, wait=True)
-        if entry.gpu is not None:
-            self._drop_resident(entry, consumed=False)
-        entry.stored.tier.free(entry.stored)
-        self._entries.discard(entry)
-        sharers = self._by_storage.get(entry.key)
-        if sharers is not None:
-            sharers.remove(entry)
-            if not sharers:
-                del self._by_storage[entry.key]
-        self._planner.on_released(entry)
-        step = entry.step
-        if step is not None and step.live <= 0 and self._passes.get(step.id) is step:
-            self._passes.pop(step.id, None)
 
     def _check_accelerator(self) -> None:
         global _warned_no_accelerator
@@ -553,4 +481,4 @@ class _PassEnds(TimelineListener):
     def backward_end(self, task: int) -> None:
         manager = self.manager()
         if manager is not None:
-            manager._end_backward(task)
+            manager._backward.end_backward(task)
