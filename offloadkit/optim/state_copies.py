@@ -59,7 +59,8 @@ class StateCopies:
         self._position: dict[int, int] = {}
         self._seen: list[torch.Tensor] = []  # this pass's, so far
         self._seen_ids: set[int] = set()
-        self._ahead: dict[int, tuple[dict[str, torch.Tensor], torch.cuda.Event, int]] = {}
+        # id(p) -> (key -> device tensor, copy done, bytes, the stream its memory was allocated on)
+        self._ahead: dict[int, tuple[dict[str, torch.Tensor], torch.cuda.Event, int, torch.cuda.Stream]] = {}
         self._back: collections.deque = collections.deque()  # (event, bytes) of copies back
         self._back_bytes = 0
         self._blocks: dict[tuple[int, str], HostBlock] = {}
@@ -79,7 +80,7 @@ class StateCopies:
         """Move the look-ahead into ``scheduler`` (None: one of its own): what was fetched ahead
         is released, and the old scheduler no longer counts this lane."""
         with self._lock:
-            self._ahead.clear()
+            self._drop_ahead()
             self._lane.reset()
             self._lane.close()
             self.scheduler, self._lane = self._lane_in(scheduler)
@@ -104,14 +105,15 @@ class StateCopies:
         # memory serves the compute stream's own allocations, where a pool of the copy stream's
         # would hold it for state alone (3.6 GiB of a 3B full fine-tune's 16 GiB reserved).
         gpu = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}
-        for t in gpu.values():
-            t.record_stream(h2d)  # a fetch dropped unused may still be in its copy
+        # No record_stream(h2d): its free would then wait for every copy queued on h2d by then
+        # (the whole window fetched ahead), holding about a window more of memory. A fetch in
+        # use is ordered by compute's wait in fetch(); one dropped unused by _drop_ahead().
         done = None
         for i, k in enumerate(keys):
             # After the compute work queued so far: it may still use this memory's last tenant.
             after = compute if i == 0 else None
             done = queue_copy(gpu[k], state[k], stream=h2d, block=self._block(p, k, state[k]), after=after)
-        return gpu, done, sum(t.nbytes for t in gpu.values())
+        return gpu, done, sum(t.nbytes for t in gpu.values()), compute
 
     def fetch(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The GPU copies of ``p``'s travelling state, usable on the current stream; the
@@ -134,7 +136,7 @@ class StateCopies:
             self._lane.settle(got[2])  # in use: it leaves the look-ahead window
         else:
             got = self._queue_in(p, state, keys, p.device)
-        gpu, done, _ = got
+        gpu, done, _, _ = got
         compute = torch.cuda.current_stream(p.device)
         compute.wait_event(done)  # the update reads what the copy wrote
         self._updating.add(id(p))
@@ -206,15 +208,22 @@ class StateCopies:
             self._position = {id(q): i for i, q in enumerate(self._order)}
         self._seen = []
         self._seen_ids = set()
-        self._ahead.clear()
+        self._drop_ahead()
         self._lane.reset()  # what was fetched ahead and not updated is released here
+
+    def _drop_ahead(self) -> None:
+        """Release the states fetched ahead and not used: their memory returns to the stream
+        that allocated it once their copies in are done (ordered there, not waited for)."""
+        for _, done, _, allocated_on in self._ahead.values():
+            allocated_on.wait_event(done)
+        self._ahead.clear()
 
     def reset(self) -> None:
         """Forget everything tied to the current host state (it is being replaced): states
         fetched ahead, the host blocks (they hold the old tensors), the learned order."""
         with self._lock:
             self.wait_all()
-            self._ahead.clear()
+            self._drop_ahead()
             self._lane.reset()
             self._blocks.clear()
             self._updating.clear()

@@ -43,8 +43,9 @@ def test_streamed_weights_and_offloaded_inputs_share_the_copy_streams(tmp_path, 
     assert handle.offloader.stats.offloaded_tensors > 0 and streamer.stats.loads > 0
     streamer.remove()
     handle.remove()
-    # Both clients copied through the same two streams of this device.
-    assert copy_streams_created() - created <= 2 and copy_streams_created() <= 2 * torch.cuda.device_count()
+    # Both clients copied through the same streams of this device (three at most: the
+    # optimizer state's bulk queue is the third).
+    assert copy_streams_created() - created <= 2 and copy_streams_created() <= 3 * torch.cuda.device_count()
     assert_bitwise_equal(ref[0], got[0], "loss")
     assert_bitwise_equal(ref[1], got[1], "grads")
     assert_bitwise_equal(ref[1], again[1], "second step")
