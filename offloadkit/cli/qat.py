@@ -100,7 +100,10 @@ def _nvfp4_round(x, per: str):
 
     rows = x.reshape(-1, x.shape[-1]).float()
     if per == "tensor":
-        scale = per_tensor_amax_to_scale(rows.abs().max())
+        amax = rows.abs().max()
+        if amax == 0:
+            return x.clone()  # all zeros round to zeros (the scale of a zero amax is 0: 0/0 otherwise)
+        scale = per_tensor_amax_to_scale(amax)
         rounded = NVFP4Tensor.to_nvfp4(rows.contiguous(), per_tensor_scale=scale).dequantize(torch.float32)
     else:
         # Each row its own second-level scale: the two-level rounding of the row alone.
@@ -152,6 +155,17 @@ def apply_qat(model, qat: dict) -> None:
                 "cannot be quantized in such groups"
             )
     if config is None:
+        # Imported here, not at the first forward: a missing or older torchao stops the run
+        # before it starts (NVFP4Tensor.dequantize came in torchao 0.15).
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+        if NVFP4Tensor.dequantize is torch.Tensor.dequantize:  # only the tensor's own (quantized tensors')
+            import torchao
+
+            raise ValueError(
+                f"weight_dtype nvfp4 needs torchao 0.15 or later (installed: {torchao.__version__}); "
+                "pip install -U 'torchao>=0.15'"
+            )
         # The same parameters, the forward of the fake-quantized class; convert_qat swaps it back.
         for module in model.modules():
             if type(module) is torch.nn.Linear:

@@ -146,3 +146,28 @@ def _row_rounded(x):
     from offloadkit.cli.qat import _nvfp4_round
 
     return _nvfp4_round(x, "row")
+
+
+def test_nvfp4_rounds_an_all_zero_weight_to_zeros_not_nan():
+    """A weight that is all zeros (a zero-initialised projection) rounds to zeros: its tensor
+    scale is 0 and must not divide."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False))
+    torch.nn.init.zeros_(model[0].weight)
+    apply_qat(model, {"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16})
+    out = model(torch.randn(2, 32))
+    assert torch.equal(out, torch.zeros_like(out))
+    from offloadkit.cli.qat import _nvfp4_round
+
+    assert torch.equal(_nvfp4_round(torch.zeros(4, 16), "tensor"), torch.zeros(4, 16))
+
+
+def test_nvfp4_refuses_a_torchao_without_nvfp4_dequantize_before_training(monkeypatch):
+    """torchao before 0.15 has no NVFP4Tensor.dequantize: the run stops when the layers are
+    swapped, naming the version, not at its first forward."""
+    from torchao.prototype.mx_formats import nvfp4_tensor
+
+    monkeypatch.delattr(nvfp4_tensor.NVFP4Tensor, "dequantize")
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16))
+    with pytest.raises(ValueError, match=r"nvfp4 needs torchao 0.15 or later"):
+        apply_qat(model, {"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16})
+    assert type(model[0]) is torch.nn.Linear
