@@ -6,6 +6,7 @@ offloadkit (:mod:`offloadkit.cli.train`) and the plain run it is compared with
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -165,22 +166,26 @@ def _model_class(cfg: TrainConfig, source: str | None = None):
 def _pretrained(cfg: TrainConfig, source: str, **kwargs):
     """``from_pretrained`` with the model's own attention when it has no kernel of the name
     asked for (Gemma 2 runs eager attention, not sdpa): the same computation, and a warning."""
+    return _with_own_attention(lambda **kw: _model_class(cfg, source).from_pretrained(source, **kw), kwargs)
+
+
+def _with_own_attention(load, kwargs: dict):
+    """``load(**kwargs)``, again without ``attn_implementation`` when the model has no kernel
+    of that name (with a warning naming the one it uses)."""
     try:
-        return _model_class(cfg, source).from_pretrained(source, **kwargs)
+        return load(**kwargs)
     except ValueError as exc:
         asked = kwargs.get("attn_implementation")
         if not asked or "does not support" not in str(exc) or "attention" not in str(exc).lower():
             raise
     import warnings
 
-    model = _model_class(cfg, source).from_pretrained(
-        source, **{k: v for k, v in kwargs.items() if k != "attn_implementation"}
-    )
+    model = load(**{k: v for k, v in kwargs.items() if k != "attn_implementation"})
     warnings.warn(
         f"offloadkit: {type(model).__name__} has no {asked!r} attention; it uses its own "
         f"({getattr(model.config, '_attn_implementation', 'default')})",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return model
 
@@ -212,7 +217,8 @@ def _from_config(cfg: TrainConfig, source: str, dtype: torch.dtype):
     if "attn_implementation" in kwargs:
         built["attn_implementation"] = kwargs["attn_implementation"]
     torch.manual_seed(cfg.seed)
-    return _model_class(cfg, source).from_config(config, **built)
+    # A fresh copy each try: a refused attention stays recorded in the config it was asked on.
+    return _with_own_attention(lambda **kw: _model_class(cfg, source).from_config(copy.deepcopy(config), **kw), built)
 
 
 def _load_tokenizer(cfg: TrainConfig):

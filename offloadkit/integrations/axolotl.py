@@ -495,6 +495,9 @@ def _map_pretraining(value, data: dict, m: _Mapper) -> None:
     if "datasets" in data:
         m.fail("pretraining_dataset and datasets both name the training data; keep one")
         return
+    if data.get("rl") in ("dpo", "kto"):
+        m.fail(f"pretraining_dataset is plain text and rl={data['rl']!r} trains on preference data; keep one")
+        return
     entries = value if isinstance(value, list) else [value]
     specs = []
     for i, entry in enumerate(entries):
@@ -514,7 +517,7 @@ def _map_pretraining(value, data: dict, m: _Mapper) -> None:
             m.fail(f"{where} has unknown keys {extra}; offloadkit reads path, name, split, text_column and type")
             return
         fields = {k: v for k, v in entry.items() if k in ("path", "data_files", "split", "name")}
-        spec = m.dataset(where, dict(fields, type="completion", field=entry.get("text_column") or "text"))
+        spec = m.dataset(where, dict(fields, type="completion", field=entry.get("text_column") or "text"), rl=False)
         if spec is None:
             return
         specs.append(spec)

@@ -51,6 +51,10 @@ def test_pretraining_dataset_trains_on_its_text_column(tmp_path, monkeypatch):
     odd = _axolotl(tmp_path / "odd", datasets=..., pretraining_dataset=[dict(entry, shuffle_buffer=5)])
     with pytest.raises(ConfigProblemsError, match=r"pretraining_dataset\[0\] has unknown keys \['shuffle_buffer'\]"):
         TrainConfig.from_dict(odd, source="axolotl.yaml", cuda=False)
+    preference = _axolotl(tmp_path / "rl", datasets=..., pretraining_dataset=[entry], rl="dpo")
+    with pytest.raises(ConfigProblemsError, match=r"pretraining_dataset is plain text and rl='dpo'") as caught:
+        TrainConfig.from_dict(preference, source="axolotl.yaml", cuda=False)
+    assert "type='completion'" not in str(caught.value)  # no value the user did not write
 
 
 def math_finite(x):
@@ -135,3 +139,27 @@ def test_a_vision_language_model_without_a_causal_lm_class_loads_for_its_text_pa
     cfg = TrainConfig.from_dict({"model": str(folder), "compare": False}, cuda=False)
     assert _model_class(cfg, str(folder)) is transformers.AutoModelForImageTextToText
     assert _model_class(cfg, _base(tmp_path)) is transformers.AutoModelForCausalLM
+
+
+def test_reinit_weights_falls_back_to_the_models_own_attention_as_the_pretrained_route_does(tmp_path):
+    """A model without the attention kernel asked for (Gemma 2 has no sdpa) loads with its own
+    and a warning on both routes; reinit_weights no longer reports it as unloadable."""
+    import warnings
+
+    from offloadkit.cli import build
+    from offloadkit.cli.train_config import TrainConfig
+    from offloadkit.data import byte_tokenizer
+    from offloadkit.testing.families import build_family
+
+    source = tmp_path / "gemma2"
+    build_family("gemma2").save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    for reinit in (False, True):
+        cfg = TrainConfig.from_dict(
+            {"model": str(source), "reinit_weights": reinit, "seq_len": 64, "attn_implementation": "sdpa"}
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = build._from_pretrained(cfg, cfg.model, torch.float32)
+        assert model.config._attn_implementation == "eager"
+        assert any("has no 'sdpa' attention" in str(w.message) for w in caught), reinit
