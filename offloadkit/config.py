@@ -449,3 +449,22 @@ class OffloadConfig:
 # Keys of registered components' options that have no field of their own above.
 _FIELDS = {f.name for f in fields(OffloadConfig)}
 _EXTRA_OWNER = {key: owner for key, owner in _OWNER.items() if key not in _FIELDS}
+_fields_init = OffloadConfig.__init__
+
+
+def _init(self, *args, _extra: dict | None = None, **kwargs) -> None:
+    # A registered component's key by keyword, as a field's: in the constructor and in
+    # dataclasses.replace (which calls the constructor).
+    declared, extra = OffloadConfig._split(kwargs)
+    _fields_init(self, *args, **declared, _extra={**(_extra or {}), **extra})  # type: ignore[misc]  # declared never holds _extra
+
+
+def _copy(self) -> "OffloadConfig":
+    # A shallow copy owns its registered keys: assigning one on the copy leaves the original.
+    out = object.__new__(type(self))
+    out.__dict__.update(self.__dict__, _extra=dict(self._extra), _warnings=list(self._warnings))
+    return out
+
+
+OffloadConfig.__init__ = _init  # type: ignore[method-assign]
+OffloadConfig.__copy__ = _copy  # type: ignore[attr-defined]

@@ -142,3 +142,19 @@ def test_a_config_equals_itself_through_its_keys_and_takes_the_key_by_assignment
     assert "embedding_offloading=True" in repr(config)
     with pytest.raises(ConfigError, match="unknown key 'bogus'"):
         OffloadConfig(_extra={"bogus": 1})
+
+
+def test_its_key_goes_through_the_constructor_replace_and_a_shallow_copy_as_a_fields_does():
+    import copy
+    import dataclasses
+
+    config = OffloadConfig(embedding_offloading=True, tiled_mlp=True)
+    assert config.embedding_offloading is True and config == OffloadConfig.from_dict(
+        {"embedding_offloading": True, "tiled_mlp": True}
+    )
+    assert dataclasses.replace(config, embedding_offloading=False).embedding_offloading is False
+    copied = copy.copy(config)
+    copied.embedding_offloading = False
+    assert config.embedding_offloading is True  # the copy's registered keys are its own
+    with pytest.raises(TypeError, match="bogus"):
+        OffloadConfig(bogus=1)
