@@ -1,0 +1,158 @@
+"""Where the Trainer route's GPU waits for activations when BackwardAdamW's state copies share
+the link: the route of ``tests/gpu/test_full_ft_memory_cuda.py`` (4 layers, 2048 wide, 8,192
+tokens, optimizer state in host memory, updates in backward), with the copies arranged in
+several ways. Each variant runs in a process of its own; per variant: the step time and the GPU's
+waits for activations (forward and backward) per step, medians of the steps after the first.
+
+Variants (diagnostic rearrangements applied from here, not options of the library):
+``as_is``; ``no_state`` (torch's AdamW, state on the GPU: the waits without state copies);
+``state_on_h2d`` (state copies in the activations' host->device queue, as before the bulk
+queue); ``state_chunks`` (every state copy split into 16 MiB pieces); ``priorities`` (the
+activations' queue at high stream priority, the bulk one at low); ``horizon4``
+(``activation_loading_horizon: 4``).
+
+    python benchmarks/trainer_route_waits.py --out DIR [--variants as_is,no_state,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = ("as_is", "no_state", "state_on_h2d", "state_chunks", "priorities", "horizon4")
+SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=259,
+)
+
+
+def _rearrange(variant: str) -> None:
+    import torch
+
+    from offloadkit.optim import state_copies
+    from offloadkit.transfer import streams
+
+    if variant == "state_on_h2d":
+        original = state_copies.copy_stream
+        state_copies.copy_stream = lambda device, d: original(device, "h2d" if d == "h2d_bulk" else d)
+    elif variant == "state_chunks":
+        original_copy = state_copies.queue_copy
+        piece = 16 << 20
+
+        def chunked(dst, src, *, stream, block, after):
+            d, s = dst.view(-1).view(torch.uint8), src.view(-1).view(torch.uint8)
+            done = None
+            for start in range(0, d.numel(), piece):
+                done = original_copy(
+                    d[start : start + piece], s[start : start + piece], stream=stream, block=block, after=after
+                )
+                after = None
+            return done
+
+        state_copies.queue_copy = chunked
+    elif variant == "priorities":
+        index = torch.cuda.current_device()
+        low, high = torch.cuda.Stream.priority_range()  # (lowest, highest) numerically (0, -N)
+        streams._streams[(index, "h2d")] = torch.cuda.Stream(device=index, priority=high)
+        streams._streams[(index, "h2d_bulk")] = torch.cuda.Stream(device=index, priority=low)
+
+
+def run_one(variant: str, steps: int) -> dict:
+    import torch
+    import transformers
+
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+    from offloadkit.testing import build_llama
+
+    _rearrange(variant)
+    times: list[float] = []
+    waits: list[tuple[float, float]] = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            times.append(self.start.elapsed_time(end) / 1000)
+            manager = trainer.offload_runtime.manager
+            stats = manager.collect_stats()
+            waits.append((stats.wait_seconds_forward, stats.wait_seconds_backward))
+            manager.reset_stats()
+
+    model = build_llama(SHAPE, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    config = {"gradient_checkpointing": True, "optimizer_offloading": variant != "no_state"}
+    if variant == "horizon4":
+        config["activation_loading_horizon"] = 4
+    args = transformers.TrainingArguments(
+        output_dir="/tmp/trainer_route_waits",
+        per_device_train_batch_size=1,
+        max_steps=steps,
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+        bf16=True,
+        max_grad_norm=0.0,
+        learning_rate=1e-5,
+        remove_unused_columns=False,
+    )
+    trainer = type("T", (ActivationOffloadingMixin, transformers.Trainer), {})(
+        model=model,
+        args=args,
+        train_dataset=TokenBlocks(byte_tokenizer(), load_texts() * 8, 8192),
+        callbacks=[Clock()],
+        offload_config=config,
+    )
+    trainer.train()
+    later = slice(1, None)  # the first step builds caches and learns the orders
+    return {
+        "variant": variant,
+        "step_s": statistics.median(times[later]),
+        "wait_forward_ms": 1000 * statistics.median(w[0] for w in waits[later]),
+        "wait_backward_ms": 1000 * statistics.median(w[1] for w in waits[later]),
+        "max_wait_ms": 1000 * max(sum(w) for w in waits[later]),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--one", default=None, help="run one variant in this process")
+    args = ap.parse_args()
+    if args.one:
+        print("RECORD " + json.dumps(run_one(args.one, args.steps)), flush=True)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    records = []
+    for variant in args.variants.split(","):
+        cmd = [sys.executable, __file__, "--out", args.out, "--steps", str(args.steps), "--one", variant]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RECORD ")]
+        record = json.loads(lines[-1][7:]) if lines else {"variant": variant, "error": proc.stderr[-600:]}
+        records.append(record)
+        print(json.dumps(record), flush=True)
+    with open(os.path.join(args.out, "trainer-route-waits.json"), "w") as f:
+        json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
