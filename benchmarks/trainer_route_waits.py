@@ -9,7 +9,8 @@ Variants (diagnostic rearrangements applied from here, not options of the librar
 ``state_on_h2d`` (state copies in the activations' host->device queue, as before the bulk
 queue); ``state_chunks`` (every state copy split into 16 MiB pieces); ``priorities`` (the
 activations' queue at high stream priority, the bulk one at low); ``horizon4``
-(``activation_loading_horizon: 4``).
+(``activation_loading_horizon: 4``); ``loads_off_compute`` (block inputs come back into memory of
+the host->device stream's own pool, so their copies need not wait for the compute stream).
 
     python benchmarks/trainer_route_waits.py --out DIR [--variants as_is,no_state,...]
 """
@@ -25,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = ("as_is", "no_state", "state_on_h2d", "state_chunks", "priorities", "horizon4")
+VARIANTS = ("as_is", "no_state", "state_on_h2d", "state_chunks", "priorities", "horizon4", "loads_off_compute")
 SHAPE = dict(
     hidden_size=2048,
     intermediate_size=8192,
@@ -60,6 +61,19 @@ def _rearrange(variant: str) -> None:
             return done
 
         state_copies.queue_copy = chunked
+    elif variant == "loads_off_compute":
+        from offloadkit.storage.base import Loaded
+        from offloadkit.storage.host import HostTier
+        from offloadkit.transfer import queue_copy
+
+        def load(self, stored):
+            h2d = streams.copy_stream(stored.device, "h2d")
+            with torch.cuda.stream(h2d):
+                dst = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
+            ready = queue_copy(dst, stored.payload.view(stored.nbytes), stream=h2d, block=stored.payload, after=None)
+            return Loaded(dst, ready=ready, alloc_stream=h2d)
+
+        HostTier.load = load
     elif variant == "priorities":
         index = torch.cuda.current_device()
         low, high = torch.cuda.Stream.priority_range()  # (lowest, highest) numerically (0, -N)

@@ -7,7 +7,7 @@
 # full-ft-peers.json, trainer-overheads-after.json, progress.txt.
 . "$(dirname "$0")/common.sh"
 say "Trainer route waits"
-python3 benchmarks/trainer_route_waits.py --out "$OUT" --variants "${VARIANTS:-as_is,no_state,state_on_h2d,state_chunks,priorities,horizon4}" 2>&1 | cut -c1-400
+python3 benchmarks/trainer_route_waits.py --out "$OUT" --variants "${VARIANTS:-as_is,no_state,state_on_h2d,state_chunks,priorities,horizon4,loads_off_compute}" 2>&1 | cut -c1-400
 say "full fine-tune, 3B at 16K, memory at the peaks"
 python3 benchmarks/full_ft_peers.py --out /tmp/peers --shapes llama-3.2-3b --modes offloadkit,offloadkit+chunked_loss \
   --warmup 1 --steps 2 --memory-trace 2>&1 | grep -v "^{" | tail -5
