@@ -279,8 +279,8 @@ def run_one(mode: str, shape: str, args) -> dict:
         waits()  # from here on: the timed steps' waits
     traced = None
     for i in range(args.warmup + args.steps):
-        if i == args.warmup and args.memory_trace:
-            traced = memory_trace.start()  # the timed steps' allocations (their times then include the recording)
+        if i == 0 and args.memory_trace:
+            traced = memory_trace.start()  # every step's allocations (the steps' times then include the recording)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = step(batch)
