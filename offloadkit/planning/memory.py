@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from offloadkit.checkpointing.footprint import attention_kept_bytes, keeps_attention
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import Footprint
 from offloadkit.components import COMPONENTS
 from offloadkit.defaults import OPTIMIZER_STATE_BYTES, PREFETCH_FROM_DISK, PREFETCH_FROM_RAM, STREAM_DEPTH
+from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers.footprint import streams_weights
+from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.footprint import (
     LOSS_CHUNK_BYTES_PER_LOGIT,
     UNCHUNKED_LOSS_BYTES_PER_LOGIT,
@@ -31,17 +34,23 @@ from offloadkit.longctx.footprint import (
     mlp_saved_bytes,
 )
 from offloadkit.longctx.loss import auto_chunk_tokens
+from offloadkit.longctx.options import LongContextOptions
 from offloadkit.longctx.tiled_mlp import auto_num_shards
+from offloadkit.lora.options import LoraOptions
 from offloadkit.optim.footprint import optimizer_footprint
+from offloadkit.optim.options import OptimizerOptions
 from offloadkit.options import Options
 from offloadkit.parallel.footprint import sharded_weights_footprint
+from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.parallelism import Parallelism
 from offloadkit.planning.shape import ModelShape
 from offloadkit.storage.disk import MAX_INFLIGHT_BYTES
 from offloadkit.storage.footprint import block_placement, disk_staging_bytes, region_length, tiered_reserve_bytes
+from offloadkit.storage.options import BudgetOptions
 
 __all__ = [
     "Features",
+    "PLANNED_OPTIONS",
     "Workload",
     "MemoryEstimate",
     "estimate_memory",
@@ -164,6 +173,19 @@ class Workload:
 
 OptionsT = TypeVar("OptionsT", bound=Options)
 
+# The components' options a plan chooses (:attr:`~offloadkit.planning.plan.Plan.options`
+# builds them from its features); any other component's, the run's own, pass through a plan.
+PLANNED_OPTIONS: tuple[type[Options], ...] = (
+    CheckpointOptions,
+    StreamingOptions,
+    LongContextOptions,
+    ActivationOptions,
+    OptimizerOptions,
+    LoraOptions,
+    ParallelOptions,
+    BudgetOptions,
+)
+
 
 @dataclass(frozen=True)
 class Features:
@@ -229,6 +251,64 @@ class Features:
     def of(self, cls: type[OptionsT]) -> OptionsT:
         """``cls``'s options as the run sets them, or its defaults."""
         return next((o for o in self.options if isinstance(o, cls)), None) or cls()
+
+    @classmethod
+    def from_options(
+        cls, w: Workload, options: tuple[Options, ...], copy_window_bytes: int | None = None
+    ) -> "Features":
+        """The features a set of components' options turns on for workload ``w`` (a plan's
+        :attr:`~offloadkit.planning.plan.Plan.options`, or a run's): one not given has its
+        defaults; automatic loss chunks and MLP shards are resolved for ``w``'s tokens. Where
+        block inputs wait is read from ``block_input_placement`` (else from
+        ``gpu_block_inputs`` and ``recompute_block_inputs``, the rest in RAM, or on disk
+        without ``disk_tiering``). ``copy_window_bytes`` has no config key (BackwardAdamW's
+        argument).
+
+        Example:
+            >>> from offloadkit.planning.planner import plan
+            >>> from offloadkit.planning.budgets import Budgets
+            >>> p = plan("llama-3-8b", 131072, budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
+            >>> estimate_memory(p.workload, Features.from_options(p.workload, p.options)) == p.memory
+            True
+        """
+        given = {type(o): o for o in options}
+
+        def of(c: type[OptionsT]) -> OptionsT:
+            return given.get(c) or c()  # type: ignore[return-value]
+
+        ckpt, act, long = of(CheckpointOptions), of(ActivationOptions), of(LongContextOptions)
+        streaming, opt, par, lora = of(StreamingOptions), of(OptimizerOptions), of(ParallelOptions), of(LoraOptions)
+        layers = w.shape.layers
+        placement = ckpt.block_input_placement
+        offload = act.mode is not False
+        if placement:
+            gpu_blocks, recompute_blocks = placement.count("gpu") - 1, placement.count("recompute")
+            ram_blocks: int | None = placement.count("ram")
+        else:
+            gpu_blocks, recompute_blocks = ckpt.gpu_block_inputs, len(ckpt.recompute_block_inputs)
+            ram_blocks = 0 if act.storage == "disk" else None
+        mlp_shards = (long.mlp_shards or auto_mlp_shards(w.tokens, w.shape.intermediate)) if long.tiled_mlp else 1
+        keep = ckpt.keep_attention
+        return cls(
+            checkpointing=ckpt.enabled,
+            offload_inputs=offload,
+            ram_blocks=ram_blocks,
+            gpu_blocks=gpu_blocks,
+            layer_streaming=streaming.enabled,
+            stream_depth=streaming.depth,
+            loss_chunks=(long.loss_chunks or auto_loss_chunks(w.tokens, w.shape.vocab)) if long.chunked_loss else 0,
+            mlp_shards=mlp_shards,
+            tiled_projections=long.tiled_projections and mlp_shards > 1,
+            horizon=act.loading_horizon,
+            optimizer_offloading=opt.enabled,
+            copy_window_bytes=copy_window_bytes,
+            recompute_blocks=recompute_blocks,
+            keep_attention=(layers if keep is True else int(keep)) if offload else 0,
+            head_groups=long.head_groups or 1,
+            rotation=None if par.rotation == "auto" else par.rotation,
+            fused_lora=lora.fused is True,
+            options=tuple(o for o in options if type(o) not in PLANNED_OPTIONS),
+        )
 
 
 @dataclass

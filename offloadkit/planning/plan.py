@@ -1,7 +1,8 @@
 """A plan: the features the planner chose for one step, where each block input waits, the
-predicted GPU, host and disk bytes and step time, the config keys that realise it
-(:meth:`Plan.to_config`, through the options classes), the same plan at another depth, and
-the table and verdict the CLI prints. :mod:`~offloadkit.planning.planner` searches for it."""
+predicted GPU, host and disk bytes and step time, its choice as the components' options
+(:attr:`Plan.options`) and the config keys that realise it (:meth:`Plan.to_config`: each
+options class writes its own), the same plan at another depth, and the table and verdict the
+CLI prints. :mod:`~offloadkit.planning.planner` searches for it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     HOST_BASELINE_BYTES,
+    PLANNED_OPTIONS,
     Features,
     MemoryEstimate,
     Workload,
@@ -32,29 +34,34 @@ from offloadkit.planning.timing import StepTime, estimate_time
 from offloadkit.storage.options import BudgetOptions
 from offloadkit.storage.pool import size_class
 
-__all__ = ["OptimizerSetup", "Plan"]
+__all__ = ["OptimizerSetup", "Plan", "changed_fields"]
 
-# The options a plan chooses (its config keys are written from its features); any other
-# component's, the run's own, pass through a plan unchanged.
-_CHOSEN = (
-    CheckpointOptions,
-    StreamingOptions,
-    LongContextOptions,
-    ActivationOptions,
-    OptimizerOptions,
-    LoraOptions,
-    ParallelOptions,
-    BudgetOptions,
-)
+# Fields a plan writes whatever their value: what it decides over the run's config (the
+# rest of its options are written where they differ from their defaults).
+_DECIDED: dict[type[Options], tuple[str, ...]] = {
+    CheckpointOptions: ("enabled",),
+    StreamingOptions: ("enabled", "depth"),
+    LongContextOptions: ("chunked_loss", "tiled_mlp", "loss_chunks", "mlp_shards", "tiled_projections"),
+    ActivationOptions: ("mode", "disk_tiering"),
+    OptimizerOptions: ("enabled",),
+}
 
 
-def _changed(options: Options) -> dict:
-    """The fields of ``options`` set by a config key that differ from their defaults."""
+def _decided(options: Options) -> tuple[str, ...]:
+    if isinstance(options, OptimizerOptions) and options.enabled:
+        return ("enabled", "precision")  # the precision the state is moved in
+    return _DECIDED.get(type(options), ())
+
+
+def changed_fields(options: Options) -> dict:
+    """The fields of ``options`` a plan's config writes: those set by a config key that differ
+    from their defaults, and those the plan decides whatever their value."""
+    decided = _decided(options)
     keyed = set(options.keys().values())
     return {
         f.name: getattr(options, f.name)
         for f in dataclasses.fields(options)  # type: ignore[arg-type]
-        if f.name in keyed and getattr(options, f.name) != f.default
+        if f.name in keyed and (f.name in decided or getattr(options, f.name) != f.default)
     }
 
 
@@ -150,59 +157,74 @@ class Plan:
         # staging buffers are reserved outside the cap (the plan's host figure counts them).
         return max(ram + tiered_reserve_bytes(ram), 1 << 20)
 
+    @property
+    def options(self) -> tuple[Options, ...]:
+        """The plan's choice as the components' options: those it chooses, built from its
+        features and placement, then those of the components it does not choose, as the run
+        set them.
+
+        Example:
+            >>> from offloadkit.planning.planner import plan
+            >>> p = plan("llama-3-8b", 65536, budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
+            >>> [type(o).__name__ for o in p.options][:3]
+            ['CheckpointOptions', 'StreamingOptions', 'LongContextOptions']
+        """
+        w, f, placement = self.workload, self.features, self.placement
+        offload = f.offload_inputs
+        every = f.keep_attention >= w.shape.layers
+        tiered = "disk" in placement and "ram" in placement
+        chosen: tuple[Options, ...] = (
+            CheckpointOptions(
+                enabled=f.checkpointing,
+                # Where each block input waits, as planned: the engine realises it block by block.
+                block_input_placement=tuple(placement) if offload and f.checkpointing else (),
+                keep_attention=(True if every else f.keep_attention) if f.keep_attention else False,
+            ),
+            StreamingOptions(enabled=f.layer_streaming, depth=f.stream_depth),
+            LongContextOptions(
+                chunked_loss=f.loss_chunks > 0,
+                loss_chunks=f.loss_chunks or None,
+                tiled_mlp=f.mlp_shards > 1,
+                mlp_shards=f.mlp_shards if f.mlp_shards > 1 else None,
+                tiled_projections=f.tiled_projections and f.mlp_shards > 1,
+                head_groups=f.head_groups if f.head_groups > 1 else None,
+            ),
+            ActivationOptions(
+                mode=False if not offload else "disk" if "disk" in placement else True,
+                disk_tiering=tiered,
+                loading_horizon=f.horizon if offload else None,
+            ),
+            # The precision the state is moved in, with it moved (else the run's stands).
+            OptimizerOptions(
+                enabled=f.optimizer_offloading,
+                precision=w.optimizer_precision if f.optimizer_offloading else OptimizerOptions.default("precision"),
+            ),
+            LoraOptions(fused=True if f.fused_lora else None),
+            # The rotation this plan counted; whether to split is the caller's (context_parallel).
+            ParallelOptions(
+                rotation=ring_rotation(w.parallel, f.rotation)
+                if w.parallel.context_parallel and w.parallel.world_size > 1
+                else "auto"
+            ),
+            BudgetOptions(host_budget_bytes=self.host_budget_bytes() if tiered else None),
+        )
+        # A component the planner does not choose: the plan keeps what the run set.
+        return chosen + tuple(o for o in f.options if type(o) not in PLANNED_OPTIONS)
+
     def to_config(self) -> dict:
-        """The :class:`~offloadkit.config.OffloadConfig` keys that realise this plan.
+        """The :class:`~offloadkit.config.OffloadConfig` keys that realise this plan: each of
+        its :attr:`options`' fields the plan writes (:func:`changed_fields`).
 
         Example:
             >>> from offloadkit.config import OffloadConfig
+            >>> from offloadkit.planning.planner import plan
             >>> OffloadConfig.from_dict(plan("tiny", 512, budgets=Budgets(8 << 30, 8 << 30, 8 << 30)).to_config())
             ... # doctest: +ELLIPSIS
             OffloadConfig(...)
         """
-        f = self.features
-        out: dict = {
-            **CheckpointOptions.config_keys(enabled=f.checkpointing),
-            **StreamingOptions.config_keys(enabled=f.layer_streaming, depth=f.stream_depth),
-            **LongContextOptions.config_keys(
-                chunked_loss=f.loss_chunks > 0,
-                tiled_mlp=f.mlp_shards > 1,
-                loss_chunks=f.loss_chunks or None,
-                mlp_shards=f.mlp_shards if f.mlp_shards > 1 else None,
-            ),
-            **ActivationOptions.config_keys(disk_tiering=False),
-            **LongContextOptions.config_keys(tiled_projections=f.tiled_projections and f.mlp_shards > 1),
-            **OptimizerOptions.config_keys(enabled=f.optimizer_offloading),
-        }
-        if f.head_groups > 1:
-            out |= LongContextOptions.config_keys(head_groups=f.head_groups)
-        if self.workload.parallel.context_parallel and self.workload.parallel.world_size > 1:
-            # The rotation this plan counted; whether to split is the caller's (context_parallel).
-            out |= ParallelOptions.config_keys(rotation=ring_rotation(self.workload.parallel, f.rotation))
-        if f.keep_attention:
-            every = f.keep_attention >= self.workload.shape.layers
-            out |= CheckpointOptions.config_keys(keep_attention=True if every else f.keep_attention)
-        if f.optimizer_offloading:
-            out |= OptimizerOptions.config_keys(precision=self.workload.optimizer_precision)
-        if f.fused_lora:
-            out |= LoraOptions.config_keys(fused=True)
-        for options in f.options:
-            if type(options) not in _CHOSEN:
-                # A component the planner does not choose: the plan keeps what the run set.
-                out |= type(options).config_keys(**_changed(options))
-        if f.offload_inputs and f.horizon is not None:
-            out |= ActivationOptions.config_keys(loading_horizon=f.horizon)
-        if f.offload_inputs and f.checkpointing:
-            # Where each block input waits, as planned: the engine realises it block by block.
-            out |= CheckpointOptions.config_keys(block_input_placement=tuple(self.placement))
-        if not f.offload_inputs:
-            out |= ActivationOptions.config_keys(mode=False)
-        elif "disk" not in self.placement:
-            out |= ActivationOptions.config_keys(mode=True)
-        else:
-            out |= ActivationOptions.config_keys(mode="disk")
-            if "ram" in self.placement:
-                out |= ActivationOptions.config_keys(disk_tiering=True)
-                out |= BudgetOptions.config_keys(host_budget_bytes=self.host_budget_bytes())
+        out: dict = {}
+        for options in self.options:
+            out |= type(options).config_keys(**changed_fields(options))
         return out
 
     def at_depth(self, layers: int) -> "Plan":
@@ -212,6 +234,7 @@ class Plan:
         replayed run where the depth allows, and memory, time and fit estimated again.
 
         Example:
+            >>> from offloadkit.planning.planner import plan
             >>> p = plan("llama-3-8b", 131072, budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
             >>> len(p.at_depth(2).to_config()["block_input_placement"])
             2

@@ -1,0 +1,94 @@
+"""A plan is a set of components' options: ``Plan.options`` holds what it chose as each
+component's options object, ``Plan.to_config`` writes them through their own config keys, and
+the features those options turn on (``Features.from_options``) predict the plan's own bytes
+and step time."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from offloadkit.config import OffloadConfig
+from offloadkit.embeddings.options import EmbeddingOptions
+from offloadkit.planning import Budgets, Features, estimate_memory, plan
+from offloadkit.planning.memory import PLANNED_OPTIONS
+from offloadkit.planning.parallelism import Parallelism
+from offloadkit.planning.plan import changed_fields
+from offloadkit.planning.planner import OptimizerSetup
+from offloadkit.planning.timing import estimate_time
+
+GiB = 1 << 30
+
+# Budgets that make the planner keep block inputs on the GPU, in RAM, on disk, nowhere
+# (recomputed), keep attention outputs, stream weights, move a full fine-tune's state and
+# choose a ring rotation.
+CASES = [
+    ("llama-3-8b", 16384, 16, Budgets(79 * GiB, 100 * GiB, 60 * GiB), {}),
+    ("llama-3-8b", 131072, 16, Budgets(79 * GiB, 100 * GiB, 60 * GiB), {"fused_lora": True}),
+    ("llama-3-8b", 524288, 16, Budgets(40 * GiB, 8 * GiB, 200 * GiB), {}),
+    ("llama-3-8b", 524288, 16, Budgets(22 * GiB, 30 * GiB, 500 * GiB), {}),
+    ("llama-3-8b", 1048576, 16, Budgets(139 * GiB, 400 * GiB, 1000 * GiB), {}),
+    ("llama-3-8b", 131072, 0, Budgets(22 * GiB, 30 * GiB, 500 * GiB), {"optimizer_precision": "compact"}),
+    (
+        "llama-3-8b",
+        16384,
+        0,
+        Budgets(40 * GiB, 200 * GiB, 200 * GiB),
+        {"optimizer": OptimizerSetup(updates_in_backward=True)},
+    ),
+    (
+        "llama-3-8b",
+        524288,
+        16,
+        Budgets(79 * GiB, 100 * GiB, 60 * GiB),
+        {"parallel": Parallelism(world_size=4, context_parallel=True)},
+    ),
+    ("llama-3.2-3b", 1048576, 16, Budgets(79 * GiB, 100 * GiB, 60 * GiB), {}),
+    ("tiny", 512, 16, Budgets(8 * GiB, 8 * GiB, 8 * GiB), {"options": (EmbeddingOptions(offload=True),)}),
+]
+
+
+def _plans():
+    for model, seq, rank, budgets, kwargs in CASES:
+        p = plan(model, seq, lora_rank=rank, budgets=budgets, **kwargs)
+        yield p
+        yield p.at_depth(3)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_the_features_a_plans_options_turn_on_predict_its_bytes_and_time(index):
+    model, seq, rank, budgets, kwargs = CASES[index]
+    p = plan(model, seq, lora_rank=rank, budgets=budgets, **kwargs)
+    for q in (p, p.at_depth(3)):
+        f = Features.from_options(q.workload, q.options)
+        m = estimate_memory(q.workload, f)
+        assert m == q.memory, q.name
+        assert estimate_time(q.workload, f, q.budgets.rates, m.block_placement) == q.time, q.name
+
+
+def test_the_planners_choices_cover_recomputed_tiered_and_kept_inputs():
+    places = {where for p in _plans() for where in p.placement}
+    assert places == {"gpu", "ram", "disk", "recompute"}
+    assert any(p.features.keep_attention for p in _plans())
+
+
+def test_to_config_writes_each_options_fields_and_a_config_reads_the_same_options_back():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # settings without effect at these toy depths
+        for p in _plans():
+            keys: dict = {}
+            for o in p.options:
+                keys |= type(o).config_keys(**changed_fields(o))
+            assert keys == p.to_config()
+            config = OffloadConfig.from_dict(p.to_config())
+            for o in p.options:
+                assert config.options(type(o)) == o, (p.name, o)
+
+
+def test_a_plan_chooses_every_planned_components_options_and_passes_the_others_through():
+    p = plan("tiny", 512, budgets=Budgets(8 * GiB, 8 * GiB, 8 * GiB), options=(EmbeddingOptions(offload=True),))
+    assert [type(o) for o in p.options] == [*PLANNED_OPTIONS, EmbeddingOptions]
+    assert p.to_config()["embedding_offloading"] is True
+    # What the plan decides is written even at its default: it overrides the run's own keys.
+    assert p.to_config()["layer_offloading"] is False and p.to_config()["activation_offloading"] is False
