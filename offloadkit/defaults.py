@@ -13,6 +13,7 @@ __all__ = [
     "OPTIMIZER_STATE_BYTES",
     "PREFETCH_FROM_DISK",
     "PREFETCH_FROM_RAM",
+    "STATE_GROUPS_AHEAD",
     "STREAM_DEPTH",
 ]
 
@@ -40,6 +41,12 @@ OPTIMIZER_STATE_BYTES = {"params": 4, "fp32_master": 12, "compact": 4}
 # master weights (12 bytes a parameter) an 8B step at 16K took 3.20 s with 1 GiB and 2.80 s
 # with 4 GiB; with 4 bytes a parameter 1 and 4 GiB ran alike (2.53, 2.52 s), 64 MiB 5% slower.
 OPTIMIZER_COPY_WINDOW_BYTES = {"params": 1 << 30, "compact": 1 << 30, "fp32_master": 4 << 30}
+# Where the parameters updated together are known (each decoder layer's), optimizer state is
+# fetched this many groups ahead within that window: the rest of the layer being updated and
+# the next one, as block inputs come back two blocks ahead from RAM. The window alone, on a
+# model whose state it holds whole, fetched all of it at backward's first update, and the
+# block inputs' prefetches shared the link with it.
+STATE_GROUPS_AHEAD = 2
 # The compact optimizer state's update runs over chunks of this many elements, widened to fp32:
 # about 40 bytes of temporaries an element (weight, gradient and moments in fp32, AdamW's
 # intermediates, the rounding's noise and bit patterns), 640 MiB a chunk.

@@ -71,6 +71,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
             state_dir=state_dir,
             scheduler=scheduler,
         )
+        optimizer.set_update_groups(_layer_groups(model))
         return optimizer, _note(trainer, optim, "BackwardSGD (the same kernel)", "momentum", clipping, scaled, args)
     optimizer = BackwardAdamW.for_precision(
         groups,
@@ -87,6 +88,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
         state_dir=state_dir,
         scheduler=scheduler,
     )
+    optimizer.set_update_groups(_layer_groups(model))
     state = {
         "fp32_master": "fp32 master weights and moments",
         "compact": "bf16 moments with stochastically rounded updates",
@@ -106,7 +108,20 @@ def attach_for_run(trainer: Any, optimizer: BackwardOptimizer) -> None:
     clipping, scaled, scheduler = _run_settings(trainer)
     optimizer.defer_to_step = clipping or scaled
     optimizer.use_scheduler(scheduler)
+    optimizer.set_update_groups(_layer_groups(trainer.model))
     optimizer.attach()
+
+
+def _layer_groups(model: Any) -> list[list[Any]]:
+    """Each decoder layer's trainable parameters, updated together in backward (none found:
+    no groups, the state's look-ahead is its byte window alone)."""
+    from offloadkit.models.blocks import find_blocks
+
+    try:
+        blocks = find_blocks(model)
+    except ValueError:
+        return []
+    return [[p for p in block.parameters() if p.requires_grad] for _, block in blocks]
 
 
 def reduce_for_run(optimizer: Any, model: Any) -> None:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
 
+from offloadkit.defaults import STATE_GROUPS_AHEAD
 from offloadkit.layers.flat import order_after_write_back
 from offloadkit.optim.reduction import DDPUpdates, is_shard, local_tensor, ranks_in_run, unreduced_error
 from offloadkit.optim.state_copies import StateCopies
@@ -394,3 +395,15 @@ class BackwardOptimizer(Optimizer):
         """Run the state's look-ahead in ``scheduler`` from now on (a new run's shared window);
         None: one of its own."""
         self._copies.use_scheduler(scheduler)
+
+    def set_update_groups(self, groups: Iterable[Iterable[torch.Tensor]], ahead: int = STATE_GROUPS_AHEAD) -> None:
+        """Fetch host-resident state ``ahead`` groups ahead (the rest of the group being updated
+        counts as one), within ``copy_window_bytes``, where ``groups`` are the parameters updated
+        together: each decoder layer's (the Trainer integration passes them). Without groups the
+        look-ahead is the byte window alone, which at the first update of backward fetches as
+        much state as it holds and makes the block inputs' prefetches share the link with it.
+
+        Example:
+            >>> opt.set_update_groups([list(layer.parameters()) for layer in model.model.layers])  # doctest: +SKIP
+        """
+        self._copies.set_groups(groups, ahead)
