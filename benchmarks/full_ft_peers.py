@@ -28,6 +28,7 @@ for the full one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -74,6 +75,32 @@ def _model_fp32(shape: str, device: str):
     return model
 
 
+def _state_allocation(how: str) -> None:
+    """Diagnostic rearrangements of where BackwardAdamW's state buffers come from (not options
+    of the library): "flat" (one buffer a parameter, its keys as views), "pool" (a private
+    memory pool on the compute stream), "flat+pool"; "as_is" leaves the library's."""
+    if how == "as_is":
+        return
+    from offloadkit.optim.state_copies import StateCopies
+
+    pools: dict = {}
+
+    def allocate(self, state, keys, device):
+        pool = pools.setdefault(device, torch.cuda.MemPool()) if "pool" in how else None
+        with torch.cuda.use_mem_pool(pool, device) if pool is not None else contextlib.nullcontext():
+            if "flat" not in how:
+                return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}
+            sizes = [(state[k].nbytes + 511) // 512 * 512 for k in keys]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        out, at = {}, 0
+        for k, n in zip(keys, sizes):
+            out[k] = flat[at : at + state[k].nbytes].view(state[k].dtype).view(state[k].shape)
+            at += n
+        return out
+
+    StateCopies._allocate = allocate
+
+
 def _build_offloadkit(shape: str, chunked: bool, args):
     from offloadkit import use_expandable_segments
     from offloadkit.checkpointing import apply_activation_checkpointing
@@ -83,6 +110,7 @@ def _build_offloadkit(shape: str, chunked: bool, args):
     # What prepare() does for a run it builds: components built by hand leave the allocator
     # alone, so this route asks for segments that grow in place itself.
     use_expandable_segments()
+    _state_allocation(args.state_allocation)
     model = _model_fp32(shape, "cuda").to(torch.bfloat16)  # the peers' weights, rounded as their bf16 compute
     model.train()
     handles = [apply_activation_checkpointing(model, offload_inputs=True)]
@@ -113,7 +141,11 @@ def _build_offloadkit(shape: str, chunked: bool, args):
         return out
 
     window = opt._copies.window_bytes >> 20
-    info = {"optimizer": f"BackwardAdamW({precision}, window {window} MiB)", "waits": waits}
+    if args.update_groups:
+        opt.set_update_groups([list(layer.parameters()) for layer in model.model.layers])
+    how = f", state {args.state_allocation}" if args.state_allocation != "as_is" else ""
+    how += ", by layers" if args.update_groups else ""
+    info = {"optimizer": f"BackwardAdamW({precision}, window {window} MiB{how})", "waits": waits}
     return step, info
 
 
@@ -365,6 +397,15 @@ def main() -> None:
         action="store_true",
         help="record the allocator's history over the timed steps; the record says what was live at the peaks",
     )
+    ap.add_argument(
+        "--state-allocation",
+        default="as_is",
+        choices=("as_is", "flat", "pool", "flat+pool"),
+        help="offloadkit modes: where the state buffers come from (a diagnostic rearrangement)",
+    )
+    ap.add_argument(
+        "--update-groups", action="store_true", help="offloadkit modes: state looked ahead by decoder layers"
+    )
     ap.add_argument("--disk-dir", default=None, help="offloadkit_plan: where the disk tier writes")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "SHAPE"), help="run one case in this process")
     args = ap.parse_args()
@@ -388,6 +429,8 @@ def main() -> None:
             cmd += ["--copy-window-mib", str(args.copy_window_mib)] if args.copy_window_mib else []
             cmd += ["--ours-params"] if args.ours_params else []
             cmd += ["--memory-trace"] if args.memory_trace else []
+            cmd += ["--state-allocation", args.state_allocation]
+            cmd += ["--update-groups"] if args.update_groups else []
             if args.disk_dir:
                 cmd += ["--disk-dir", args.disk_dir]
             log = os.path.join(args.out, f"{shape}-{mode}.log")

@@ -126,10 +126,7 @@ class StateCopies:
         # or a streamed layer queued behind it would wait for that compute work too.
         h2d = copy_stream(device, "h2d_bulk")
         compute = torch.cuda.current_stream(device)
-        # Allocated on the compute stream, as fetched activations are: between updates the
-        # memory serves the compute stream's own allocations, where a pool of the copy stream's
-        # would hold it for state alone (3.6 GiB of a 3B full fine-tune's 16 GiB reserved).
-        gpu = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}
+        gpu = self._allocate(state, keys, device)
         # No record_stream(h2d): its free would then wait for every copy queued on h2d by then
         # (the whole window fetched ahead), holding about a window more of memory. A fetch in
         # use is ordered by compute's wait in fetch(); one dropped unused by _drop_ahead().
@@ -139,6 +136,12 @@ class StateCopies:
             after = compute if i == 0 else None
             done = queue_copy(gpu[k], state[k], stream=h2d, block=self._block(p, k, state[k]), after=after)
         return gpu, done, sum(t.nbytes for t in gpu.values()), compute
+
+    def _allocate(self, state: dict, keys: tuple[str, ...], device: torch.device) -> dict[str, torch.Tensor]:
+        # On the compute stream, as fetched activations are: between updates the memory serves
+        # the compute stream's own allocations, where a pool of the copy stream's would hold it
+        # for state alone (3.6 GiB of a 3B full fine-tune's 16 GiB reserved).
+        return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}
 
     def fetch(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The GPU copies of ``p``'s travelling state, usable on the current stream; the
