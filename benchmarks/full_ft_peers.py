@@ -145,6 +145,7 @@ def _build_offloadkit(shape: str, chunked: bool, args):
         opt.set_update_groups([list(layer.parameters()) for layer in model.model.layers])
     how = f", state {args.state_allocation}" if args.state_allocation != "as_is" else ""
     how += ", by layers" if args.update_groups else ""
+    how += ", empty_cache each step" if args.empty_cache_each_step else ""
     info = {"optimizer": f"BackwardAdamW({precision}, window {window} MiB{how})", "waits": waits}
     return step, info
 
@@ -316,6 +317,8 @@ def run_one(mode: str, shape: str, args) -> dict:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = step(batch)
+        if args.empty_cache_each_step:
+            torch.cuda.empty_cache()  # timed: the step's free pages unmapped, remapped by the next
         torch.cuda.synchronize()
         losses.append(loss.item())
         if i >= args.warmup:
@@ -404,6 +407,11 @@ def main() -> None:
         help="offloadkit modes: where the state buffers come from (a diagnostic rearrangement)",
     )
     ap.add_argument(
+        "--empty-cache-each-step",
+        action="store_true",
+        help="diagnostic: give the allocator's free pages back after every step (the time counts it)",
+    )
+    ap.add_argument(
         "--update-groups", action="store_true", help="offloadkit modes: state looked ahead by decoder layers"
     )
     ap.add_argument("--disk-dir", default=None, help="offloadkit_plan: where the disk tier writes")
@@ -431,6 +439,7 @@ def main() -> None:
             cmd += ["--memory-trace"] if args.memory_trace else []
             cmd += ["--state-allocation", args.state_allocation]
             cmd += ["--update-groups"] if args.update_groups else []
+            cmd += ["--empty-cache-each-step"] if args.empty_cache_each_step else []
             if args.disk_dir:
                 cmd += ["--disk-dir", args.disk_dir]
             log = os.path.join(args.out, f"{shape}-{mode}.log")
