@@ -27,6 +27,7 @@ from offloadkit.checkpointing.component import hf_checkpointing_on
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.components import COMPONENTS
 from offloadkit.config import OffloadConfig
+from offloadkit.engine.footprint import default_horizon
 from offloadkit.models.blocks import find_blocks
 from offloadkit.models.heads import find_output_head, unwrap_model
 from offloadkit.parallel.compat import check_parallel, fsdp2_sharded
@@ -389,6 +390,18 @@ def _planned(
     return config.replace(**chosen.to_config()), chosen  # a placement it sets is for the depth built
 
 
+def _horizon_beside_state(config: OffloadConfig, optimizer: OptimizerSetup | None) -> OffloadConfig:
+    """Where BackwardAdamW's state travels on the link in backward, block inputs come back as
+    far ahead as from disk (:func:`~offloadkit.engine.footprint.default_horizon`, which the
+    planner counts too), unless the config sets ``activation_loading_horizon``."""
+    moves_state = config.optimizer_offloading and optimizer is not None and optimizer.replaceable
+    if config.activation_loading_horizon is not None or not (moves_state and optimizer.updates_in_backward):
+        return config
+    if config.activation_offloading is not True:
+        return config  # the disk tiers already fetch that far ahead; legacy copies on compute
+    return config.replace(activation_loading_horizon=default_horizon(False, state_in_backward=True))
+
+
 def prepare(
     model: nn.Module,
     config: OffloadConfig | dict | None = None,
@@ -439,6 +452,7 @@ def prepare(
     _check_placement_depth(model, config)  # before anything is capped or attached
     gpu_cap = _cap_gpu_memory(config.gpu_budget_bytes)  # before anything allocates under the plan
     config, chosen = _planned(model, config, seq_len, optimizer, parallel)
+    config = _horizon_beside_state(config, optimizer)
     runtime = OffloadRuntime(model, config, plan=chosen, gpu_cap=gpu_cap)
     try:  # what cannot run under the model's wrapper, before anything is attached
         check_parallel(model, config, planned=chosen is not None, hf_checkpointing=hf_checkpointing_on(model))

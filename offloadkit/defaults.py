@@ -11,6 +11,7 @@ __all__ = [
     "MIN_OFFLOAD_SIZE",
     "OPTIMIZER_COPY_WINDOW_BYTES",
     "OPTIMIZER_STATE_BYTES",
+    "PREFETCH_BESIDE_STATE",
     "PREFETCH_FROM_DISK",
     "PREFETCH_FROM_RAM",
     "STATE_GROUPS_AHEAD",
@@ -28,6 +29,12 @@ MAX_FWD_STASH_SIZE = 5
 # tokens: 3.86 s -> 3.77 s on disk, 3.33 s -> 3.17 s tiered with 4 instead of 2).
 PREFETCH_FROM_RAM = 2
 PREFETCH_FROM_DISK = 4
+# ... and when a full fine-tune's optimizer state travels on the same link in backward (updated
+# in backward, its state in host memory): block inputs then share the link's time with the
+# state's copies, and come back from RAM as far ahead as from disk (measured on an H200 through
+# the Trainer, 4 layers 2048 wide at 8K: the GPU's waits for activations 8.7 -> 0.1 ms a step,
+# the step 70 -> 64 ms, 31 MiB more at the peak).
+PREFETCH_BESIDE_STATE = 4
 # Blocks of streamed weights resident at once: 2 is double buffering (one computing, one
 # arriving).
 STREAM_DEPTH = 2

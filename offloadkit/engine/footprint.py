@@ -8,18 +8,27 @@ from __future__ import annotations
 from offloadkit.component import Footprint
 from offloadkit.component import FootprintFeatures as Features
 from offloadkit.component import FootprintWorkload as Workload
-from offloadkit.defaults import PREFETCH_FROM_DISK, PREFETCH_FROM_RAM
+from offloadkit.defaults import PREFETCH_BESIDE_STATE, PREFETCH_FROM_DISK, PREFETCH_FROM_RAM
 from offloadkit.storage.footprint import block_placement
 
-__all__ = ["activations_footprint", "prefetch_horizon"]
+__all__ = ["activations_footprint", "default_horizon", "prefetch_horizon"]
 
 
-def prefetch_horizon(f: Features, placement: list[str]) -> int:
+def default_horizon(from_disk: bool, state_in_backward: bool) -> int:
+    """Save groups brought back ahead in backward when ``activation_loading_horizon`` is unset:
+    the slowest tier's default, and as far as from disk where optimizer state travels on the
+    same link in backward (:func:`offloadkit.prepare` applies it; the planner counts it)."""
+    if from_disk:
+        return PREFETCH_FROM_DISK
+    return PREFETCH_BESIDE_STATE if state_in_backward else PREFETCH_FROM_RAM
+
+
+def prefetch_horizon(f: Features, placement: list[str], state_in_backward: bool = False) -> int:
     """Offloaded block inputs brought back ahead in backward: the features' horizon, else the
-    engine's default for the slowest tier they rest in."""
+    engine's default (:func:`default_horizon`)."""
     if f.horizon is not None:
         return f.horizon
-    return PREFETCH_FROM_DISK if "disk" in placement else PREFETCH_FROM_RAM
+    return default_horizon("disk" in placement, state_in_backward)
 
 
 def activations_footprint(w: Workload, f: Features) -> Footprint:
@@ -31,5 +40,6 @@ def activations_footprint(w: Workload, f: Features) -> Footprint:
     placement = block_placement(w.shape.layers, f)
     on_gpu = placement.count("gpu")
     if f.offload_inputs:
-        on_gpu += min(prefetch_horizon(f, placement), w.shape.layers - 1)
+        beside_state = f.optimizer_offloading and w.updates_in_backward
+        on_gpu += min(prefetch_horizon(f, placement, beside_state), w.shape.layers - 1)
     return Footprint(gpu={"block inputs": on_gpu * w.block_input_bytes})

@@ -29,13 +29,13 @@ import math
 from dataclasses import replace
 
 from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
+from offloadkit.engine.footprint import default_horizon
 from offloadkit.optim.footprint import optimizer_footprint
 from offloadkit.options import Options
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     FRAGMENTATION,
     HORIZON_DISK,
-    HORIZON_RAM,
     HOST_BASELINE_BYTES,
     Features,
     MemoryEstimate,
@@ -451,7 +451,7 @@ def _shorter_horizons(w: Workload, f: Features, m: MemoryEstimate, t, b: Budgets
     if not (f.checkpointing and f.offload_inputs) or f.horizon is not None:
         return []
     from_disk = "disk" in m.block_placement
-    default = HORIZON_DISK if from_disk else HORIZON_RAM
+    default = default_horizon(from_disk, f.optimizer_offloading and w.updates_in_backward)
     rate = b.rates.disk_read_bytes_per_s if from_disk else b.rates.pcie_bytes_per_s
     layer_backward_s = max(t.compute_s / 2 / w.shape.layers, 1e-9)  # about half the compute is backward
     needed = max(1, math.ceil(w.block_input_bytes / rate / layer_backward_s))

@@ -71,3 +71,37 @@ def test_the_trainer_integration_groups_each_decoder_layers_parameters(tmp_path)
     assert {groups[id(p)] for p in layers[0].parameters()} == {0}
     assert {groups[id(p)] for p in layers[1].parameters()} == {1}
     assert id(model.model.embed_tokens.weight) not in groups  # outside the layers: its own group
+
+
+@pytest.mark.parametrize(
+    "updates_in_backward, asked, expected",
+    [(True, None, 4), (False, None, None), (True, 3, 3)],
+)
+def test_block_inputs_come_back_further_ahead_where_state_travels_in_backward(updates_in_backward, asked, expected):
+    """BackwardAdamW's state copies share the link in backward: block inputs come back as far
+    ahead as from disk, unless the config says how far; the planner counts the same."""
+    import warnings
+
+    from offloadkit.compose import prepare
+    from offloadkit.engine.footprint import activations_footprint
+    from offloadkit.planning import OptimizerSetup
+    from offloadkit.planning.memory import Features, Workload
+    from offloadkit.planning.shape import ModelShape
+
+    config = {"gradient_checkpointing": True, "activation_offloading": True, "optimizer_offloading": True}
+    if asked is not None:
+        config["activation_loading_horizon"] = asked
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no CUDA here: the engine notes it has no effect
+        setup = OptimizerSetup(updates_in_backward=updates_in_backward)
+        runtime = prepare(build_llama("tiny"), config, optimizer=setup)
+    try:
+        assert runtime.config.activation_loading_horizon == expected
+    finally:
+        runtime.close()
+    dims = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4}
+    shape = ModelShape.from_config(dict(dims, vocab_size=256))
+    work = Workload(shape, seq_len=1024, updates_in_backward=updates_in_backward)
+    held = activations_footprint(work, Features(offload_inputs=True, optimizer_offloading=True, horizon=asked))
+    blocks = held.gpu["block inputs"] // work.block_input_bytes
+    assert blocks == 1 + (expected or 2)  # the last layer's input stays, and the horizon comes back ahead
