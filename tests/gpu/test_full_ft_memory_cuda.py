@@ -98,7 +98,8 @@ def test_the_trainer_route_brings_activations_back_before_their_use(tmp_path, cl
             end.record()
             end.synchronize()
             self.times.append(self.start.elapsed_time(end) / 1000)
-            manager = self.trainer.offload_runtime.manager
+            runtime = self.trainer.offload_runtime  # the run's (None once train() ends)
+            self.horizon, manager = runtime.config.activation_loading_horizon, runtime.manager
             if state.global_step > 1:  # the first step builds caches and learns the orders
                 self.waits.append(manager.collect_stats().wait_seconds_backward)
             manager.reset_stats()
@@ -127,7 +128,7 @@ def test_the_trainer_route_brings_activations_back_before_their_use(tmp_path, cl
     clock.trainer = trainer
     try:
         trainer.train()
-        acts, horizon = trainer.offload_report["activations"], trainer.offload_runtime.config.activation_loading_horizon
+        acts, horizon = trainer.offload_report["activations"], clock.horizon
         times, waits = clock.times[1:], clock.waits
     finally:
         trainer = model = clock = None  # a failure's traceback must not keep the model for later tests
