@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from offloadkit.components import COMPONENTS
 from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
 from offloadkit.engine.footprint import default_horizon
 from offloadkit.optim.footprint import optimizer_footprint
@@ -37,6 +38,7 @@ from offloadkit.planning.memory import (
     FRAGMENTATION,
     HORIZON_DISK,
     HOST_BASELINE_BYTES,
+    PLANNED_OPTIONS,
     Features,
     MemoryEstimate,
     Workload,
@@ -61,10 +63,18 @@ SEQ_STEP = 1024
 
 
 def _held_host_bytes(w: Workload, f: Features) -> int:
-    """Host RAM held beside the block inputs: the streamed layers, and a full fine-tune's
-    AdamW state in host memory (the optimizer's own, outside the engine's budget)."""
+    """Host RAM held beside the block inputs: the streamed layers, a full fine-tune's AdamW
+    state in host memory (the optimizer's own, outside the engine's budget), and what the
+    components the run sets and the planner does not choose keep there (the input embedding
+    table: pinned memory of its own, outside the engine's budget too)."""
     state = optimizer_footprint(w, f).host.get("optimizer state", 0)  # each rank's share under FSDP2
-    return _streamed_host_bytes(w, f) + state
+    return _streamed_host_bytes(w, f) + state + _set_components_host_bytes(w, f)
+
+
+def _set_components_host_bytes(w: Workload, f: Features) -> int:
+    kinds = {type(o) for o in f.options if type(o) not in PLANNED_OPTIONS}
+    prints = (c.footprint(w, f) for c in COMPONENTS if c.options in kinds and c.footprint is not None)
+    return sum(sum(p.host.values()) for p in prints)
 
 
 def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
@@ -90,9 +100,15 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
 FINER_TILES = (2, 4, 8, 16, 32)
 
 
-def _candidates(w: Workload, b: Budgets, stream_depth: int, state_movable: bool = True) -> list[tuple[str, Features]]:
+def _candidates(
+    w: Workload, b: Budgets, stream_depth: int, state_movable: bool = True, given: Features | None = None
+) -> list[tuple[str, Features]]:
+    """The feature sets plan() realises; ``given`` carries what every candidate shares and the
+    planner does not choose (fused LoRA, the run's other options), so that the RAM share of
+    block inputs is sized beside what those hold."""
     mlp_shards = auto_mlp_shards(w.tokens, w.shape.intermediate)
-    base = Features(
+    base = replace(
+        given or Features(),
         checkpointing=True,
         loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
         mlp_shards=mlp_shards,
@@ -249,8 +265,8 @@ def plan(
     b = budgets if budgets is not None else Budgets.detect(ranks_per_host=parallel.ranks_per_host if parallel else None)
     results = []
     # Only what the run can realise: an optimizer that cannot be replaced keeps its state.
-    for name, f in _candidates(w, b, stream_depth, optimizer.replaceable):
-        f = replace(f, fused_lora=fused_lora and bool(w.lora_rank), options=tuple(options))
+    given = Features(fused_lora=fused_lora and bool(w.lora_rank), options=tuple(options))
+    for name, f in _candidates(w, b, stream_depth, optimizer.replaceable, given):
         if w.parallel.splits_sequence:
             results.append(_with_rotation(w, b, name, f, optimizer))
         else:

@@ -116,6 +116,18 @@ def test_a_longer_sequence_fits_with_the_table_off_the_gpu():
     assert offloaded > plain
 
 
+def test_the_block_inputs_ram_share_is_sized_beside_the_table():
+    """The table's pinned host bytes come off the RAM the planner gives block inputs: a larger
+    host budget never turns a plan that fits into one that does not."""
+    options = (EmbeddingOptions(offload=True),)
+    fits = []
+    for quarter in range(60, 70):  # 15.0 to 17.25 GiB
+        p = plan("llama-3-8b", 65536, budgets=Budgets(18 << 30, quarter << 28, 500 << 30), options=options)
+        fits.append(p.fits)
+        assert "input embeddings" in p.memory.host_parts
+    assert all(fits), fits
+
+
 def test_the_plan_counts_the_table_where_the_build_would_leave_it():
     """``offload_plan: auto`` plans the table off the GPU only where the build takes it off:
     not for a table that trains (PEFT's modules_to_save), nor on a CPU."""
