@@ -402,11 +402,49 @@ def _check_adapter(cfg, problems: _Problems) -> None:
         problems.add_error(exc)
 
 
+def _names_embeddings(names) -> bool:
+    return any("embed" in str(n) or str(n) in ("wte", "tok_embeddings") for n in (names or ()))
+
+
+def _fuses_every_lora_layer(cfg) -> bool:
+    """What the run's ``lora.fused.unfusable_reason`` will say of the model as configured
+    (no model is loaded here): 16-bit weights (``auto`` counts as bf16: the run's GPU), plain
+    LoRA on linear layers only."""
+    targets = cfg.lora_target_modules if isinstance(cfg.lora_target_modules, list) else ()
+    return (
+        bool(cfg.lora_rank)
+        and cfg.dtype in ("bfloat16", "float16", "auto")
+        and not (
+            cfg.load_in_4bit
+            or cfg.load_in_8bit
+            or cfg.lora_use_dora
+            or cfg.lora_fan_in_fan_out
+            or cfg.model_quantization_config
+            or cfg.lora_target_parameters  # experts' parameters: LoRA layers of another kind
+            or _names_embeddings(targets)  # a LoRA embedding layer
+        )
+    )
+
+
+def _options_as_built(cfg, off, shape) -> tuple:
+    """The components' options as they will take effect on the model as configured (what the
+    build would refuse, off): the input embedding table stays on the GPU where it trains (a full
+    fine-tune, ``lora_modules_to_save``) or the head shares it."""
+    from offloadkit.compose import component_options
+    from offloadkit.embeddings import EmbeddingOptions
+
+    trains = not cfg.lora_rank or _names_embeddings(cfg.lora_modules_to_save)
+    return tuple(
+        EmbeddingOptions(offload=False)
+        if isinstance(o, EmbeddingOptions) and o.offload and (trains or shape.tied)
+        else o
+        for o in component_options(off)
+    )
+
+
 def _check_plan(cfg, args, problems: _Problems) -> str | None:
     """Whether the planner fits the run within the budgets; returns a note for the verdict."""
-    import torch
 
-    from offloadkit.compose import component_options
     from offloadkit.planning import Budgets, OptimizerSetup, plan, resolve_shape
 
     off = cfg.offload
@@ -443,22 +481,8 @@ def _check_plan(cfg, args, problems: _Problems) -> str | None:
         stream_depth=off.layer_offloading_depth,
         optimizer_precision=off.optimizer_precision,
         optimizer=OptimizerSetup(updates_in_backward=not clipping, source=f"max_grad_norm={cfg.max_grad_norm}"),
-        # Unset: the run's plan fuses a LoRA model's layers where each one can be (16-bit
-        # weights: bf16, or auto on a GPU; plain LoRA).
-        fused_lora=off.fused_lora is True
-        or (
-            off.fused_lora is None
-            and bool(cfg.lora_rank)
-            and (cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and torch.cuda.is_available()))
-            and not (
-                cfg.load_in_4bit
-                or cfg.load_in_8bit
-                or cfg.lora_use_dora
-                or cfg.lora_fan_in_fan_out
-                or cfg.model_quantization_config
-            )
-        ),
-        options=component_options(off),
+        fused_lora=off.fused_lora is True or (off.fused_lora is None and _fuses_every_lora_layer(cfg)),
+        options=_options_as_built(cfg, off, shape),
     )
     m, b = chosen.memory, chosen.budgets
     if not chosen.fits:

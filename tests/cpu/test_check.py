@@ -165,3 +165,47 @@ def test_garbage_never_a_traceback_and_fast(tmp_path):
     assert f"{garbage}: 1 problem" in lines and f"{listing}: 1 problem" in lines
     assert f"{binary}: 1 problem" in lines and f"{tmp_path / 'none.yaml'}: 1 problem" in lines
     assert elapsed < 15, elapsed  # no model, no tokenising: a few seconds, mostly imports
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"dtype": "float16"},
+        {"dtype": "float32"},
+        {"lora_use_dora": True},
+        {"lora_target_modules": ["q_proj", "embed_tokens"]},
+    ],
+)
+def test_the_plan_check_predicts_fused_lora_as_the_run_decides_it(keys):
+    """``offloadkit check`` loads no model: its guess at ``fused_lora`` must be what
+    ``unfusable_reason`` says of the model the run builds."""
+    pytest.importorskip("peft")
+    import torch
+
+    from offloadkit.cli.build import load_model, with_lora
+    from offloadkit.cli.check import _fuses_every_lora_layer
+    from offloadkit.cli.train_config import TrainConfig
+    from offloadkit.lora.fused import unfusable_reason
+
+    cfg = TrainConfig.from_dict({"model_shape": "tiny", "seq_len": 32, "lora_rank": 4, **keys}, cuda=False)
+    dtype = {"float16": torch.float16, "float32": torch.float32}.get(keys.get("dtype"), torch.bfloat16)
+    model, _, _ = load_model(cfg, "cpu", dtype)
+    model = with_lora(cfg, model)
+    assert _fuses_every_lora_layer(cfg) == (unfusable_reason(model) is None), unfusable_reason(model)
+
+
+def test_the_plan_check_counts_the_embedding_table_where_the_run_would_keep_it_on_the_gpu():
+    from offloadkit.cli.check import _options_as_built
+    from offloadkit.cli.train_config import TrainConfig
+    from offloadkit.embeddings import EmbeddingOptions
+    from offloadkit.planning import resolve_shape
+
+    def table_off_gpu(**keys) -> bool:
+        cfg = TrainConfig.from_dict({"model_shape": "tiny", "seq_len": 32, "embedding_offloading": True, **keys})
+        options = _options_as_built(cfg, cfg.offload, resolve_shape("llama-3-8b"))
+        return next(o for o in options if isinstance(o, EmbeddingOptions)).offload
+
+    assert table_off_gpu(lora_rank=8)
+    assert not table_off_gpu(lora_rank=8, lora_modules_to_save=["embed_tokens", "lm_head"])  # it trains
+    assert not table_off_gpu(lora_rank=0)  # a full fine-tune trains it
