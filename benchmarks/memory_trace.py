@@ -72,37 +72,25 @@ def summarize(snapshot: dict, base: dict, device: int = 0, top: int = 12) -> dic
 
 
 def _levels(trace: list[dict], base: dict):
+    """(reserved, allocated) after each event."""
     reserved, allocated = base["reserved"], base["allocated"]
     for ev in trace:
         action, size = ev["action"], ev.get("size", 0)
-        if action in ("segment_alloc", "segment_map"):
-            reserved += size
-        elif action in ("segment_free", "segment_unmap"):
-            reserved -= size
-        elif action == "alloc":
-            allocated += size
-        elif action == "free_completed":
-            allocated -= size
+        reserved += size if action in ("segment_alloc", "segment_map") else 0
+        reserved -= size if action in ("segment_free", "segment_unmap") else 0
+        allocated += size if action == "alloc" else -size if action == "free_completed" else 0
         yield reserved, allocated
 
 
 def _moment(trace: list[dict], base: dict, top: int) -> dict:
-    reserved, allocated = base["reserved"], base["allocated"]
     live: dict[int, tuple[int, str]] = {}
     before = base["allocated"]  # bytes allocated before the recording, not yet seen freed
     for ev in trace:
-        action, size, addr = ev["action"], ev.get("size", 0), ev.get("addr")
-        if action in ("segment_alloc", "segment_map"):
-            reserved += size
-        elif action in ("segment_free", "segment_unmap"):
-            reserved -= size
-        elif action == "alloc":
-            allocated += size
-            live[addr] = (size, _where(ev.get("frames", [])))
-        elif action == "free_completed":
-            allocated -= size
-            if live.pop(addr, None) is None:
-                before = max(0, before - size)
+        if ev["action"] == "alloc":
+            live[ev.get("addr")] = (ev.get("size", 0), _where(ev.get("frames", [])))
+        elif ev["action"] == "free_completed" and live.pop(ev.get("addr"), None) is None:
+            before = max(0, before - ev.get("size", 0))
+    reserved, allocated = list(_levels(trace, base))[-1] if trace else (base["reserved"], base["allocated"])
     groups: collections.Counter = collections.Counter()
     for size, where in live.values():
         groups[where] += size
