@@ -23,7 +23,8 @@ class ActivationOptions(Options):
         disk_tiering: ``disk_tiering``: with "disk", keep block inputs in RAM up to
             ``host_budget_bytes`` and write the oldest to disk past it.
         loading_horizon: ``activation_loading_horizon``: save groups (layers, with
-            checkpointing) brought back ahead; None: 2 from RAM, 4 from disk.
+            checkpointing) brought back ahead; None: 2 from RAM, 4 from disk, and 4 from RAM
+            where BackwardAdamW's state travels on the link in backward.
         prefetch_bytes: ``prefetch_bytes``: also keep this many bytes in flight ahead; None:
             1/16 of the step's offloaded bytes.
         min_offload_size: ``min_offload_size``: smallest saved tensor moved, in bytes (below
