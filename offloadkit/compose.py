@@ -471,7 +471,12 @@ def prepare(
             f"offload_plan: auto found no plan within the budgets ({'; '.join(chosen.reasons)}); "
             f"applying the most frugal one ({chosen.name})"
         )
-    # Each component in apply order, from its options and the handles built before it.
-    for component in COMPONENTS:
-        runtime.handles[component.name] = component.build(model, config.options(component.options), runtime)
+    # Each component in apply order, from its options and the handles built before it. A build
+    # that fails detaches what the ones before it attached (and puts the allocator back).
+    try:
+        for component in COMPONENTS:
+            runtime.handles[component.name] = component.build(model, config.options(component.options), runtime)
+    except BaseException:
+        runtime.close()
+        raise
     return runtime

@@ -324,3 +324,20 @@ def test_docs_config_md_is_current():
     )
     for key in OffloadConfig.keys():
         assert f"| `{key}` |" in written, key
+
+
+def test_a_build_that_fails_detaches_what_the_builds_before_it_attached(monkeypatch):
+    """A late component's build raising (here the activations', as a failed pinned allocation
+    would) leaves the model as it was: the long-context parts built before it are removed."""
+    model = llama()
+    clean = wrapped(model)
+    from offloadkit import compose
+
+    def failing(model, options, run):
+        raise RuntimeError("cannot pin memory")
+
+    records = tuple(dataclasses.replace(c, build=failing) if c.name == "activations" else c for c in COMPONENTS)
+    monkeypatch.setattr(compose, "COMPONENTS", records)
+    with pytest.raises(RuntimeError, match="cannot pin memory"):
+        prepared(model, {"chunked_cross_entropy": True, "tiled_mlp": True, "activation_offloading": True})
+    assert wrapped(model) == clean
