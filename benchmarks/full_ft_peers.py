@@ -109,9 +109,11 @@ def _build_offloadkit(shape: str, chunked: bool, args):
 
     # What prepare() does for a run it builds: components built by hand leave the allocator
     # alone, so this route asks for segments that grow in place itself.
-    use_expandable_segments()
     _state_allocation(args.state_allocation)
     model = _model_fp32(shape, "cuda").to(torch.bfloat16)  # the peers' weights, rounded as their bf16 compute
+    # After the model, as prepare() is called: switching on also gives back the fp32 copies'
+    # memory the cast left cached (use_expandable_segments).
+    use_expandable_segments()
     model.train()
     handles = [apply_activation_checkpointing(model, offload_inputs=True)]
     if chunked:

@@ -173,6 +173,11 @@ def use_expandable_segments(on: bool = True) -> bool:
     reserved and free, at 16 GiB); at long context they strand room too (a 512K step reserved
     1.66x what it allocated). ``on=False`` puts the default back.
 
+    Switching on also gives back the memory cached and free at that moment: it lies in segments
+    mapped before (a model built in fp32 and cast to bf16 leaves its fp32 copies freed there, in
+    pieces no large request fits), and the run's own allocations then map segments that grow in
+    place beside what is live instead of beside those holes.
+
     Returns:
         Whether the setting was applied.
     """
@@ -186,4 +191,6 @@ def use_expandable_segments(on: bool = True) -> bool:
         setter(setting)
     else:  # torch < 2.12
         torch.cuda.memory._set_allocator_settings(setting)
+    if on and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     return True

@@ -36,11 +36,15 @@ def _reserved_by_stream() -> dict[int, int]:
     return out
 
 
-def test_a_full_fine_tune_reserves_within_15_percent_of_what_it_allocates(clean_cuda):
+@pytest.mark.parametrize("cast", [False, True], ids=["built-bf16", "cast-from-fp32"])
+def test_a_full_fine_tune_reserves_within_15_percent_of_what_it_allocates(clean_cuda, cast):
+    """``cast``: the model built in fp32 on the GPU and cast to bf16 before prepare(), whose
+    freed fp32 copies stayed cached in pieces no large request fits (a 3B run reserved 1.21x)."""
     # Segments still reserved after clean_cuda's empty_cache hold earlier tests' live blocks
     # (tests/gpu/test_release_cuda.py holds runtimes to giving theirs back): count this run's growth.
     earlier = _reserved_by_stream()
-    model = build_llama(SHAPE, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    dtype = torch.float32 if cast else torch.bfloat16
+    model = build_llama(SHAPE, dtype=dtype, device="cuda", attn_implementation="sdpa").to(torch.bfloat16)
     model.train()
     runtime = prepare(
         model,
