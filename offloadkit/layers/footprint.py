@@ -7,6 +7,7 @@ from __future__ import annotations
 from offloadkit.component import Footprint
 from offloadkit.component import FootprintFeatures as Features
 from offloadkit.component import FootprintWorkload as Workload
+from offloadkit.layers.options import StreamingOptions
 from offloadkit.storage.footprint import block_placement, region_length
 
 __all__ = ["layer_streaming_footprint", "streams_weights"]
@@ -15,7 +16,7 @@ __all__ = ["layer_streaming_footprint", "streams_weights"]
 def streams_weights(w: Workload, f: Features) -> bool:
     """Whether the layers' weights stream from host memory: a LoRA model's frozen base, or a
     full fine-tune's trainable weights when the optimizer updates them in backward."""
-    return f.layer_streaming and (bool(w.lora_rank) or f.optimizer_offloading)
+    return f.of(StreamingOptions).enabled and (bool(w.lora_rank) or f.optimizer_offloading)
 
 
 def layer_streaming_footprint(w: Workload, f: Features) -> Footprint:
@@ -26,7 +27,7 @@ def layer_streaming_footprint(w: Workload, f: Features) -> Footprint:
     s, b = w.shape, w.dtype_bytes
     edge = (s.embed_params + s.head_params + s.hidden) * b
     replayed = region_length(block_placement(s.layers, f))
-    resident = min(max(f.stream_depth, replayed), s.layers)
+    resident = min(max(f.of(StreamingOptions).depth, replayed), s.layers)
     return Footprint(
         gpu={"weights": edge + resident * s.layer_params * b},
         host={"streamed layers": s.layers * s.layer_params * b},

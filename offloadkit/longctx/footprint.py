@@ -5,7 +5,9 @@ groups (``attention_groups.py``). Each component's record (``longctx/component.p
 its function here; the planner calls the same functions.
 
 The workload and features are the planner's ``Workload`` and ``Features``, read through the
-protocols of :mod:`offloadkit.component` (the runtime never imports the planner).
+protocols of :mod:`offloadkit.component` (the runtime never imports the planner); each reads
+its own options, :class:`~offloadkit.longctx.options.LongContextOptions`, as the features
+realise them (``f.of``: counts resolved, never automatic).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from offloadkit.component import Footprint
 from offloadkit.component import FootprintFeatures as Features
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.longctx.attention_groups import kv_head_groups
+from offloadkit.longctx.options import LongContextOptions
 
 __all__ = [
     "LOSS_CHUNK_BYTES_PER_LOGIT",
@@ -26,6 +29,7 @@ __all__ = [
     "head_groups_footprint",
     "mlp_backward_bytes",
     "mlp_saved_bytes",
+    "tiled_mlp_shards",
     "tiled_mlp_footprint",
 ]
 
@@ -42,12 +46,13 @@ LOSS_CHUNK_BYTES_PER_LOGIT = 6
 def chunked_loss_footprint(w: Workload, f: Features) -> Footprint:
     """The loss phase's bytes: one chunk's logits, the hidden states' gradient the chunked
     loss computes in forward and, in a full fine-tune, the head's fp32 weight gradient summed
-    over the chunks; with ``loss_chunks`` 0 (off), Hugging Face's whole logits instead."""
+    over the chunks; without ``chunked_loss``, Hugging Face's whole logits instead."""
     s, t = w.shape, w.tokens
-    if not f.loss_chunks:
+    long = f.of(LongContextOptions)
+    if not long.chunked_loss:
         return Footprint(loss={"logits": int(t * s.vocab * UNCHUNKED_LOSS_BYTES_PER_LOGIT)})
     loss = {
-        "loss chunk": math.ceil(t / f.loss_chunks) * s.vocab * LOSS_CHUNK_BYTES_PER_LOGIT,
+        "loss chunk": math.ceil(t / (long.loss_chunks or 1)) * s.vocab * LOSS_CHUNK_BYTES_PER_LOGIT,
         "hidden gradient": t * s.hidden * w.dtype_bytes,  # computed in forward by the chunked loss
     }
     if not w.lora_rank:
@@ -85,20 +90,27 @@ def mlp_backward_bytes(w: Workload, mlp_shards: int = 1) -> int:
     return mlp
 
 
+def tiled_mlp_shards(f: Features) -> int:
+    """Shards of the tiled MLP as the features' options set them (1: untiled)."""
+    long = f.of(LongContextOptions)
+    return (long.mlp_shards or 1) if long.tiled_mlp else 1
+
+
 def tiled_mlp_footprint(w: Workload, f: Features) -> Footprint:
     """The MLP's saved set and backward temporaries over ``mlp_shards`` shards (1: untiled),
     and, with the projections tiled under checkpointing, the attention projections' forward
     once more (the tiled norms and projections are recomputed and run again in their own
     backward; the tiled MLP's forward in its backward replaces the recompute the layer skips:
     tiled_mlp.py, ``OUTPUT_ONLY_ADDED``)."""
-    s = w.shape
+    # The features' own flag: they may tile the projections with the MLP untiled (options cannot).
+    s, shards, tiled_projections = w.shape, tiled_mlp_shards(f), f.tiled_projections
     flops = 0
-    if f.checkpointing and f.tiled_projections:
+    if f.checkpointing and tiled_projections:
         projections = sum(a * b for a, b in s.linears) - sum(a * b for a, b in s.linears[4:])
         flops = 2 * projections * s.layers * w.tokens
     return Footprint(
-        layer_saved=mlp_saved_bytes(w, f.mlp_shards, f.tiled_projections),
-        mlp_backward=mlp_backward_bytes(w, f.mlp_shards),
+        layer_saved=mlp_saved_bytes(w, shards, tiled_projections),
+        mlp_backward=mlp_backward_bytes(w, shards),
         backward_flops=flops,
     )
 
@@ -135,5 +147,5 @@ def head_groups_backward_bytes(w: Workload, head_groups: int = 1) -> tuple[int, 
 def head_groups_footprint(w: Workload, f: Features) -> Footprint:
     """The backward temporaries attention over ``head_groups`` groups adds and takes off
     (:func:`head_groups_backward_bytes`)."""
-    mlp, attention = head_groups_backward_bytes(w, f.head_groups)
+    mlp, attention = head_groups_backward_bytes(w, f.of(LongContextOptions).head_groups or 1)
     return Footprint(mlp_backward=mlp, attention_backward=attention)

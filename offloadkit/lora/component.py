@@ -11,6 +11,7 @@ from torch import nn
 from offloadkit.component import Component, Footprint
 from offloadkit.component import FootprintFeatures as Features
 from offloadkit.component import FootprintWorkload as Workload
+from offloadkit.longctx.footprint import tiled_mlp_shards
 from offloadkit.lora.fused import FusedLoRA, apply_fused_lora
 from offloadkit.lora.options import LoraOptions
 
@@ -46,14 +47,15 @@ def fused_lora_footprint(w: Workload, f: Features) -> Footprint:
     rank-r activations instead of fp32 copies of gate's and up's inputs and down's; a tiled MLP's
     shard holds the same set for its tokens in backward. With the projections tiled too, their
     adapters save nothing of their own either way."""
-    if not (f.fused_lora and w.lora_rank) or f.tiled_projections:
+    if not (f.of(LoraOptions).fused is True and w.lora_rank) or f.tiled_projections:
         return Footprint()
     s, t, b, a, r = w.shape, w.tokens, w.dtype_bytes, w.adapter_bytes, w.lora_rank
     h, i, q = s.hidden, s.intermediate, s.heads * s.head_dim
     attention = (b * h + 4 * b * r) - (a * (3 * h + q) + 4 * a * r)
     mlp = (b * h + b * i + 3 * b * r) - (a * (2 * h + i) + 3 * a * r)
-    if f.mlp_shards > 1:
-        shard = -(-t // f.mlp_shards)
+    shards = tiled_mlp_shards(f)
+    if shards > 1:
+        shard = -(-t // shards)
         return Footprint(layer_saved=t * attention, mlp_backward=shard * (b * h + b * i - a * (2 * h + i)))
     return Footprint(layer_saved=t * (attention + mlp))
 

@@ -10,6 +10,7 @@ from offloadkit.component import FootprintFeatures as Features
 from offloadkit.component import FootprintParallelism as Parallelism
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.longctx.attention_groups import kv_head_groups
+from offloadkit.longctx.options import LongContextOptions
 
 __all__ = [
     "GATHERED_LAYERS",
@@ -80,7 +81,7 @@ def ring_rotation(parallel: Parallelism, chosen: str | None = None) -> str:
 def context_parallel_footprint(w: Workload, f: Features) -> Footprint:
     """One ring call's buffers (one head group's), held while a layer's attention runs
     backward: what they raise the layer's backward by is the part ``ring attention buffers``."""
-    groups = kv_head_groups(f.head_groups, w.shape.kv_heads)
+    groups = kv_head_groups(f.of(LongContextOptions).head_groups or 1, w.shape.kv_heads)
     ring = ring_buffer_bytes(w, groups, ring_rotation(w.parallel, f.rotation))
     return Footprint(attention_backward=ring, backward_part="ring attention buffers" if ring else "")
 

@@ -15,6 +15,7 @@ larger of the loss phase and one layer's recompute + backward.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -204,7 +205,9 @@ class Features:
         loss_chunks: chunks of the chunked loss; 0: the unchunked loss.
         mlp_shards: shards of the tiled MLP; 1: untiled.
         tiled_projections: the norms and attention projections run tiled too (they save
-            only their bf16 inputs).
+            only their bf16 inputs). A run's options tile them only with the MLP
+            (:meth:`of` gives ``tiled_projections`` only with ``mlp_shards`` > 1); the
+            footprints read this flag itself.
         horizon: offloaded block inputs brought back ahead in backward (None: the engine's
             default, 2 from RAM and 4 from disk).
         optimizer_offloading: a full fine-tune's AdamW state in host memory (BackwardAdamW):
@@ -249,8 +252,38 @@ class Features:
     options: tuple[Options, ...] = ()
 
     def of(self, cls: type[OptionsT]) -> OptionsT:
-        """``cls``'s options as the run sets them, or its defaults."""
+        """``cls``'s options as these features realise them: for the long-context parts, layer
+        streaming and LoRA, those the features choose (:attr:`chosen`: what
+        :attr:`~offloadkit.planning.plan.Plan.options` holds for them, automatic counts
+        resolved); for a component the planner does not choose, as the run sets them, or its
+        defaults. Footprints read their own options through this (to read, not to change: the
+        features' chosen options are shared by every equal choice).
+
+        Example:
+            >>> Features(loss_chunks=8, mlp_shards=4).of(LongContextOptions).mlp_shards
+            4
+        """
+        chosen = next((o for o in self.chosen if isinstance(o, cls)), None)
+        if chosen is not None:
+            return chosen
         return next((o for o in self.options if isinstance(o, cls)), None) or cls()
+
+    @property
+    def chosen(self) -> tuple[Options, ...]:
+        """The options these features choose that need nothing of the workload, the placement
+        or the budgets: the long-context parts' (chunked loss, tiled MLP and projections,
+        attention head groups), layer streaming's and LoRA's. (The other chosen options, in
+        :attr:`~offloadkit.planning.plan.Plan.options`, are built from these features with the
+        workload and placement; footprints still read their counts as fields.)"""
+        return _chosen_options(
+            self.loss_chunks,
+            self.mlp_shards,
+            self.tiled_projections,
+            self.head_groups,
+            self.layer_streaming,
+            self.stream_depth,
+            self.fused_lora,
+        )
 
     @classmethod
     def from_options(
@@ -309,6 +342,32 @@ class Features:
             fused_lora=lora.fused is True,
             options=tuple(o for o in options if type(o) not in PLANNED_OPTIONS),
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _chosen_options(
+    loss_chunks: int,
+    mlp_shards: int,
+    tiled_projections: bool,
+    head_groups: int,
+    layer_streaming: bool,
+    stream_depth: int,
+    fused_lora: bool,
+) -> tuple[Options, ...]:
+    # Built once per distinct choice: the planner estimates many candidates, and each
+    # footprint asks for its options.
+    return (
+        LongContextOptions(
+            chunked_loss=loss_chunks > 0,
+            loss_chunks=loss_chunks or None,
+            tiled_mlp=mlp_shards > 1,
+            mlp_shards=mlp_shards if mlp_shards > 1 else None,
+            tiled_projections=tiled_projections and mlp_shards > 1,
+            head_groups=head_groups if head_groups > 1 else None,
+        ),
+        StreamingOptions(enabled=layer_streaming, depth=stream_depth),
+        LoraOptions(fused=True if fused_lora else None),
+    )
 
 
 @dataclass

@@ -180,15 +180,10 @@ class Plan:
                 block_input_placement=tuple(placement) if offload and f.checkpointing else (),
                 keep_attention=(True if every else f.keep_attention) if f.keep_attention else False,
             ),
-            StreamingOptions(enabled=f.layer_streaming, depth=f.stream_depth),
-            LongContextOptions(
-                chunked_loss=f.loss_chunks > 0,
-                loss_chunks=f.loss_chunks or None,
-                tiled_mlp=f.mlp_shards > 1,
-                mlp_shards=f.mlp_shards if f.mlp_shards > 1 else None,
-                tiled_projections=f.tiled_projections and f.mlp_shards > 1,
-                head_groups=f.head_groups if f.head_groups > 1 else None,
-            ),
+            # What the features choose by themselves, as the footprints read it (Features.of;
+            # copies: the features' own are shared).
+            replace(f.of(StreamingOptions)),
+            replace(f.of(LongContextOptions)),
             ActivationOptions(
                 mode=False if not offload else "disk" if "disk" in placement else True,
                 disk_tiering=tiered,
@@ -199,7 +194,7 @@ class Plan:
                 enabled=f.optimizer_offloading,
                 precision=w.optimizer_precision if f.optimizer_offloading else OptimizerOptions.default("precision"),
             ),
-            LoraOptions(fused=True if f.fused_lora else None),
+            replace(f.of(LoraOptions)),
             # The rotation this plan counted; whether to split is the caller's (context_parallel).
             ParallelOptions(
                 rotation=ring_rotation(w.parallel, f.rotation)

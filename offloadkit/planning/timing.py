@@ -34,7 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.footprint import tiled_mlp_footprint
+from offloadkit.lora.options import LoraOptions
 from offloadkit.planning.memory import Features, Workload, attention_kept_bytes, keeps_attention, streams_weights
 from offloadkit.planning.parallelism import ring_rotation, ring_traffic
 
@@ -195,7 +197,7 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
         A :class:`StepTime`.
     """
     lf, lb, af, ab = step_flops(w, f)
-    linear_rate = rates.linear_flops_per_s(f.fused_lora and bool(w.lora_rank))
+    linear_rate = rates.linear_flops_per_s(f.of(LoraOptions).fused is True and bool(w.lora_rank))
     fwd_compute = lf / linear_rate + af / rates.attention_flops_per_s
     bwd_compute = lb / linear_rate + ab / rates.attention_flops_per_s
     block = w.block_input_bytes
@@ -228,7 +230,7 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     # Kept attention outputs are fetched as each layer's recompute starts, not ahead.
     exposed += kept / rates.pcie_bytes_per_s
     fwd_exposed = 0.0
-    if streamed and f.stream_depth <= 1:
+    if streamed and f.of(StreamingOptions).depth <= 1:
         # One streamed layer resident: each layer's weights arrive while it waits, in both passes.
         fwd_exposed = streamed / rates.pcie_bytes_per_s
         exposed += streamed / rates.pcie_bytes_per_s

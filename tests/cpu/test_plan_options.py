@@ -9,8 +9,14 @@ import warnings
 
 import pytest
 
+from offloadkit.component import FootprintFeatures
+from offloadkit.components import COMPONENTS
 from offloadkit.config import OffloadConfig
 from offloadkit.embeddings.options import EmbeddingOptions
+from offloadkit.layers.options import StreamingOptions
+from offloadkit.longctx.options import LongContextOptions
+from offloadkit.optim.footprint import optimizer_footprint
+from offloadkit.parallel.footprint import sharded_weights_footprint
 from offloadkit.planning import Budgets, Features, estimate_memory, plan
 from offloadkit.planning.memory import PLANNED_OPTIONS
 from offloadkit.planning.parallelism import Parallelism
@@ -92,3 +98,41 @@ def test_a_plan_chooses_every_planned_components_options_and_passes_the_others_t
     assert p.to_config()["embedding_offloading"] is True
     # What the plan decides is written even at its default: it overrides the run's own keys.
     assert p.to_config()["layer_offloading"] is False and p.to_config()["activation_offloading"] is False
+
+
+def test_features_realise_the_options_a_plan_holds_for_what_they_choose_by_themselves():
+    for p in _plans():
+        for chosen in p.features.chosen:
+            assert p.features.of(type(chosen)) == chosen
+            assert next(o for o in p.options if type(o) is type(chosen)) == chosen, (p.name, chosen)
+
+
+def test_the_features_choice_stands_over_a_planned_components_options_the_run_passes():
+    f = Features(loss_chunks=8, mlp_shards=4, options=(LongContextOptions(chunked_loss=False), EmbeddingOptions()))
+    assert f.of(LongContextOptions) == LongContextOptions(
+        chunked_loss=True, loss_chunks=8, tiled_mlp=True, mlp_shards=4
+    )
+    assert f.of(EmbeddingOptions) is f.options[1]
+    assert f.of(StreamingOptions) == StreamingOptions(enabled=False)
+
+
+class _ProtocolOnly:
+    """Features seen only through :class:`FootprintFeatures`: reading anything else fails."""
+
+    def __init__(self, features: Features) -> None:
+        self._features = features
+        self._names = {n for n in dir(FootprintFeatures) if not n.startswith("_")}
+
+    def __getattr__(self, name: str):
+        if name not in self._names:
+            raise AttributeError(f"a footprint read {name!r}, which FootprintFeatures does not have")
+        return getattr(self._features, name)
+
+
+def test_footprints_read_the_features_only_through_their_protocol():
+    for p in _plans():
+        for c in COMPONENTS:
+            if c.footprint is not None:
+                assert c.footprint(p.workload, _ProtocolOnly(p.features)) == c.footprint(p.workload, p.features)
+        for fp in (optimizer_footprint, sharded_weights_footprint):
+            assert fp(p.workload, _ProtocolOnly(p.features)) == fp(p.workload, p.features)
