@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from offloadkit.config import ConfigError
+from offloadkit.models.blocks import find_blocks
 from offloadkit.optim import BackwardAdamW, BackwardOptimizer, BackwardSGD
 
 __all__ = ["attach_for_run", "backward_adamw_for", "reduce_for_run"]
@@ -71,7 +72,7 @@ def backward_adamw_for(trainer: Any, config: Any = None) -> tuple[BackwardOptimi
             state_dir=state_dir,
             scheduler=scheduler,
         )
-        optimizer.set_update_groups(_layer_groups(model))
+        optimizer.set_update_groups(_layer_groups(model))  # as every run's (attach_for_run)
         return optimizer, _note(trainer, optim, "BackwardSGD (the same kernel)", "momentum", clipping, scaled, args)
     optimizer = BackwardAdamW.for_precision(
         groups,
@@ -115,8 +116,6 @@ def attach_for_run(trainer: Any, optimizer: BackwardOptimizer) -> None:
 def _layer_groups(model: Any) -> list[list[Any]]:
     """Each decoder layer's trainable parameters, updated together in backward (none found:
     no groups, the state's look-ahead is its byte window alone)."""
-    from offloadkit.models.blocks import find_blocks
-
     try:
         blocks = find_blocks(model)
     except ValueError:

@@ -74,16 +74,19 @@ class StateCopies:
         self._updating: set[int] = set()  # fetched, not yet stored
         self._devices: dict[int, torch.device] = {}  # where each parameter was last updated
         self._group: dict[int, int] = {}  # id(p) -> the group of parameters updated with it
-        self._ahead_rule = Ahead(min_bytes=window_bytes, max_bytes=window_bytes)
+        self._ahead_rule = self._window_rule()
         self._lock = threading.RLock()
 
     def _lane_in(self, scheduler: PrefetchScheduler | None) -> tuple[PrefetchScheduler, Lane]:
         if scheduler is not None and not isinstance(scheduler, PrefetchScheduler):
             raise ValueError(f"scheduler={scheduler!r} is invalid; pass a transfer.PrefetchScheduler or None")
         scheduler = scheduler if scheduler is not None else PrefetchScheduler()
-        # A byte window only: parameters come in the learned update order, one group each.
-        ahead = Ahead(min_bytes=self.window_bytes, max_bytes=self.window_bytes)
-        return scheduler, scheduler.lane("optimizer state", self._fetch_ahead, ahead)
+        # Each walk passes its rule (set_groups); the lane's own is the byte window.
+        return scheduler, scheduler.lane("optimizer state", self._fetch_ahead, self._window_rule())
+
+    def _window_rule(self) -> Ahead:
+        """The byte window alone: parameters in the learned update order, each its own group."""
+        return Ahead(min_bytes=self.window_bytes, max_bytes=self.window_bytes)
 
     def set_groups(self, groups, ahead: int) -> None:
         """Look ahead by ``ahead`` groups of parameters updated together (the rest of the
@@ -95,11 +98,7 @@ class StateCopies:
         with self._lock:
             self._group = {id(p): i for i, group in enumerate(groups) for p in group}
             use_groups = bool(self._group) and ahead > 0
-            self._ahead_rule = (
-                Ahead(groups=ahead, max_bytes=self.window_bytes)
-                if use_groups
-                else Ahead(min_bytes=self.window_bytes, max_bytes=self.window_bytes)
-            )
+            self._ahead_rule = Ahead(groups=ahead, max_bytes=self.window_bytes) if use_groups else self._window_rule()
 
     def use_scheduler(self, scheduler: PrefetchScheduler | None) -> None:
         """Move the look-ahead into ``scheduler`` (None: one of its own): what was fetched ahead
