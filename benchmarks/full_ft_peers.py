@@ -77,8 +77,9 @@ def _model_fp32(shape: str, device: str):
 
 def _state_allocation(how: str) -> None:
     """Diagnostic rearrangements of where BackwardAdamW's state buffers come from (not options
-    of the library): "flat" (one buffer a parameter, its keys as views), "pool" (a private
-    memory pool on the compute stream), "flat+pool"; "as_is" leaves the library's."""
+    of the library): "per_tensor" (each from the allocator, no arena), "flat" (one buffer a
+    parameter, its keys as views), "pool" (a private memory pool on the compute stream),
+    "flat+pool"; "as_is" leaves the library's (one arena a pass)."""
     if how == "as_is":
         return
     from offloadkit.optim.state_copies import StateCopies
@@ -89,14 +90,14 @@ def _state_allocation(how: str) -> None:
         pool = pools.setdefault(device, torch.cuda.MemPool()) if "pool" in how else None
         with torch.cuda.use_mem_pool(pool, device) if pool is not None else contextlib.nullcontext():
             if "flat" not in how:
-                return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}
+                return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}, None, []
             sizes = [(state[k].nbytes + 511) // 512 * 512 for k in keys]
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         out, at = {}, 0
         for k, n in zip(keys, sizes):
             out[k] = flat[at : at + state[k].nbytes].view(state[k].dtype).view(state[k].shape)
             at += n
-        return out
+        return out, None, []
 
     StateCopies._allocate = allocate
 
@@ -405,7 +406,7 @@ def main() -> None:
     ap.add_argument(
         "--state-allocation",
         default="as_is",
-        choices=("as_is", "flat", "pool", "flat+pool"),
+        choices=("as_is", "per_tensor", "flat", "pool", "flat+pool"),
         help="offloadkit modes: where the state buffers come from (a diagnostic rearrangement)",
     )
     ap.add_argument(

@@ -17,9 +17,12 @@ waited 17 ms of a 77 ms step for its activations).
 
 GPU memory: the states fetched ahead and those still being copied back are bounded by
 ``window_bytes`` each; past it the host waits for the oldest copy back (the GPU keeps running
-the work already queued). The buffers come from the compute stream's pool, as fetched
-activations do, so the memory they leave between updates serves the compute stream (a pool
-of the copy stream's own would keep about two windows reserved for state alone).
+the work already queued). From the second pass on, a pass's state buffers are carved in order
+from one allocation (:mod:`offloadkit.optim.state_arena`), sized by the last pass (its state,
+at most two windows, and its largest parameter's), made on the compute stream at the pass's
+first fetch and given back at its end; one buffer per parameter from the allocator left the
+gaps between them reserved (the first pass, and a state that finds the ring's oldest tenant
+still in use, take one from the allocator as before).
 
 Parameters on several GPUs are updated from one autograd thread per device: every method
 holds one lock, and a parameter between its fetch and its store is never fetched ahead (its
@@ -34,8 +37,10 @@ from typing import Callable
 
 import torch
 
+from offloadkit.optim.state_arena import ArenaStats, Ring, Slot, StateArena, aligned
 from offloadkit.storage.pool import HostBlock
 from offloadkit.transfer import copy_stream, queue_copy
+from offloadkit.transfer.completion import order_after
 from offloadkit.transfer.prefetch import Ahead, Lane, PrefetchScheduler, Status
 
 __all__ = ["StateCopies"]
@@ -74,6 +79,11 @@ class StateCopies:
         self._updating: set[int] = set()  # fetched, not yet stored
         self._devices: dict[int, torch.device] = {}  # where each parameter was last updated
         self._group: dict[int, int] = {}  # id(p) -> the group of parameters updated with it
+        self._arenas: dict[torch.device, StateArena] = {}  # this pass's, by device
+        self._slots: dict[int, Slot] = {}  # id(p) -> its state's slot, fetched and not yet stored
+        self._ring_bytes = 0  # the next pass's arena (0: none; set at the end of a pass)
+        self._pass_bytes = [0, 0]  # this pass's state bytes fetched: total, largest
+        self.arena_stats = ArenaStats()
         self._ahead_rule = self._window_rule()
         self._lock = threading.RLock()
 
@@ -125,7 +135,11 @@ class StateCopies:
         # or a streamed layer queued behind it would wait for that compute work too.
         h2d = copy_stream(device, "h2d_bulk")
         compute = torch.cuda.current_stream(device)
-        gpu = self._allocate(state, keys, device)
+        gpu, slot, follow = self._allocate(state, keys, device)
+        if slot is not None:
+            self._slots[id(p)] = slot
+        for completion in follow:
+            order_after(h2d, completion)  # the bytes' last tenant has been copied back
         # No record_stream(h2d): its free would then wait for every copy queued on h2d by then
         # (the whole window fetched ahead), holding about a window more of memory. A fetch in
         # use is ordered by compute's wait in fetch(); one dropped unused by _drop_ahead().
@@ -136,11 +150,21 @@ class StateCopies:
             done = queue_copy(gpu[k], state[k], stream=h2d, block=self._block(p, k, state[k]), after=after)
         return gpu, done, sum(t.nbytes for t in gpu.values()), compute
 
-    def _allocate(self, state: dict, keys: tuple[str, ...], device: torch.device) -> dict[str, torch.Tensor]:
-        # On the compute stream, as fetched activations are: between updates the memory serves
-        # the compute stream's own allocations, where a pool of the copy stream's would hold it
-        # for state alone (3.6 GiB of a 3B full fine-tune's 16 GiB reserved).
-        return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}
+    def _allocate(self, state: dict, keys: tuple[str, ...], device: torch.device):
+        """The device tensors of one parameter's state: from this pass's arena where it has
+        room, with the completions the copy in must follow; else from the allocator."""
+        nbytes = sum(aligned(state[k].nbytes) for k in keys)
+        self._pass_bytes[0] += nbytes
+        self._pass_bytes[1] = max(self._pass_bytes[1], nbytes)
+        arena = self._arenas.get(device)
+        if arena is None and self._ring_bytes:
+            # On the compute stream, as fetched activations are: the memory returns there.
+            with torch.cuda.device(device):
+                arena = self._arenas[device] = StateArena(self._ring_bytes, device, self.arena_stats)
+        carved = arena.carve({k: (state[k].shape, state[k].dtype) for k in keys}) if arena is not None else None
+        if carved is not None:
+            return carved
+        return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}, None, []
 
     def fetch(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The GPU copies of ``p``'s travelling state, usable on the current stream; the
@@ -214,6 +238,9 @@ class StateCopies:
             t.record_stream(d2h)  # released by the caller; the copy back still reads it
             done = queue_copy(state[key], t, stream=d2h, block=self._block(p, key, state[key]), after=updated)
         self._updating.discard(id(p))
+        slot = self._slots.pop(id(p), None)
+        if slot is not None:
+            Ring.release(slot, done)  # its bytes are taken again once the copy back has read them
         nbytes = sum(t.nbytes for t in gpu.values())
         self._back.append((done, nbytes))
         self._back_bytes += nbytes
@@ -234,16 +261,30 @@ class StateCopies:
         if self._seen:
             self._order = self._seen
             self._position = {id(q): i for i, q in enumerate(self._order)}
+            total, largest = self._pass_bytes
+            self._ring_bytes = min(2 * self.window_bytes, total) + largest
         self._seen = []
         self._seen_ids = set()
+        self._pass_bytes = [0, 0]
         self._drop_ahead()
         self._lane.reset()  # what was fetched ahead and not updated is released here
+        self._drop_arenas()
+
+    def _drop_arenas(self) -> None:
+        """Give this pass's arenas back: copies back still reading them hold them (each stored
+        state was ``record_stream``'ed on the device->host stream), and a state being updated
+        on another thread keeps its own view."""
+        self._arenas.clear()
+        self._slots = {k: s for k, s in self._slots.items() if k in self._updating}
 
     def _drop_ahead(self) -> None:
         """Release the states fetched ahead and not used: their memory returns to the stream
         that allocated it once their copies in are done (ordered there, not waited for)."""
-        for _, done, _, allocated_on in self._ahead.values():
+        for key, (_, done, _, allocated_on) in self._ahead.items():
             allocated_on.wait_event(done)
+            slot = self._slots.pop(key, None)
+            if slot is not None:
+                Ring.release(slot, done)  # never used: its bytes are free once the copy in is done
         self._ahead.clear()
 
     def reset(self) -> None:
@@ -255,6 +296,8 @@ class StateCopies:
             self._lane.reset()
             self._blocks.clear()
             self._updating.clear()
+            self._drop_arenas()
+            self._ring_bytes, self._pass_bytes = 0, [0, 0]
             self._devices.clear()
             self._order, self._position, self._seen, self._seen_ids = [], {}, [], set()
 

@@ -1,0 +1,104 @@
+"""The ring that optimizer state fetched in backward is carved from: placement, reclaiming
+in order, what a new tenant follows, and the carved tensors (bookkeeping; the copies run on
+a GPU in tests/gpu/test_backward_adamw_cuda.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from offloadkit.optim.state_arena import ALIGN, Ring, StateArena
+
+
+def _overlap(a, b) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+def test_slots_are_placed_in_order_and_aligned():
+    ring = Ring(10 * ALIGN)
+    a, follow_a = ring.take(1)
+    b, _ = ring.take(ALIGN + 1)
+    assert (a.start, a.end) == (0, ALIGN) and follow_a == []
+    assert (b.start, b.end) == (ALIGN, 3 * ALIGN)
+    assert ring.live_bytes() == 3 * ALIGN and ring.stats.carved == 2
+
+
+def test_a_tenant_in_use_is_never_passed():
+    ring = Ring(4 * ALIGN)
+    first, _ = ring.take(2 * ALIGN)
+    ring.take(2 * ALIGN)
+    assert ring.take(ALIGN) is None  # full, and the oldest is still in use
+    assert ring.stats.missed == 1
+    Ring.release(first, "copied back")
+    slot, follow = ring.take(ALIGN)
+    assert (slot.start, follow) == (0, ["copied back"])  # wraps onto the released bytes, after their copy
+    assert ring.stats.wrapped == 1
+
+
+def test_released_tenants_behind_one_in_use_stay_until_it_is_released():
+    ring = Ring(3 * ALIGN)
+    a, _ = ring.take(ALIGN)
+    b, _ = ring.take(ALIGN)
+    c, _ = ring.take(ALIGN)
+    Ring.release(b, "b")
+    Ring.release(c, "c")
+    assert ring.take(ALIGN) is None  # a, the oldest, is in use: b and c are not reclaimed past it
+    Ring.release(a, "a")
+    slot, follow = ring.take(2 * ALIGN)
+    assert (slot.start, slot.end) == (0, 2 * ALIGN) and follow == ["a", "b"]
+
+
+def test_a_request_larger_than_the_ring_is_refused():
+    ring = Ring(2 * ALIGN)
+    assert ring.take(2 * ALIGN + 1) is None and ring.stats.missed == 1
+    with pytest.raises(ValueError, match="capacity=0"):
+        Ring(0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_traffic_never_overwrites_bytes_before_their_tenant_is_done(seed):
+    """Fetch ahead, update, copy back and drop in random interleavings: a live or unreleased
+    slot never shares a byte with a new one, and every byte a new slot takes was either never
+    used or released with a completion that the stream of writers waited for."""
+    rng = random.Random(seed)
+    ring = Ring(64 * ALIGN)
+    live: list = []  # in use or released but not yet reclaimed: [slot, done]
+    waited: set = set()  # completions the writer stream has followed so far
+    for i in range(2000):
+        if live and rng.random() < 0.45:
+            slot = rng.choice([s for s in live if not s.released] or [live[0]])
+            if not slot.released:
+                Ring.release(slot, f"done{i}")
+            continue
+        got = ring.take(rng.randrange(1, 20 * ALIGN))
+        if got is None:
+            continue
+        new, follow = got
+        waited.update(follow)
+        assert 0 <= new.start < new.end <= ring.capacity
+        for old in list(live):
+            if old in ring.slots:
+                assert not _overlap(old, new) or old is new
+            else:  # reclaimed: its bytes may be reused, after its completion
+                assert old.done in waited
+                live.remove(old)
+        live.append(new)
+        assert ring.live_bytes() <= ring.capacity
+    assert ring.stats.wrapped > 0 and ring.stats.missed > 0 and ring.stats.carved > 100
+
+
+def test_the_arena_carves_aligned_views_of_one_buffer():
+    arena = StateArena(8 * ALIGN, torch.device("cpu"))
+    got = arena.carve({"exp_avg": ((3, 5), torch.float32), "master": ((7,), torch.float32)})
+    assert got is not None
+    tensors, slot, follow = got
+    base = arena.buffer.data_ptr()
+    for t in tensors.values():
+        assert t.untyped_storage().data_ptr() == base and (t.data_ptr() - base) % ALIGN == 0
+    assert tensors["exp_avg"].shape == (3, 5) and tensors["master"].dtype == torch.float32
+    tensors["exp_avg"].fill_(1.0)
+    tensors["master"].fill_(2.0)
+    assert tensors["exp_avg"].sum() == 15 and tensors["master"].sum() == 14  # no overlap
+    assert (slot.start, slot.end, follow) == (0, 2 * ALIGN, [])
