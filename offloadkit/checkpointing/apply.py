@@ -249,7 +249,7 @@ class CheckpointedBlocks:
                     stacklevel=4,
                 )
             return self._recompute(fn, block)
-        return KeptAttention(fn, manager.tier, self.attention_stats, block)
+        return KeptAttention(fn, manager, self.attention_stats, block)
 
     def _selective(self) -> dict:
         # The default context is left implicit: torch.compile traces checkpoint() only with a

@@ -7,6 +7,8 @@ become the first resident copies; the prefetch window then keeps the next entrie
 learned or the reverse save order) on their way, so the compute stream only waits for a
 copy that could not have started earlier. A resident copy is dropped once every handle
 sharing it has been unpacked; the end of the pass drops what was fetched and never used.
+Outputs kept for a checkpoint's recompute (:meth:`BackwardPath.restore_output`) are entries
+of the same step and come back the same way.
 """
 
 from __future__ import annotations
@@ -75,6 +77,18 @@ class BackwardPath:
                     # Every sharer has its view; ``out`` keeps the memory alive while in use.
                     self.lifetime.drop_resident(entry, consumed=True)
             return out
+
+    def restore_output(self, handle: Packed | Kept) -> torch.Tensor | None:
+        """The device tensor of an output kept for a recompute (``ForwardPath.save_output``),
+        unpacked as a saved tensor is (its pass, the look-ahead, the waits), or None where it
+        was written in place since its kernel made it: the stored bytes may then not be the
+        kernel's, and the recompute runs the kernel again."""
+        if handle.written_since():
+            return None
+        if isinstance(handle, Kept):
+            # Its own tensor: autograd gives the kernel's outputs a history of their own.
+            return handle.tensor.clone()
+        return self.unpack(handle)
 
     def pass_for(self, step: Step) -> None:
         """Make sure a backward pass of the current graph task is consuming ``step``."""

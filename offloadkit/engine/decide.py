@@ -26,6 +26,9 @@ The rules, in the order they are asked (the first that keeps a tensor names the 
 
 Everything else is offloaded, to the planned place when there is one ("ram" or "disk",
 which the decision carries to the storage tier), else where the tier puts it.
+
+An output kept for a checkpoint's recompute (a fused attention kernel's output and
+log-sum-exp, ``checkpointing/attention.py``) is decided by :func:`decide_output`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,16 @@ from torch import nn
 
 from offloadkit.defaults import BLOCK_INPUT_PLACES
 
-__all__ = ["KEEP_REASONS", "PLACES", "Decision", "OFFLOAD", "REFUSED_BY_STORAGE", "decide", "tensor_rule"]
+__all__ = [
+    "KEEP_REASONS",
+    "PLACES",
+    "Decision",
+    "OFFLOAD",
+    "REFUSED_BY_STORAGE",
+    "decide",
+    "decide_output",
+    "tensor_rule",
+]
 
 KEEP_REASONS = ("closed", "backward", "excluded", "unsupported", "device", "small", "parameter", "placed", "budget")
 PLACES = BLOCK_INPUT_PLACES[:3]  # a saved tensor's places (recompute never reaches the engine)
@@ -109,3 +121,35 @@ def decide(
         return _KEEP["excluded"]
     reason = tensor_rule(t, policy.device_types, policy.min_offload_size, policy.is_parameter_storage)
     return _PLACED[placed] if reason is None else _KEEP[reason]
+
+
+def decide_output(t: torch.Tensor, policy, *, closed: bool, placed: str | None = None) -> Decision:
+    """Where ``t``, an output kept from a checkpointed block's forward for its recompute (a
+    fused attention kernel's output or log-sum-exp), goes.
+
+    The rules that read the tensor are a saved tensor's (:func:`tensor_rule`, with the
+    engine's ``min_offload_size``), and so is ``closed``; the answer means something else:
+
+    * offload: the output waits in storage, an entry like a saved tensor's;
+    * ``small``: held on the device as it is (too small to be worth a copy each way);
+    * any other reason (``closed``, ``unsupported``, ``device``, ``parameter``), and the
+      storage's refusal (``budget``): not kept at all, the recompute runs the kernel again.
+
+    A saved tensor that stays on the device costs nothing autograd would not hold anyway; an
+    output that stays costs memory the recompute would otherwise rebuild. So the rules that
+    keep a save where it is because a round trip buys nothing (``backward``, ``excluded``,
+    a block placed on "gpu") do not apply: such an output goes where the storage tier puts it.
+    A block placed in "ram" or "disk" has its outputs placed with its input.
+
+    Args:
+        t: the output (a DTensor's local tensor).
+        policy: the :class:`~offloadkit.engine.policy.OffloadPolicy`.
+        closed: the manager is closed.
+        placed: the planned place of the block's input ("gpu", "ram", "disk"), or None.
+    """
+    if closed:
+        return _KEEP["closed"]
+    reason = tensor_rule(t, policy.device_types, policy.min_offload_size, policy.is_parameter_storage)
+    if reason is not None:
+        return _KEEP[reason]
+    return OFFLOAD if placed == "gpu" else _PLACED[placed]

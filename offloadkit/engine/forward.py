@@ -6,6 +6,10 @@ storage byte range is found in, merged with, or added to the current step's entr
 autograd keeps a small :class:`~offloadkit.engine.spans.Packed` handle. A new range starts
 its copy through the storage tier; the device source stays in a bounded stash until the
 copy has landed, and the source's stream waits on that copy before its memory is reused.
+
+An output kept for a checkpoint's recompute (fused attention's, ``checkpointing/attention.py``)
+takes the same path (:meth:`ForwardPath.save_output`), decided by its own rule: it is an entry
+of the forward's step and the block's group, freed when its handle goes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import warnings
 
 import torch
 
-from offloadkit.engine.decide import REFUSED_BY_STORAGE, decide
+from offloadkit.engine.decide import REFUSED_BY_STORAGE, decide, decide_output
 from offloadkit.engine.lifetime import Lifetime
 from offloadkit.engine.prefetch import Step
 from offloadkit.engine.spans import Entry, Kept, Packed, span_view, storage_span
@@ -50,58 +54,82 @@ class ForwardPath:
             excluded=bool(state.keep_depth or state.tail),
             placed=state.placed,
         )
-        if not decision.offload:
-            with shared.lock:
-                shared.stats.saved_tensors += 1
-                shared.stats.note_kept(decision.reason, nbytes)
-                return self._register(Kept(t))
         with shared.lock:
             shared.stats.saved_tensors += 1
-            self.lifetime.drain()
-            step = state.step
-            if step is None or step.passes or step.live <= 0:
-                step = state.step = Step()  # a new forward, or one whose backward already began
-            storage = t.untyped_storage()
-            start, end = storage_span(t)
-            key, version, now = storage_key(storage), version_of(t), state.saves
-            entry = self._find(step, key, start, end, version, now)
-            copied = entry is None
-            if entry is not None:
-                entry.saved_again(state.group)  # needed with its newest saver's group
-                shared.stats.deduplicated_tensors += 1
-                shared.stats.deduplicated_bytes += nbytes
-                shared.planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
-            else:
-                overlapping = self._overlapping(step, key, start, end, version, now)
-                lo, hi = start, end
-                whole = storage.nbytes()
-                if 2 * (end - start) >= whole and not any(e.step is step for e in shared.by_storage.get(key, ())):
-                    # Most of a fresh storage is needed: move all of it, so that its other parts
-                    # saved right after (the halves of a fused projection, a tensor saved after
-                    # its slice) are served by this copy instead of being copied again.
-                    lo, hi = 0, whole
-                for e in overlapping:
-                    lo, hi = min(lo, e.start), max(hi, e.end)
-                entry = self._offload(step, storage, lo, hi, t.device, version, decision.where)
-                if entry is None and (lo, hi) != (start, end) and not overlapping:
-                    # The view alone may fit.
-                    entry = self._offload(step, storage, start, end, t.device, version, decision.where)
-                if entry is None:
+            handle: Packed | Kept | None = self._hold(t, decision.where, state) if decision.offload else None
+            if handle is None:
+                if decision.offload:
                     self._warn_budget()
-                    shared.stats.note_kept(REFUSED_BY_STORAGE.reason, nbytes)
-                    return self._register(Kept(t))
-                entry.first_saved(
-                    state.group,
-                    now,
-                    (
-                        min(start, *(e.span_start for e in overlapping)) if overlapping else start,
-                        max(end, *(e.span_end for e in overlapping)) if overlapping else end,
-                    ),
-                )
-                for old in overlapping:
-                    self._merge(old, entry)
-            entry.add_handle()
-            return self._register(Packed(entry, t, shared.dead, copied))
+                    decision = REFUSED_BY_STORAGE
+                shared.stats.note_kept(decision.reason, nbytes)
+                handle = Kept(t)
+            return self._register(handle)
+
+    def save_output(self, t: torch.Tensor) -> Packed | Kept | None:
+        """Hold ``t``, an output a checkpoint's recompute takes instead of computing it again
+        (``decide_output``): offloaded like a saved tensor, with the saves of its thread's
+        forward and block (its step and group, so backward fetches it with the block's input),
+        a :class:`Kept` where it is small, or None where it is not kept (the kernel runs
+        again). Not a save of autograd's: not numbered for the ``tracker`` view."""
+        shared = self.shared
+        state = shared.thread()
+        state.saves += 1
+        decision = decide_output(t, shared.policy, closed=shared.closed, placed=state.placed)
+        with shared.lock:
+            shared.stats.recompute_outputs += 1
+            if decision.reason == "small":
+                shared.stats.note_kept(decision.reason, t.numel() * t.element_size())
+                return Kept(t)
+            return self._hold(t, decision.where, state) if decision.offload else None
+
+    def _hold(self, t: torch.Tensor, where: str | None, state) -> Packed | None:
+        """A handle on an entry holding ``t``'s bytes (found, merged or new), or None where the
+        storage tier refused them (caller holds the lock)."""
+        shared = self.shared
+        nbytes = t.numel() * t.element_size()
+        self.lifetime.drain()
+        step = state.step
+        if step is None or step.passes or step.live <= 0:
+            step = state.step = Step()  # a new forward, or one whose backward already began
+        storage = t.untyped_storage()
+        start, end = storage_span(t)
+        key, version, now = storage_key(storage), version_of(t), state.saves
+        entry = self._find(step, key, start, end, version, now)
+        copied = entry is None
+        if entry is not None:
+            entry.saved_again(state.group)  # needed with its newest saver's group
+            shared.stats.deduplicated_tensors += 1
+            shared.stats.deduplicated_bytes += nbytes
+            shared.planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
+        else:
+            overlapping = self._overlapping(step, key, start, end, version, now)
+            lo, hi = start, end
+            whole = storage.nbytes()
+            if 2 * (end - start) >= whole and not any(e.step is step for e in shared.by_storage.get(key, ())):
+                # Most of a fresh storage is needed: move all of it, so that its other parts
+                # saved right after (the halves of a fused projection, a tensor saved after
+                # its slice) are served by this copy instead of being copied again.
+                lo, hi = 0, whole
+            for e in overlapping:
+                lo, hi = min(lo, e.start), max(hi, e.end)
+            entry = self._offload(step, storage, lo, hi, t.device, version, where)
+            if entry is None and (lo, hi) != (start, end) and not overlapping:
+                # The view alone may fit.
+                entry = self._offload(step, storage, start, end, t.device, version, where)
+            if entry is None:
+                return None
+            entry.first_saved(
+                state.group,
+                now,
+                (
+                    min(start, *(e.span_start for e in overlapping)) if overlapping else start,
+                    max(end, *(e.span_end for e in overlapping)) if overlapping else end,
+                ),
+            )
+            for old in overlapping:
+                self._merge(old, entry)
+        entry.add_handle()
+        return Packed(entry, t, shared.dead, copied)
 
     def _register(self, handle):
         """Number the save and remember it weakly: read by the ``tracker`` view (caller holds the lock)."""

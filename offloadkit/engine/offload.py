@@ -28,7 +28,7 @@ from offloadkit.engine.forward import ForwardPath
 from offloadkit.engine.lifetime import Lifetime
 from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.engine.prefetch import Step
-from offloadkit.engine.spans import Entry
+from offloadkit.engine.spans import Entry, Kept, Packed
 from offloadkit.engine.state import EngineState, Shared
 from offloadkit.engine.stats import OffloadStats, WaitClock
 from offloadkit.engine.threads import FollowThreads
@@ -274,6 +274,18 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             yield self
         finally:
             state.placed = previous
+
+    def save_for_recompute(self, t: torch.Tensor) -> Packed | Kept | None:
+        """Hold ``t``, an output of a checkpointed block's forward that its recompute takes
+        instead of computing it again (:class:`~offloadkit.checkpointing.attention.KeptAttention`),
+        as saved tensors are held (``engine/forward.py:ForwardPath.save_output``). Returns the
+        handle for :meth:`restore_for_recompute`, or None: not kept (compute it again)."""
+        return self._forward.save_output(t)
+
+    def restore_for_recompute(self, handle: Packed | Kept) -> torch.Tensor | None:
+        """The tensor :meth:`save_for_recompute` held, ready on the current stream; None where
+        it was written in place since (compute it again)."""
+        return self._backward.restore_output(handle)
 
     def update_model_params(self, model: torch.nn.Module) -> None:
         """Never offload ``model``'s parameters (re-read now; call again after they change).

@@ -241,8 +241,16 @@ class Packed:
         self.seen_gen = -1
         self._dead = dead
 
+    def _watched(self) -> torch.Tensor | None:
+        return self.alias if self.alias is not None else (self.ref() if self.ref is not None else None)
+
+    def written_since(self) -> bool:
+        """The saved tensor (or a view of it) was written in place after the save."""
+        t = self._watched()
+        return t is not None and version_of(t) != self.version
+
     def check_version(self) -> None:
-        t = self.alias if self.alias is not None else (self.ref() if self.ref is not None else None)
+        t = self._watched()
         if t is not None and version_of(t) != self.version:
             raise inplace_error(self.dtype, self.size, version_of(t), self.version)
 
@@ -274,8 +282,12 @@ class Kept:
         self.tensor = t.detach()  # never the tensor itself: that would form a reference cycle
         self.version = version_of(t)
 
+    def written_since(self) -> bool:
+        """The tensor (or a view of it) was written in place after the save."""
+        return version_of(self.tensor) != self.version
+
     def unpack(self) -> torch.Tensor:
-        if version_of(self.tensor) != self.version:
+        if self.written_since():
             raise inplace_error(self.tensor.dtype, self.tensor.shape, version_of(self.tensor), self.version)
         return self.tensor
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offloadkit.transfer.completion import order_after
+
 __all__ = ["OffloadStats", "WaitClock"]
 
 _MiB = 1 << 20
@@ -37,6 +39,9 @@ class OffloadStats:
     prefetch_misses: int = 0
     stash_hits: int = 0
     replayed_passes: int = 0  # backward passes that followed the order learned in the previous one
+    # Outputs kept for a checkpoint's recompute (fused attention's), also counted above as
+    # offloaded or kept (not as saved tensors: autograd never saved them).
+    recompute_outputs: int = 0
     wait_seconds_forward: float = 0.0
     wait_seconds_backward: float = 0.0
     host_wait_seconds: float = 0.0  # the host blocked on disk I/O (or on CPU-side copies)
@@ -80,7 +85,8 @@ class OffloadStats:
 
 
 class WaitClock:
-    """Makes a stream wait on an event and measures, on the device, how long it stalled.
+    """Makes a stream wait on an event (through :func:`~offloadkit.transfer.completion.order_after`,
+    as every wait on a transfer) and measures, on the device, how long it stalled.
 
     Only waits that are still pending on the host side are timed (a pair of timing
     events around ``wait_event``); pairs are read back lazily, once both completed.
@@ -105,16 +111,16 @@ class WaitClock:
             return
         if stream is None:  # CPU tensors: the host is the consumer
             start = time.perf_counter()
-            event.synchronize()
+            order_after(None, event)
             stats.host_wait_seconds += time.perf_counter() - start
             return
         if not self.enabled:
-            stream.wait_event(event)
+            order_after(stream, event)
             return
         began = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         began.record(stream)
-        stream.wait_event(event)
+        order_after(stream, event)
         end.record(stream)
         self._pending.append((began, end, phase))
         if len(self._pending) > 256:

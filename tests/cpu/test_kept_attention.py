@@ -9,18 +9,14 @@ import pytest
 import torch
 
 from offloadkit.checkpointing import apply_activation_checkpointing
-from offloadkit.checkpointing.attention import _free_given_up
 from offloadkit.runtime.attention_ops import AttentionCalls
 from offloadkit.storage.disk import DiskOptions
 from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
 
 LAYERS = 3
 
-
-@pytest.fixture(autouse=True)
-def _keep_small_outputs(monkeypatch):
-    # The tiny model's attention outputs are KiB; keep them as an 8B layer's GiB would be.
-    monkeypatch.setattr("offloadkit.checkpointing.attention.MIN_KEPT_BYTES", 0)
+# The tiny model's attention outputs are KiB: above the engine's threshold (min_offload_size,
+# 1 KiB), so they go to storage as an 8B layer's GiB would.
 
 
 def _model():
@@ -92,7 +88,7 @@ def test_a_forward_without_backward_gives_its_copies_back():
         held[keep, "forward"] = handle.offloader.tier.host_bytes_in_use()
         del out
         gc.collect()
-        _free_given_up()  # what the next call does first
+        handle.offloader.drain()  # what the engine's next call does first
         held[keep, "dropped"] = handle.offloader.tier.host_bytes_in_use()
         kept_bytes = handle.attention_stats.kept_bytes
         handle.remove()
@@ -219,8 +215,6 @@ def test_attention_with_dropout_is_not_kept():
 
 
 def test_copies_given_up_by_the_collector_are_freed_at_the_next_call():
-    from offloadkit.checkpointing import attention
-
     model = _model()
     handle = apply_activation_checkpointing(model, offload_inputs=True, offload_cpu_tensors=True, keep_attention=True)
     batch = make_batch(256, 2, 64)
@@ -228,7 +222,8 @@ def test_copies_given_up_by_the_collector_are_freed_at_the_next_call():
     held = handle.offloader.tier.host_bytes_in_use()
     del out
     gc.collect()
-    assert attention._given_up  # not freed inside the collector
+    # Not freed inside the collector: the handles' deaths wait in the engine's queue.
+    assert handle.offloader._shared.dead and handle.offloader.tier.host_bytes_in_use() == held
     model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
-    assert not attention._given_up and handle.offloader.tier.host_bytes_in_use() < held
+    assert not handle.offloader._shared.dead and handle.offloader.tier.host_bytes_in_use() < held
     handle.remove()
