@@ -1,0 +1,227 @@
+"""Kept attention outputs are the engine's: decided by its rule (``decide_output``), held as
+entries of the block's forward and group (its stats count them), fetched back by the prefetch
+scheduler ahead of the recompute's attention call, freed by its lifetime when the graph dies,
+and refused by its storage (the kernel then runs again)."""
+
+import gc
+
+import pytest
+import torch
+
+from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.engine.decide import decide_output
+from offloadkit.engine.policy import OffloadPolicy
+from offloadkit.runtime.attention_ops import AttentionCalls
+from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+
+LAYERS = 3
+OUTPUTS = 2 * LAYERS  # an output and its log-sum-exp per layer
+
+
+def _model():
+    torch.manual_seed(0)
+    model = build_llama("tiny", num_hidden_layers=LAYERS, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def _apply(model, keep=True, **kw):
+    return apply_activation_checkpointing(
+        model, offload_inputs=True, offload_cpu_tensors=True, keep_attention=keep, **kw
+    )
+
+
+def _forward(model):
+    batch = make_batch(256, 2, 64)
+    return model(input_ids=batch["input_ids"], labels=batch["labels"])
+
+
+def _record_saves(offloader):
+    """The entries the engine holds kept outputs in (None: not kept), in forward order; not
+    their handles, whose going is what frees them."""
+    saved = []
+    save = offloader.save_for_recompute
+
+    def recording(t):
+        handle = save(t)
+        saved.append(handle.entry.resolve()[0] if handle is not None else None)
+        return handle
+
+    offloader.save_for_recompute = recording
+    return saved
+
+
+def test_the_rule_is_the_engines():
+    policy = OffloadPolicy(min_offload_size=1024, device_types=("cpu",))
+    big, small = torch.zeros(1024), torch.zeros(8)
+    assert decide_output(big, policy, closed=False).offload
+    assert decide_output(small, policy, closed=False).reason == "small"
+    assert decide_output(big, policy, closed=True).reason == "closed"
+    assert decide_output(big, OffloadPolicy(1024, ("cuda",)), closed=False).reason == "device"
+    # A block placed on the GPU keeps its input there, not its outputs; ram and disk are honoured.
+    assert decide_output(big, policy, closed=False, placed="gpu").where is None
+    assert decide_output(big, policy, closed=False, placed="disk").where == "disk"
+
+
+def test_kept_outputs_are_entries_of_the_blocks_group():
+    sizes = {}
+    for keep in (False, True):
+        model = _model()
+        handle = _apply(model, keep)
+        saved = _record_saves(handle.offloader)
+        out = _forward(model)
+        shared = handle.offloader._shared
+        sizes[keep] = len(shared.entries), shared.stats.offloaded_tensors
+        if keep:
+            assert len(saved) == OUTPUTS and all(s is not None for s in saved)
+            entries = saved
+            assert all(e in shared.entries for e in entries)
+            assert shared.stats.recompute_outputs == OUTPUTS and shared.stats.saved_tensors > 0
+            steps = {e.step for e in shared.entries}
+            assert len(steps) == 1  # one forward: the block inputs' step
+            # Each checkpointed block's outputs share its input's group (the last block's
+            # input stays on the device, and its outputs have no group).
+            for block in range(LAYERS - 1):
+                group = entries[2 * block].group
+                assert group is not None and entries[2 * block + 1].group == group
+                assert any(e.group == group and e not in entries for e in shared.entries)
+        del out
+        handle.remove()
+    assert sizes[True][0] == sizes[False][0] + OUTPUTS
+    assert sizes[True][1] == sizes[False][1] + OUTPUTS
+
+
+def test_the_scheduler_fetches_them_before_the_recompute_takes_them():
+    model = _model()
+    handle = _apply(model)
+    offloader = handle.offloader
+    saved = _record_saves(offloader)
+    lane = offloader._shared.lane
+    fetched, taken = [], []
+    fetch = lane.fetch
+    lane.fetch = lambda entry: (fetched.append(entry), fetch(entry))
+    restore = offloader.restore_for_recompute
+
+    def taking(h):
+        entry = h.entry.resolve()[0]
+        taken.append((entry, entry in fetched, entry.gpu is not None))
+        return restore(h)
+
+    offloader.restore_for_recompute = taking
+    counter = _Count()
+    with AttentionCalls(counter):
+        run_step(model, make_batch(256, 2, 64))
+    assert counter.runs == LAYERS and handle.attention_stats.replayed == LAYERS
+    assert len(taken) == OUTPUTS
+    # Every one was queued by the scheduler's look-ahead and is on the device when asked for.
+    assert all(was_fetched and resident for _, was_fetched, resident in taken), taken
+    assert {e for e, _, _ in taken} == set(saved)
+    # A block's outputs come back with its inputs: no fetch of another block between them.
+    groups = [e.group for e in fetched]
+    for block in range(LAYERS - 1):
+        group = saved[2 * block].group
+        where = [i for i, g in enumerate(groups) if g == group]
+        assert where == list(range(where[0], where[0] + len(where))), groups
+    handle.remove()
+
+
+class _Count:
+    def __init__(self):
+        self.runs = 0
+
+    def __call__(self, op, args, kwargs, run):
+        self.runs += 1
+        return run()
+
+
+def test_a_graph_dropped_without_backward_frees_them():
+    model = _model()
+    handle = _apply(model)
+    saved = _record_saves(handle.offloader)
+    out = _forward(model)
+    assert len(saved) == OUTPUTS and not any(e.released for e in saved)
+    del out
+    gc.collect()
+    handle.offloader.drain()
+    assert all(e.released for e in saved)
+    assert handle.offloader.is_idle() and handle.offloader.tier.host_bytes_in_use() == 0
+    handle.remove()
+
+
+def test_replayed_outputs_are_freed_as_the_recompute_ends():
+    model = _model()
+    handle = _apply(model)
+    saved = _record_saves(handle.offloader)
+    run_step(model, make_batch(256, 2, 64))
+    assert len(saved) == OUTPUTS and all(e.released for e in saved)
+    assert handle.offloader.is_idle()
+    handle.remove()
+
+
+def test_a_refused_output_runs_the_kernel_and_gives_the_rest_back():
+    """The storage refuses each log-sum-exp (the second output): the call's output already
+    held goes back, and the recompute runs the kernel, gradients those of the full recompute."""
+    model = _model()
+    handle = _apply(model)
+    offloader = handle.offloader
+    tier = offloader.tier
+    store = tier.store
+    refusing = {"on": False}
+    outputs = _record_saves(offloader)
+    save = offloader.save_for_recompute
+
+    def save_refusing_the_second(t):
+        refusing["on"] = len(outputs) % 2 == 1
+        try:
+            return save(t)
+        finally:
+            refusing["on"] = False
+
+    tier.store = lambda src, *a: None if refusing["on"] else store(src, *a)
+    offloader.save_for_recompute = save_refusing_the_second
+    counter = _Count()
+    with AttentionCalls(counter):
+        got = run_step(model, make_batch(256, 2, 64))
+    stats = handle.attention_stats
+    assert outputs[1::2] == [None] * LAYERS and all(h is not None for h in outputs[::2])
+    assert (stats.kept, stats.replayed, stats.ran_again) == (0, 0, LAYERS) and counter.runs == 2 * LAYERS
+    assert all(e.released for e in outputs[::2])
+    handle.remove()
+    model = _model()
+    ref_handle = _apply(model, keep=False)
+    ref = run_step(model, make_batch(256, 2, 64))
+    assert_bitwise_equal(ref[1], got[1], "grads")
+    ref_handle.remove()
+
+
+def test_small_outputs_stay_where_they_are():
+    """Under the engine's threshold an output is held as it is, and still replayed."""
+    model = _model()
+    handle = _apply(model, min_offload_size=1 << 30)
+    counter = _Count()
+    with AttentionCalls(counter):
+        run_step(model, make_batch(256, 2, 64))
+    stats = handle.attention_stats
+    assert (stats.kept, stats.replayed, stats.kept_bytes) == (LAYERS, LAYERS, 0) and counter.runs == LAYERS
+    engine = handle.offloader.stats
+    assert engine.recompute_outputs == OUTPUTS and engine.offloaded_tensors == 0
+    assert engine.kept_by_reason["small"] >= OUTPUTS
+    handle.remove()
+
+
+@pytest.mark.parametrize("storage", ["ram", "disk"])
+def test_a_second_recompute_runs_the_kernel(storage, tmp_path):
+    """Replayed copies are spent: a graph backpropagated twice runs the kernel the second time."""
+    from offloadkit.storage.disk import DiskOptions
+
+    model = _model()
+    extra = {"disk": DiskOptions(directory=str(tmp_path))} if storage == "disk" else {}
+    handle = _apply(model, storage=storage, **extra)
+    out = _forward(model)
+    out.loss.backward(retain_graph=True)
+    out.loss.backward()
+    stats = handle.attention_stats
+    assert (stats.kept, stats.replayed, stats.ran_again) == (LAYERS, LAYERS, LAYERS)
+    del out
+    handle.remove()
