@@ -23,10 +23,11 @@ if TYPE_CHECKING:
 __all__ = [
     "Component",
     "Footprint",
-    "FootprintFeatures",
+    "FootprintOptions",
     "FootprintParallelism",
     "FootprintShape",
     "FootprintWorkload",
+    "OptionSet",
 ]
 
 
@@ -107,42 +108,42 @@ class FootprintWorkload(Protocol):
     @property
     def optimizer_state_bytes(self) -> int: ...
     @property
+    def copy_window_bytes(self) -> int | None: ...
+    @property
     def updates_in_backward(self) -> bool: ...
     @property
     def parallel(self) -> FootprintParallelism: ...
 
 
-class FootprintFeatures(Protocol):
-    """The features a footprint reads (the planner's ``Features`` has them): its own options
-    (:meth:`of`), and the planner's counts that no options field holds yet."""
+class FootprintOptions(Protocol):
+    """The options a footprint reads: each component's, as the run (or a plan) sets them
+    (:meth:`of`). Nothing else: what a step spends follows from the components' options and
+    the workload alone (:class:`OptionSet` is the plain one)."""
 
-    @property
-    def checkpointing(self) -> bool: ...
-    @property
-    def tiled_projections(self) -> bool: ...
-    @property
-    def offload_inputs(self) -> bool: ...
-    @property
-    def ram_blocks(self) -> int | None: ...
-    @property
-    def gpu_blocks(self) -> int: ...
-    @property
-    def recompute_blocks(self) -> int: ...
-    @property
-    def horizon(self) -> int | None: ...
-    @property
-    def optimizer_offloading(self) -> bool: ...
-    @property
-    def copy_window_bytes(self) -> int | None: ...
-    @property
-    def keep_attention(self) -> int: ...
-    @property
-    def rotation(self) -> str | None: ...
     def of(self, cls: type[OptionsT]) -> OptionsT:
-        """A component's options as the features realise them: those the planner chose (the
-        long-context parts', layer streaming's, LoRA's; counts resolved, never automatic),
-        else as the run sets them, or their defaults."""
+        """``cls``'s options as set (counts the planner chose resolved, never automatic), or
+        their defaults."""
         ...
+
+
+@dataclass(frozen=True)
+class OptionSet:
+    """Components' options, one per class, as a footprint reads them (:class:`FootprintOptions`).
+
+    Example:
+        >>> from offloadkit.layers.options import StreamingOptions
+        >>> OptionSet((StreamingOptions(enabled=True),)).of(StreamingOptions).enabled
+        True
+    """
+
+    options: tuple[Options, ...] = ()
+
+    def of(self, cls: type[OptionsT]) -> OptionsT:
+        """``cls``'s options among these, else its defaults."""
+        for o in self.options:
+            if isinstance(o, cls):
+                return o
+        return cls()
 
 
 @dataclass(frozen=True)
@@ -199,9 +200,9 @@ class Component:
         report: ``handle -> dict``: the keys this feature adds to ``runtime.report()``.
         remove: ``handle -> None``: detach it (``runtime.close()``, in reverse apply order);
             default ``handle.remove()``.
-        footprint: ``(workload, features) -> Footprint``: what it costs in a step as the
-            planner counts it, from its own constants (None: the planner still counts it
-            itself).
+        footprint: ``(workload, options) -> Footprint``: what it costs in a step as the
+            planner counts it, from its own constants and the components' options
+            (:class:`FootprintOptions`; None: the planner still counts it itself).
         effective: ``(model, options) -> options``: the options as they will take effect on
             this model (what its build would refuse, turned off), for the planner to count
             (None: as set).
@@ -213,5 +214,5 @@ class Component:
     build: Callable[[nn.Module, Any, OffloadRuntime], Any]
     report: Callable[[Any], dict] | None = None
     remove: Callable[[Any], None] = _remove
-    footprint: Callable[[FootprintWorkload, FootprintFeatures], Footprint] | None = None
+    footprint: Callable[[FootprintWorkload, FootprintOptions], Footprint] | None = None
     effective: Callable[[nn.Module, Any], Any] | None = None

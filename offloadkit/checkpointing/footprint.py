@@ -5,10 +5,11 @@ last layers' recompute (``keep_attention_outputs``: ``attention.py``)."""
 
 from __future__ import annotations
 
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintWorkload as Workload
-from offloadkit.storage.footprint import block_placement, region_length
+from offloadkit.storage.footprint import block_placement, offloads_inputs, region_length
 
 __all__ = ["attention_kept_bytes", "checkpointing_footprint", "keeps_attention"]
 
@@ -19,19 +20,23 @@ def attention_kept_bytes(w: Workload) -> int:
     return w.tokens * (w.dtype_bytes * s.heads * s.head_dim + 4 * s.heads)
 
 
-def keeps_attention(f: Features) -> int:
-    """Layers whose attention outputs are kept (it needs block inputs offloaded, by checkpointing)."""
-    return f.keep_attention if f.checkpointing and f.offload_inputs else 0
+def keeps_attention(w: Workload, f: Features) -> int:
+    """Layers whose attention outputs are kept (``keep_attention``: True for every layer; it
+    needs block inputs offloaded, by checkpointing)."""
+    if not offloads_inputs(f):
+        return 0
+    keep = f.of(CheckpointOptions).keep_attention
+    return w.shape.layers if keep is True else int(keep)
 
 
 def checkpointing_footprint(w: Workload, f: Features) -> Footprint:
     """The replayed run's recomputed inputs, held while its last block runs backward, and the
     kept attention outputs in host RAM."""
     layer = {}
-    if f.checkpointing:
+    if f.of(CheckpointOptions).enabled:
         replayed = region_length(block_placement(w.shape.layers, f))
         if replayed > 1:
             layer["replayed block inputs"] = (replayed - 1) * w.block_input_bytes
-    kept = keeps_attention(f)
+    kept = keeps_attention(w, f)
     host = {"kept attention outputs": kept * attention_kept_bytes(w)} if kept else {}
     return Footprint(layer=layer, host=host)

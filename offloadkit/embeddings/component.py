@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from offloadkit.component import Component, Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.embeddings.host_table import HostEmbeddings, offload_embeddings, refusal
 from offloadkit.embeddings.options import EmbeddingOptions

@@ -5,11 +5,14 @@ come from). Where the others rest is the storage tiers' footprint (``storage/foo
 
 from __future__ import annotations
 
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.defaults import PREFETCH_BESIDE_STATE, PREFETCH_FROM_DISK, PREFETCH_FROM_RAM
-from offloadkit.storage.footprint import block_placement
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.optim.options import OptimizerOptions
+from offloadkit.storage.footprint import block_placement, offloads_inputs
 
 __all__ = ["activations_footprint", "default_horizon", "prefetch_horizon"]
 
@@ -24,10 +27,11 @@ def default_horizon(from_disk: bool, state_in_backward: bool) -> int:
 
 
 def prefetch_horizon(f: Features, placement: list[str], state_in_backward: bool = False) -> int:
-    """Offloaded block inputs brought back ahead in backward: the features' horizon, else the
-    engine's default (:func:`default_horizon`)."""
-    if f.horizon is not None:
-        return f.horizon
+    """Offloaded block inputs brought back ahead in backward: ``activation_loading_horizon``,
+    else the engine's default (:func:`default_horizon`)."""
+    asked = f.of(ActivationOptions).loading_horizon
+    if asked is not None:
+        return asked
     return default_horizon("disk" in placement, state_in_backward)
 
 
@@ -35,11 +39,11 @@ def activations_footprint(w: Workload, f: Features) -> Footprint:
     """With checkpointing, the block inputs on the GPU in backward: the kept ones, and with
     them offloaded, the horizon fetched ahead (without checkpointing every saved tensor is the
     model's own, counted by the planner with the layers' saved sets)."""
-    if not f.checkpointing:
+    if not f.of(CheckpointOptions).enabled:
         return Footprint()
     placement = block_placement(w.shape.layers, f)
     on_gpu = placement.count("gpu")
-    if f.offload_inputs:
-        beside_state = f.optimizer_offloading and w.updates_in_backward
+    if offloads_inputs(f):
+        beside_state = f.of(OptimizerOptions).enabled and w.updates_in_backward
         on_gpu += min(prefetch_horizon(f, placement, beside_state), w.shape.layers - 1)
     return Footprint(gpu={"block inputs": on_gpu * w.block_input_bytes})

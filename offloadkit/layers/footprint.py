@@ -5,9 +5,10 @@ holds its blocks resident together), and host RAM holds the pinned copies of eve
 from __future__ import annotations
 
 from offloadkit.component import Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.layers.options import StreamingOptions
+from offloadkit.optim.options import OptimizerOptions
 from offloadkit.storage.footprint import block_placement, region_length
 
 __all__ = ["layer_streaming_footprint", "streams_weights"]
@@ -16,7 +17,7 @@ __all__ = ["layer_streaming_footprint", "streams_weights"]
 def streams_weights(w: Workload, f: Features) -> bool:
     """Whether the layers' weights stream from host memory: a LoRA model's frozen base, or a
     full fine-tune's trainable weights when the optimizer updates them in backward."""
-    return f.of(StreamingOptions).enabled and (bool(w.lora_rank) or f.optimizer_offloading)
+    return f.of(StreamingOptions).enabled and (bool(w.lora_rank) or f.of(OptimizerOptions).enabled)
 
 
 def layer_streaming_footprint(w: Workload, f: Features) -> Footprint:

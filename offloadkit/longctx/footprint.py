@@ -4,18 +4,19 @@ planner (``planning/memory.py``, ``planning/timing.py``) counts for the chunked 
 groups (``attention_groups.py``). Each component's record (``longctx/component.py``) names
 its function here; the planner calls the same functions.
 
-The workload and features are the planner's ``Workload`` and ``Features``, read through the
-protocols of :mod:`offloadkit.component` (the runtime never imports the planner); each reads
-its own options, :class:`~offloadkit.longctx.options.LongContextOptions`, as the features
-realise them (``f.of``: counts resolved, never automatic).
+The workload is the planner's ``Workload``, read through the protocols of
+:mod:`offloadkit.component` (the runtime never imports the planner); each reads its own
+options, :class:`~offloadkit.longctx.options.LongContextOptions`, and checkpointing's, as the
+run or a plan sets them (``f.of``; a plan's counts are resolved, never automatic).
 """
 
 from __future__ import annotations
 
 import math
 
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.longctx.attention_groups import kv_head_groups
 from offloadkit.longctx.options import LongContextOptions
@@ -30,6 +31,7 @@ __all__ = [
     "mlp_backward_bytes",
     "mlp_saved_bytes",
     "tiled_mlp_shards",
+    "projections_tiled",
     "tiled_mlp_footprint",
 ]
 
@@ -90,6 +92,13 @@ def mlp_backward_bytes(w: Workload, mlp_shards: int = 1) -> int:
     return mlp
 
 
+def projections_tiled(f: Features) -> bool:
+    """Whether the norms and attention projections run tiled (``tiled_projections``, with the
+    tiled MLP)."""
+    long = f.of(LongContextOptions)
+    return long.tiled_mlp and long.tiled_projections
+
+
 def tiled_mlp_shards(f: Features) -> int:
     """Shards of the tiled MLP as the features' options set them (1: untiled)."""
     long = f.of(LongContextOptions)
@@ -102,10 +111,9 @@ def tiled_mlp_footprint(w: Workload, f: Features) -> Footprint:
     once more (the tiled norms and projections are recomputed and run again in their own
     backward; the tiled MLP's forward in its backward replaces the recompute the layer skips:
     tiled_mlp.py, ``OUTPUT_ONLY_ADDED``)."""
-    # The features' own flag: they may tile the projections with the MLP untiled (options cannot).
-    s, shards, tiled_projections = w.shape, tiled_mlp_shards(f), f.tiled_projections
+    s, shards, tiled_projections = w.shape, tiled_mlp_shards(f), projections_tiled(f)
     flops = 0
-    if f.checkpointing and tiled_projections:
+    if f.of(CheckpointOptions).enabled and tiled_projections:
         projections = sum(a * b for a, b in s.linears) - sum(a * b for a, b in s.linears[4:])
         flops = 2 * projections * s.layers * w.tokens
     return Footprint(

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from offloadkit.component import Component, Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintWorkload as Workload
-from offloadkit.longctx.footprint import tiled_mlp_shards
+from offloadkit.longctx.footprint import projections_tiled, tiled_mlp_shards
 from offloadkit.lora.fused import FusedLoRA, apply_fused_lora
 from offloadkit.lora.options import LoraOptions
 
@@ -47,7 +47,7 @@ def fused_lora_footprint(w: Workload, f: Features) -> Footprint:
     rank-r activations instead of fp32 copies of gate's and up's inputs and down's; a tiled MLP's
     shard holds the same set for its tokens in backward. With the projections tiled too, their
     adapters save nothing of their own either way."""
-    if not (f.of(LoraOptions).fused is True and w.lora_rank) or f.tiled_projections:
+    if not (f.of(LoraOptions).fused is True and w.lora_rank) or projections_tiled(f):
         return Footprint()
     s, t, b, a, r = w.shape, w.tokens, w.dtype_bytes, w.adapter_bytes, w.lora_rank
     h, i, q = s.hidden, s.intermediate, s.heads * s.head_dim

@@ -5,9 +5,10 @@ gradients it holds, the state in flight each way (``copy_window_bytes``) and the
 from __future__ import annotations
 
 from offloadkit.component import Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.defaults import COMPACT_CHUNK_BYTES_PER_ELEMENT, COMPACT_CHUNK_ELEMENTS, OPTIMIZER_COPY_WINDOW_BYTES
+from offloadkit.optim.options import OptimizerOptions
 
 __all__ = ["optimizer_footprint"]
 
@@ -35,7 +36,7 @@ def optimizer_footprint(w: Workload, f: Features) -> Footprint:
     # Under DDP its buckets hold every gradient for the model's life: a second copy, or, with
     # gradient_as_bucket_view, the gradients themselves (then held whatever the optimizer frees).
     buckets = {"DDP gradient buckets": s.params * b} if ddp else {}
-    if not f.optimizer_offloading:
+    if not f.of(OptimizerOptions).enabled:
         grads = 0 if ddp and w.parallel.bucket_view else params * b
         return Footprint(gpu={"trainable state": grads + params * w.optimizer_state_bytes + unreduced} | buckets)
     largest = -(-max(max(a * c for a, c in s.linears), s.embed_params, s.head_params) // shards)
@@ -46,7 +47,7 @@ def optimizer_footprint(w: Workload, f: Features) -> Footprint:
     if w.optimizer_precision == "compact":
         grad += min(largest, COMPACT_CHUNK_ELEMENTS) * COMPACT_CHUNK_BYTES_PER_ELEMENT  # one chunk
     state = params * w.optimizer_state_bytes
-    window = f.copy_window_bytes
+    window = w.copy_window_bytes
     if window is None:
         window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
     in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes

@@ -6,15 +6,17 @@ The traffic and its overlap are the planner's (``planning/parallelism.py``)."""
 from __future__ import annotations
 
 from offloadkit.component import Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintParallelism as Parallelism
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.longctx.attention_groups import kv_head_groups
 from offloadkit.longctx.options import LongContextOptions
+from offloadkit.parallel.options import ParallelOptions
 
 __all__ = [
     "GATHERED_LAYERS",
     "GRADIENT_BYTES",
+    "chosen_rotation",
     "context_parallel_footprint",
     "ring_buffer_bytes",
     "ring_rotation",
@@ -78,11 +80,17 @@ def ring_rotation(parallel: Parallelism, chosen: str | None = None) -> str:
     return parallel.rotation if parallel.rotation != "auto" else "allgather"
 
 
+def chosen_rotation(f: Features) -> str | None:
+    """The rotation ``context_parallel_rotation`` fixes; None where it is "auto"."""
+    rotation = f.of(ParallelOptions).rotation
+    return None if rotation == "auto" else rotation
+
+
 def context_parallel_footprint(w: Workload, f: Features) -> Footprint:
     """One ring call's buffers (one head group's), held while a layer's attention runs
     backward: what they raise the layer's backward by is the part ``ring attention buffers``."""
     groups = kv_head_groups(f.of(LongContextOptions).head_groups or 1, w.shape.kv_heads)
-    ring = ring_buffer_bytes(w, groups, ring_rotation(w.parallel, f.rotation))
+    ring = ring_buffer_bytes(w, groups, ring_rotation(w.parallel, chosen_rotation(f)))
     return Footprint(attention_backward=ring, backward_part="ring attention buffers" if ring else "")
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass, field, replace
+from typing import TypeVar, Union
 
 from offloadkit.checkpointing.footprint import attention_kept_bytes, keeps_attention
 from offloadkit.checkpointing.options import CheckpointOptions
-from offloadkit.component import Footprint
+from offloadkit.component import Footprint, FootprintOptions, OptionSet
 from offloadkit.components import COMPONENTS
 from offloadkit.defaults import OPTIMIZER_STATE_BYTES, PREFETCH_FROM_DISK, PREFETCH_FROM_RAM, STREAM_DEPTH
 from offloadkit.engine.options import ActivationOptions
@@ -33,6 +33,8 @@ from offloadkit.longctx.footprint import (
     UNCHUNKED_LOSS_BYTES_PER_LOGIT,
     attention_workspace_bytes,
     mlp_saved_bytes,
+    projections_tiled,
+    tiled_mlp_shards,
 )
 from offloadkit.longctx.loss import auto_chunk_tokens
 from offloadkit.longctx.options import LongContextOptions
@@ -46,12 +48,20 @@ from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.parallelism import Parallelism
 from offloadkit.planning.shape import ModelShape
 from offloadkit.storage.disk import MAX_INFLIGHT_BYTES
-from offloadkit.storage.footprint import block_placement, disk_staging_bytes, region_length, tiered_reserve_bytes
+from offloadkit.storage.footprint import (
+    block_placement,
+    disk_staging_bytes,
+    region_length,
+    tiered_reserve_bytes,
+)
 from offloadkit.storage.options import BudgetOptions
 
 __all__ = [
     "Features",
     "PLANNED_OPTIONS",
+    "StepOptions",
+    "counted_placement",
+    "step_options",
     "Workload",
     "MemoryEstimate",
     "estimate_memory",
@@ -133,6 +143,9 @@ class Workload:
         parallel: the ranks of the run (:class:`~offloadkit.planning.parallelism.Parallelism`);
             split over them, ``seq_len`` is still the whole sequence and :attr:`tokens` this
             rank's share. Default: one GPU.
+        copy_window_bytes: GPU bytes of optimizer state in flight each way with the state in
+            host memory: BackwardAdamW's ``copy_window_bytes`` argument, as the code that builds
+            it passes it (None: its default for the precision, which the Trainer mixins use).
     """
 
     shape: ModelShape
@@ -144,6 +157,7 @@ class Workload:
     optimizer_precision: str = "params"
     updates_in_backward: bool = False
     parallel: Parallelism = Parallelism()
+    copy_window_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.parallel.check_seq_len(self.seq_len)
@@ -255,18 +269,74 @@ class Features:
         """``cls``'s options as these features realise them: for the long-context parts, layer
         streaming and LoRA, those the features choose (:attr:`chosen`: what
         :attr:`~offloadkit.planning.plan.Plan.options` holds for them, automatic counts
-        resolved); for a component the planner does not choose, as the run sets them, or its
-        defaults. Footprints read their own options through this (to read, not to change: the
-        features' chosen options are shared by every equal choice).
+        resolved); checkpointing's, the engine's, the optimizer's and ring attention's as far
+        as they need no depth (where block inputs wait needs the workload's: see
+        :meth:`options_for`); for a component the planner does not choose, as the run sets
+        them, or its defaults. Footprints read their own options through this (to read, not
+        to change: the features' options are shared by every equal choice).
+
+        Raises:
+            ValueError: checkpointing's options with inputs dropped or split between RAM and
+                disk (their placement needs the depth).
 
         Example:
             >>> Features(loss_chunks=8, mlp_shards=4).of(LongContextOptions).mlp_shards
             4
         """
-        chosen = next((o for o in self.chosen if isinstance(o, cls)), None)
-        if chosen is not None:
-            return chosen
+        for o in self.chosen:
+            if isinstance(o, cls):
+                return o
+        if issubclass(CheckpointOptions, cls) and (self.recompute_blocks or self.ram_blocks not in (None, 0)):
+            raise ValueError(
+                "block inputs dropped, or split over RAM and disk, are placed for a depth: "
+                "read Features.options_for(workload)"
+            )
+        for o in _depth_free_options(
+            self.checkpointing,
+            self.offload_inputs,
+            self.gpu_blocks,
+            self.ram_blocks,
+            self.keep_attention,
+            self.horizon,
+            self.optimizer_offloading,
+            self.rotation,
+        ):
+            if isinstance(o, cls):
+                return o
         return next((o for o in self.options if isinstance(o, cls)), None) or cls()
+
+    def options_for(self, w: Workload) -> tuple[Options, ...]:
+        """Every component's options these features set for workload ``w``: the planned
+        components' (block inputs placed for ``w``'s depth: ``block_input_placement``), then
+        the others as the run sets them. The footprints read these.
+
+        Example:
+            >>> from offloadkit.planning.shape import resolve_shape
+            >>> w = Workload(resolve_shape("tiny"), 512)
+            >>> f = Features(offload_inputs=True, recompute_blocks=1)
+            >>> next(o for o in f.options_for(w) if isinstance(o, CheckpointOptions)).block_input_placement
+            ('ram', 'recompute', 'gpu')
+        """
+        placement = counted_placement(w.shape.layers, self)
+        offload = self.offload_inputs
+        checkpoint = CheckpointOptions(
+            enabled=self.checkpointing,
+            block_input_placement=tuple(placement) if offload and self.checkpointing else (),
+            keep_attention=self.keep_attention or False,
+        )
+        activations = ActivationOptions(
+            mode=False if not offload else "disk" if "disk" in placement else True,
+            disk_tiering="disk" in placement and "ram" in placement,
+            loading_horizon=self.horizon if offload else None,
+        )
+        planned = (
+            checkpoint,
+            *self.chosen,
+            activations,
+            OptimizerOptions(enabled=self.optimizer_offloading),
+            ParallelOptions(rotation=self.rotation or "auto"),
+        )
+        return planned + tuple(o for o in self.options if type(o) not in PLANNED_OPTIONS)
 
     @property
     def chosen(self) -> tuple[Options, ...]:
@@ -356,18 +426,84 @@ def _chosen_options(
 ) -> tuple[Options, ...]:
     # Built once per distinct choice: the planner estimates many candidates, and each
     # footprint asks for its options.
+    # The projections tiled with the MLP in one shard: the tiled MLP's options at one shard
+    # (the MLP then counts as untiled; the plan never chooses this).
+    tiled = mlp_shards > 1 or tiled_projections
     return (
         LongContextOptions(
             chunked_loss=loss_chunks > 0,
             loss_chunks=loss_chunks or None,
-            tiled_mlp=mlp_shards > 1,
-            mlp_shards=mlp_shards if mlp_shards > 1 else None,
-            tiled_projections=tiled_projections and mlp_shards > 1,
+            tiled_mlp=tiled,
+            mlp_shards=mlp_shards if tiled else None,
+            tiled_projections=tiled_projections,
             head_groups=head_groups if head_groups > 1 else None,
         ),
         StreamingOptions(enabled=layer_streaming, depth=stream_depth),
         LoraOptions(fused=True if fused_lora else None),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _depth_free_options(
+    checkpointing: bool,
+    offload_inputs: bool,
+    gpu_blocks: int,
+    ram_blocks: int | None,
+    keep_attention: int,
+    horizon: int | None,
+    optimizer_offloading: bool,
+    rotation: str | None,
+) -> tuple[Options, ...]:
+    return (
+        CheckpointOptions(enabled=checkpointing, gpu_block_inputs=gpu_blocks, keep_attention=keep_attention or False),
+        # With a RAM share, the tiered tier (its placement is checkpointing's, for a depth).
+        ActivationOptions(
+            mode=False if not offload_inputs else True if ram_blocks is None else "disk",
+            disk_tiering=offload_inputs and bool(ram_blocks),
+            loading_horizon=horizon if offload_inputs else None,
+        ),
+        OptimizerOptions(enabled=optimizer_offloading),
+        ParallelOptions(rotation=rotation or "auto"),
+    )
+
+
+def counted_placement(layers: int, f: Features) -> list[str]:
+    """Per decoder layer, where the features' counts put its input in backward: ``gpu``,
+    ``ram``, ``disk`` or ``recompute`` (what a plan writes as ``block_input_placement``).
+
+    The last layer's input stays on the GPU (backward needs it first), and so do the newest
+    ``gpu_blocks`` before it. Dropped inputs spread evenly over the offloaded ones (block 0's is
+    always kept: there is nothing before it to replay from), so each run replays as few blocks
+    as possible. The tiered tier keeps the newest entries in RAM and demotes the oldest to disk.
+    """
+    if not (f.checkpointing and f.offload_inputs):
+        return ["gpu"] * layers
+    kept = max(0, min(layers - 1, f.gpu_blocks))
+    offloaded = layers - 1 - kept
+    stored = offloaded - max(0, min(f.recompute_blocks, offloaded - 1))
+    heads = {j * offloaded // stored for j in range(stored)} if stored else set()
+    in_ram = stored if f.ram_blocks is None else max(0, min(stored, f.ram_blocks))
+    tiers = iter(["disk"] * (stored - in_ram) + ["ram"] * in_ram)
+    prefix = [next(tiers) if i in heads else "recompute" for i in range(offloaded)]
+    return prefix + ["gpu"] * (kept + 1)
+
+
+# What a step's estimate reads its choices from: features (turned into options for the
+# workload), a tuple of components' options, or options a footprint reads.
+StepOptions = Union[Features, tuple, FootprintOptions]
+
+
+def step_options(w: Workload, f: StepOptions) -> tuple[Workload, FootprintOptions]:
+    """The workload and the components' options the footprints read for a step: features
+    give theirs for ``w`` (:meth:`Features.options_for`; their optimizer's copy window is the
+    workload's), a tuple of options is read as set."""
+    if isinstance(f, Features):
+        if f.copy_window_bytes is not None:
+            w = replace(w, copy_window_bytes=f.copy_window_bytes)
+        return w, OptionSet(f.options_for(w))
+    if isinstance(f, tuple):
+        return w, OptionSet(f)
+    return w, f
 
 
 @dataclass
@@ -451,8 +587,8 @@ def _own_attention_backward_bytes(w: Workload, tiled_projections: bool = False) 
 DISK_INFLIGHT_BYTES = MAX_INFLIGHT_BYTES
 
 
-def _placement(w: Workload, f: Features) -> list[str]:
-    return block_placement(w.shape.layers, f)
+def _placement(w: Workload, o: FootprintOptions) -> list[str]:
+    return block_placement(w.shape.layers, o)
 
 
 def final_norm_saves(w: Workload, tiled: bool = False) -> list[int]:
@@ -471,37 +607,41 @@ def final_norm_bytes(w: Workload, tiled: bool = False) -> int:
     return sum(final_norm_saves(w, tiled))
 
 
-def tiles_final_norm(f: Features) -> bool:
-    """Whether the norm after the layers runs tiled (with the tiled projections)."""
-    return f.tiled_projections and f.mlp_shards > 1
+def tiles_final_norm(f: FootprintOptions) -> bool:
+    """Whether the norm after the layers runs tiled (with the tiled projections, over more
+    than one shard)."""
+    return projections_tiled(f) and tiled_mlp_shards(f) > 1
 
 
-def footprints(w: Workload, f: Features) -> list[tuple[str, Footprint]]:
+def footprints(w: Workload, f: StepOptions) -> list[tuple[str, Footprint]]:
     """Each part's footprint in this step, in the order they are summed: the optimizer's and
     FSDP2's sharded weights (the loop's or the Trainer's: not components
     :func:`~offloadkit.prepare` builds), then each component's of
-    :data:`~offloadkit.components.COMPONENTS`, in apply order."""
-    out = [("optimizer", optimizer_footprint(w, f)), ("sharded weights", sharded_weights_footprint(w, f))]
-    return out + [(c.name, c.footprint(w, f)) for c in COMPONENTS if c.footprint is not None]
+    :data:`~offloadkit.components.COMPONENTS`, in apply order. Each reads only the workload
+    and the components' options (:func:`step_options`)."""
+    w, o = step_options(w, f)
+    out = [("optimizer", optimizer_footprint(w, o)), ("sharded weights", sharded_weights_footprint(w, o))]
+    return out + [(c.name, c.footprint(w, o)) for c in COMPONENTS if c.footprint is not None]
 
 
-def _layer_saved(w: Workload, f: Features, prints: list[Footprint]) -> int:
-    return _own_layer_saved_bytes(w, f.tiled_projections) + sum(p.layer_saved for p in prints)
+def _layer_saved(w: Workload, o: FootprintOptions, prints: list[Footprint]) -> int:
+    return _own_layer_saved_bytes(w, projections_tiled(o)) + sum(p.layer_saved for p in prints)
 
 
-def layer_phase(w: Workload, f: Features, prints: list[Footprint] | None = None) -> dict[str, int]:
+def layer_phase(w: Workload, f: StepOptions, prints: list[Footprint] | None = None) -> dict[str, int]:
     """The named GPU bytes of one layer's backward phase beyond the fixed part: its recompute
     (under checkpointing), what the footprints hold beside it, and its backward temporaries,
     the larger of its MLP's and its attention's side; a footprint with a part name of its own
     shows what it raises that larger side by. ``prints``: the step's footprints (default:
     :func:`footprints`)."""
+    w, o = step_options(w, f)
     if prints is None:
-        prints = [p for _, p in footprints(w, f)]
-    layer: dict[str, int] = {"layer recompute": _layer_saved(w, f, prints)} if f.checkpointing else {}
+        prints = [p for _, p in footprints(w, o)]
+    layer: dict[str, int] = {"layer recompute": _layer_saved(w, o, prints)} if o.of(CheckpointOptions).enabled else {}
     for p in prints:
         layer.update(p.layer)
     mlp = sum(p.mlp_backward for p in prints if not p.backward_part)
-    attention = _own_attention_backward_bytes(w, f.tiled_projections)
+    attention = _own_attention_backward_bytes(w, projections_tiled(o))
     attention += sum(p.attention_backward for p in prints if not p.backward_part)
     layer["layer backward"] = max(mlp, attention)
     for p in prints:
@@ -512,14 +652,14 @@ def layer_phase(w: Workload, f: Features, prints: list[Footprint] | None = None)
     return layer
 
 
-def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
+def estimate_memory(w: Workload, f: StepOptions) -> MemoryEstimate:
     """Predict GPU peak, host RAM and disk bytes of one step: the model's own bytes (its
     weights, rotary tables, residual stream, final norm, each layer's saved set and backward
     temporaries outside the MLP) and the sum of every part's :func:`footprints`.
 
     Args:
         w: the workload.
-        f: the features.
+        f: the components' options (a tuple of them, or :class:`Features` for ``w``).
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -531,23 +671,24 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         >>> m.block_placement[-1]
         'gpu'
     """
+    w, o = step_options(w, f)
     s, t, b = w.shape, w.tokens, w.dtype_bytes
-    prints = [p for _, p in footprints(w, f)]
+    prints = [p for _, p in footprints(w, o)]
     parts: dict[str, int] = {"weights": s.params * b}
     for p in prints:
         parts.update(p.gpu)  # a component's part replaces the model's of that name
-    if not f.checkpointing:
-        parts["activations"] = s.layers * (_layer_saved(w, f, prints) + w.block_input_bytes)
+    if not o.of(CheckpointOptions).enabled:
+        parts["activations"] = s.layers * (_layer_saved(w, o, prints) + w.block_input_bytes)
     # cos and sin in fp32 then in the activations' dtype, shared by every layer.
     parts["rotary"] = 2 * t * s.head_dim * (4 + b)
     # The residual stream and its gradient, plus the layer output being formed.
     parts["residual stream"] = 3 * t * s.hidden * b
     fixed = sum(parts.values())
 
-    loss: dict[str, int] = {"final norm": final_norm_bytes(w, tiles_final_norm(f))}
+    loss: dict[str, int] = {"final norm": final_norm_bytes(w, tiles_final_norm(o))}
     for p in prints:
         loss.update(p.loss)
-    layer = layer_phase(w, f, prints)
+    layer = layer_phase(w, o, prints)
     loss_bytes, layer_bytes = sum(loss.values()), sum(layer.values())
     if loss_bytes >= layer_bytes:
         phase, extra = "loss", loss
@@ -567,7 +708,7 @@ def estimate_memory(w: Workload, f: Features) -> MemoryEstimate:
         gpu_reserved=int(gpu_peak * FRAGMENTATION),
         host=sum(host_parts.values()),
         disk=sum(p.disk for p in prints),
-        block_placement=_placement(w, f),
+        block_placement=_placement(w, o),
         gpu_parts=parts,
         phase=phase,
         host_parts=host_parts,

@@ -34,11 +34,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.component import FootprintOptions
+from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.footprint import tiled_mlp_footprint
 from offloadkit.lora.options import LoraOptions
-from offloadkit.planning.memory import Features, Workload, attention_kept_bytes, keeps_attention, streams_weights
+from offloadkit.optim.options import OptimizerOptions
+from offloadkit.parallel.footprint import chosen_rotation
+from offloadkit.planning.memory import (
+    StepOptions,
+    Workload,
+    attention_kept_bytes,
+    block_placement,
+    keeps_attention,
+    step_options,
+    streams_weights,
+)
 from offloadkit.planning.parallelism import ring_rotation, ring_traffic
+from offloadkit.storage.footprint import offloads_inputs
 
 __all__ = [
     "Rates",
@@ -144,19 +158,17 @@ class StepTime:
         return self.linear_flops + self.attention_flops
 
 
-def _replays(w: Workload, f: Features) -> int:
+def _replays(w: Workload, o: FootprintOptions) -> int:
     """Blocks run forward once more in backward to rebuild dropped block inputs (as many as
     the placement drops)."""
-    if not (f.checkpointing and f.offload_inputs and f.recompute_blocks):
-        return 0
-    layers = w.shape.layers
-    offloaded = layers - 1 - max(0, min(layers - 1, f.gpu_blocks))
-    return max(0, min(f.recompute_blocks, offloaded - 1))
+    return block_placement(w.shape.layers, o).count("recompute")
 
 
-def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
+def step_flops(w: Workload, f: StepOptions) -> tuple[float, float, float, float]:
     """(forward linear, backward linear, forward attention, backward attention) FLOPs, where
     backward includes the recompute."""
+    w, o = step_options(w, f)
+    checkpointing = o.of(CheckpointOptions).enabled
     s, t = w.shape, w.tokens
     layer_linear = sum(a * b for a, b in s.linears)
     p = layer_linear * s.layers
@@ -167,51 +179,54 @@ def step_flops(w: Workload, f: Features) -> tuple[float, float, float, float]:
         adapters = s.lora_params(w.lora_rank)
         fwd += 2 * adapters * t
         bwd += 4 * adapters * t
-    if f.checkpointing:
+    if checkpointing:
         bwd += 2 * p * t + (2 * adapters * t if w.lora_rank else 0)
         # A tiled MLP runs forward again in its own backward, but a layer's recompute skips
         # it (its output is never read: longctx/tiled_mlp.py, OUTPUT_ONLY_ADDED): two
         # forwards, as untiled. Tiled projections are recomputed and run again: the tiled
         # MLP's footprint (offloadkit/longctx/footprint.py).
-        bwd += tiled_mlp_footprint(w, f).backward_flops
+        bwd += tiled_mlp_footprint(w, o).backward_flops
     # The whole sequence's causal attention; split over ranks, each computes an even share.
     attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers / w.parallel.sequence_ranks
-    attn_bwd = 2 * attn_fwd + (attn_fwd * (1 - keeps_attention(f) / s.layers) if f.checkpointing else 0)
-    if f.checkpointing and f.offload_inputs and f.recompute_blocks:
+    attn_bwd = 2 * attn_fwd + (attn_fwd * (1 - keeps_attention(w, o) / s.layers) if checkpointing else 0)
+    replays = _replays(w, o)
+    if replays:
         # A dropped input is the output of the block before it, run forward once more.
-        replays = _replays(w, f)
         bwd += replays * t * (2 * layer_linear + (2 * adapters // s.layers if w.lora_rank else 0))
         attn_bwd += replays * attn_fwd / s.layers
     return float(fwd), float(bwd), attn_fwd, attn_bwd
 
 
-def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) -> StepTime:
+def estimate_time(w: Workload, f: StepOptions, rates: Rates, placement: list[str]) -> StepTime:
     """Predict one step's time from FLOPs and the bytes each link moves.
 
     Args:
-        w, f: the workload and features.
+        w, f: the workload and the components' options (a tuple of them, or
+            :class:`~offloadkit.planning.memory.Features` for ``w``).
         rates: throughputs.
         placement: per layer, where its input lives ("gpu", "ram", "disk", "recompute").
 
     Returns:
         A :class:`StepTime`.
     """
-    lf, lb, af, ab = step_flops(w, f)
-    linear_rate = rates.linear_flops_per_s(f.of(LoraOptions).fused is True and bool(w.lora_rank))
+    w, o = step_options(w, f)
+    lf, lb, af, ab = step_flops(w, o)
+    linear_rate = rates.linear_flops_per_s(o.of(LoraOptions).fused is True and bool(w.lora_rank))
     fwd_compute = lf / linear_rate + af / rates.attention_flops_per_s
     bwd_compute = lb / linear_rate + ab / rates.attention_flops_per_s
     block = w.block_input_bytes
     moved = sum(1 for p in placement if p in ("ram", "disk")) * block  # each way
-    kept = keeps_attention(f) * attention_kept_bytes(w)
+    kept = keeps_attention(w, o) * attention_kept_bytes(w)
     moved += kept
     streamed = 0
-    if streams_weights(w, f):
+    if streams_weights(w, o):
         # Per pass: forward, then backward. A full fine-tune's updated weights go back on the
         # other direction's queue, beside the state's way back.
         streamed = w.shape.layers * w.shape.layer_params * w.dtype_bytes
     # Each rank's share of the state where FSDP2 shards it.
     shards = w.parallel.weight_shards
-    state = -(-w.shape.params // shards) * w.optimizer_state_bytes if f.optimizer_offloading and not w.lora_rank else 0
+    moves_state = o.of(OptimizerOptions).enabled and not w.lora_rank
+    state = -(-w.shape.params // shards) * w.optimizer_state_bytes if moves_state else 0
     fwd_pcie = (moved + streamed) / rates.pcie_bytes_per_s  # inputs out and weights in share the link
     # Backward's host->device queue carries the block inputs, streamed weights and optimizer
     # state; the state's way back is the other direction's queue, as long.
@@ -224,21 +239,21 @@ def estimate_time(w: Workload, f: Features, rates: Rates, placement: list[str]) 
     fwd_disk = on_disk / rates.disk_write_bytes_per_s
     bwd_disk = on_disk / rates.disk_read_bytes_per_s
     exposed = 0.0
-    if f.checkpointing and f.offload_inputs and f.horizon == 0:
+    if offloads_inputs(o) and o.of(ActivationOptions).loading_horizon == 0:
         # Nothing is fetched ahead: each offloaded block input arrives while its layer waits.
         exposed = moved / rates.pcie_bytes_per_s + on_disk / rates.disk_read_bytes_per_s
     # Kept attention outputs are fetched as each layer's recompute starts, not ahead.
     exposed += kept / rates.pcie_bytes_per_s
     fwd_exposed = 0.0
-    if streamed and f.of(StreamingOptions).depth <= 1:
+    if streamed and o.of(StreamingOptions).depth <= 1:
         # One streamed layer resident: each layer's weights arrive while it waits, in both passes.
         fwd_exposed = streamed / rates.pcie_bytes_per_s
         exposed += streamed / rates.pcie_bytes_per_s
     # Ring attention's keys and values arrive again for every layer the recompute runs
     # attention in (not those whose outputs are kept) and for every replayed block.
-    reruns = (w.shape.layers - keeps_attention(f) if f.checkpointing else 0) + _replays(w, f)
+    reruns = (w.shape.layers - keeps_attention(w, o) if o.of(CheckpointOptions).enabled else 0) + _replays(w, o)
     link = rates.link_bytes_per_s if w.parallel.one_host else rates.network_bytes_per_s
-    rotation = ring_rotation(w.parallel, f.rotation)
+    rotation = ring_rotation(w.parallel, chosen_rotation(o))
     ring = ring_traffic(w, reruns, af / rates.attention_flops_per_s / w.shape.layers, link, rotation)
     # FSDP2: each rank receives the others' shards of the layers' weights in forward and again
     # in backward, and sends its gradients' reduce-scatter, prefetched a layer ahead: the link

@@ -4,40 +4,57 @@ inputs take, the disk tier's staging buffers (``disk.py``'s bytes in flight) and
 tiered tier keeps free under its cap (``tiered.py``).
 
 The planner (``planning/memory.py``) sums this with the other components' footprints; the
-workload and features are read through the protocols of :mod:`offloadkit.component`.
+workload and the components' options are read through the protocols of
+:mod:`offloadkit.component`. Where block inputs wait is checkpointing's options'
+(``block_input_placement``, else ``gpu_block_inputs`` and ``recompute_block_inputs``), and
+the tier the engine's (``activation_offloading``).
 """
 
 from __future__ import annotations
 
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import Footprint
-from offloadkit.component import FootprintFeatures as Features
+from offloadkit.component import FootprintOptions as Features
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.defaults import PREFETCH_FROM_DISK
+from offloadkit.engine.options import ActivationOptions
 from offloadkit.storage.disk import MAX_INFLIGHT_BYTES
 from offloadkit.storage.tiered import RESERVE_BYTES, RESERVE_CAP_DIVISOR
 
-__all__ = ["block_placement", "disk_staging_bytes", "region_length", "storage_footprint", "tiered_reserve_bytes"]
+__all__ = [
+    "block_placement",
+    "disk_staging_bytes",
+    "offloads_inputs",
+    "region_length",
+    "storage_footprint",
+    "tiered_reserve_bytes",
+]
+
+
+def offloads_inputs(f: Features) -> bool:
+    """Whether checkpointed blocks' inputs are offloaded (checkpointing on, offloading on)."""
+    return f.of(CheckpointOptions).enabled and f.of(ActivationOptions).mode is not False
 
 
 def block_placement(layers: int, f: Features) -> list[str]:
     """Per decoder layer, where its input lives in backward: ``gpu``, ``ram``, ``disk`` or
-    ``recompute`` (kept nowhere: replayed from the kept input before it).
-
-    The last layer's input stays on the GPU (backward needs it first), and so do the newest
-    ``gpu_blocks`` before it. Dropped inputs spread evenly over the offloaded ones (block 0's is
-    always kept: there is nothing before it to replay from), so each run replays as few blocks
-    as possible. The tiered tier keeps the newest entries in RAM and demotes the oldest to disk.
+    ``recompute`` (kept nowhere: replayed from the kept input before it), as the options set
+    it: ``block_input_placement`` where given (what a plan chose), else the last layer's input
+    and the newest ``gpu_block_inputs`` before it on the GPU, the layers of
+    ``recompute_block_inputs`` kept nowhere and the rest in the engine's tier (on disk with
+    ``activation_offloading: disk`` without tiering, else in RAM). Without offloading, every
+    input stays on the GPU.
     """
-    if not (f.checkpointing and f.offload_inputs):
+    if not offloads_inputs(f):
         return ["gpu"] * layers
-    kept = max(0, min(layers - 1, f.gpu_blocks))
+    ckpt = f.of(CheckpointOptions)
+    if ckpt.block_input_placement:
+        return list(ckpt.block_input_placement)
+    kept = max(0, min(layers - 1, ckpt.gpu_block_inputs))
     offloaded = layers - 1 - kept
-    stored = offloaded - max(0, min(f.recompute_blocks, offloaded - 1))
-    heads = {j * offloaded // stored for j in range(stored)} if stored else set()
-    in_ram = stored if f.ram_blocks is None else max(0, min(stored, f.ram_blocks))
-    tiers = iter(["disk"] * (stored - in_ram) + ["ram"] * in_ram)
-    prefix = [next(tiers) if i in heads else "recompute" for i in range(offloaded)]
-    return prefix + ["gpu"] * (kept + 1)
+    tier = "disk" if f.of(ActivationOptions).storage == "disk" else "ram"
+    dropped = set(ckpt.recompute_block_inputs)
+    return ["recompute" if i in dropped else tier for i in range(offloaded)] + ["gpu"] * (kept + 1)
 
 
 def region_length(placement: list[str]) -> int:
@@ -64,7 +81,8 @@ def disk_staging_bytes(w: Workload, f: Features, placement: list[str]) -> int:
     flight). They are reserved outside the RAM cap, so the host holds the cap plus these."""
     if "disk" not in placement:
         return 0
-    horizon = f.horizon if f.horizon is not None else PREFETCH_FROM_DISK
+    asked = f.of(ActivationOptions).loading_horizon
+    horizon = asked if asked is not None else PREFETCH_FROM_DISK
     reads = (horizon + 1) * w.block_input_bytes
     if "ram" in placement:
         return reads

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from offloadkit.component import FootprintFeatures
+from offloadkit.component import FootprintOptions, OptionSet
 from offloadkit.components import COMPONENTS
 from offloadkit.config import OffloadConfig
 from offloadkit.embeddings.options import EmbeddingOptions
@@ -18,7 +18,7 @@ from offloadkit.longctx.options import LongContextOptions
 from offloadkit.optim.footprint import optimizer_footprint
 from offloadkit.parallel.footprint import sharded_weights_footprint
 from offloadkit.planning import Budgets, Features, estimate_memory, plan
-from offloadkit.planning.memory import PLANNED_OPTIONS
+from offloadkit.planning.memory import PLANNED_OPTIONS, footprints
 from offloadkit.planning.parallelism import Parallelism
 from offloadkit.planning.plan import changed_fields
 from offloadkit.planning.planner import OptimizerSetup
@@ -117,22 +117,55 @@ def test_the_features_choice_stands_over_a_planned_components_options_the_run_pa
 
 
 class _ProtocolOnly:
-    """Features seen only through :class:`FootprintFeatures`: reading anything else fails."""
+    """Options seen only through :class:`FootprintOptions`: reading anything else fails."""
 
-    def __init__(self, features: Features) -> None:
-        self._features = features
-        self._names = {n for n in dir(FootprintFeatures) if not n.startswith("_")}
+    def __init__(self, options) -> None:
+        self._options = options
+        self._names = {n for n in dir(FootprintOptions) if not n.startswith("_")}
 
     def __getattr__(self, name: str):
         if name not in self._names:
-            raise AttributeError(f"a footprint read {name!r}, which FootprintFeatures does not have")
-        return getattr(self._features, name)
+            raise AttributeError(f"a footprint read {name!r}, which FootprintOptions does not have")
+        return getattr(self._options, name)
 
 
-def test_footprints_read_the_features_only_through_their_protocol():
+def test_footprints_read_the_options_only_through_their_protocol():
     for p in _plans():
+        options = OptionSet(p.options)
         for c in COMPONENTS:
             if c.footprint is not None:
-                assert c.footprint(p.workload, _ProtocolOnly(p.features)) == c.footprint(p.workload, p.features)
+                assert c.footprint(p.workload, _ProtocolOnly(options)) == c.footprint(p.workload, options)
         for fp in (optimizer_footprint, sharded_weights_footprint):
-            assert fp(p.workload, _ProtocolOnly(p.features)) == fp(p.workload, p.features)
+            assert fp(p.workload, _ProtocolOnly(options)) == fp(p.workload, options)
+
+
+def test_each_footprint_given_only_the_workload_and_the_plans_options_is_the_plans_own():
+    """What each component spends follows from the workload and the options a plan writes:
+    no count the planner keeps beside them (the footprints are called with the options alone,
+    and the plan's estimate is their sum)."""
+    for p in _plans():
+        options = OptionSet(p.options)
+        summed = dict(footprints(p.workload, p.features))
+        assert summed == dict(footprints(p.workload, p.options)), p.name
+        for c in COMPONENTS:
+            if c.footprint is not None:
+                assert c.footprint(p.workload, options) == summed[c.name], (p.name, c.name)
+        assert optimizer_footprint(p.workload, options) == summed["optimizer"]
+        assert sharded_weights_footprint(p.workload, options) == summed["sharded weights"]
+        assert estimate_memory(p.workload, p.options) == p.memory, p.name
+        assert estimate_time(p.workload, p.options, p.budgets.rates, p.placement) == p.time, p.name
+
+
+def test_the_options_a_plans_config_sets_predict_the_plans_bytes_and_time():
+    """The planner's search space is its components' options: a plan's options, written as
+    config keys and read back by :class:`OffloadConfig`, are the same options and predict the
+    same step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # settings without effect at these toy depths
+        for p in _plans():
+            config = OffloadConfig.from_dict(p.to_config())
+            read = tuple(config.options(type(o)) for o in p.options)
+            assert read == p.options, p.name
+            m = estimate_memory(p.workload, read)
+            assert m == p.memory, p.name
+            assert estimate_time(p.workload, read, p.budgets.rates, m.block_placement) == p.time, p.name
