@@ -10,7 +10,8 @@ again once its copy back has landed (the next copy in waits for that on the devi
 host).
 
 :class:`Ring` is the bookkeeping alone (offsets, which tenants may be overwritten and after
-what), testable without a GPU; :class:`StateArena` holds the device buffer.
+what), testable without a GPU; :class:`StateArena` holds the device buffer; :class:`RingSize`
+measures how large the next pass's must be.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "ArenaStats", "Ring", "Slot", "StateArena"]
+__all__ = ["ALIGN", "ArenaStats", "Ring", "RingSize", "Slot", "StateArena"]
 
 # Every carved tensor starts on this boundary (fused optimizer kernels read 16-byte vectors;
 # 512 matches the allocator's own rounding).
@@ -145,3 +146,47 @@ class StateArena:
             out[k] = self.buffer[at : at + n].view(dtype).view(shape)
             at += sizes[k]
         return out, slot, follow
+
+
+class RingSize:
+    """How many bytes of state a pass held on the GPU at once: the next pass's arena.
+
+    Counted over the states of at most ``item_limit`` bytes (a model's few largest
+    parameters, its embedding table's state: 4.7 GB of a 3B model's in fp32, would size a
+    ring mostly idle; they come from the allocator), from when a state's buffer is taken
+    until its copy back has completed (``done.query()``, in the order the copies were
+    queued), as the allocator would hold it.
+    """
+
+    def __init__(self, item_limit: int) -> None:
+        self.item_limit = item_limit
+        self.live = 0
+        self.high = 0
+        self.largest = 0
+        self._back: deque = deque()  # (completion, bytes) of copies back not seen done
+
+    def counts(self, nbytes: int) -> bool:
+        return 0 < nbytes <= self.item_limit
+
+    def taken(self, nbytes: int) -> None:
+        self._settle()
+        self.live += nbytes
+        self.high = max(self.high, self.live)
+        self.largest = max(self.largest, nbytes)
+
+    def stored(self, done: Any, nbytes: int) -> None:
+        self._back.append((done, nbytes))
+
+    def dropped(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def _settle(self) -> None:
+        while self._back and self._back[0][0].query():
+            self.live -= self._back.popleft()[1]
+
+    def end_pass(self) -> int:
+        """The next pass's arena in bytes (0: no state counted): the most held at once, and
+        one more of the largest state for the room a wrap leaves unused."""
+        size = self.high + self.largest if self.high else 0
+        self.high = self.largest = 0
+        return size

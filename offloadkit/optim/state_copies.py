@@ -18,11 +18,12 @@ waited 17 ms of a 77 ms step for its activations).
 GPU memory: the states fetched ahead and those still being copied back are bounded by
 ``window_bytes`` each; past it the host waits for the oldest copy back (the GPU keeps running
 the work already queued). From the second pass on, a pass's state buffers are carved in order
-from one allocation (:mod:`offloadkit.optim.state_arena`), sized by the last pass (its state,
-at most two windows, and its largest parameter's), made on the compute stream at the pass's
-first fetch and given back at its end; one buffer per parameter from the allocator left the
-gaps between them reserved (the first pass, and a state that finds the ring's oldest tenant
-still in use, take one from the allocator as before).
+from one allocation (:mod:`offloadkit.optim.state_arena`), sized by what the last pass held
+at once (:class:`~offloadkit.optim.state_arena.RingSize`), made on the compute stream at the
+pass's first fetch and given back at its end; one buffer per parameter from the allocator
+left the gaps between them reserved. The first pass, a state larger than a quarter of the
+window (an embedding table's) and one that finds the ring's oldest tenant still in use take
+theirs from the allocator.
 
 Parameters on several GPUs are updated from one autograd thread per device: every method
 holds one lock, and a parameter between its fetch and its store is never fetched ahead (its
@@ -37,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from offloadkit.optim.state_arena import ArenaStats, Ring, Slot, StateArena, aligned
+from offloadkit.optim.state_arena import ArenaStats, Ring, RingSize, Slot, StateArena, aligned
 from offloadkit.storage.pool import HostBlock
 from offloadkit.transfer import copy_stream, queue_copy
 from offloadkit.transfer.completion import order_after
@@ -45,8 +46,16 @@ from offloadkit.transfer.prefetch import Ahead, Lane, PrefetchScheduler, Status
 
 __all__ = ["StateCopies"]
 
+# States of at most this share of the copy window go through the pass's arena; larger ones
+# (a model's embedding table's) come from the allocator, as there are few of them.
+RING_ITEM_SHARE = 4
+
 # (host state of a parameter, the keys that travel); None when it has none yet
 Lookup = Callable[[torch.Tensor], "tuple[dict, tuple[str, ...]] | None"]
+
+
+def _aligned_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(aligned(t.nbytes) for t in tensors.values())
 
 
 class StateCopies:
@@ -81,8 +90,8 @@ class StateCopies:
         self._group: dict[int, int] = {}  # id(p) -> the group of parameters updated with it
         self._arenas: dict[torch.device, StateArena] = {}  # this pass's, by device
         self._slots: dict[int, Slot] = {}  # id(p) -> its state's slot, fetched and not yet stored
-        self._ring_bytes = 0  # the next pass's arena (0: none; set at the end of a pass)
-        self._pass_bytes = [0, 0]  # this pass's state bytes fetched: total, largest
+        self._ring_bytes = 0  # this pass's arena (0: none; measured over the last pass)
+        self._ring_size = RingSize(window_bytes // RING_ITEM_SHARE)
         self.arena_stats = ArenaStats()
         self._ahead_rule = self._window_rule()
         self._lock = threading.RLock()
@@ -154,8 +163,9 @@ class StateCopies:
         """The device tensors of one parameter's state: from this pass's arena where it has
         room, with the completions the copy in must follow; else from the allocator."""
         nbytes = sum(aligned(state[k].nbytes) for k in keys)
-        self._pass_bytes[0] += nbytes
-        self._pass_bytes[1] = max(self._pass_bytes[1], nbytes)
+        if not self._ring_size.counts(nbytes):
+            return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}, None, []
+        self._ring_size.taken(nbytes)
         arena = self._arenas.get(device)
         if arena is None and self._ring_bytes:
             # On the compute stream, as fetched activations are: the memory returns there.
@@ -241,6 +251,8 @@ class StateCopies:
         slot = self._slots.pop(id(p), None)
         if slot is not None:
             Ring.release(slot, done)  # its bytes are taken again once the copy back has read them
+        if self._ring_size.counts(_aligned_bytes(gpu)):
+            self._ring_size.stored(done, _aligned_bytes(gpu))
         nbytes = sum(t.nbytes for t in gpu.values())
         self._back.append((done, nbytes))
         self._back_bytes += nbytes
@@ -261,12 +273,10 @@ class StateCopies:
         if self._seen:
             self._order = self._seen
             self._position = {id(q): i for i, q in enumerate(self._order)}
-            total, largest = self._pass_bytes
-            self._ring_bytes = min(2 * self.window_bytes, total) + largest
         self._seen = []
         self._seen_ids = set()
-        self._pass_bytes = [0, 0]
         self._drop_ahead()
+        self._ring_bytes = self._ring_size.end_pass() or self._ring_bytes
         self._lane.reset()  # what was fetched ahead and not updated is released here
         self._drop_arenas()
 
@@ -280,8 +290,11 @@ class StateCopies:
     def _drop_ahead(self) -> None:
         """Release the states fetched ahead and not used: their memory returns to the stream
         that allocated it once their copies in are done (ordered there, not waited for)."""
-        for key, (_, done, _, allocated_on) in self._ahead.items():
+        for key, (gpu, done, _, allocated_on) in self._ahead.items():
             allocated_on.wait_event(done)
+            nbytes = _aligned_bytes(gpu)
+            if self._ring_size.counts(nbytes):
+                self._ring_size.dropped(nbytes)
             slot = self._slots.pop(key, None)
             if slot is not None:
                 Ring.release(slot, done)  # never used: its bytes are free once the copy in is done
@@ -297,7 +310,7 @@ class StateCopies:
             self._blocks.clear()
             self._updating.clear()
             self._drop_arenas()
-            self._ring_bytes, self._pass_bytes = 0, [0, 0]
+            self._ring_bytes, self._ring_size = 0, RingSize(self.window_bytes // RING_ITEM_SHARE)
             self._devices.clear()
             self._order, self._position, self._seen, self._seen_ids = [], {}, [], set()
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from offloadkit.optim.state_arena import ALIGN, Ring, StateArena
+from offloadkit.optim.state_arena import ALIGN, Ring, RingSize, StateArena
 
 
 def _overlap(a, b) -> bool:
@@ -102,3 +102,35 @@ def test_the_arena_carves_aligned_views_of_one_buffer():
     tensors["master"].fill_(2.0)
     assert tensors["exp_avg"].sum() == 15 and tensors["master"].sum() == 14  # no overlap
     assert (slot.start, slot.end, follow) == (0, 2 * ALIGN, [])
+
+
+class _Copy:
+    """A copy back that completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+
+def test_the_next_ring_holds_what_the_pass_held_at_once():
+    size = RingSize(item_limit=10 * ALIGN)
+    copies = []
+    for _ in range(6):  # each state fetched, updated, sent back; two copies back in flight at most
+        size.taken(4 * ALIGN)
+        copy = _Copy()
+        size.stored(copy, 4 * ALIGN)
+        copies.append(copy)
+        if len(copies) > 2:
+            copies[-3].finished = True
+    size.taken(2 * ALIGN)
+    size.dropped(2 * ALIGN)  # fetched ahead and never used
+    # At most three states were held at once (two going back, one taken), plus one for a wrap.
+    assert size.end_pass() == 3 * 4 * ALIGN + 4 * ALIGN
+    assert size.end_pass() == 0  # a pass that took nothing measures nothing
+
+
+def test_states_past_the_item_limit_do_not_size_the_ring():
+    size = RingSize(item_limit=ALIGN)
+    assert size.counts(ALIGN) and not size.counts(ALIGN + 1) and not size.counts(0)

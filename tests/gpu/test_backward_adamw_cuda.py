@@ -142,24 +142,24 @@ def test_trainer_with_fp32_master_weights_and_offloading_matches_mixed_precision
 
 
 @pytest.mark.parametrize("master", [False, True], ids=["bf16", "fp32_master"])
-@pytest.mark.parametrize("window", [1 << 30, 1, "eighth"], ids=["window", "one-at-a-time", "ring-wraps"])
+@pytest.mark.parametrize("window", [1 << 30, 1, "quarter"], ids=["window", "one-at-a-time", "ring-wraps"])
 def test_state_copies_delayed_on_both_streams_stay_bitwise(master, window):
     """Every state copy (in on the host->device stream, fetched ahead from the second step
     on; back on the device->host stream) delayed by milliseconds, with compute that does
     not wait for anything it need not: the parameters stay bitwise those of the reference,
     so no update reads state that has not landed and no fetch reads state not yet written
-    back. A one-byte window exercises the host waiting for copies back; a window of an
-    eighth of the state makes the pass's arena wrap, so a fetch reuses bytes whose copy back
-    is still delayed."""
+    back. A one-byte window exercises the host waiting for copies back; a window of a quarter
+    of the state (the decoder's matrices go through the pass's arena, the embeddings' do
+    not) makes the arena wrap, so a fetch reuses bytes whose copy back is still delayed."""
     from offloadkit.testing import slow_copies
 
     ref = build_llama("small", dtype=torch.bfloat16, device=DEV)
     ours = build_llama("small", dtype=torch.bfloat16, device=DEV)
     batch = make_batch(2048, 2, 128, device=DEV)
     opt_ref = Fp32MasterAdamW(ref.parameters(), lr=1e-3) if master else torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    if window == "eighth":
+    if window == "quarter":
         state_bytes = sum(p.numel() * (4 * 3 if master else 2 * 2) for p in ours.parameters())
-        window = state_bytes // 8
+        window = state_bytes // 4
     opt = BackwardAdamW(ours.parameters(), lr=1e-3, master_weights=master, copy_window_bytes=window)
     with slow_copies(2_000_000):
         for step in range(4):
@@ -171,8 +171,9 @@ def test_state_copies_delayed_on_both_streams_stay_bitwise(master, window):
             assert_bitwise_equal(_params(ref), _params(ours), f"step {step}")
     assert len(opt._copies._order) == len(list(ours.parameters()))  # the order was learned
     arena = opt._copies.arena_stats
-    assert arena.carved > 0, arena  # steps 2-4 took their state from the pass's arena
-    if window < (1 << 30) and window > 1:
+    if window > 1:
+        assert arena.carved > 0, arena  # steps 2-4 took their state from the pass's arena
+    if 1 < window < (1 << 30):
         assert arena.wrapped > 0, arena
     saved = opt.state_dict()  # waits for the copies back: the host state is final
     key = "master" if master else "exp_avg"
