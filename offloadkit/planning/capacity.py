@@ -7,15 +7,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from offloadkit.defaults import STREAM_DEPTH
+from offloadkit.engine.options import ActivationOptions
 from offloadkit.options import Options
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
-    Features,
     estimate_memory,
     final_norm_bytes,
 )
 from offloadkit.planning.parallelism import Parallelism, search_step
-from offloadkit.planning.plan import OptimizerSetup, Plan
+from offloadkit.planning.plan import OptimizerSetup, Plan, place_inputs, planned_options, with_options
 from offloadkit.planning.planner import SEQ_STEP, _workload, plan
 
 __all__ = ["Capacity", "longest_sequence", "physical_limit"]
@@ -117,20 +117,19 @@ def physical_limit(
 
     def working_set(seq: int, drops: int = 0):
         w = replace(w0, seq_len=seq)
-        f = Features(
-            checkpointing=True,
+        least = planned_options(
+            w,
             offload_inputs=True,
             layer_streaming=streaming,
-            horizon=0,
             loss_chunks=max(1, w.tokens),
             mlp_shards=max(1, w.tokens),
             tiled_projections=True,
             head_groups=w.shape.kv_heads,
             optimizer_offloading=state_on_host,
-            recompute_blocks=drops,
             rotation=lightest,
         )
-        return w, estimate_memory(w, f).gpu_peak
+        least = with_options(least, ActivationOptions, loading_horizon=0)
+        return w, estimate_memory(w, place_inputs(w, least, recompute_blocks=drops)).gpu_peak
 
     def gpu_ok(seq: int) -> bool:
         return working_set(seq)[1] <= budgets.gpu_bytes

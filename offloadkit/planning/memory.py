@@ -61,6 +61,9 @@ __all__ = [
     "PLANNED_OPTIONS",
     "StepOptions",
     "counted_placement",
+    "long_context_counts",
+    "long_context_options",
+    "placed_by_counts",
     "step_options",
     "Workload",
     "MemoryEstimate",
@@ -188,8 +191,8 @@ class Workload:
 
 OptionsT = TypeVar("OptionsT", bound=Options)
 
-# The components' options a plan chooses (:attr:`~offloadkit.planning.plan.Plan.options`
-# builds them from its features); any other component's, the run's own, pass through a plan.
+# The components' options a plan chooses (:attr:`~offloadkit.planning.plan.Plan.options`,
+# in this order); any other component's, the run's own, pass through a plan.
 PLANNED_OPTIONS: tuple[type[Options], ...] = (
     CheckpointOptions,
     StreamingOptions,
@@ -204,7 +207,12 @@ PLANNED_OPTIONS: tuple[type[Options], ...] = (
 
 @dataclass(frozen=True)
 class Features:
-    """Which offloadkit features are on.
+    """Which offloadkit features are on, by the planner's counts: a shorthand for a set of
+    components' options, kept for code and tests that spell a step this way. The planner
+    searches over the options themselves (:attr:`~offloadkit.planning.plan.Plan.options`);
+    an estimate given features reads the options they set for its workload
+    (:meth:`options_for`), and a plan's :attr:`~offloadkit.planning.plan.Plan.features` are
+    its options read back (:meth:`from_options`).
 
     Attributes:
         checkpointing: checkpoint every decoder layer.
@@ -312,10 +320,10 @@ class Features:
 
         Example:
             >>> from offloadkit.planning.shape import resolve_shape
-            >>> w = Workload(resolve_shape("tiny"), 512)
+            >>> w = Workload(resolve_shape("tiny", layers=4), 512)
             >>> f = Features(offload_inputs=True, recompute_blocks=1)
             >>> next(o for o in f.options_for(w) if isinstance(o, CheckpointOptions)).block_input_placement
-            ('ram', 'recompute', 'gpu')
+            ('ram', 'ram', 'recompute', 'gpu')
         """
         placement = counted_placement(w.shape.layers, self)
         offload = self.offload_inputs
@@ -362,7 +370,8 @@ class Features:
         """The features a set of components' options turns on for workload ``w`` (a plan's
         :attr:`~offloadkit.planning.plan.Plan.options`, or a run's): one not given has its
         defaults; automatic loss chunks and MLP shards are resolved for ``w``'s tokens. Where
-        block inputs wait is read from ``block_input_placement`` (else from
+        block inputs wait is read from ``block_input_placement`` (``ram_blocks`` None where
+        none is on disk; else from
         ``gpu_block_inputs`` and ``recompute_block_inputs``, the rest in RAM, or on disk
         without ``disk_tiering``). ``copy_window_bytes`` has no config key (BackwardAdamW's
         argument).
@@ -386,7 +395,8 @@ class Features:
         offload = act.mode is not False
         if placement:
             gpu_blocks, recompute_blocks = placement.count("gpu") - 1, placement.count("recompute")
-            ram_blocks: int | None = placement.count("ram")
+            # Nothing on disk: every stored input in RAM, at any depth.
+            ram_blocks: int | None = placement.count("ram") if "disk" in placement else None
         else:
             gpu_blocks, recompute_blocks = ckpt.gpu_block_inputs, len(ckpt.recompute_block_inputs)
             ram_blocks = 0 if act.storage == "disk" else None
@@ -426,21 +436,45 @@ def _chosen_options(
 ) -> tuple[Options, ...]:
     # Built once per distinct choice: the planner estimates many candidates, and each
     # footprint asks for its options.
-    # The projections tiled with the MLP in one shard: the tiled MLP's options at one shard
-    # (the MLP then counts as untiled; the plan never chooses this).
-    tiled = mlp_shards > 1 or tiled_projections
     return (
-        LongContextOptions(
-            chunked_loss=loss_chunks > 0,
-            loss_chunks=loss_chunks or None,
-            tiled_mlp=tiled,
-            mlp_shards=mlp_shards if tiled else None,
-            tiled_projections=tiled_projections,
-            head_groups=head_groups if head_groups > 1 else None,
-        ),
+        long_context_options(loss_chunks, mlp_shards, tiled_projections, head_groups),
         StreamingOptions(enabled=layer_streaming, depth=stream_depth),
         LoraOptions(fused=True if fused_lora else None),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def long_context_options(
+    loss_chunks: int, mlp_shards: int, tiled_projections: bool = False, head_groups: int = 1
+) -> LongContextOptions:
+    """The long-context parts' options for resolved counts: ``loss_chunks`` chunks (0: the
+    unchunked loss), ``mlp_shards`` shards (1: untiled), the projections tiled with the MLP,
+    attention over ``head_groups`` key/value head groups (1: whole). Shared: to read, not to
+    change.
+
+    Example:
+        >>> long_context_options(8, 1).tiled_mlp
+        False
+    """
+    # The projections tiled with the MLP in one shard: the tiled MLP's options at one shard
+    # (the MLP then counts as untiled; the planner never chooses this).
+    tiled = mlp_shards > 1 or tiled_projections
+    return LongContextOptions(
+        chunked_loss=loss_chunks > 0,
+        loss_chunks=loss_chunks or None,
+        tiled_mlp=tiled,
+        mlp_shards=mlp_shards if tiled else None,
+        tiled_projections=tiled_projections,
+        head_groups=head_groups if head_groups > 1 else None,
+    )
+
+
+def long_context_counts(long: LongContextOptions) -> tuple[int, int, bool, int]:
+    """The counts :func:`long_context_options` builds ``long`` from (a plan's: resolved):
+    (loss chunks or 0, MLP shards or 1, tiled projections, head groups or 1)."""
+    chunks = (long.loss_chunks or 0) if long.chunked_loss else 0
+    shards = (long.mlp_shards or 1) if long.tiled_mlp else 1
+    return chunks, shards, long.tiled_projections and long.tiled_mlp, long.head_groups or 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -476,13 +510,25 @@ def counted_placement(layers: int, f: Features) -> list[str]:
     always kept: there is nothing before it to replay from), so each run replays as few blocks
     as possible. The tiered tier keeps the newest entries in RAM and demotes the oldest to disk.
     """
-    if not (f.checkpointing and f.offload_inputs):
+    return placed_by_counts(
+        layers, f.checkpointing and f.offload_inputs, f.gpu_blocks, f.recompute_blocks, f.ram_blocks
+    )
+
+
+def placed_by_counts(
+    layers: int, offloaded_inputs: bool, gpu_blocks: int = 0, recompute_blocks: int = 0, ram_blocks: int | None = None
+) -> list[str]:
+    """Where block inputs wait by the planner's counts (see :func:`counted_placement`): with
+    ``offloaded_inputs`` (checkpointed and offloaded), the newest ``gpu_blocks`` besides the
+    last on the GPU, ``recompute_blocks`` dropped evenly, ``ram_blocks`` of the rest in RAM
+    (None: all) and the oldest on disk; else every input on the GPU."""
+    if not offloaded_inputs:
         return ["gpu"] * layers
-    kept = max(0, min(layers - 1, f.gpu_blocks))
+    kept = max(0, min(layers - 1, gpu_blocks))
     offloaded = layers - 1 - kept
-    stored = offloaded - max(0, min(f.recompute_blocks, offloaded - 1))
+    stored = offloaded - max(0, min(recompute_blocks, offloaded - 1))
     heads = {j * offloaded // stored for j in range(stored)} if stored else set()
-    in_ram = stored if f.ram_blocks is None else max(0, min(stored, f.ram_blocks))
+    in_ram = stored if ram_blocks is None else max(0, min(stored, ram_blocks))
     tiers = iter(["disk"] * (stored - in_ram) + ["ram"] * in_ram)
     prefix = [next(tiers) if i in heads else "recompute" for i in range(offloaded)]
     return prefix + ["gpu"] * (kept + 1)

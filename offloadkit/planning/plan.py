@@ -1,8 +1,10 @@
-"""A plan: the features the planner chose for one step, where each block input waits, the
-predicted GPU, host and disk bytes and step time, its choice as the components' options
-(:attr:`Plan.options`) and the config keys that realise it (:meth:`Plan.to_config`: each
-options class writes its own), the same plan at another depth, and the table and verdict the
-CLI prints. :mod:`~offloadkit.planning.planner` searches for it."""
+"""A plan: the components' options the planner chose for one step (:attr:`Plan.options`),
+where each block input waits, the predicted GPU, host and disk bytes and step time, the config
+keys that realise it (:meth:`Plan.to_config`: each options class writes its own), the same
+plan at another depth, and the table and verdict the CLI prints.
+:mod:`~offloadkit.planning.planner` searches for it, over options: :func:`planned_options`
+builds a candidate, :func:`with_options` edits one component's, :func:`place_inputs` places
+block inputs by the planner's counts."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 
 from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.component import FootprintOptions, OptionSet
 from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers.options import StreamingOptions
+from offloadkit.longctx.footprint import tiled_mlp_shards
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.lora.options import LoraOptions
 from offloadkit.optim.options import OptimizerOptions
 from offloadkit.options import Options
+from offloadkit.parallel.footprint import chosen_rotation
 from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
@@ -23,18 +28,146 @@ from offloadkit.planning.memory import (
     PLANNED_OPTIONS,
     Features,
     MemoryEstimate,
+    OptionsT,
     Workload,
+    block_placement,
+    counted_placement,
     estimate_memory,
+    long_context_options,
+    placed_by_counts,
     region_length,
     streams_weights,
     tiered_reserve_bytes,
 )
 from offloadkit.planning.parallelism import ring_rotation, rotation_name
 from offloadkit.planning.timing import StepTime, estimate_time
+from offloadkit.storage.footprint import offloads_inputs
 from offloadkit.storage.options import BudgetOptions
 from offloadkit.storage.pool import size_class
 
-__all__ = ["OptimizerSetup", "Plan", "changed_fields"]
+__all__ = [
+    "Choice",
+    "OptimizerSetup",
+    "Plan",
+    "changed_fields",
+    "input_counts",
+    "option",
+    "place_inputs",
+    "planned_options",
+    "with_options",
+]
+
+# A plan's choice: every planned component's options (in :data:`PLANNED_OPTIONS` order),
+# then those of the components the run sets and the planner does not choose.
+Choice = tuple[Options, ...]
+
+
+def option(choice: Choice, cls: type[OptionsT]) -> OptionsT:
+    """``cls``'s options in ``choice``, else its defaults."""
+    return OptionSet(choice).of(cls)
+
+
+def with_options(choice: Choice, cls: type[Options], **changes) -> Choice:
+    """``choice`` with ``cls``'s options changed (``dataclasses.replace``: checked again)."""
+    return tuple(replace(o, **changes) if type(o) is cls else o for o in choice)  # type: ignore[type-var]
+
+
+def planned_options(
+    w: Workload,
+    *,
+    loss_chunks: int = 0,
+    mlp_shards: int = 1,
+    tiled_projections: bool = False,
+    head_groups: int = 1,
+    offload_inputs: bool = False,
+    layer_streaming: bool = False,
+    stream_depth: int = StreamingOptions.default("depth"),
+    optimizer_offloading: bool = False,
+    fused_lora: bool = False,
+    rotation: str = "auto",
+    others: Choice = (),
+) -> Choice:
+    """A candidate's options: every layer checkpointed, with the given tiling, streaming,
+    optimizer state and (unplaced: all in RAM, see :func:`place_inputs`) block-input
+    offloading; ``others``: the options of components the planner does not choose, as the run
+    sets them (a planned component's among them is left out).
+
+    Example:
+        >>> from offloadkit.planning.shape import resolve_shape
+        >>> c = planned_options(Workload(resolve_shape("tiny"), 512), loss_chunks=2)
+        >>> option(c, LongContextOptions).loss_chunks
+        2
+    """
+    return (
+        CheckpointOptions(enabled=True),
+        StreamingOptions(enabled=layer_streaming, depth=stream_depth),
+        long_context_options(loss_chunks, mlp_shards, tiled_projections, head_groups),
+        ActivationOptions(mode=offload_inputs),
+        # The precision the state is moved in, with it moved (else the run's stands).
+        OptimizerOptions(
+            enabled=optimizer_offloading,
+            precision=w.optimizer_precision if optimizer_offloading else OptimizerOptions.default("precision"),
+        ),
+        LoraOptions(fused=True if fused_lora else None),
+        ParallelOptions(rotation=rotation),
+        BudgetOptions(),
+    ) + tuple(o for o in others if type(o) not in PLANNED_OPTIONS)
+
+
+def place_inputs(
+    w: Workload, choice: Choice, gpu_blocks: int = 0, recompute_blocks: int = 0, ram_blocks: int | None = None
+) -> Choice:
+    """``choice`` with block inputs placed by the planner's counts (:func:`placed_by_counts`)
+    as ``block_input_placement``, and the engine's tier that holds them (RAM, disk, or tiered
+    where they are split); without offloaded inputs, as it is."""
+    o = OptionSet(choice)
+    if not offloads_inputs(o):
+        return choice
+    placement = placed_by_counts(w.shape.layers, True, gpu_blocks, recompute_blocks, ram_blocks)
+    choice = with_options(choice, CheckpointOptions, block_input_placement=tuple(placement))
+    tiered = "disk" in placement and "ram" in placement
+    return with_options(choice, ActivationOptions, mode="disk" if "disk" in placement else True, disk_tiering=tiered)
+
+
+def input_counts(w: Workload, choice: FootprintOptions | Choice) -> tuple[int, int]:
+    """(block inputs on the GPU besides the last, block inputs dropped) where ``choice``
+    places them."""
+    o = OptionSet(choice) if isinstance(choice, tuple) else choice
+    if not offloads_inputs(o):
+        return 0, 0
+    placement = block_placement(w.shape.layers, o)
+    return placement.count("gpu") - 1, placement.count("recompute")
+
+
+def _from_features(w: Workload, f: Features) -> Choice:
+    """The options features choose for ``w`` (block inputs placed by their counts)."""
+    placement = counted_placement(w.shape.layers, f)
+    offload = f.offload_inputs
+    every = f.keep_attention >= w.shape.layers
+    tiered = "disk" in placement and "ram" in placement
+    chosen: Choice = (
+        CheckpointOptions(
+            enabled=f.checkpointing,
+            block_input_placement=tuple(placement) if offload and f.checkpointing else (),
+            keep_attention=(True if every else f.keep_attention) if f.keep_attention else False,
+        ),
+        replace(f.of(StreamingOptions)),
+        replace(f.of(LongContextOptions)),
+        ActivationOptions(
+            mode=False if not offload else "disk" if "disk" in placement else True,
+            disk_tiering=tiered,
+            loading_horizon=f.horizon if offload else None,
+        ),
+        OptimizerOptions(
+            enabled=f.optimizer_offloading,
+            precision=w.optimizer_precision if f.optimizer_offloading else OptimizerOptions.default("precision"),
+        ),
+        replace(f.of(LoraOptions)),
+        ParallelOptions(rotation=f.rotation or "auto"),
+        BudgetOptions(),
+    )
+    return chosen + tuple(o for o in f.options if type(o) not in PLANNED_OPTIONS)
+
 
 # Fields a plan writes whatever their value: what it decides over the run's config (the
 # rest of its options are written where they differ from their defaults).
@@ -108,7 +241,12 @@ class Plan:
     """What to do for one step, and what it is predicted to cost.
 
     Attributes:
-        workload / features / budgets: the inputs and the chosen features.
+        workload / budgets: the inputs.
+        options: the plan's choice as the components' options: every planned component's (in
+            :data:`~offloadkit.planning.memory.PLANNED_OPTIONS` order), block inputs placed
+            (``block_input_placement``) and the host budget that realises their RAM share,
+            then those of the components it does not choose, as the run set them. Given
+            :class:`~offloadkit.planning.memory.Features` instead, the options they choose.
         name: the chosen candidate.
         memory / time: predictions.
         fits: whether every budget holds.
@@ -120,7 +258,7 @@ class Plan:
     """
 
     workload: Workload
-    features: Features
+    options: Choice
     budgets: Budgets
     name: str
     memory: MemoryEstimate
@@ -131,13 +269,38 @@ class Plan:
     optimizer: OptimizerSetup = field(default_factory=OptimizerSetup)
     rotation_note: str = ""
 
+    def __post_init__(self) -> None:
+        w = self.workload
+        if isinstance(self.options, Features):
+            self.options = _from_features(w, self.options)
+        par = w.parallel
+        # The rotation this plan counted; whether to split is the caller's (context_parallel).
+        rotation = (
+            ring_rotation(par, chosen_rotation(self._set)) if par.context_parallel and par.world_size > 1 else "auto"
+        )
+        self.options = with_options(self.options, ParallelOptions, rotation=rotation)
+        tiered = "disk" in self.placement and "ram" in self.placement
+        budget = self.host_budget_bytes() if tiered else None
+        self.options = with_options(self.options, BudgetOptions, host_budget_bytes=budget)
+
+    @property
+    def _set(self) -> OptionSet:
+        return OptionSet(self.options)
+
+    @property
+    def features(self) -> Features:
+        """The plan's options read back as :class:`~offloadkit.planning.memory.Features`
+        (:meth:`~offloadkit.planning.memory.Features.from_options`): kept for code that reads
+        features; the plan's choice is :attr:`options`."""
+        return Features.from_options(self.workload, self.options)
+
     @property
     def rotation(self) -> str | None:
         """How ring attention moves keys and values in this plan, "allgather" or "alltoall"
         (``apply_context_parallel(model, mesh, rotation=plan.rotation)``); None without a
         sequence split over ranks."""
         par = self.workload.parallel
-        return ring_rotation(par, self.features.rotation) if par.splits_sequence else None
+        return ring_rotation(par, chosen_rotation(self._set)) if par.splits_sequence else None
 
     @property
     def placement(self) -> list[str]:
@@ -151,60 +314,11 @@ class Plan:
         share the budget), or None when nothing spills to disk."""
         if "disk" not in self.placement:
             return None
-        w, f = self.workload, self.features
-        ram = self.placement.count("ram") * size_class(w.block_input_bytes) + _streamed_host_bytes(w, f)
+        w = self.workload
+        ram = self.placement.count("ram") * size_class(w.block_input_bytes) + _streamed_host_bytes(w, self._set)
         # The tiered tier keeps some of its cap free, demoting ahead of need; the disk tier's
         # staging buffers are reserved outside the cap (the plan's host figure counts them).
         return max(ram + tiered_reserve_bytes(ram), 1 << 20)
-
-    @property
-    def options(self) -> tuple[Options, ...]:
-        """The plan's choice as the components' options: those it chooses, built from its
-        features and placement, then those of the components it does not choose, as the run
-        set them.
-
-        Example:
-            >>> from offloadkit.planning.planner import plan
-            >>> p = plan("llama-3-8b", 65536, budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
-            >>> [type(o).__name__ for o in p.options][:3]
-            ['CheckpointOptions', 'StreamingOptions', 'LongContextOptions']
-        """
-        w, f, placement = self.workload, self.features, self.placement
-        offload = f.offload_inputs
-        every = f.keep_attention >= w.shape.layers
-        tiered = "disk" in placement and "ram" in placement
-        chosen: tuple[Options, ...] = (
-            CheckpointOptions(
-                enabled=f.checkpointing,
-                # Where each block input waits, as planned: the engine realises it block by block.
-                block_input_placement=tuple(placement) if offload and f.checkpointing else (),
-                keep_attention=(True if every else f.keep_attention) if f.keep_attention else False,
-            ),
-            # What the features choose by themselves, as the footprints read it (Features.of;
-            # copies: the features' own are shared).
-            replace(f.of(StreamingOptions)),
-            replace(f.of(LongContextOptions)),
-            ActivationOptions(
-                mode=False if not offload else "disk" if "disk" in placement else True,
-                disk_tiering=tiered,
-                loading_horizon=f.horizon if offload else None,
-            ),
-            # The precision the state is moved in, with it moved (else the run's stands).
-            OptimizerOptions(
-                enabled=f.optimizer_offloading,
-                precision=w.optimizer_precision if f.optimizer_offloading else OptimizerOptions.default("precision"),
-            ),
-            replace(f.of(LoraOptions)),
-            # The rotation this plan counted; whether to split is the caller's (context_parallel).
-            ParallelOptions(
-                rotation=ring_rotation(w.parallel, f.rotation)
-                if w.parallel.context_parallel and w.parallel.world_size > 1
-                else "auto"
-            ),
-            BudgetOptions(host_budget_bytes=self.host_budget_bytes() if tiered else None),
-        )
-        # A component the planner does not choose: the plan keeps what the run set.
-        return chosen + tuple(o for o in f.options if type(o) not in PLANNED_OPTIONS)
 
     def to_config(self) -> dict:
         """The :class:`~offloadkit.config.OffloadConfig` keys that realise this plan: each of
@@ -237,15 +351,23 @@ class Plan:
         if layers == self.workload.shape.layers:
             return self
         w = replace(self.workload, shape=self.workload.shape.with_layers(layers))
-        f = self.features
-        f = replace(
-            f,
+        gpu, dropped = input_counts(self.workload, self._set)
+        keep = self._set.of(CheckpointOptions).keep_attention
+        kept = layers if keep is True else min(int(keep), layers)
+        choice = with_options(
+            self.options, CheckpointOptions, keep_attention=(True if kept >= layers else kept) or False
+        )
+        placement = self.placement
+        f = place_inputs(
+            w,
+            choice,
             # The oldest block inputs stay offloaded where the plan offloads them; the GPU
             # holds no more of the newest than leave one to offload.
-            gpu_blocks=min(f.gpu_blocks, max(0, layers - 2)),
+            gpu_blocks=min(gpu, max(0, layers - 2)),
             # A run of dropped inputs replays as many blocks as at full depth, where it fits.
-            recompute_blocks=region_length(self.placement) - 1 if f.recompute_blocks else 0,
-            keep_attention=min(f.keep_attention, layers),
+            recompute_blocks=region_length(placement) - 1 if dropped else 0,
+            # RAM holds as many as at full depth where some spilled to disk (else all of them).
+            ram_blocks=placement.count("ram") if "disk" in placement else None,
         )
         m = estimate_memory(w, f)
         t = estimate_time(w, f, self.budgets.rates, m.block_placement)
@@ -288,21 +410,28 @@ class Plan:
             if where == "recompute":
                 where = "nowhere: replayed from the kept input before it"
             lines.append(f"| {lo}-{hi} | {w.block_input_bytes / GiB:.2f} GiB each | {where} |")
-        f = self.features
+        o = self._set
+        long, streaming = o.of(LongContextOptions), o.of(StreamingOptions)
+        chunks, shards, groups = (
+            long.loss_chunks if long.chunked_loss else 0,
+            tiled_mlp_shards(o),
+            long.head_groups or 1,
+        )
+        horizon = o.of(ActivationOptions).loading_horizon if o.of(ActivationOptions).mode is not False else None
         lines += [
             "",
-            f"loss: {'chunked, ' + str(f.loss_chunks) + ' chunks' if f.loss_chunks else 'unchunked'};  "
-            f"MLP: {str(f.mlp_shards) + ' shards' if f.mlp_shards > 1 else 'untiled'}"
-            f"{' (norms and attention projections too)' if f.tiled_projections else ''};  "
-            f"{'attention: ' + str(f.head_groups) + ' head groups;  ' if f.head_groups > 1 else ''}"
+            f"loss: {'chunked, ' + str(chunks) + ' chunks' if chunks else 'unchunked'};  "
+            f"MLP: {str(shards) + ' shards' if shards > 1 else 'untiled'}"
+            f"{' (norms and attention projections too)' if long.tiled_projections and shards > 1 else ''};  "
+            f"{'attention: ' + str(groups) + ' head groups;  ' if groups > 1 else ''}"
             f"{'ring attention: ' + rotation_name(self.rotation) + ' rotation;  ' if self.rotation else ''}"
-            f"{'prefetch horizon: ' + str(f.horizon) + ';  ' if f.offload_inputs and f.horizon is not None else ''}"
-            f"layer streaming: {'on, depth ' + str(f.stream_depth) if f.layer_streaming else 'off'}"
+            f"{'prefetch horizon: ' + str(horizon) + ';  ' if horizon is not None else ''}"
+            f"layer streaming: {'on, depth ' + str(streaming.depth) if streaming.enabled else 'off'}"
             + (
                 ""
                 if w.lora_rank
                 else f";  AdamW state ({w.optimizer_precision}, {w.optimizer_state_bytes} bytes a parameter): "
-                + ("host memory, " + self.optimizer.describe() if f.optimizer_offloading else "GPU")
+                + ("host memory, " + self.optimizer.describe() if o.of(OptimizerOptions).enabled else "GPU")
             ),
             "",
             "| | predicted | budget |",
@@ -353,7 +482,7 @@ def _check(w: Workload, m: MemoryEstimate, b: Budgets) -> list[str]:
     return reasons
 
 
-def _streamed_host_bytes(w: Workload, f: Features) -> int:
+def _streamed_host_bytes(w: Workload, f: FootprintOptions) -> int:
     """Host RAM of the streamed layers (they share the engine's host budget)."""
     if streams_weights(w, f):
         return w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes)

@@ -2,7 +2,9 @@
 features to turn on, where each block input goes (GPU, pinned RAM, disk), the loss chunking and
 MLP tiling, and the predicted peak, host and disk bytes and step time (a
 :class:`~offloadkit.planning.plan.Plan`). The longest sequence that fits is
-:mod:`~offloadkit.planning.capacity`'s.
+:mod:`~offloadkit.planning.capacity`'s. Every candidate is a set of components' options, and
+each step of the search an edit of one component's (``dataclasses.replace``); the estimates
+sum the footprints those options give.
 
 Candidates, fastest first (offloading costs copies, streaming costs more copies): layer
 checkpointing alone; with block inputs offloaded (pinned RAM up to the host budget, the
@@ -28,11 +30,19 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.component import OptionSet
 from offloadkit.components import COMPONENTS
 from offloadkit.defaults import OPTIMIZER_STATE_BYTES, STREAM_DEPTH
 from offloadkit.engine.footprint import default_horizon
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.layers.options import StreamingOptions
+from offloadkit.longctx.options import LongContextOptions
+from offloadkit.lora.options import LoraOptions
 from offloadkit.optim.footprint import optimizer_footprint
+from offloadkit.optim.options import OptimizerOptions
 from offloadkit.options import Options
+from offloadkit.parallel.options import ParallelOptions
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     FRAGMENTATION,
@@ -41,18 +51,35 @@ from offloadkit.planning.memory import (
     PLANNED_OPTIONS,
     Features,
     MemoryEstimate,
+    StepOptions,
     Workload,
     attention_kept_bytes,
     auto_loss_chunks,
     auto_mlp_shards,
     estimate_memory,
+    keeps_attention,
+    long_context_counts,
+    long_context_options,
+    step_options,
     tiered_reserve_bytes,
     tiles_projections,
 )
 from offloadkit.planning.parallelism import Parallelism
-from offloadkit.planning.plan import OptimizerSetup, Plan, _check, _streamed_host_bytes
+from offloadkit.planning.plan import (
+    Choice,
+    OptimizerSetup,
+    Plan,
+    _check,
+    _streamed_host_bytes,
+    input_counts,
+    option,
+    place_inputs,
+    planned_options,
+    with_options,
+)
 from offloadkit.planning.shape import ModelShape, resolve_shape
 from offloadkit.planning.timing import StepTime, estimate_time
+from offloadkit.storage.footprint import offloads_inputs
 from offloadkit.storage.pool import size_class
 
 __all__ = ["OptimizerSetup", "Plan", "SEQ_STEP", "plan"]
@@ -62,31 +89,45 @@ GiB = float(1 << 30)
 SEQ_STEP = 1024
 
 
-def _held_host_bytes(w: Workload, f: Features) -> int:
+def _held_host_bytes(w: Workload, o: OptionSet) -> int:
     """Host RAM held beside the block inputs: the streamed layers, a full fine-tune's AdamW
     state in host memory (the optimizer's own, outside the engine's budget), and what the
     components the run sets and the planner does not choose keep there (the input embedding
     table: pinned memory of its own, outside the engine's budget too)."""
-    state = optimizer_footprint(w, f).host.get("optimizer state", 0)  # each rank's share under FSDP2
-    return _streamed_host_bytes(w, f) + state + _set_components_host_bytes(w, f)
+    state = optimizer_footprint(w, o).host.get("optimizer state", 0)  # each rank's share under FSDP2
+    return _streamed_host_bytes(w, o) + state + _set_components_host_bytes(w, o)
 
 
-def _set_components_host_bytes(w: Workload, f: Features) -> int:
-    kinds = {type(o) for o in f.options if type(o) not in PLANNED_OPTIONS}
-    prints = (c.footprint(w, f) for c in COMPONENTS if c.options in kinds and c.footprint is not None)
+def _set_components_host_bytes(w: Workload, o: OptionSet) -> int:
+    kinds = {type(x) for x in o.options if type(x) not in PLANNED_OPTIONS}
+    prints = (c.footprint(w, o) for c in COMPONENTS if c.options in kinds and c.footprint is not None)
     return sum(sum(p.host.values()) for p in prints)
 
 
-def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
+def _ram_blocks(
+    w: Workload, f: StepOptions, b: Budgets, gpu_blocks: int | None = None, recompute_blocks: int | None = None
+) -> int:
     """Block inputs the host budget holds beside the streamed weights; when the rest spill to
     disk, also beside the disk tier's staging buffers and the room the tiered tier keeps free
-    (what the engine does with the cap :meth:`Plan.host_budget_bytes` gives it)."""
-    streamed, state = _streamed_host_bytes(w, f), _held_host_bytes(w, f) - _streamed_host_bytes(w, f)
+    (what the engine does with the cap :meth:`Plan.host_budget_bytes` gives it). The block
+    inputs on the GPU and dropped: ``gpu_blocks`` and ``recompute_blocks``, else where ``f``
+    places them (features: their counts)."""
+    if isinstance(f, Features):
+        gpu_blocks = f.gpu_blocks if gpu_blocks is None else gpu_blocks
+        recompute_blocks = f.recompute_blocks if recompute_blocks is None else recompute_blocks
+    w, o = step_options(w, f)
+    assert isinstance(o, OptionSet)
+    placed_gpu, placed_drops = input_counts(w, o)
+    gpu_blocks = placed_gpu if gpu_blocks is None else gpu_blocks
+    recompute_blocks = placed_drops if recompute_blocks is None else recompute_blocks
+    streamed = _streamed_host_bytes(w, o)
+    state = _held_host_bytes(w, o) - streamed
     room = b.host_bytes - streamed - state
     per = size_class(w.block_input_bytes)
-    if room // per >= w.shape.layers - 1 - f.gpu_blocks - f.recompute_blocks:
+    if room // per >= w.shape.layers - 1 - gpu_blocks - recompute_blocks:
         return max(0, room // per)  # nothing spills: no staging, no demotion
-    horizon = f.horizon if f.horizon is not None else HORIZON_DISK
+    asked = o.of(ActivationOptions).loading_horizon
+    horizon = asked if asked is not None else HORIZON_DISK
     staging = (horizon + 1) * per
     n = max(0, (room - staging) // per)
     # The cap (:meth:`Plan.host_budget_bytes`) covers the streamed weights too, and so does
@@ -96,60 +137,80 @@ def _ram_blocks(w: Workload, f: Features, b: Budgets) -> int:
     return n
 
 
+def _placed(w: Workload, choice: Choice, b: Budgets, gpu_blocks: int = 0, recompute_blocks: int = 0) -> Choice:
+    """``choice`` with block inputs placed: the newest ``gpu_blocks`` on the GPU,
+    ``recompute_blocks`` dropped, of the rest as many in RAM as the host budget holds
+    (:func:`_ram_blocks`) and the oldest on disk."""
+    ram = _ram_blocks(w, choice, b, gpu_blocks, recompute_blocks)
+    return place_inputs(w, choice, gpu_blocks, recompute_blocks, ram)
+
+
+def _tiling(choice: Choice, **changes) -> Choice:
+    """``choice`` with the long-context parts' counts changed (``loss_chunks``,
+    ``mlp_shards``, ``tiled_projections``, ``head_groups``; see
+    :func:`~offloadkit.planning.memory.long_context_options`)."""
+    chunks, shards, projections, groups = long_context_counts(option(choice, LongContextOptions))
+    counts = dict(loss_chunks=chunks, mlp_shards=shards, tiled_projections=projections, head_groups=groups) | changes
+    long = long_context_options(**counts)
+    return tuple(long if type(o) is LongContextOptions else o for o in choice)
+
+
+def _streams(choice: Choice) -> bool:
+    return option(choice, StreamingOptions).enabled
+
+
 # How much finer than the automatic tiling the planner tries when a step does not fit.
 FINER_TILES = (2, 4, 8, 16, 32)
 
 
 def _candidates(
-    w: Workload, b: Budgets, stream_depth: int, state_movable: bool = True, given: Features | None = None
-) -> list[tuple[str, Features]]:
-    """The feature sets plan() realises; ``given`` carries what every candidate shares and the
-    planner does not choose (fused LoRA, the run's other options), so that the RAM share of
-    block inputs is sized beside what those hold."""
+    w: Workload, b: Budgets, stream_depth: int, state_movable: bool = True, given: Choice = ()
+) -> list[tuple[str, Choice]]:
+    """The candidates plan() realises, as components' options (each an edit of the one
+    before); ``given`` carries what every candidate shares and the planner does not choose
+    (fused LoRA, the run's other options), so that the RAM share of block inputs is sized
+    beside what those hold."""
     mlp_shards = auto_mlp_shards(w.tokens, w.shape.intermediate)
-    base = replace(
-        given or Features(),
-        checkpointing=True,
+    base = planned_options(
+        w,
         loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
         mlp_shards=mlp_shards,
         stream_depth=stream_depth,
+        fused_lora=option(given, LoraOptions).fused is True,
+        others=given,
     )
-    offload = replace(base, offload_inputs=True)
+    offload = with_options(base, ActivationOptions, mode=True)
     out = [
         ("checkpointing", base),
-        ("checkpointing + block-input offload", replace(offload, ram_blocks=_ram_blocks(w, offload, b))),
+        ("checkpointing + block-input offload", _placed(w, offload, b)),
     ]
     if not w.lora_rank and state_movable:
         # A full fine-tune's AdamW state in host memory (its gradients too, where the updates
         # run in backward); with it, the layers' weights can stream too.
-        for name, f in list(out):
-            out.append((name + " + optimizer state in host memory", replace(f, optimizer_offloading=True)))
-        streamed = replace(offload, optimizer_offloading=True, layer_streaming=True)
+        moved = {"enabled": True, "precision": w.optimizer_precision}
+        for name, c in list(out):
+            out.append((name + " + optimizer state in host memory", with_options(c, OptimizerOptions, **moved)))
+        streamed = with_options(with_options(offload, OptimizerOptions, **moved), StreamingOptions, enabled=True)
         out.append(
             (
                 "checkpointing + block-input offload + optimizer state in host memory + layer streaming",
-                replace(streamed, ram_blocks=_ram_blocks(w, streamed, b)),
+                _placed(w, streamed, b),
             )
         )
     if w.lora_rank:
-        streamed = replace(offload, layer_streaming=True)
-        out.append(
-            (
-                "checkpointing + block-input offload + layer streaming",
-                replace(streamed, ram_blocks=_ram_blocks(w, streamed, b)),
-            )
-        )
+        streamed = with_options(offload, StreamingOptions, enabled=True)
+        out.append(("checkpointing + block-input offload + layer streaming", _placed(w, streamed, b)))
     tiled = out
     out = []
     if mlp_shards > 1:
         # Tiling costs the tiled modules' forward once more: each variant is offered untiled
         # first, and plan() keeps the fastest that fits.
-        out += [(name + " (MLP untiled)", replace(f, mlp_shards=1)) for name, f in tiled]
+        out += [(name + " (MLP untiled)", _tiling(c, mlp_shards=1)) for name, c in tiled]
     out += tiled
     if mlp_shards > 1 and tiles_projections(w.tokens, w.shape.hidden):
         out += [
-            (name + " + tiled projections", replace(f, tiled_projections=True, head_groups=w.shape.kv_heads))
-            for name, f in tiled
+            (name + " + tiled projections", _tiling(c, tiled_projections=True, head_groups=w.shape.kv_heads))
+            for name, c in tiled
         ]
     # Small GPUs: a layer's working set (the MLP's intermediate, the projections' outputs,
     # the logits of a loss chunk) shrinks with finer tiles, at the cost of more and smaller
@@ -158,26 +219,26 @@ def _candidates(
         out += [
             (
                 f"{name} + tiled projections, {max(2, mlp_shards) * factor} shards",
-                replace(
-                    f,
+                _tiling(
+                    c,
                     mlp_shards=max(2, mlp_shards) * factor,
                     tiled_projections=True,
                     head_groups=w.shape.kv_heads,
-                    loss_chunks=f.loss_chunks * factor,
+                    loss_chunks=long_context_counts(option(c, LongContextOptions))[0] * factor,
                 ),
             )
-            for name, f in tiled
+            for name, c in tiled
         ]
     # Last resort for the smallest GPUs: one streamed layer resident instead of two (its
     # weights' copy is then waited for, not overlapped).
     out += [
-        (name + ", one streamed layer resident", replace(f, stream_depth=1))
-        for name, f in out[-len(tiled) :]
-        if f.layer_streaming and stream_depth > 1
+        (name + ", one streamed layer resident", with_options(c, StreamingOptions, depth=1))
+        for name, c in out[-len(tiled) :]
+        if _streams(c) and stream_depth > 1
     ]
     if w.parallel.weight_shards > 1:
         # FSDP2 owns the weights' placement: streaming them is refused (parallel/compat.py).
-        out = [(name, f) for name, f in out if not f.layer_streaming]
+        out = [(name, c) for name, c in out if not _streams(c)]
     return out
 
 
@@ -265,12 +326,12 @@ def plan(
     b = budgets if budgets is not None else Budgets.detect(ranks_per_host=parallel.ranks_per_host if parallel else None)
     results = []
     # Only what the run can realise: an optimizer that cannot be replaced keeps its state.
-    given = Features(fused_lora=fused_lora and bool(w.lora_rank), options=tuple(options))
-    for name, f in _candidates(w, b, stream_depth, optimizer.replaceable, given):
+    given = (LoraOptions(fused=True if fused_lora and w.lora_rank else None), *options)
+    for name, c in _candidates(w, b, stream_depth, optimizer.replaceable, given):
         if w.parallel.splits_sequence:
-            results.append(_with_rotation(w, b, name, f, optimizer))
+            results.append(_with_rotation(w, b, name, c, optimizer))
         else:
-            results.append(_realise(w, b, name, f, optimizer))
+            results.append(_realise(w, b, name, c, optimizer))
     fitting = [p for p in results if p.fits]
     if fitting:
         # Equal times (small workloads round to the same hundredth): the optimizer state and
@@ -280,10 +341,10 @@ def plan(
             fitting,
             key=lambda p: (
                 round(p.time.seconds, 2),
-                p.features.optimizer_offloading,
-                p.features.layer_streaming and not w.lora_rank,  # trainable weights cost host RAM
-                p.features.mlp_shards,
-                p.features.loss_chunks,
+                option(p.options, OptimizerOptions).enabled,
+                _streams(p.options) and not w.lora_rank,  # trainable weights cost host RAM
+                long_context_counts(option(p.options, LongContextOptions))[1],
+                long_context_counts(option(p.options, LongContextOptions))[0],
                 p.memory.gpu_peak,
             ),
         )
@@ -300,61 +361,64 @@ def plan(
     return best
 
 
-def _realise(w: Workload, b: Budgets, name: str, f: Features, optimizer: OptimizerSetup) -> Plan:
+def _realise(w: Workload, b: Budgets, name: str, c: Choice, optimizer: OptimizerSetup) -> Plan:
     """One candidate made to fit where it can: a shorter prefetch horizon, block inputs held on
     the GPU, dropped or with their attention outputs kept, as each helps."""
-    m = estimate_memory(w, f)
-    t = estimate_time(w, f, b.rates, m.block_placement)
+    m = estimate_memory(w, c)
+    t = estimate_time(w, c, b.rates, m.block_placement)
     reasons = _check(w, m, b)
-    for shorter in _shorter_horizons(w, f, m, t, b) if reasons else ():
+    for shorter in _shorter_horizons(w, c, m, t, b) if reasons else ():
         # Fewer block inputs in flight: first the fewest that still hide each fetch behind
         # the layers of backward ahead, then none (each fetch waited for).
-        f = replace(f, horizon=shorter)
-        f = replace(f, ram_blocks=_ram_blocks(w, f, b))  # fewer staging buffers: more room in RAM
-        m = estimate_memory(w, f)
-        t = estimate_time(w, f, b.rates, m.block_placement)
+        c = with_options(c, ActivationOptions, loading_horizon=shorter)
+        c = _placed(w, c, b, *input_counts(w, c))  # fewer staging buffers: more room in RAM
+        m = estimate_memory(w, c)
+        t = estimate_time(w, c, b.rates, m.block_placement)
         reasons = _check(w, m, b)
         if not reasons:
             break
-    held = _gpu_blocks(w, f, m, b) if f.offload_inputs and (reasons or "disk" in m.block_placement) else 0
+    offload = option(c, ActivationOptions).mode is not False
+    held = _gpu_blocks(w, m, b) if offload and (reasons or "disk" in m.block_placement) else 0
     if held:
         # RAM and disk are short but the GPU has room: it holds the newest block inputs.
-        f = replace(f, gpu_blocks=held)
-        f = replace(f, ram_blocks=_ram_blocks(w, f, b))
-        m = estimate_memory(w, f)
-        t = estimate_time(w, f, b.rates, m.block_placement)
+        c = _placed(w, c, b, held, input_counts(w, c)[1])
+        m = estimate_memory(w, c)
+        t = estimate_time(w, c, b.rates, m.block_placement)
         reasons = _check(w, m, b)
     # Not under FSDP2: replaying blocks it shards is refused (parallel/compat.py).
     replayable = w.parallel.weight_shards == 1
-    if replayable and f.offload_inputs and f.checkpointing and (reasons or "disk" in m.block_placement):
-        dropped = _drop_inputs(w, f, b, m, t)
+    checkpointing = option(c, CheckpointOptions).enabled
+    if replayable and offload and checkpointing and (reasons or "disk" in m.block_placement):
+        dropped = _drop_inputs(w, c, b, m, t)
         if dropped is not None:
-            f, m, t = dropped
+            c, m, t = dropped
             reasons = _check(w, m, b)
     if not reasons:
-        kept = _keep_attention(w, f, b, t)
+        kept = _keep_attention(w, c, b, t)
         if kept is not None:
-            f, m, t = kept
-    if f.gpu_blocks:
-        name += f", {f.gpu_blocks} block inputs on the GPU"
-    if f.recompute_blocks:
-        name += f", {f.recompute_blocks} block inputs recomputed"
-    if f.keep_attention:
-        name += f", attention outputs of {f.keep_attention} layers kept"
-    return Plan(w, f, b, name, m, t, not reasons, reasons, optimizer=optimizer)
+            c, m, t = kept
+    gpu_blocks, recompute_blocks = input_counts(w, c)
+    if gpu_blocks:
+        name += f", {gpu_blocks} block inputs on the GPU"
+    if recompute_blocks:
+        name += f", {recompute_blocks} block inputs recomputed"
+    keep = keeps_attention(w, OptionSet(c))
+    if keep:
+        name += f", attention outputs of {keep} layers kept"
+    return Plan(w, c, b, name, m, t, not reasons, reasons, optimizer=optimizer)
 
 
-def _with_rotation(w: Workload, b: Budgets, name: str, f: Features, optimizer: OptimizerSetup) -> Plan:
+def _with_rotation(w: Workload, b: Budgets, name: str, c: Choice, optimizer: OptimizerSetup) -> Plan:
     """One candidate over ranks splitting the sequence, with the ring's rotation: the run's
     when it fixes one; else all-gather where it fits and is as fast (to 0.01 s), all-to-all
     where it does not fit (all-to-all holds one neighbour's keys and values at a time, not the
     whole sequence's) or, on a slow link, hides more of the traffic."""
     first, *others = w.parallel.rotations
-    p = _realise(w, b, name, replace(f, rotation=first), optimizer)
+    p = _realise(w, b, name, with_options(c, ParallelOptions, rotation=first), optimizer)
     if not others:
         p.rotation_note = "as the run sets it"
         return p
-    q = _realise(w, b, name, replace(f, rotation=others[0]), optimizer)
+    q = _realise(w, b, name, with_options(c, ParallelOptions, rotation=others[0]), optimizer)
     if p.fits and (not q.fits or round(p.time.seconds, 2) <= round(q.time.seconds, 2)):
         p.rotation_note = "all-gather fits"
         return p
@@ -365,17 +429,24 @@ def _with_rotation(w: Workload, b: Budgets, name: str, f: Features, optimizer: O
     return q
 
 
-def _keep_attention(w: Workload, f: Features, b: Budgets, t: StepTime):
+def _keep_attention(w: Workload, c: Choice | Features, b: Budgets, t: StepTime):
     """Attention outputs kept in host RAM for the recompute, for as many layers as RAM holds
     beside the block inputs (none on disk, none dropped: replayed runs recompute their blocks
     anyway), where the attention forward saved outweighs the copies.
 
     Returns:
-        ``(features, memory, time)`` with ``keep_attention`` > 0, or None.
+        ``(options, memory, time)`` with ``keep_attention`` set (given features, the features
+        with it), or None.
     """
-    if not (f.checkpointing and f.offload_inputs) or f.recompute_blocks:
+    if isinstance(c, Features):
+        kept = _keep_attention(w, c.options_for(w), b, t)
+        if kept is None:
+            return None
+        g, gm, gt = kept
+        return replace(c, keep_attention=keeps_attention(w, OptionSet(g))), gm, gt
+    if not offloads_inputs(OptionSet(c)) or input_counts(w, c)[1]:
         return None
-    m = estimate_memory(w, f)
+    m = estimate_memory(w, c)
     if "disk" in m.block_placement:
         return None
     room = b.host_bytes + HOST_BASELINE_BYTES - m.host
@@ -383,7 +454,7 @@ def _keep_attention(w: Workload, f: Features, b: Budgets, t: StepTime):
     if layers <= 0:
         return None
     # Kept outputs add host bytes only, and ``room`` holds them: the plan fits as it did.
-    g = replace(f, keep_attention=layers)
+    g = with_options(c, CheckpointOptions, keep_attention=True if layers >= w.shape.layers else layers)
     gm = estimate_memory(w, g)
     if _check(w, gm, b):
         return None
@@ -391,7 +462,7 @@ def _keep_attention(w: Workload, f: Features, b: Budgets, t: StepTime):
     return (g, gm, gt) if gt.seconds < t.seconds else None
 
 
-def _drop_inputs(w: Workload, f: Features, b: Budgets, m: MemoryEstimate, t: StepTime):
+def _drop_inputs(w: Workload, c: Choice, b: Budgets, m: MemoryEstimate, t: StepTime):
     """The recompute placement: the fewest block inputs dropped (kept nowhere, replayed in
     backward from the kept input before them) that let RAM and disk hold the rest, or more,
     up to none left on disk, where replaying a block costs less than moving its input. Block
@@ -402,14 +473,13 @@ def _drop_inputs(w: Workload, f: Features, b: Budgets, m: MemoryEstimate, t: Ste
     bisection: a few estimates per candidate plan, not one per count.
 
     Returns:
-        ``(features, memory, time)`` of the fastest variant that fits, or None (the plan as it
+        ``(options, memory, time)`` of the fastest variant that fits, or None (the plan as it
         is, when it fits and no drop is faster, or when no number of drops fits).
     """
-    best = None if _check(w, m, b) else (t.seconds, f, m, t)
+    best = None if _check(w, m, b) else (t.seconds, c, m, t)
 
     def variant(held: int, drops: int):
-        g = replace(f, gpu_blocks=held, recompute_blocks=drops)
-        g = replace(g, ram_blocks=_ram_blocks(w, g, b))
+        g = _placed(w, c, b, held, drops)
         gm = estimate_memory(w, g)
         return g, gm, _check(w, gm, b)
 
@@ -429,7 +499,7 @@ def _drop_inputs(w: Workload, f: Features, b: Budgets, m: MemoryEstimate, t: Ste
                 lo = mid + 1
         return lo
 
-    for held in range(f.gpu_blocks, -1, -1):
+    for held in range(input_counts(w, c)[0], -1, -1):
         most = w.shape.layers - 2 - held  # block 0's input is always kept
         if most < 1:
             continue
@@ -446,12 +516,12 @@ def _drop_inputs(w: Workload, f: Features, b: Budgets, m: MemoryEstimate, t: Ste
             gt = estimate_time(w, g, b.rates, gm.block_placement)
             if best is None or gt.seconds < best[0]:
                 best = (gt.seconds, g, gm, gt)
-        if best is not None and best[1] is not f:
+        if best is not None and best[1] is not c:
             return best[1], best[2], best[3]
     return None
 
 
-def _gpu_blocks(w: Workload, f: Features, m: MemoryEstimate, b: Budgets) -> int:
+def _gpu_blocks(w: Workload, m: MemoryEstimate, b: Budgets) -> int:
     """How many more block inputs the GPU's room beside the predicted peak holds (counted at
     the allocator's reservation), up to every offloaded one."""
     room = b.gpu_bytes - m.gpu_reserved
@@ -460,14 +530,14 @@ def _gpu_blocks(w: Workload, f: Features, m: MemoryEstimate, b: Budgets) -> int:
     return max(0, min(offloaded, room // per)) if room > 0 else 0
 
 
-def _shorter_horizons(w: Workload, f: Features, m: MemoryEstimate, t, b: Budgets) -> list[int]:
+def _shorter_horizons(w: Workload, c: Choice, m: MemoryEstimate, t, b: Budgets) -> list[int]:
     """Prefetch horizons below the engine's default to try when the step does not fit: the
     smallest that still hides a block input's fetch behind the backward of the layers ahead
     of it, then 0."""
-    if not (f.checkpointing and f.offload_inputs) or f.horizon is not None:
+    if not offloads_inputs(OptionSet(c)) or option(c, ActivationOptions).loading_horizon is not None:
         return []
     from_disk = "disk" in m.block_placement
-    default = default_horizon(from_disk, f.optimizer_offloading and w.updates_in_backward)
+    default = default_horizon(from_disk, option(c, OptimizerOptions).enabled and w.updates_in_backward)
     rate = b.rates.disk_read_bytes_per_s if from_disk else b.rates.pcie_bytes_per_s
     layer_backward_s = max(t.compute_s / 2 / w.shape.layers, 1e-9)  # about half the compute is backward
     needed = max(1, math.ceil(w.block_input_bytes / rate / layer_backward_s))
