@@ -169,3 +169,21 @@ def test_the_options_a_plans_config_sets_predict_the_plans_bytes_and_time():
             m = estimate_memory(p.workload, read)
             assert m == p.memory, p.name
             assert estimate_time(p.workload, read, p.budgets.rates, m.block_placement) == p.time, p.name
+
+
+def test_the_planners_candidates_are_components_options():
+    """Every candidate the search realises is a tuple of options (the planned components' in
+    order, then the run's), and a plan built from its options alone is the same plan."""
+    from offloadkit.options import Options
+    from offloadkit.planning.plan import Plan
+    from offloadkit.planning.planner import _candidates
+
+    for model, seq, rank, budgets, kwargs in CASES:
+        p = plan(model, seq, lora_rank=rank, budgets=budgets, **kwargs)
+        w = p.workload
+        given = tuple(kwargs.get("options", ()))
+        for name, c in _candidates(w, budgets, 2, True, given):
+            assert all(isinstance(o, Options) for o in c), name
+            assert [type(o) for o in c] == [*PLANNED_OPTIONS, *(type(o) for o in given)], name
+        again = Plan(w, p.options, p.budgets, p.name, p.memory, p.time, p.fits, optimizer=p.optimizer)
+        assert again.options == p.options and again.to_config() == p.to_config()
