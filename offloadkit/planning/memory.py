@@ -227,9 +227,8 @@ class Features:
         loss_chunks: chunks of the chunked loss; 0: the unchunked loss.
         mlp_shards: shards of the tiled MLP; 1: untiled.
         tiled_projections: the norms and attention projections run tiled too (they save
-            only their bf16 inputs). A run's options tile them only with the MLP
-            (:meth:`of` gives ``tiled_projections`` only with ``mlp_shards`` > 1); the
-            footprints read this flag itself.
+            only their bf16 inputs). With ``mlp_shards`` 1 the options are the tiled MLP's at
+            one shard (the MLP counts as untiled; the planner never chooses this).
         horizon: offloaded block inputs brought back ahead in backward (None: the engine's
             default, 2 from RAM and 4 from disk).
         optimizer_offloading: a full fine-tune's AdamW state in host memory (BackwardAdamW):
@@ -237,7 +236,8 @@ class Features:
             ``Workload.updates_in_backward``, one gradient at a time (else every gradient,
             until ``step()``).
         copy_window_bytes: GPU bytes of optimizer state in flight, each way (None: BackwardAdamW's
-            default for the precision).
+            default for the precision); an estimate reads it as the workload's
+            (:attr:`Workload.copy_window_bytes`).
         recompute_blocks: offloaded block inputs dropped instead (kept nowhere, recomputed in
             backward from the kept input before them), spread evenly so that the runs between
             kept inputs are as short as possible.
@@ -251,7 +251,7 @@ class Features:
             (:func:`~offloadkit.planning.parallelism.ring_rotation`).
         fused_lora: LoRA layers run fused in the compute dtype (``offloadkit/lora``).
         options: the options of components the planner does not choose, as the run sets them
-            (each footprint reads its own with :meth:`of`; one not given has its defaults).
+            (one not given has its defaults).
     """
 
     checkpointing: bool = True
