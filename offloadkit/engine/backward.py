@@ -8,7 +8,8 @@ learned or the reverse save order) on their way, so the compute stream only wait
 copy that could not have started earlier. A resident copy is dropped once every handle
 sharing it has been unpacked; the end of the pass drops what was fetched and never used.
 Outputs kept for a checkpoint's recompute (:meth:`BackwardPath.restore_output`) are entries
-of the same step and come back the same way.
+of the same step and come back through the same look-ahead walk, as their block's backward
+begins rather than with the blocks fetched ahead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from offloadkit.runtime.device import current_stream
 from offloadkit.transfer.prefetch import Ahead, Status
 
 __all__ = ["BackwardPath"]
+
+
+_FIRST = object()  # no entry consumed yet in this walk
 
 
 class BackwardPath:
@@ -147,7 +151,17 @@ class BackwardPath:
 
     def _upcoming(self, step: Step, current: Entry | None):
         shared = self.shared
+        now = current.group if current is not None else _FIRST
         for entry in shared.planner.upcoming(step, current):
+            if now is _FIRST:
+                now = entry.group  # the pass begins: the first group is the one needed now
+            if entry.for_recompute and entry.gpu is None and entry.group != now:
+                # Kept outputs come back as their block's recompute begins (its inputs being
+                # taken), ahead of its attention: with the look-ahead, every block fetched
+                # ahead would hold its outputs beside its inputs (8 KiB a token each for an
+                # 8B layer), where the recompute holds one block's.
+                yield entry, entry.nbytes, entry.group, Status.SKIP
+                continue
             yield entry, entry.nbytes, entry.group, Status.HERE if entry.gpu is not None else Status.FETCH
 
     def fetch_ahead(self, entry) -> None:

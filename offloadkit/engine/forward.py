@@ -80,11 +80,12 @@ class ForwardPath:
             if decision.reason == "small":
                 shared.stats.note_kept(decision.reason, t.numel() * t.element_size())
                 return Kept(t)
-            return self._hold(t, decision.where, state) if decision.offload else None
+            return self._hold(t, decision.where, state, for_recompute=True) if decision.offload else None
 
-    def _hold(self, t: torch.Tensor, where: str | None, state) -> Packed | None:
+    def _hold(self, t: torch.Tensor, where: str | None, state, for_recompute: bool = False) -> Packed | None:
         """A handle on an entry holding ``t``'s bytes (found, merged or new), or None where the
-        storage tier refused them (caller holds the lock)."""
+        storage tier refused them (caller holds the lock). ``for_recompute``: ``t`` is an
+        output kept for a recompute; its entry is marked so where it holds nothing else."""
         shared = self.shared
         nbytes = t.numel() * t.element_size()
         self.lifetime.drain()
@@ -97,7 +98,7 @@ class ForwardPath:
         entry = self._find(step, key, start, end, version, now)
         copied = entry is None
         if entry is not None:
-            entry.saved_again(state.group)  # needed with its newest saver's group
+            entry.saved_again(state.group, for_recompute)  # needed with its newest saver's group
             shared.stats.deduplicated_tensors += 1
             shared.stats.deduplicated_bytes += nbytes
             shared.planner.on_saved(step, entry, new=False)  # backward needs it at its newest use
@@ -128,6 +129,7 @@ class ForwardPath:
             )
             for old in overlapping:
                 self._merge(old, entry)
+            entry.for_recompute = for_recompute and all(old.for_recompute for old in overlapping)
         entry.add_handle()
         return Packed(entry, t, shared.dead, copied)
 

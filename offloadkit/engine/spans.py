@@ -83,6 +83,9 @@ class Entry:
     # ``merged_into`` (``shift`` bytes further in), and its own copy was given back.
     merged_into: "Entry | None" = None
     shift: int = 0
+    # Holds only outputs a checkpoint's recompute takes instead of computing them again: they
+    # come back as their block's recompute begins, not with the look-ahead (engine/backward.py).
+    for_recompute: bool = False
 
     # -- every change of an entry's state is one of these (the engine reads fields, and
     # -- writes them only through here) --------------------------------------------------
@@ -91,9 +94,11 @@ class Entry:
         self.group, self.born = group, born
         self.span_start, self.span_end = span
 
-    def saved_again(self, group: int | None) -> None:
-        """A later save is served by this entry: backward needs it with that saver's group."""
+    def saved_again(self, group: int | None, for_recompute: bool = False) -> None:
+        """A later save is served by this entry: backward needs it with that saver's group (and,
+        for a saved tensor's, when the look-ahead brings the group back)."""
         self.group = group
+        self.for_recompute = self.for_recompute and for_recompute
 
     def add_handle(self) -> None:
         self.live += 1

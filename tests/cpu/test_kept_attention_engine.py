@@ -92,15 +92,38 @@ def test_kept_outputs_are_entries_of_the_blocks_group():
     assert sizes[True][1] == sizes[False][1] + OUTPUTS
 
 
-def test_the_scheduler_fetches_them_before_the_recompute_takes_them():
+def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
+    """From the second step (the order of use learned), every kept output is fetched by the
+    scheduler before the recompute asks for it, as its block's backward begins, and never
+    while another block's outputs wait on the device: one block's at a time, as the recompute
+    would hold them (with the look-ahead, each block ahead would hold its outputs too)."""
     model = _model()
     handle = _apply(model)
     offloader = handle.offloader
     saved = _record_saves(offloader)
     lane = offloader._shared.lane
-    fetched, taken = [], []
+    fetched, taken, outputs_resident, taken_seqs = [], [], [], set()
     fetch = lane.fetch
-    lane.fetch = lambda entry: (fetched.append(entry), fetch(entry))
+
+    def fetching(entry):
+        if entry.for_recompute:
+            # Outputs of another block, on the device and not yet taken by its recompute.
+            waiting = {
+                e.group for e in saved if e.gpu is not None and e.group != entry.group and e.seq not in taken_seqs
+            }
+            outputs_resident.append(waiting)
+        fetched.append(entry)
+        fetch(entry)
+
+    lane.fetch = fetching
+    planner = offloader._shared.planner
+    consumed = planner.on_consumed
+
+    def consuming(step, entry):
+        taken_seqs.add(entry.seq)
+        return consumed(step, entry)
+
+    planner.on_consumed = consuming
     restore = offloader.restore_for_recompute
 
     def taking(h):
@@ -110,19 +133,17 @@ def test_the_scheduler_fetches_them_before_the_recompute_takes_them():
 
     offloader.restore_for_recompute = taking
     counter = _Count()
+    batch = make_batch(256, 2, 64)
+    run_step(model, batch)  # learns the order of use
+    for record in (fetched, taken, outputs_resident, saved, taken_seqs):
+        record.clear()
     with AttentionCalls(counter):
-        run_step(model, make_batch(256, 2, 64))
-    assert counter.runs == LAYERS and handle.attention_stats.replayed == LAYERS
-    assert len(taken) == OUTPUTS
-    # Every one was queued by the scheduler's look-ahead and is on the device when asked for.
+        run_step(model, batch)
+    assert counter.runs == LAYERS and handle.attention_stats.replayed == 2 * LAYERS
+    assert len(taken) == OUTPUTS and {e for e, _, _ in taken} == set(saved)
+    # Every one was queued by the scheduler and is on the device when asked for.
     assert all(was_fetched and resident for _, was_fetched, resident in taken), taken
-    assert {e for e, _, _ in taken} == set(saved)
-    # A block's outputs come back with its inputs: no fetch of another block between them.
-    groups = [e.group for e in fetched]
-    for block in range(LAYERS - 1):
-        group = saved[2 * block].group
-        where = [i for i, g in enumerate(groups) if g == group]
-        assert where == list(range(where[0], where[0] + len(where))), groups
+    assert len(outputs_resident) == OUTPUTS and not any(outputs_resident), outputs_resident
     handle.remove()
 
 
