@@ -37,11 +37,6 @@ def main(variant: str) -> None:
     model.zero_grad(set_to_none=True)
     handles = []
     if stack:
-        if variant == "kept":
-            # The small model's attention outputs kept as an 8B layer's would be.
-            import offloadkit.checkpointing.attention as kept
-
-            kept.MIN_KEPT_BYTES = 0
         handles = [apply_chunked_loss(model, 2), apply_tiled_mlp(model, 2),
                    apply_activation_checkpointing(model, offload_inputs=True, keep_attention=variant == "kept")]
     cp = apply_context_parallel(model, mesh, rotation="alltoall" if shared else "allgather")
