@@ -79,8 +79,15 @@ def _state_allocation(how: str) -> None:
     """Diagnostic rearrangements of where BackwardAdamW's state buffers come from (not options
     of the library): "per_tensor" (each from the allocator, no arena), "flat" (one buffer a
     parameter, its keys as views), "pool" (a private memory pool on the compute stream),
-    "flat+pool"; "as_is" leaves the library's (one arena a pass)."""
+    "flat+pool"; "arena_half" (the arena at half what the last pass held at once: copies in
+    wait on the device for copies back sooner); "as_is" leaves the library's (one arena a pass)."""
     if how == "as_is":
+        return
+    if how == "arena_half":
+        from offloadkit.optim.state_arena import RingSize
+
+        measured = RingSize.end_pass
+        RingSize.end_pass = lambda self: measured(self) // 2
         return
     from offloadkit.optim.state_copies import StateCopies
 
@@ -406,7 +413,7 @@ def main() -> None:
     ap.add_argument(
         "--state-allocation",
         default="as_is",
-        choices=("as_is", "per_tensor", "flat", "pool", "flat+pool"),
+        choices=("as_is", "per_tensor", "arena_half", "flat", "pool", "flat+pool"),
         help="offloadkit modes: where the state buffers come from (a diagnostic rearrangement)",
     )
     ap.add_argument(
