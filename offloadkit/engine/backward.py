@@ -27,9 +27,6 @@ from offloadkit.transfer.prefetch import Ahead, Status
 __all__ = ["BackwardPath"]
 
 
-_FIRST = object()  # no entry consumed yet in this walk
-
-
 class BackwardPath:
     """Unpack, passes, prefetch and residency of one engine, in the ``shared`` state; a
     resident copy goes through ``lifetime``."""
@@ -151,18 +148,29 @@ class BackwardPath:
 
     def _upcoming(self, step: Step, current: Entry | None):
         shared = self.shared
-        now = current.group if current is not None else _FIRST
         for entry in shared.planner.upcoming(step, current):
-            if now is _FIRST:
-                now = entry.group  # the pass begins: the first group is the one needed now
-            if entry.for_recompute and entry.gpu is None and entry.group != now:
-                # Kept outputs come back as their block's recompute begins (its inputs being
-                # taken), ahead of its attention: with the look-ahead, every block fetched
-                # ahead would hold its outputs beside its inputs (8 KiB a token each for an
-                # 8B layer), where the recompute holds one block's.
+            if entry.for_recompute and entry.gpu is None:
+                # Kept outputs come back when their block's recompute begins (fetch_outputs):
+                # with the look-ahead, every block fetched ahead, and the head's backward,
+                # would hold them beside the inputs (8 KiB a token for an 8B layer; +2 GiB at
+                # the peak of a 256K step), where the recompute holds one block's.
                 yield entry, entry.nbytes, entry.group, Status.SKIP
                 continue
             yield entry, entry.nbytes, entry.group, Status.HERE if entry.gpu is not None else Status.FETCH
+
+    def fetch_outputs(self, handles) -> None:
+        """Queue the copies back of a block's kept outputs as its recompute begins, ahead of
+        its attention, through the scheduler (its window counts them)."""
+        shared = self.shared
+        entries = {id(e): e for e in (h.entry.resolve()[0] for h in handles if isinstance(h, Packed))}
+        live = [e for e in entries.values() if not e.released]
+        if not live:
+            return
+        with shared.lock:
+            for step in {id(e.step): e.step for e in live}.values():
+                self.pass_for(step)
+            items = [(e, e.nbytes, None, Status.HERE if e.gpu is not None else Status.FETCH) for e in live]
+            shared.scheduler.prefetch(shared.lane, items, Ahead(min_bytes=sum(e.nbytes for e in live)))
 
     def fetch_ahead(self, entry) -> None:
         self._fetch(entry)

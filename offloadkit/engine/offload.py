@@ -275,16 +275,16 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
         finally:
             state.placed = previous
 
+    # Outputs of a checkpointed block's forward that its recompute takes instead of computing
+    # them again (checkpointing/attention.py): held as saved tensors are (None: not kept),
+    # brought back as the recompute begins, restored there (None: written since; recompute).
     def save_for_recompute(self, t: torch.Tensor) -> Packed | Kept | None:
-        """Hold ``t``, an output of a checkpointed block's forward that its recompute takes
-        instead of computing it again (:class:`~offloadkit.checkpointing.attention.KeptAttention`),
-        as saved tensors are held (``engine/forward.py:ForwardPath.save_output``). Returns the
-        handle for :meth:`restore_for_recompute`, or None: not kept (compute it again)."""
         return self._forward.save_output(t)
 
+    def fetch_for_recompute(self, handles) -> None:
+        self._backward.fetch_outputs(handles)
+
     def restore_for_recompute(self, handle: Packed | Kept) -> torch.Tensor | None:
-        """The tensor :meth:`save_for_recompute` held, ready on the current stream; None where
-        it was written in place since (compute it again)."""
         return self._backward.restore_output(handle)
 
     def update_model_params(self, model: torch.nn.Module) -> None:

@@ -94,7 +94,7 @@ def test_kept_outputs_are_entries_of_the_blocks_group():
 
 def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
     """From the second step (the order of use learned), every kept output is fetched by the
-    scheduler before the recompute asks for it, as its block's backward begins, and never
+    scheduler before the recompute asks for it, as its block's recompute begins, and never
     while another block's outputs wait on the device: one block's at a time, as the recompute
     would hold them (with the look-ahead, each block ahead would hold its outputs too)."""
     model = _model()
@@ -112,10 +112,20 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
                 e.group for e in saved if e.gpu is not None and e.group != entry.group and e.seq not in taken_seqs
             }
             outputs_resident.append(waiting)
+            # Not at the head's backward nor with the blocks fetched ahead: as its recompute begins.
+            assert began and entry.group in began[-1], (began, entry.group)
         fetched.append(entry)
         fetch(entry)
 
     lane.fetch = fetching
+    began: list = []  # the groups of each recompute, as it begins
+    fetch_for_recompute = offloader.fetch_for_recompute
+
+    def beginning(handles):
+        began.append({h.entry.resolve()[0].group for h in handles})
+        fetch_for_recompute(handles)
+
+    offloader.fetch_for_recompute = beginning
     planner = offloader._shared.planner
     consumed = planner.on_consumed
 
@@ -135,7 +145,7 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
     counter = _Count()
     batch = make_batch(256, 2, 64)
     run_step(model, batch)  # learns the order of use
-    for record in (fetched, taken, outputs_resident, saved, taken_seqs):
+    for record in (fetched, taken, outputs_resident, saved, taken_seqs, began):
         record.clear()
     with AttentionCalls(counter):
         run_step(model, batch)
