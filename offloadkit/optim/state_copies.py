@@ -92,6 +92,7 @@ class StateCopies:
         self._slots: dict[int, Slot] = {}  # id(p) -> its state's slot, fetched and not yet stored
         self._ring_bytes = 0  # this pass's arena (0: none; measured over the last pass)
         self._ring_size = RingSize(window_bytes // RING_ITEM_SHARE)
+        self._counted: set[int] = set()  # id(p) of states fetched that the ring size counts
         self.arena_stats = ArenaStats()
         self._ahead_rule = self._window_rule()
         self._lock = threading.RLock()
@@ -147,6 +148,10 @@ class StateCopies:
         gpu, slot, follow = self._allocate(state, keys, device)
         if slot is not None:
             self._slots[id(p)] = slot
+        nbytes = _aligned_bytes(gpu)
+        if self._ring_size.counts(nbytes):
+            self._ring_size.taken(nbytes)
+            self._counted.add(id(p))
         for completion in follow:
             order_after(h2d, completion)  # the bytes' last tenant has been copied back
         # No record_stream(h2d): its free would then wait for every copy queued on h2d by then
@@ -162,10 +167,8 @@ class StateCopies:
     def _allocate(self, state: dict, keys: tuple[str, ...], device: torch.device):
         """The device tensors of one parameter's state: from this pass's arena where it has
         room, with the completions the copy in must follow; else from the allocator."""
-        nbytes = sum(aligned(state[k].nbytes) for k in keys)
-        if not self._ring_size.counts(nbytes):
+        if not self._ring_size.counts(sum(aligned(state[k].nbytes) for k in keys)):
             return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}, None, []
-        self._ring_size.taken(nbytes)
         arena = self._arenas.get(device)
         if arena is None and self._ring_bytes:
             # On the compute stream, as fetched activations are: the memory returns there.
@@ -251,7 +254,8 @@ class StateCopies:
         slot = self._slots.pop(id(p), None)
         if slot is not None:
             Ring.release(slot, done)  # its bytes are taken again once the copy back has read them
-        if self._ring_size.counts(_aligned_bytes(gpu)):
+        if id(p) in self._counted:  # not a state the update made here (SGD's first momentum)
+            self._counted.discard(id(p))
             self._ring_size.stored(done, _aligned_bytes(gpu))
         nbytes = sum(t.nbytes for t in gpu.values())
         self._back.append((done, nbytes))
@@ -292,9 +296,9 @@ class StateCopies:
         that allocated it once their copies in are done (ordered there, not waited for)."""
         for key, (gpu, done, _, allocated_on) in self._ahead.items():
             allocated_on.wait_event(done)
-            nbytes = _aligned_bytes(gpu)
-            if self._ring_size.counts(nbytes):
-                self._ring_size.dropped(nbytes)
+            if key in self._counted:
+                self._counted.discard(key)
+                self._ring_size.dropped(_aligned_bytes(gpu))
             slot = self._slots.pop(key, None)
             if slot is not None:
                 Ring.release(slot, done)  # never used: its bytes are free once the copy in is done
@@ -311,6 +315,7 @@ class StateCopies:
             self._updating.clear()
             self._drop_arenas()
             self._ring_bytes, self._ring_size = 0, RingSize(self.window_bytes // RING_ITEM_SHARE)
+            self._counted.clear()
             self._devices.clear()
             self._order, self._position, self._seen, self._seen_ids = [], {}, [], set()
 

@@ -134,3 +134,103 @@ def test_the_next_ring_holds_what_the_pass_held_at_once():
 def test_states_past_the_item_limit_do_not_size_the_ring():
     size = RingSize(item_limit=ALIGN)
     assert size.counts(ALIGN) and not size.counts(ALIGN + 1) and not size.counts(0)
+
+
+class _Event:
+    def __init__(self, log: list, what: str) -> None:
+        self.what, self.finished = what, False
+        log.append(self)
+
+    def query(self) -> bool:
+        return self.finished
+
+    def synchronize(self) -> None:
+        self.finished = True
+
+
+class _Stream:
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self.waited: list = []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+    def record_event(self):
+        return _Event(self.log, "compute")
+
+
+@pytest.fixture
+def stubbed_copies(monkeypatch):
+    """StateCopies over CPU tensors: streams and copies stubbed (a copy is done when the test
+    says so), the arena's buffer in host memory; the bookkeeping is the library's."""
+    import contextlib
+
+    import offloadkit.optim.state_copies as sc
+
+    log: list = []
+    compute, h2d, d2h = _Stream(log), _Stream(log), _Stream(log)
+    monkeypatch.setattr(sc, "copy_stream", lambda device, kind: h2d if kind == "h2d_bulk" else d2h)
+    monkeypatch.setattr(sc.torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(sc.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    monkeypatch.setattr(sc, "order_after", lambda stream, completion: stream.wait_event(completion))
+
+    def queue_copy(dst, src, *, stream, block, after):
+        dst.copy_(src)
+        return _Event(log, "d2h" if stream is d2h else "h2d")
+
+    monkeypatch.setattr(sc, "queue_copy", queue_copy)
+    return sc, log, h2d
+
+
+def _pass(copies, params, log, finish_copies_back: bool) -> None:
+    for p in params:
+        got = copies.fetch(p)
+        copies.store(p, got)
+        if finish_copies_back:
+            for e in log:
+                e.finished = True
+    copies.end_pass()
+
+
+def test_a_pass_carves_its_state_from_a_ring_sized_by_the_last_pass(stubbed_copies):
+    sc, log, h2d = stubbed_copies
+    params = [torch.zeros(256) for _ in range(8)]  # 1 KiB of fp32 state each: 2 aligned slots
+    item = 2 * ALIGN
+    states = {id(p): {"exp_avg": torch.full((256,), float(i))} for i, p in enumerate(params)}
+    copies = sc.StateCopies(lambda p: (states[id(p)], ("exp_avg",)), window_bytes=64 * ALIGN)
+    copies.set_groups([[p] for p in params], ahead=1)  # one parameter fetched ahead
+    _pass(copies, params, log, finish_copies_back=True)  # first pass: no order, the allocator
+    assert copies.arena_stats.carved == 0
+    assert copies._ring_bytes == 2 * item  # one state held at a time, and one for a wrap
+    _pass(copies, params, log, finish_copies_back=True)
+    stats = copies.arena_stats
+    # Two states at once (one updated, one fetched ahead) in a ring of two: it wraps, and
+    # never finds its oldest tenant still in use.
+    assert (stats.carved, stats.missed) == (8, 0) and stats.wrapped > 0, stats
+    assert copies._ring_bytes == 3 * item
+    _pass(copies, params, log, finish_copies_back=False)  # copies back slower than updates
+    assert (copies.arena_stats.carved, copies.arena_stats.missed) == (16, 0)
+    # A reused slot's copy in waits on the device for its last tenant's copy back, unfinished.
+    assert any(e.what == "d2h" and not e.finished for e in h2d.waited)
+    assert copies._ring_bytes == 9 * item  # nothing came back: all eight held at once
+    copies.wait_all()
+    for i, p in enumerate(params):
+        assert torch.equal(states[id(p)]["exp_avg"], torch.full((256,), float(i)))  # round trips exact
+
+
+def test_a_state_the_update_made_does_not_shrink_the_next_ring(stubbed_copies):
+    """SGD's first momentum buffer is made by the update and only copied back: it was never
+    counted as taken, so its copy back must not be counted as leaving."""
+    sc, log, _ = stubbed_copies
+    params = [torch.zeros(256) for _ in range(4)]
+    states = {id(p): {"momentum_buffer": torch.zeros(256)} for p in params}
+    copies = sc.StateCopies(lambda p: (states[id(p)], ("momentum_buffer",)), window_bytes=64 * ALIGN)
+    for p in params:
+        copies.store(p, {"momentum_buffer": torch.ones(256)})
+    for e in log:
+        e.finished = True
+    _pass(copies, params, log, finish_copies_back=False)
+    assert copies._ring_size.live >= 0
+    assert copies._ring_bytes == 5 * 2 * ALIGN  # the four held at once, plus one for a wrap
