@@ -8,11 +8,7 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 { python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__, torch.cuda.get_device_name())"
   nvidia-smi -L; echo "commit ${OFFLOADKIT_COMMIT:-}"; } | tee "$OUT/env.txt"
-MULTI="tests/gpu/test_distributed_updates_cuda.py tests/gpu/test_context_parallel_cuda.py"
-mapfile -t files < <(for f in tests/gpu/test_*_cuda.py; do
-  [[ " $MULTI " == *" $f "* ]] && continue; echo "$(grep -c 'def test' "$f") $f"; done | sort -rn | cut -d' ' -f2)
-declare -a groups
-for i in "${!files[@]}"; do g=$(( i % 2 )); groups[$g]="${groups[$g]:-} ${files[$i]}"; done
+deal_suite 2
 say "start"
 ( for g in 0 1; do
     CUDA_VISIBLE_DEVICES=$g timeout 330 python3 -m pytest -m gpu -q --timeout 240 -p no:cacheprovider -rfE \

@@ -12,18 +12,10 @@ from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.engine.decide import decide_output
 from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.runtime.attention_ops import AttentionCalls
-from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
+from offloadkit.testing import assert_bitwise_equal, make_batch, run_step
+from tests.cpu.test_kept_attention import LAYERS, _CountKernels, _model
 
-LAYERS = 3
 OUTPUTS = 2 * LAYERS  # an output and its log-sum-exp per layer
-
-
-def _model():
-    torch.manual_seed(0)
-    model = build_llama("tiny", num_hidden_layers=LAYERS, attn_implementation="sdpa")
-    model.config.use_cache = False
-    model.train()
-    return model
 
 
 def _apply(model, keep=True, **kw):
@@ -142,7 +134,7 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
         return restore(h)
 
     offloader.restore_for_recompute = taking
-    counter = _Count()
+    counter = _CountKernels()
     batch = make_batch(256, 2, 64)
     run_step(model, batch)  # learns the order of use
     for record in (fetched, taken, outputs_resident, saved, taken_seqs, began):
@@ -155,15 +147,6 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
     assert all(was_fetched and resident for _, was_fetched, resident in taken), taken
     assert len(outputs_resident) == OUTPUTS and not any(outputs_resident), outputs_resident
     handle.remove()
-
-
-class _Count:
-    def __init__(self):
-        self.runs = 0
-
-    def __call__(self, op, args, kwargs, run):
-        self.runs += 1
-        return run()
 
 
 def test_a_graph_dropped_without_backward_frees_them():
@@ -211,7 +194,7 @@ def test_a_refused_output_runs_the_kernel_and_gives_the_rest_back():
 
     tier.store = lambda src, *a: None if refusing["on"] else store(src, *a)
     offloader.save_for_recompute = save_refusing_the_second
-    counter = _Count()
+    counter = _CountKernels()
     with AttentionCalls(counter):
         got = run_step(model, make_batch(256, 2, 64))
     stats = handle.attention_stats
@@ -230,7 +213,7 @@ def test_small_outputs_stay_where_they_are():
     """Under the engine's threshold an output is held as it is, and still replayed."""
     model = _model()
     handle = _apply(model, min_offload_size=1 << 30)
-    counter = _Count()
+    counter = _CountKernels()
     with AttentionCalls(counter):
         run_step(model, make_batch(256, 2, 64))
     stats = handle.attention_stats
