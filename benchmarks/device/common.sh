@@ -17,3 +17,17 @@ deal_suite() {
   groups=()
   for i in "${!files[@]}"; do groups[$(( i % $1 ))]="${groups[$(( i % $1 ))]:-} ${files[$i]}"; done
 }
+# The single-GPU suite over GPUs 0 and 1 at once, then the two-GPU tests on them; results in
+# $OUT/gpu_tests_{0,1,multi}.txt.
+suite_on_gpus_0_1() {
+  local g
+  deal_suite 2
+  for g in 0 1; do
+    CUDA_VISIBLE_DEVICES=$g timeout 330 python3 -m pytest -m gpu -q --timeout 240 -p no:cacheprovider -rfE \
+      ${groups[$g]} > "$OUT/gpu_tests_$g.txt" 2>&1 &
+  done; wait
+  say "single-GPU suite: $(tail -1 "$OUT/gpu_tests_0.txt") | $(tail -1 "$OUT/gpu_tests_1.txt")"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
+    > "$OUT/gpu_tests_multi.txt" 2>&1
+  say "two GPUs: $(tail -1 "$OUT/gpu_tests_multi.txt")"
+}

@@ -9,16 +9,8 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 { python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__, torch.cuda.get_device_name())"
   nvidia-smi -L | head -4; echo "commit ${OFFLOADKIT_COMMIT:-} before ${BEFORE_COMMIT:-}"; } | tee "$OUT/env.txt"
-deal_suite 2
 say "start"
-( for g in 0 1; do
-    CUDA_VISIBLE_DEVICES=$g timeout 330 python3 -m pytest -m gpu -q --timeout 240 -p no:cacheprovider -rfE \
-      ${groups[$g]} > "$OUT/gpu_tests_$g.txt" 2>&1 &
-  done; wait
-  say "single-GPU suite: $(tail -1 "$OUT/gpu_tests_0.txt") | $(tail -1 "$OUT/gpu_tests_1.txt")"
-  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
-    > "$OUT/gpu_tests_multi.txt" 2>&1
-  say "two GPUs: $(tail -1 "$OUT/gpu_tests_multi.txt")" ) &
+suite_on_gpus_0_1 &
 ( export CUDA_VISIBLE_DEVICES=2
   timeout 200 python3 benchmarks/full_ft_peers.py --out /tmp/p_half --shapes llama-3.2-3b \
     --modes offloadkit+chunked_loss --warmup 2 --steps 2 --update-groups --state-allocation arena_half 2>&1 | grep "| llama"
