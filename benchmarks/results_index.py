@@ -282,6 +282,15 @@ CLAIMS: list[Claim | Ratio] = [
     Claim("reserved-fixed-segments", "3B full fine-tune, 16K, through prepare(), one H100: reserved over "
           "allocated with fixed-size segments", _r("full-ft/reserved-h100-df4d55f/README.md"),
           pattern=r"bf16 moments, through `prepare\(\)`[^\n]*\| ([0-9.]+)x -> [0-9.]+x \|", unit="x"),
+    # The same through prepare() with the optimizer state arena (H200).
+    Claim("reserved-arena-allocated", "3B full fine-tune, 16K, through prepare(), one H200, the state arena: "
+          "peak allocated", _r("full-ft/waits-and-reserved-h200/trainer-overheads-arena-sized-94444b5.json"),
+          "records[case=fullft-prepare].peak_allocated_gib", unit="GiB", quoted=False),
+    Claim("reserved-arena-reserved", "the same: peak reserved",
+          _r("full-ft/waits-and-reserved-h200/trainer-overheads-arena-sized-94444b5.json"),
+          "records[case=fullft-prepare].peak_reserved_gib", unit="GiB", quoted=False),
+    Ratio("reserved-arena", "the same: reserved over allocated", "reserved-arena-reserved",
+          "reserved-arena-allocated", fmt=".2f"),
     # Frozen weights off the GPU: layer streaming against FSDP2's CPU offload.
     Claim("weights-resident-step", "8B LoRA, 16K, one H100, frozen weights resident: step", _WEIGHTS,
           "rows[mode=resident].step_s", unit="s", fmt=".3f", quoted=False),
@@ -311,7 +320,12 @@ CLAIMS: list[Claim | Ratio] = [
 ]  # fmt: skip
 
 # Provenance a result file does not hold itself, where a file beside it writes it down.
+_ARENA_README = _r("full-ft/waits-and-reserved-h200/README.md")
 RECORDED: dict[str, dict[str, Recorded]] = {
+    _r("full-ft/waits-and-reserved-h200/trainer-overheads-arena-sized-94444b5.json"): {
+        "commit": Recorded(_ARENA_README, r"arena_sized\.sh` at ([0-9a-f]{7,40})"),
+        "command": Recorded(_ARENA_README, r"`(bash benchmarks/device/arena_sized\.sh)`"),
+    },
     _512K: {"command": Recorded(_r("longctx/512k/README.md"), r"`(bash benchmarks/device/longctx_512k\.sh)`")},
     _r("longctx/512k/README.md"): {
         "command": Recorded(_r("longctx/512k/README.md"), r"`(bash benchmarks/device/longctx_512k\.sh)`")
