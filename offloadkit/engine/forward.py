@@ -129,7 +129,7 @@ class ForwardPath:
             )
             for old in overlapping:
                 self._merge(old, entry)
-            entry.for_recompute = for_recompute and all(old.for_recompute for old in overlapping)
+            entry.mark_for_recompute(for_recompute and all(old.for_recompute for old in overlapping))
         entry.add_handle()
         return Packed(entry, t, shared.dead, copied)
 

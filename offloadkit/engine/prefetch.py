@@ -41,6 +41,7 @@ class Step:
         "trace",
         "consumed",
         "window_bytes",
+        "outputs",
     )
 
     def __init__(self) -> None:
@@ -56,6 +57,7 @@ class Step:
         self.trace: list[int] = []  # seqs in consumption order during the current pass
         self.consumed: set[int] = set()  # seqs used in the current pass
         self.window_bytes = 0
+        self.outputs = 0  # seqs of entries holding only outputs kept for a recompute
 
 
 class PrefetchPlanner:
@@ -95,7 +97,11 @@ class PrefetchPlanner:
         step.trace = []
         step.consumed = set()
         plan = self._plan
-        ok = plan is not None and len(plan) == step.next_seq == len(step.by_seq)
+        # Outputs kept for a recompute are fetched as it begins, not by the learned order: a
+        # step matches it when its saved tensors' entries do (a kernel run again leaves its
+        # outputs unused, and one refused in part gives the rest back in forward).
+        saved = sum(1 for e in step.by_seq.values() if not e.for_recompute)
+        ok = plan is not None and len(plan) == step.next_seq - step.outputs == saved
         step.plan = plan if ok else None
         return ok
 
@@ -105,12 +111,13 @@ class PrefetchPlanner:
         if entry.seq in step.consumed:
             return False
         step.consumed.add(entry.seq)
-        step.trace.append(entry.seq)
+        if not entry.for_recompute:
+            step.trace.append(entry.seq)
         return True
 
     def end_pass(self, step: Step) -> None:
         # Learn only from a pass that used every entry of its forward exactly once.
-        if step.trace and len(step.trace) == step.next_seq:
+        if step.trace and len(step.trace) == step.next_seq - step.outputs:
             self._plan = step.trace
         step.trace = []
         step.plan = None

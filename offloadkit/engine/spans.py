@@ -98,7 +98,14 @@ class Entry:
         """A later save is served by this entry: backward needs it with that saver's group (and,
         for a saved tensor's, when the look-ahead brings the group back)."""
         self.group = group
-        self.for_recompute = self.for_recompute and for_recompute
+        self.mark_for_recompute(self.for_recompute and for_recompute)
+
+    def mark_for_recompute(self, flag: bool) -> None:
+        """Whether it holds only outputs kept for a recompute; its step counts those (they are
+        left out of the learned order of use: see engine/prefetch.py)."""
+        if flag != self.for_recompute and self.step is not None:
+            self.step.outputs += 1 if flag else -1
+        self.for_recompute = flag
 
     def add_handle(self) -> None:
         self.live += 1

@@ -239,3 +239,48 @@ def test_a_second_recompute_runs_the_kernel(storage, tmp_path):
     assert (stats.kept, stats.replayed, stats.ran_again) == (LAYERS, LAYERS, LAYERS)
     del out
     handle.remove()
+
+
+@pytest.mark.parametrize("unused", ["ran-again", "refused-in-part"])
+def test_outputs_left_unused_keep_the_learned_order(unused):
+    """A layer whose recompute calls its kernel with other arguments leaves its kept outputs
+    unused, and a kernel whose log-sum-exp storage refuses gives its output back in forward:
+    the saved tensors' order of use is still learned and replayed every step after the first."""
+    model = _model()
+    handle = _apply(model)
+    offloader = handle.offloader
+    if unused == "ran-again":
+        attn = model.model.layers[1].self_attn
+        forward, calls = attn.forward, [0]
+
+        def other_scale_in_recompute(*args, **kwargs):
+            calls[0] += 1
+            scaling = attn.scaling
+            if calls[0] % 2 == 0:
+                attn.scaling = scaling * 0.5
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                attn.scaling = scaling
+
+        attn.forward = other_scale_in_recompute
+    else:
+        tier, save = offloader.tier, offloader.save_for_recompute
+        store, saves, refusing = tier.store, [0], [False]
+
+        def every_second_refused(t):
+            saves[0] += 1
+            refusing[0] = saves[0] % 2 == 0
+            try:
+                return save(t)
+            finally:
+                refusing[0] = False
+
+        tier.store = lambda src, *a: None if refusing[0] else store(src, *a)
+        offloader.save_for_recompute = every_second_refused
+    batch = make_batch(256, 2, 64)
+    for _ in range(4):
+        run_step(model, batch)
+    assert offloader.stats.replayed_passes == 3 and offloader.stats.prefetch_misses == 0, offloader.stats
+    assert handle.attention_stats.ran_again > 0
+    handle.remove()
