@@ -90,9 +90,10 @@ class StateCopies:
         self._group: dict[int, int] = {}  # id(p) -> the group of parameters updated with it
         self._arenas: dict[torch.device, StateArena] = {}  # this pass's, by device
         self._slots: dict[int, Slot] = {}  # id(p) -> its state's slot, fetched and not yet stored
-        self._ring_bytes = 0  # this pass's arena (0: none; measured over the last pass)
-        self._ring_size = RingSize(window_bytes // RING_ITEM_SHARE)
-        self._counted: set[int] = set()  # id(p) of states fetched that the ring size counts
+        # Per device: the pass's arena size (measured over the last pass; 0: none) and its measure.
+        self._ring_bytes: dict[torch.device, int] = {}
+        self._ring_sizes: dict[torch.device, RingSize] = {}
+        self._counted: dict[int, tuple[torch.device, int]] = {}  # id(p) -> where its state counts
         self.arena_stats = ArenaStats()
         self._ahead_rule = self._window_rule()
         self._lock = threading.RLock()
@@ -149,9 +150,9 @@ class StateCopies:
         if slot is not None:
             self._slots[id(p)] = slot
         nbytes = _aligned_bytes(gpu)
-        if self._ring_size.counts(nbytes):
-            self._ring_size.taken(nbytes)
-            self._counted.add(id(p))
+        if self._size_on(device).counts(nbytes):
+            self._size_on(device).taken(nbytes)
+            self._counted[id(p)] = (device, nbytes)
         for completion in follow:
             order_after(h2d, completion)  # the bytes' last tenant has been copied back
         # No record_stream(h2d): its free would then wait for every copy queued on h2d by then
@@ -167,17 +168,23 @@ class StateCopies:
     def _allocate(self, state: dict, keys: tuple[str, ...], device: torch.device):
         """The device tensors of one parameter's state: from this pass's arena where it has
         room, with the completions the copy in must follow; else from the allocator."""
-        if not self._ring_size.counts(sum(aligned(state[k].nbytes) for k in keys)):
+        if not self._size_on(device).counts(sum(aligned(state[k].nbytes) for k in keys)):
             return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}, None, []
         arena = self._arenas.get(device)
-        if arena is None and self._ring_bytes:
+        if arena is None and self._ring_bytes.get(device):
             # On the compute stream, as fetched activations are: the memory returns there.
             with torch.cuda.device(device):
-                arena = self._arenas[device] = StateArena(self._ring_bytes, device, self.arena_stats)
+                arena = self._arenas[device] = StateArena(self._ring_bytes[device], device, self.arena_stats)
         carved = arena.carve({k: (state[k].shape, state[k].dtype) for k in keys}) if arena is not None else None
         if carved is not None:
             return carved
         return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}, None, []
+
+    def _size_on(self, device: torch.device) -> RingSize:
+        size = self._ring_sizes.get(device)
+        if size is None:
+            size = self._ring_sizes[device] = RingSize(self.window_bytes // RING_ITEM_SHARE)
+        return size
 
     def fetch(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The GPU copies of ``p``'s travelling state, usable on the current stream; the
@@ -193,6 +200,8 @@ class StateCopies:
         found = self.lookup(p)
         assert found is not None, "fetch() of a parameter without state"
         state, keys = found
+        if id(p) in self._updating:
+            self._abandon(id(p))  # fetched before and never stored: that update raised
         if id(p) in self._seen_ids:
             self.end_pass()  # a parameter updated again: a new pass began without step()
         got = self._ahead.pop(id(p), None)
@@ -254,9 +263,9 @@ class StateCopies:
         slot = self._slots.pop(id(p), None)
         if slot is not None:
             Ring.release(slot, done)  # its bytes are taken again once the copy back has read them
-        if id(p) in self._counted:  # not a state the update made here (SGD's first momentum)
-            self._counted.discard(id(p))
-            self._ring_size.stored(done, _aligned_bytes(gpu))
+        counted = self._counted.pop(id(p), None)  # None: made by the update (SGD's first momentum)
+        if counted is not None:
+            self._ring_sizes[counted[0]].stored(done, counted[1])
         nbytes = sum(t.nbytes for t in gpu.values())
         self._back.append((done, nbytes))
         self._back_bytes += nbytes
@@ -280,9 +289,22 @@ class StateCopies:
         self._seen = []
         self._seen_ids = set()
         self._drop_ahead()
-        self._ring_bytes = self._ring_size.end_pass() or self._ring_bytes
+        for device, size in self._ring_sizes.items():
+            self._ring_bytes[device] = size.end_pass() or self._ring_bytes.get(device, 0)
         self._lane.reset()  # what was fetched ahead and not updated is released here
         self._drop_arenas()
+
+    def _abandon(self, key: int) -> None:
+        """Forget a fetch whose update raised before its store: its bytes leave the ring's
+        measure, and its slot is free once the compute stream's work queued so far is done (the
+        next copy in follows that work)."""
+        self._updating.discard(key)
+        counted = self._counted.pop(key, None)
+        if counted is not None:
+            self._ring_sizes[counted[0]].dropped(counted[1])
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            Ring.release(slot, None)
 
     def _drop_arenas(self) -> None:
         """Give this pass's arenas back: copies back still reading them hold them (each stored
@@ -294,11 +316,11 @@ class StateCopies:
     def _drop_ahead(self) -> None:
         """Release the states fetched ahead and not used: their memory returns to the stream
         that allocated it once their copies in are done (ordered there, not waited for)."""
-        for key, (gpu, done, _, allocated_on) in self._ahead.items():
+        for key, (_, done, _, allocated_on) in self._ahead.items():
             allocated_on.wait_event(done)
-            if key in self._counted:
-                self._counted.discard(key)
-                self._ring_size.dropped(_aligned_bytes(gpu))
+            counted = self._counted.pop(key, None)
+            if counted is not None:
+                self._ring_sizes[counted[0]].dropped(counted[1])
             slot = self._slots.pop(key, None)
             if slot is not None:
                 Ring.release(slot, done)  # never used: its bytes are free once the copy in is done
@@ -314,8 +336,7 @@ class StateCopies:
             self._blocks.clear()
             self._updating.clear()
             self._drop_arenas()
-            self._ring_bytes, self._ring_size = 0, RingSize(self.window_bytes // RING_ITEM_SHARE)
-            self._counted.clear()
+            self._ring_bytes, self._ring_sizes, self._counted = {}, {}, {}
             self._devices.clear()
             self._order, self._position, self._seen, self._seen_ids = [], {}, [], set()
 

@@ -203,18 +203,18 @@ def test_a_pass_carves_its_state_from_a_ring_sized_by_the_last_pass(stubbed_copi
     copies.set_groups([[p] for p in params], ahead=1)  # one parameter fetched ahead
     _pass(copies, params, log, finish_copies_back=True)  # first pass: no order, the allocator
     assert copies.arena_stats.carved == 0
-    assert copies._ring_bytes == 2 * item  # one state held at a time, and one for a wrap
+    assert copies._ring_bytes[torch.device("cpu")] == 2 * item  # one state held at a time, and one for a wrap
     _pass(copies, params, log, finish_copies_back=True)
     stats = copies.arena_stats
     # Two states at once (one updated, one fetched ahead) in a ring of two: it wraps, and
     # never finds its oldest tenant still in use.
     assert (stats.carved, stats.missed) == (8, 0) and stats.wrapped > 0, stats
-    assert copies._ring_bytes == 3 * item
+    assert copies._ring_bytes[torch.device("cpu")] == 3 * item
     _pass(copies, params, log, finish_copies_back=False)  # copies back slower than updates
     assert (copies.arena_stats.carved, copies.arena_stats.missed) == (16, 0)
     # A reused slot's copy in waits on the device for its last tenant's copy back, unfinished.
     assert any(e.what == "d2h" and not e.finished for e in h2d.waited)
-    assert copies._ring_bytes == 9 * item  # nothing came back: all eight held at once
+    assert copies._ring_bytes[torch.device("cpu")] == 9 * item  # nothing came back: all eight held at once
     copies.wait_all()
     for i, p in enumerate(params):
         assert torch.equal(states[id(p)]["exp_avg"], torch.full((256,), float(i)))  # round trips exact
@@ -232,5 +232,52 @@ def test_a_state_the_update_made_does_not_shrink_the_next_ring(stubbed_copies):
     for e in log:
         e.finished = True
     _pass(copies, params, log, finish_copies_back=False)
-    assert copies._ring_size.live >= 0
-    assert copies._ring_bytes == 5 * 2 * ALIGN  # the four held at once, plus one for a wrap
+    assert all(size.live >= 0 for size in copies._ring_sizes.values())
+    assert copies._ring_bytes[torch.device("cpu")] == 5 * 2 * ALIGN  # the four held at once, plus one for a wrap
+
+
+def test_an_update_that_raised_leaves_nothing_counted(stubbed_copies):
+    """An update that raises between fetch and store (the loop skips that step and goes on):
+    the next fetch of that parameter forgets the first, so later rings do not grow with each
+    failure."""
+    sc, log, _ = stubbed_copies
+    params = [torch.zeros(256) for _ in range(8)]
+    states = {id(p): {"exp_avg": torch.zeros(256)} for p in params}
+    copies = sc.StateCopies(lambda p: (states[id(p)], ("exp_avg",)), window_bytes=64 * ALIGN)
+    copies.set_groups([[p] for p in params], ahead=1)
+    _pass(copies, params, log, finish_copies_back=True)
+    _pass(copies, params, log, finish_copies_back=True)
+    ring = copies._ring_bytes[torch.device("cpu")]
+    for _ in range(3):
+        for i, p in enumerate(params):
+            got = copies.fetch(p)
+            if i == 3:
+                break  # its update raised: no store
+            copies.store(p, got)
+            for e in log:
+                e.finished = True
+        copies.end_pass()
+        _pass(copies, params, log, finish_copies_back=True)  # counts the failed fetch until it forgets it
+        assert copies._ring_bytes[torch.device("cpu")] == ring + 2 * ALIGN  # once, not once a failure
+    _pass(copies, params, log, finish_copies_back=True)
+    size = copies._ring_sizes[torch.device("cpu")]
+    size._settle()
+    assert size.live == 0 and copies._ring_bytes[torch.device("cpu")] == ring
+
+
+def test_each_device_has_a_ring_of_what_it_held(stubbed_copies, monkeypatch):
+    """Parameters on two devices (cpu and meta stand in), updated in turn, copies back slower
+    than the updates: each device's arena holds what that device held at once."""
+    sc, log, h2d = stubbed_copies
+
+    def queue_copy(dst, src, *, stream, block, after):
+        if "meta" not in (dst.device.type, src.device.type):
+            dst.copy_(src)
+        return _Event(log, "h2d" if stream is h2d else "d2h")
+
+    monkeypatch.setattr(sc, "queue_copy", queue_copy)
+    params = [torch.zeros(256, device="cpu" if i % 2 == 0 else "meta") for i in range(8)]
+    states = {id(p): {"exp_avg": torch.zeros(256)} for p in params}
+    copies = sc.StateCopies(lambda p: (states[id(p)], ("exp_avg",)), window_bytes=64 * ALIGN)
+    _pass(copies, params, log, finish_copies_back=False)  # nothing comes back: four a device at once
+    assert copies._ring_bytes == {torch.device("cpu"): 5 * 2 * ALIGN, torch.device("meta"): 5 * 2 * ALIGN}
