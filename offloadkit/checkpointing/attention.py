@@ -112,9 +112,9 @@ class KeptAttention:
             with output_read(), AttentionCalls(self._keep):
                 return self.fn(*args, **kwargs)
         self._next = 0
-        # Its outputs come back now, while the recompute runs up to its attention.
-        self.engine.fetch_for_recompute([o.handle for c in self._kept for o in c.outputs if isinstance(o, _Output)])
         try:
+            # Its outputs come back now, while the recompute runs up to its attention.
+            self.engine.fetch_for_recompute([o.handle for c in self._kept for o in c.outputs if isinstance(o, _Output)])
             with output_discarded(self.unit), AttentionCalls(self._replay):
                 return self.fn(*args, **kwargs)
         finally:

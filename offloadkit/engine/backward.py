@@ -162,11 +162,11 @@ class BackwardPath:
         """Queue the copies back of a block's kept outputs as its recompute begins, ahead of
         its attention, through the scheduler (its window counts them)."""
         shared = self.shared
-        entries = {id(e): e for e in (h.entry.resolve()[0] for h in handles if isinstance(h, Packed))}
-        live = [e for e in entries.values() if not e.released]
-        if not live:
-            return
-        with shared.lock:
+        with shared.lock:  # entries merge and go under it
+            entries = {id(e): e for e in (h.entry.resolve()[0] for h in handles if isinstance(h, Packed))}
+            live = [e for e in entries.values() if not e.released]
+            if not live:
+                return
             for step in {id(e.step): e.step for e in live}.values():
                 self.pass_for(step)
             items = [(e, e.nbytes, None, Status.HERE if e.gpu is not None else Status.FETCH) for e in live]
