@@ -52,29 +52,62 @@ def placement_code(placement: list[str]) -> str:
     return "".join("x" if where == "recompute" else where[0] for where in placement)
 
 
-def _features(mode: str, workload, host_budget: int):
-    from offloadkit.planning.memory import Features, auto_loss_chunks, auto_mlp_shards
+def _counts(mode: str, workload, host_budget: int) -> dict:
+    """The planner's counts a probe of ``mode`` runs with (:func:`_options` builds its options
+    from them): ``ckpt`` checkpointing alone; ``in_gpu`` the automatic loss chunks and MLP
+    shards; ``everything`` those with block inputs offloaded, as many in RAM as the host
+    budget holds beside the streamed layers (LoRA)."""
+    from offloadkit.planning.memory import auto_loss_chunks, auto_mlp_shards
     from offloadkit.storage.pool import size_class
 
     w = workload
     if mode == "ckpt":
-        return Features(checkpointing=True)
-    if mode == "in_gpu":
-        return Features(
-            checkpointing=True,
-            loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
-            mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate),
-        )
-    streamed = w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes) if w.lora_rank else 0
-    ram_blocks = max(0, (host_budget - streamed) // size_class(w.block_input_bytes))
-    return Features(
-        checkpointing=True,
-        offload_inputs=True,
-        ram_blocks=ram_blocks,
-        layer_streaming=bool(w.lora_rank),
+        return {}
+    tiling = dict(
         loss_chunks=auto_loss_chunks(w.tokens, w.shape.vocab),
         mlp_shards=auto_mlp_shards(w.tokens, w.shape.intermediate),
     )
+    if mode == "in_gpu":
+        return tiling
+    streamed = w.shape.layers * size_class(w.shape.layer_params * w.dtype_bytes) if w.lora_rank else 0
+    ram_blocks = max(0, (host_budget - streamed) // size_class(w.block_input_bytes))
+    return dict(tiling, offload_inputs=True, ram_blocks=ram_blocks, layer_streaming=bool(w.lora_rank))
+
+
+def _options(
+    w,
+    *,
+    offload_inputs: bool = False,
+    layer_streaming: bool = False,
+    loss_chunks: int = 0,
+    mlp_shards: int = 1,
+    tiled_projections: bool = False,
+    head_groups: int = 1,
+    horizon: int | None = None,
+    ram_blocks: int | None = None,
+    recompute_blocks: int = 0,
+    keep_attention: int = 0,
+):
+    """A probe's components' options from the planner's counts: every layer checkpointed,
+    the loss chunked and the MLP tiled as given, block inputs offloaded (``ram_blocks`` in RAM,
+    None: all; the oldest on disk; ``recompute_blocks`` dropped) and fetched ``horizon`` ahead,
+    ``keep_attention`` layers' attention outputs kept."""
+    from offloadkit.checkpointing.options import CheckpointOptions
+    from offloadkit.engine.options import ActivationOptions
+    from offloadkit.planning.plan import place_inputs, planned_options, with_options
+
+    c = planned_options(
+        w,
+        loss_chunks=loss_chunks,
+        mlp_shards=mlp_shards,
+        tiled_projections=tiled_projections,
+        head_groups=head_groups,
+        offload_inputs=offload_inputs,
+        layer_streaming=layer_streaming,
+    )
+    c = with_options(c, ActivationOptions, loading_horizon=horizon if offload_inputs else None)
+    c = place_inputs(w, c, recompute_blocks=recompute_blocks, ram_blocks=ram_blocks)
+    return with_options(c, CheckpointOptions, keep_attention=keep_attention or False)
 
 
 def predict(
@@ -92,44 +125,59 @@ def predict(
     for the full-depth model, so that a reduced-depth probe holds what a full step holds;
     ``recompute_blocks``: that many block inputs dropped and replayed, whatever the plan says,
     to time the recompute placement against storage at one length)."""
-    from dataclasses import replace
-
+    from offloadkit.checkpointing.footprint import keeps_attention
+    from offloadkit.component import OptionSet
+    from offloadkit.engine.options import ActivationOptions
+    from offloadkit.longctx.options import LongContextOptions
     from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, plan, resolve_shape
-    from offloadkit.planning.memory import region_length
+    from offloadkit.planning.memory import long_context_counts, region_length
+    from offloadkit.planning.plan import option
     from offloadkit.planning.planner import _keep_attention
+
+    def chosen(p) -> dict:
+        """A plan's counts: its tiling, prefetch horizon and kept attention outputs."""
+        chunks, shards, projections, groups = long_context_counts(option(p.options, LongContextOptions))
+        return dict(
+            loss_chunks=chunks,
+            mlp_shards=shards,
+            tiled_projections=projections,
+            head_groups=groups,
+            horizon=option(p.options, ActivationOptions).loading_horizon,
+            keep_attention=keeps_attention(p.workload, OptionSet(p.options)),
+        )
 
     budgets = budgets or Budgets.detect(host_bytes=host_budget)
     if mode == "auto":
         p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets, layers=layers)
-        m, t, f = p.memory, p.time, p.features
+        m, t, k = p.memory, p.time, chosen(p)
     else:
         w = Workload(resolve_shape(shape, layers), seq, 1, lora_rank)
-        f = _features(mode, w, host_budget)
+        k = _counts(mode, w, host_budget)
         if mode in ("everything", "in_gpu"):
             full_plan = plan(shape, seq, lora_rank=lora_rank, budgets=budgets)
-            full = full_plan.features
-            f = replace(
-                f,
-                horizon=full.horizon,
-                tiled_projections=full.tiled_projections,
-                head_groups=full.head_groups,
-                ram_blocks=full.ram_blocks if mode == "everything" else f.ram_blocks,
-                # Kept attention outputs: as many of the probe's layers as the full plan keeps.
-                keep_attention=min(full.keep_attention, layers) if mode == "everything" else 0,
-            )
+            full = chosen(full_plan)
+            k.update({n: full[n] for n in ("horizon", "tiled_projections", "head_groups")})
+            # Kept attention outputs: as many of the probe's layers as the full plan keeps.
+            k["keep_attention"] = min(full["keep_attention"], layers) if mode == "everything" else 0
+            if mode == "everything":
+                # RAM holds as many as in the full plan where some spill to disk (else all).
+                spills = "disk" in full_plan.placement
+                k["ram_blocks"] = full_plan.placement.count("ram") if spills else None
             replayed = region_length(full_plan.placement)
             if mode == "everything" and replayed > 1 and layers > replayed:
                 # The full plan drops block inputs: the probe holds its longest replayed run.
-                f = replace(f, recompute_blocks=replayed - 1)
+                k["recompute_blocks"] = replayed - 1
             if mode == "everything" and recompute_blocks is not None:
-                f = replace(f, recompute_blocks=recompute_blocks)
-            if f.keep_attention:
+                k["recompute_blocks"] = recompute_blocks
+            if k["keep_attention"]:
                 # No more than the probe's own RAM holds beside what it keeps there (everything
                 # mode streams the layers, which the full plan may not).
-                own = replace(f, keep_attention=0)
+                own = _options(w, **{**k, "keep_attention": 0})
                 om = estimate_memory(w, own)
                 kept = _keep_attention(w, own, budgets, estimate_time(w, own, budgets.rates, om.block_placement))
-                f = replace(f, keep_attention=min(f.keep_attention, kept[0].keep_attention if kept else 0))
+                held = keeps_attention(w, OptionSet(kept[0])) if kept else 0
+                k["keep_attention"] = min(k["keep_attention"], held)
+        f = _options(w, **k)
         m = estimate_memory(w, f)
         t = estimate_time(w, f, budgets.rates, m.block_placement)
     return {
@@ -144,12 +192,12 @@ def predict(
         "attention_s": t.attention_flops / budgets.rates.attention_flops_per_s,
         "linear_s": t.linear_flops / budgets.rates.matmul_flops_per_s,
         "placement": placement_code(m.block_placement),
-        "loss_chunks": f.loss_chunks,
-        "mlp_shards": f.mlp_shards,
-        "tiled_projections": f.tiled_projections,
-        "horizon": f.horizon,
-        "keep_attention": f.keep_attention,
-        "head_groups": f.head_groups,
+        "loss_chunks": k.get("loss_chunks", 0),
+        "mlp_shards": k.get("mlp_shards", 1),
+        "tiled_projections": k.get("tiled_projections", False),
+        "horizon": k.get("horizon"),
+        "keep_attention": k.get("keep_attention", 0),
+        "head_groups": k.get("head_groups", 1),
         "fits_gpu": m.gpu_reserved <= budgets.gpu_bytes,
     }
 

@@ -220,8 +220,9 @@ def _build_deepspeed(shape: str, stage: int):
 
 
 def _build_planned(shape: str, args) -> tuple:
-    from dataclasses import replace
-
+    from offloadkit.checkpointing.footprint import keeps_attention
+    from offloadkit.checkpointing.options import CheckpointOptions
+    from offloadkit.component import OptionSet
     from offloadkit.compose import prepare
     from offloadkit.optim import BackwardAdamW
     from offloadkit.planning import (
@@ -234,6 +235,7 @@ def _build_planned(shape: str, args) -> tuple:
         plan,
     )
     from offloadkit.planning.memory import region_length
+    from offloadkit.planning.plan import input_counts, place_inputs, with_options
     from offloadkit.planning.shape import resolve_shape
 
     gpu, host, disk = (int(float(x) * _GiB) for x in args.budgets.split(","))
@@ -248,7 +250,11 @@ def _build_planned(shape: str, args) -> tuple:
     replayed = region_length(full.placement)
     layers = max(args.layers, replayed + 1) if replayed > 1 else args.layers
     w = Workload(resolve_shape(shape, layers), seq, 1, 0, optimizer_precision=precision, updates_in_backward=True)
-    f = replace(full.features, ram_blocks=None, recompute_blocks=replayed - 1)
+    # Every stored input in RAM, the full plan's held on the GPU, its longest run replayed; as
+    # many layers' attention outputs kept as the full plan keeps.
+    f = place_inputs(w, full.options, input_counts(full.workload, full.options)[0], replayed - 1)
+    kept = keeps_attention(full.workload, OptionSet(full.options))
+    f = with_options(f, CheckpointOptions, keep_attention=kept or False)
     memory = estimate_memory(w, f)
     predicted = estimate_time(w, f, budgets.rates, memory.block_placement)
     config = dict(full.to_config(), gpu_budget_bytes=gpu, disk_dir=args.disk_dir)

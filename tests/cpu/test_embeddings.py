@@ -13,6 +13,7 @@ from offloadkit.compose import component_options, prepare
 from offloadkit.config import ConfigError, ConfigProblemsError, OffloadConfig
 from offloadkit.embeddings import EmbeddingOptions
 from offloadkit.planning import Budgets, Parallelism, plan
+from offloadkit.planning.plan import option
 from offloadkit.testing import build_llama
 
 peft = pytest.importorskip("peft")
@@ -104,7 +105,7 @@ def test_prepare_hands_the_planner_every_components_options():
     assert EmbeddingOptions(offload=True) in options
     assert len({type(o) for o in options}) == len(options)
     planned = plan("llama-3-8b", 65536, budgets=BUDGETS, options=options)
-    assert planned.features.of(EmbeddingOptions).offload is True
+    assert option(planned.options, EmbeddingOptions).offload is True
 
 
 def test_a_longer_sequence_fits_with_the_table_off_the_gpu():
@@ -140,7 +141,7 @@ def test_the_plan_counts_the_table_where_the_build_would_leave_it():
         config = OffloadConfig.from_dict({"offload_plan": "auto", "seq_len": 256, "embedding_offloading": True})
         assert component_options(config, model)[-1] == EmbeddingOptions(offload=False)
         planned = plan_for(model, config, None, None)
-        assert planned.features.of(EmbeddingOptions).offload is False
+        assert option(planned.options, EmbeddingOptions).offload is False
         assert "input embeddings in host memory" not in planned.memory.gpu_parts
 
 

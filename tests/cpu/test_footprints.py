@@ -3,17 +3,16 @@ the chunked loss's footprint, a layer's saved set and MLP temporaries hold the t
 the FLOPs the tiled projections add are its footprint's, and what head groups add to a layer's
 backward is theirs."""
 
-import dataclasses
 import itertools
 
 import pytest
 
-from offloadkit.component import Footprint
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.component import Footprint, OptionSet
 from offloadkit.components import COMPONENTS
 from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
 from offloadkit.parallel.component import CONTEXT_PARALLEL
 from offloadkit.planning.memory import (
-    Features,
     Workload,
     estimate_memory,
     final_norm_bytes,
@@ -21,6 +20,7 @@ from offloadkit.planning.memory import (
     tiles_final_norm,
 )
 from offloadkit.planning.parallelism import Parallelism
+from offloadkit.planning.plan import place_inputs, planned_options, with_options
 from offloadkit.planning.shape import resolve_shape
 from offloadkit.planning.timing import step_flops
 
@@ -38,7 +38,7 @@ def test_the_components_with_a_footprint_return_one():
     w = next(_workloads())
     for component in COMPONENTS:
         if component.footprint is not None:
-            assert isinstance(component.footprint(w, Features()), Footprint)
+            assert isinstance(component.footprint(w, OptionSet((CheckpointOptions(enabled=True),))), Footprint)
 
 
 @pytest.mark.parametrize("chunks", [0, 1, 4, 32])
@@ -46,7 +46,7 @@ def test_the_loss_phase_is_the_final_norm_and_the_chunked_loss_footprint(chunks)
     seen = 0
     for w in _workloads():
         for tiled in (False, True):
-            f = Features(loss_chunks=chunks, mlp_shards=8 if tiled else 1, tiled_projections=tiled)
+            f = OptionSet(planned_options(w, loss_chunks=chunks, mlp_shards=8 if tiled else 1, tiled_projections=tiled))
             m = estimate_memory(w, f)
             if m.phase != "loss":
                 continue
@@ -63,14 +63,14 @@ def test_the_loss_phase_is_the_final_norm_and_the_chunked_loss_footprint(chunks)
 def test_a_layer_holds_the_tiled_mlp_footprint(shards, tiled_projections):
     seen = 0
     for w in _workloads():
-        f = Features(loss_chunks=16, mlp_shards=shards, tiled_projections=tiled_projections)
+        f = OptionSet(planned_options(w, loss_chunks=16, mlp_shards=shards, tiled_projections=tiled_projections))
         mlp = TILED_MLP.footprint(w, f)
         # The rest of the layer's saved set does not depend on how the MLP is tiled.
         rest = layer_saved_bytes(w, shards, tiled_projections) - mlp.layer_saved
-        untiled = dataclasses.replace(f, mlp_shards=1)
+        untiled = OptionSet(planned_options(w, loss_chunks=16, tiled_projections=tiled_projections))
         assert rest == layer_saved_bytes(w, 1, tiled_projections) - TILED_MLP.footprint(w, untiled).layer_saved
         # Without checkpointing every layer holds its saved set all step.
-        whole = estimate_memory(w, dataclasses.replace(f, checkpointing=False))
+        whole = estimate_memory(w, with_options(f.options, CheckpointOptions, enabled=False))
         layers, block = w.shape.layers, w.block_input_bytes
         assert whole.gpu_parts["activations"] == layers * (rest + mlp.layer_saved + block)
         # Under checkpointing one layer's recompute holds it, and its backward the larger of
@@ -85,7 +85,7 @@ def test_a_layer_holds_the_tiled_mlp_footprint(shards, tiled_projections):
 
 def test_the_mlp_backward_is_the_layer_backward_where_it_is_the_larger():
     w = Workload(resolve_shape("llama-3-8b"), 1 << 18, lora_rank=16)
-    f = Features(loss_chunks=16)
+    f = OptionSet(planned_options(w, loss_chunks=16))
     m = estimate_memory(w, f)
     assert m.phase == "layer backward"
     assert m.gpu_parts["layer backward"] == TILED_MLP.footprint(w, f).mlp_backward
@@ -94,8 +94,12 @@ def test_the_mlp_backward_is_the_layer_backward_where_it_is_the_larger():
 def test_the_tiled_projections_flops_are_the_tiled_mlp_footprint():
     for w in _workloads():
         for checkpointing in (True, False):
-            base = Features(checkpointing=checkpointing, mlp_shards=4)
-            tiled = dataclasses.replace(base, tiled_projections=True)
+            base = OptionSet(with_options(planned_options(w, mlp_shards=4), CheckpointOptions, enabled=checkpointing))
+            tiled = OptionSet(
+                with_options(
+                    planned_options(w, mlp_shards=4, tiled_projections=True), CheckpointOptions, enabled=checkpointing
+                )
+            )
             added = step_flops(w, tiled)[1] - step_flops(w, base)[1]
             assert added == TILED_MLP.footprint(w, tiled).backward_flops
             assert TILED_MLP.footprint(w, base).backward_flops == 0
@@ -107,8 +111,9 @@ def test_head_groups_add_their_footprint_to_a_layers_backward(groups):
 
     for w in _workloads():
         for shards, tiled in ((1, False), (4, False), (16, True)):
-            f = Features(mlp_shards=shards, tiled_projections=tiled, head_groups=groups, rotation="alltoall")
-            assert HEAD_GROUPS.footprint(w, dataclasses.replace(f, head_groups=1)) == Footprint()
+            chosen = dict(mlp_shards=shards, tiled_projections=tiled, rotation="alltoall")
+            f = OptionSet(planned_options(w, head_groups=groups, **chosen))
+            assert HEAD_GROUPS.footprint(w, OptionSet(planned_options(w, **chosen))) == Footprint()
             heads = HEAD_GROUPS.footprint(w, f)
             mlp = TILED_MLP.footprint(w, f).mlp_backward
             attention = _own_attention_backward_bytes(w, tiled)
@@ -121,20 +126,20 @@ def test_head_groups_add_their_footprint_to_a_layers_backward(groups):
             assert bool(ring) == w.parallel.splits_sequence
 
 
-def _feature_grid():
+def _options_grid(w: Workload):
     for offload, streaming, optimizer, ram, recompute, keep, groups in itertools.product(
         (False, True), (False, True), (False, True), (None, 2), (0, 5), (0, 2), (1, 4)
     ):
-        yield Features(
+        c = planned_options(
+            w,
             offload_inputs=offload,
             layer_streaming=streaming,
             optimizer_offloading=optimizer,
-            ram_blocks=ram,
-            recompute_blocks=recompute,
-            keep_attention=keep,
             head_groups=groups,
             loss_chunks=8,
         )
+        c = place_inputs(w, c, recompute_blocks=recompute, ram_blocks=ram)
+        yield with_options(c, CheckpointOptions, keep_attention=keep or False)
 
 
 def test_the_estimate_is_the_models_own_bytes_plus_every_footprint():
@@ -143,7 +148,7 @@ def test_the_estimate_is_the_models_own_bytes_plus_every_footprint():
     from offloadkit.planning.memory import HOST_BASELINE_BYTES, footprints
 
     for w in itertools.islice(_workloads(), 0, None, 3):
-        for f in _feature_grid():
+        for f in _options_grid(w):
             m = estimate_memory(w, f)
             prints = [p for _, p in footprints(w, f)]
             assert [name for name, _ in footprints(w, f)][2:] == [c.name for c in COMPONENTS]
@@ -162,15 +167,8 @@ def test_each_component_states_what_it_holds_where():
     from offloadkit.planning.memory import footprints
 
     w = Workload(resolve_shape("llama-3-8b"), 65536, lora_rank=0, updates_in_backward=True)
-    f = Features(
-        offload_inputs=True,
-        ram_blocks=10,
-        recompute_blocks=6,
-        keep_attention=2,
-        layer_streaming=True,
-        optimizer_offloading=True,
-        loss_chunks=8,
-    )
+    f = planned_options(w, offload_inputs=True, layer_streaming=True, optimizer_offloading=True, loss_chunks=8)
+    f = with_options(place_inputs(w, f, recompute_blocks=6, ram_blocks=10), CheckpointOptions, keep_attention=2)
     named = {name: p for name, p in footprints(w, f)}
     assert set(named["layer_streaming"].gpu) == {"weights"} and set(named["layer_streaming"].host) == {
         "streamed layers"

@@ -10,6 +10,8 @@ import torch
 
 from offloadkit.lora import apply_fused_lora, lora_linear
 from offloadkit.lora import fused as fused_module
+from offloadkit.lora.options import LoraOptions
+from offloadkit.planning.plan import option
 from offloadkit.testing import build_llama, randomize_lora_b, run_step
 
 peft = pytest.importorskip("peft")
@@ -169,8 +171,10 @@ def test_a_layer_saves_what_the_footprint_says(tiled):
     """What one decoder layer saves, fused against PEFT's, changes by the fused path's
     footprint (its layer_saved: attention's adapters; untiled, the MLP's too)."""
     from offloadkit import apply_tiled_mlp
+    from offloadkit.component import OptionSet
     from offloadkit.lora.component import fused_lora_footprint
-    from offloadkit.planning.memory import Features, Workload
+    from offloadkit.planning.memory import Workload
+    from offloadkit.planning.plan import planned_options
     from offloadkit.planning.shape import resolve_shape
     from offloadkit.testing.allocations import saved_bytes_in_layer
 
@@ -185,7 +189,8 @@ def test_a_layer_saves_what_the_footprint_says(tiled):
             apply_fused_lora(model)
         saved[fused] = saved_bytes_in_layer(model, batch, 1)
     w = Workload(resolve_shape("tiny"), 256, 2, lora_rank=8)
-    change = fused_lora_footprint(w, Features(fused_lora=True, mlp_shards=4 if tiled else 1)).layer_saved
+    f = OptionSet(planned_options(w, fused_lora=True, mlp_shards=4 if tiled else 1))
+    change = fused_lora_footprint(w, f).layer_saved
     assert change < 0
     measured = saved[True] - saved[False]
     assert abs(measured - change) <= 0.03 * saved[False], (measured, change, saved)
@@ -198,10 +203,12 @@ def test_the_planner_counts_it_when_the_run_asks_for_it(capsys):
     budgets = Budgets(79 << 30, 110 << 30, 100 << 30)
     peft_plan = plan("llama-3-8b", 65536, budgets=budgets)
     fused_plan = plan("llama-3-8b", 65536, budgets=budgets, fused_lora=True)
-    assert fused_plan.features.fused_lora and not peft_plan.features.fused_lora
+    assert option(fused_plan.options, LoraOptions).fused is True
+    assert option(peft_plan.options, LoraOptions).fused is not True
     assert fused_plan.to_config()["fused_lora"] is True and "fused_lora" not in peft_plan.to_config()
     assert fused_plan.memory.gpu_peak < peft_plan.memory.gpu_peak
-    assert not plan("llama-3-8b", 65536, lora_rank=0, budgets=budgets, fused_lora=True).features.fused_lora
+    full = plan("llama-3-8b", 65536, lora_rank=0, budgets=budgets, fused_lora=True)
+    assert option(full.options, LoraOptions).fused is not True
     argv = ["plan", "--shape", "llama-3-8b", "--seq-len", "262144", "--gpu-gib", "79", "--host-gib", "110"]
     assert main([*argv, "--disk-gib", "100", "--fused-lora"]) == 0
     assert "fused_lora: true" in capsys.readouterr().out
@@ -210,7 +217,7 @@ def test_the_planner_counts_it_when_the_run_asks_for_it(capsys):
 
     model = _lora_model(layers=2)
     runtime = prepare(model, {"offload_plan": "auto", "seq_len": 256, "fused_lora": True})
-    assert runtime.plan.features.fused_lora and runtime.config.fused_lora
+    assert option(runtime.plan.options, LoraOptions).fused is True and runtime.config.fused_lora
     assert runtime.report()["fused_lora"]["layers"] == 2 * 7
     runtime.close()
 
@@ -232,7 +239,7 @@ def test_offload_plan_auto_turns_it_on_where_every_layer_fuses(case, fused):
         model = _lora_model(dtype=torch.float32 if case == "fp32 weights" else torch.bfloat16, **kwargs)
     config = {"offload_plan": "auto", "seq_len": 256} | ({"fused_lora": False} if case == "false" else {})
     runtime = prepare(model, config)
-    assert runtime.plan.features.fused_lora is fused
+    assert (option(runtime.plan.options, LoraOptions).fused is True) is fused
     assert ("fused_lora" in runtime.report()) is fused
     assert (runtime.config.fused_lora is True) is fused
     runtime.close()
@@ -264,7 +271,6 @@ def test_under_autocast_it_agrees_with_peft(dtype):
 
 def test_a_list_fuses_the_layers_of_those_names_only():
     from offloadkit.compose import prepare
-    from offloadkit.lora.options import LoraOptions
 
     model = _lora_model(layers=2)
     handle = apply_fused_lora(model, ["q_proj", "k_proj", "v_proj"])

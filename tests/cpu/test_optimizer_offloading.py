@@ -150,7 +150,9 @@ def test_offload_plan_auto_that_needs_the_state_on_the_host_gives_the_trainer_ba
     also the gradients and AdamW state: the plan moves the state to host memory, and the
     Trainer's optimizer is BackwardAdamW (created in create_optimizer from the planned
     config), which then trains. With room on the GPU the state stays there."""
+    from offloadkit.optim.options import OptimizerOptions
     from offloadkit.planning import Budgets, plan
+    from offloadkit.planning.plan import option
 
     shape = dict(
         hidden_size=512,
@@ -161,7 +163,7 @@ def test_offload_plan_auto_that_needs_the_state_on_the_host_gives_the_trainer_ba
         vocab_size=259,
     )
     roomy = plan(shape, 32, batch=2, lora_rank=0, budgets=Budgets(1 << 30, 1 << 30, 1 << 30))
-    assert roomy.fits and not roomy.features.optimizer_offloading
+    assert roomy.fits and not option(roomy.options, OptimizerOptions).enabled
     # Plans that fit and lost only the tie at the hundredth say so (not "slower").
     tied = [reason for name, reason in roomy.rejected if "optimizer state in host memory" in name]
     assert all(r.startswith("as fast to 0.01 s") or "needs" in r for r in tied), tied

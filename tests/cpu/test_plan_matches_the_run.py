@@ -7,7 +7,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from offloadkit.checkpointing.footprint import keeps_attention
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.component import OptionSet
+from offloadkit.layers.options import StreamingOptions
+from offloadkit.optim.options import OptimizerOptions
 from offloadkit.planning import Budgets, estimate_memory, estimate_time, plan
+from offloadkit.planning.plan import input_counts, option
+from offloadkit.storage.options import BudgetOptions
 from offloadkit.testing import build_llama
 
 transformers = pytest.importorskip("transformers")
@@ -35,15 +42,15 @@ def test_clipping_holds_every_gradient_until_step():
     shape = clipped.workload.shape
     state = shape.params * 4  # two bf16 moments
     in_flight = 2 * (1 << 30) + _largest(shape) * 4  # two 1 GiB copy windows and one parameter's state
-    assert clipped.features.optimizer_offloading and state > in_flight
+    assert option(clipped.options, OptimizerOptions).enabled and state > in_flight
     assert clipped.memory.gpu_parts["trainable state"] == shape.params * 2 + in_flight
     assert clipped.fits and clipped.memory.gpu_reserved <= budgets.gpu_bytes
     free = plan("llama-3-8b", 131072, lora_rank=0, budgets=budgets, optimizer=_in_backward())
-    assert free.features.optimizer_offloading
+    assert option(free.options, OptimizerOptions).enabled
     assert free.memory.gpu_parts["trainable state"] == _largest(shape) * 2 + in_flight
     assert not clipped.workload.updates_in_backward and free.workload.updates_in_backward
     # The plan made for updates in backward, run with clipping: every gradient on top.
-    run = estimate_memory(replace(free.workload, updates_in_backward=False), free.features)
+    run = estimate_memory(replace(free.workload, updates_in_backward=False), free.options)
     assert run.gpu_peak - free.memory.gpu_peak == (shape.params - _largest(shape)) * 2
     assert round(run.gpu_reserved / GiB, 1) == 62.8 and run.gpu_reserved > budgets.gpu_bytes
     assert "updates at step(), every gradient held until then" in clipped.table()
@@ -53,8 +60,8 @@ def test_deferred_updates_move_the_state_after_backward():
     """Deferred to step(), the state's trip each way is no longer hidden behind backward."""
     budgets = Budgets(48 * GiB, 108 * GiB, 200 * GiB)
     free = plan("llama-3-8b", 131072, lora_rank=0, budgets=budgets, optimizer=_in_backward())
-    w, f = free.workload, free.features
-    assert not f.layer_streaming
+    w, f = free.workload, free.options
+    assert not option(f, StreamingOptions).enabled
     deferred = estimate_time(replace(w, updates_in_backward=False), f, budgets.rates, free.placement)
     state = w.shape.params * w.optimizer_state_bytes
     assert deferred.seconds - free.time.seconds == pytest.approx(state / budgets.rates.pcie_bytes_per_s)
@@ -193,7 +200,7 @@ def test_a_trainer_whose_optimizer_cannot_be_replaced_is_planned_with_its_state_
     state on the GPU it was not counted on); it counts gradients and state on the GPU, and
     training runs."""
     trainer, applied, losses = _planned_trainer(tmp_path, optim, optimizers)
-    assert not applied.features.optimizer_offloading and not applied.optimizer.replaceable
+    assert not option(applied.options, OptimizerOptions).enabled and not applied.optimizer.replaceable
     params = applied.workload.shape.params
     assert applied.memory.gpu_parts["trainable state"] == params * (2 + 4)  # bf16 gradients and moments
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
@@ -203,7 +210,7 @@ def test_the_trainers_own_adamw_still_moves_its_state_to_the_host(tmp_path):
     from offloadkit.optim import BackwardAdamW
 
     trainer, applied, losses = _planned_trainer(tmp_path, "adamw_torch")
-    assert applied.features.optimizer_offloading and applied.fits
+    assert option(applied.options, OptimizerOptions).enabled and applied.fits
     assert isinstance(trainer.optimizer.optimizer, BackwardAdamW) and len(losses) == 2
 
 
@@ -217,7 +224,7 @@ def test_plain_prepare_moves_the_optimizer_state_only_when_asked():
     for asked in (False, True):
         runtime = prepare(model, dict(config, optimizer_offloading=asked), optimizer=None)
         try:
-            assert runtime.plan.features.optimizer_offloading is asked
+            assert option(runtime.plan.options, OptimizerOptions).enabled is asked
             assert runtime.plan.optimizer.replaceable is asked
         finally:
             runtime.close()
@@ -253,7 +260,7 @@ def test_offload_plan_auto_plans_the_layers_the_model_has():
 def test_a_deeper_plan_is_realised_at_the_depth_built():
     """As the context-parallel benchmark does: a plan for the full depth, a model of fewer
     layers. Its config is refused before anything is attached; the plan realised at the
-    model's depth (one place per layer built, the same features) runs."""
+    model's depth (one place per layer built, the same options) runs."""
     from offloadkit.compose import prepare
     from offloadkit.config import ConfigError
     from offloadkit.models.blocks import find_blocks
@@ -275,7 +282,11 @@ def test_a_deeper_plan_is_realised_at_the_depth_built():
     assert not [name for name, m in model.named_modules() if "forward" in vars(m)], "nothing was attached"
     built = full.at_depth(len(find_blocks(model)))
     assert built.placement == ["ram", "gpu"] and built.workload.shape.layers == 2
-    assert built.features == replace(full.features, keep_attention=min(full.features.keep_attention, 2))
+    assert input_counts(built.workload, built.options) == input_counts(full.workload, full.options)
+    kept = keeps_attention(full.workload, OptionSet(full.options))
+    assert keeps_attention(built.workload, OptionSet(built.options)) == min(kept, 2)
+    placed = (CheckpointOptions, BudgetOptions)  # where block inputs wait, and the cap for that
+    assert [o for o in built.options if type(o) not in placed] == [o for o in full.options if type(o) not in placed]
     # The GPU holds what the full plan holds: the same per-layer working set and block inputs.
     for part in ("layer recompute", "layer backward", "block inputs"):
         assert built.memory.gpu_parts[part] == full.memory.gpu_parts[part], part

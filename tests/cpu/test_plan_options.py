@@ -1,7 +1,6 @@
 """A plan is a set of components' options: ``Plan.options`` holds what it chose as each
 component's options object, ``Plan.to_config`` writes them through their own config keys, and
-the features those options turn on (``Features.from_options``) predict the plan's own bytes
-and step time."""
+those options alone predict the plan's own bytes and step time."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ import warnings
 
 import pytest
 
+from offloadkit.checkpointing.footprint import keeps_attention
 from offloadkit.component import FootprintOptions, OptionSet
 from offloadkit.components import COMPONENTS
 from offloadkit.config import OffloadConfig
@@ -17,10 +17,10 @@ from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.options import LongContextOptions
 from offloadkit.optim.footprint import optimizer_footprint
 from offloadkit.parallel.footprint import sharded_weights_footprint
-from offloadkit.planning import Budgets, Features, estimate_memory, plan
-from offloadkit.planning.memory import PLANNED_OPTIONS, footprints
+from offloadkit.planning import Budgets, estimate_memory, plan
+from offloadkit.planning.memory import PLANNED_OPTIONS, footprints, long_context_counts, long_context_options
 from offloadkit.planning.parallelism import Parallelism
-from offloadkit.planning.plan import changed_fields
+from offloadkit.planning.plan import changed_fields, option, planned_options
 from offloadkit.planning.planner import OptimizerSetup
 from offloadkit.planning.timing import estimate_time
 
@@ -63,11 +63,11 @@ def _plans():
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))
-def test_the_features_a_plans_options_turn_on_predict_its_bytes_and_time(index):
+def test_a_plans_options_as_a_footprint_reads_them_predict_its_bytes_and_time(index):
     model, seq, rank, budgets, kwargs = CASES[index]
     p = plan(model, seq, lora_rank=rank, budgets=budgets, **kwargs)
     for q in (p, p.at_depth(3)):
-        f = Features.from_options(q.workload, q.options)
+        f = OptionSet(q.options)
         m = estimate_memory(q.workload, f)
         assert m == q.memory, q.name
         assert estimate_time(q.workload, f, q.budgets.rates, m.block_placement) == q.time, q.name
@@ -76,7 +76,7 @@ def test_the_features_a_plans_options_turn_on_predict_its_bytes_and_time(index):
 def test_the_planners_choices_cover_recomputed_tiered_and_kept_inputs():
     places = {where for p in _plans() for where in p.placement}
     assert places == {"gpu", "ram", "disk", "recompute"}
-    assert any(p.features.keep_attention for p in _plans())
+    assert any(keeps_attention(p.workload, OptionSet(p.options)) for p in _plans())
 
 
 def test_to_config_writes_each_options_fields_and_a_config_reads_the_same_options_back():
@@ -100,20 +100,23 @@ def test_a_plan_chooses_every_planned_components_options_and_passes_the_others_t
     assert p.to_config()["layer_offloading"] is False and p.to_config()["activation_offloading"] is False
 
 
-def test_features_realise_the_options_a_plan_holds_for_what_they_choose_by_themselves():
+def test_a_plans_long_context_options_are_those_its_resolved_counts_build():
     for p in _plans():
-        for chosen in p.features.chosen:
-            assert p.features.of(type(chosen)) == chosen
-            assert next(o for o in p.options if type(o) is type(chosen)) == chosen, (p.name, chosen)
+        long = option(p.options, LongContextOptions)
+        assert long_context_options(*long_context_counts(long)) == long, p.name
+        assert not long.chunked_loss or long.loss_chunks, p.name  # never automatic
+        assert not long.tiled_mlp or long.mlp_shards, p.name
 
 
-def test_the_features_choice_stands_over_a_planned_components_options_the_run_passes():
-    f = Features(loss_chunks=8, mlp_shards=4, options=(LongContextOptions(chunked_loss=False), EmbeddingOptions()))
-    assert f.of(LongContextOptions) == LongContextOptions(
+def test_a_candidates_choice_stands_over_a_planned_components_options_the_run_passes():
+    w = next(_plans()).workload
+    given = (LongContextOptions(chunked_loss=False), EmbeddingOptions())
+    c = planned_options(w, loss_chunks=8, mlp_shards=4, others=given)
+    assert option(c, LongContextOptions) == LongContextOptions(
         chunked_loss=True, loss_chunks=8, tiled_mlp=True, mlp_shards=4
     )
-    assert f.of(EmbeddingOptions) is f.options[1]
-    assert f.of(StreamingOptions) == StreamingOptions(enabled=False)
+    assert option(c, EmbeddingOptions) is given[1]
+    assert option(c, StreamingOptions) == StreamingOptions(enabled=False)
 
 
 class _ProtocolOnly:
@@ -145,7 +148,7 @@ def test_each_footprint_given_only_the_workload_and_the_plans_options_is_the_pla
     and the plan's estimate is their sum)."""
     for p in _plans():
         options = OptionSet(p.options)
-        summed = dict(footprints(p.workload, p.features))
+        summed = dict(footprints(p.workload, options))
         assert summed == dict(footprints(p.workload, p.options)), p.name
         for c in COMPONENTS:
             if c.footprint is not None:

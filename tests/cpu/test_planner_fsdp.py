@@ -6,13 +6,15 @@ all-gathers and reduce-scatters; the plan streams no weights and drops no block 
 import dataclasses
 import os
 import sys
-from dataclasses import replace
 
 import pytest
 
+from offloadkit.component import OptionSet
+from offloadkit.layers.options import StreamingOptions
 from offloadkit.optim.footprint import optimizer_footprint
 from offloadkit.parallel.footprint import GATHERED_LAYERS, sharded_weights_footprint
-from offloadkit.planning import Budgets, Features, Parallelism, Workload, estimate_memory, plan, resolve_shape
+from offloadkit.planning import Budgets, Parallelism, Plan, Workload, estimate_memory, plan, resolve_shape
+from offloadkit.planning.plan import input_counts, option, place_inputs, planned_options
 from offloadkit.planning.timing import Rates, estimate_time
 from tests.torchrun import assert_ranks_reported, torchrun
 
@@ -25,9 +27,20 @@ def _work(shards: int, **kw) -> Workload:
     return Workload(EIGHT_B, 32768, lora_rank=0, parallel=parallel, **kw)
 
 
+def _offloaded(**chosen) -> OptionSet:
+    """Block inputs offloaded to RAM (all but the last layer's) with the given choices: the
+    same options at every workload here (8B, 32 layers)."""
+    w = _work(1)
+    return OptionSet(place_inputs(w, planned_options(w, offload_inputs=True, **chosen)))
+
+
+def _streams_or_drops(p: Plan) -> bool:
+    return option(p.options, StreamingOptions).enabled or bool(input_counts(p.workload, p.options)[1])
+
+
 def test_a_rank_holds_its_shards_the_root_and_two_gathered_layers():
     s, b = EIGHT_B, 2
-    f = Features(offload_inputs=True, loss_chunks=8)
+    f = _offloaded(loss_chunks=8)
     whole, sharded = estimate_memory(_work(1), f), estimate_memory(_work(4), f)
     root = (s.embed_params + s.head_params + s.hidden) * b
     layers = s.layers * s.layer_params * b
@@ -45,7 +58,7 @@ def test_a_rank_holds_its_shards_the_root_and_two_gathered_layers():
 
 
 def test_the_optimizer_state_in_host_memory_is_each_ranks_share():
-    f = Features(offload_inputs=True, optimizer_offloading=True)
+    f = _offloaded(optimizer_offloading=True)
     for precision in ("params", "fp32_master", "compact"):
         whole = optimizer_footprint(_work(1, optimizer_precision=precision), f).host["optimizer state"]
         sharded = optimizer_footprint(_work(4, optimizer_precision=precision), f).host["optimizer state"]
@@ -53,7 +66,7 @@ def test_the_optimizer_state_in_host_memory_is_each_ranks_share():
 
 
 def test_the_link_carries_two_all_gathers_and_a_reduce_scatter():
-    f = Features(offload_inputs=True, loss_chunks=8)
+    f = _offloaded(loss_chunks=8)
     w = _work(4)
     gathered = EIGHT_B.layers * EIGHT_B.layer_params * 2 * 3 // 4
     fast = estimate_time(w, f, Rates(), ["ram"] * 31 + ["gpu"])
@@ -80,11 +93,11 @@ def test_a_sharded_plan_streams_no_weights_and_drops_no_inputs():
             budgets=budgets,
             parallel=Parallelism(4, ranks_per_host=1, shard_weights=True),
         )
-        assert not p.features.layer_streaming and not p.features.recompute_blocks, p.name
+        assert not _streams_or_drops(p), p.name
         assert "layer_offloading" not in p.to_config() or not p.to_config()["layer_offloading"]
         assert "recompute_block_inputs" not in p.to_config()
     whole = plan("llama-3-8b", 131072, lora_rank=16, budgets=budgets, parallel=Parallelism(4, ranks_per_host=1))
-    assert whole.features.layer_streaming or whole.features.recompute_blocks
+    assert _streams_or_drops(whole)
 
 
 def test_an_8b_full_fine_tune_fits_where_fsdp2_shards_it():
@@ -118,12 +131,12 @@ def test_ddp_buckets_hold_every_gradient_beside_what_the_optimizer_holds():
     copy by default; with ``gradient_as_bucket_view`` the gradients themselves, which updates in
     backward then cannot free."""
     s, b = EIGHT_B, 2
-    f = Features(offload_inputs=True, loss_chunks=8)
-    offloaded = replace(f, optimizer_offloading=True)
+    f = _offloaded(loss_chunks=8)
+    offloaded = _offloaded(loss_chunks=8, optimizer_offloading=True)
 
-    def parts(features, **parallel):
+    def parts(options, **parallel):
         w = Workload(EIGHT_B, 32768, lora_rank=0, updates_in_backward=True, parallel=Parallelism(2, **parallel))
-        return optimizer_footprint(w, features).gpu
+        return optimizer_footprint(w, options).gpu
 
     one = optimizer_footprint(Workload(EIGHT_B, 32768, lora_rank=0, updates_in_backward=True), offloaded).gpu
     ddp, view = parts(offloaded), parts(offloaded, bucket_view=True)
@@ -154,5 +167,5 @@ def test_the_physical_limit_under_fsdp2_neither_streams_nor_replays():
     free, _ = physical_limit("llama-3-8b", lora_rank=16, budgets=budgets, parallel=Parallelism(4, ranks_per_host=1))
     assert why == "storage" and limit < free
     cap = longest_sequence("llama-3-8b", lora_rank=16, budgets=budgets, parallel=sharded)
-    assert cap.plan is not None and not cap.plan.features.layer_streaming and not cap.plan.features.recompute_blocks
+    assert cap.plan is not None and not _streams_or_drops(cap.plan)
     assert cap.longest <= limit

@@ -12,9 +12,9 @@ from dataclasses import fields, replace
 
 import pytest
 
+from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.planning import (
     Budgets,
-    Features,
     Workload,
     estimate_memory,
     estimate_time,
@@ -31,6 +31,7 @@ from offloadkit.planning.parallelism import (
     kv_sequence_bytes,
     ring_buffer_bytes,
 )
+from offloadkit.planning.plan import Choice, place_inputs, planned_options, with_options
 from offloadkit.planning.timing import LINK_BYTES_PER_S, Rates, step_flops
 
 GiB = 1 << 30
@@ -43,13 +44,17 @@ def _cp(world: int, per_host: int | None = None) -> Parallelism:
     return Parallelism(world, context_parallel=True, ranks_per_host=per_host or world)
 
 
-def _features(tokens: int, shards: int | None = None, offload: bool = True) -> Features:
+def _options(tokens: int, shards: int | None = None, offload: bool = True) -> Choice:
     """The planner's own tiling for ``tokens`` on a rank (block inputs in RAM)."""
-    return Features(
-        checkpointing=True,
-        offload_inputs=offload,
-        loss_chunks=auto_loss_chunks(tokens, SHAPE.vocab),
-        mlp_shards=shards if shards is not None else auto_mlp_shards(tokens, SHAPE.intermediate),
+    w = Workload(SHAPE, tokens)
+    return place_inputs(
+        w,
+        planned_options(
+            w,
+            offload_inputs=offload,
+            loss_chunks=auto_loss_chunks(tokens, SHAPE.vocab),
+            mlp_shards=shards if shards is not None else auto_mlp_shards(tokens, SHAPE.intermediate),
+        ),
     )
 
 
@@ -69,7 +74,7 @@ def test_one_gpu_is_planned_as_before(seq, lora, budgets):
     before = plan("llama-3-8b", seq, lora_rank=lora, budgets=budgets)
     for parallel in (Parallelism(), Parallelism(1, context_parallel=True, ranks_per_host=1)):
         p = plan("llama-3-8b", seq, lora_rank=lora, budgets=budgets, parallel=parallel)
-        assert p.name == before.name and p.features == before.features
+        assert p.name == before.name and p.options == before.options
         assert p.memory == before.memory and p.time == before.time
         assert p.to_config() == before.to_config() and p.table() == before.table()
     assert before.time.ring_s == before.time.ring_wait_s == 0.0
@@ -96,7 +101,7 @@ def test_a_rank_holds_its_share_of_every_token_wise_part():
         saved = layer_saved_bytes(split, shards, tiled)
         assert saved == layer_saved_bytes(half, shards, tiled) == layer_saved_bytes(whole, shards, tiled) // 2
     # Tiled: the attention side of a layer's backward is the larger, so the ring's buffers add in full.
-    f = _features(split.tokens, shards=8)
+    f = _options(split.tokens, shards=8)
     m, m_half, m_whole = estimate_memory(split, f), estimate_memory(half, f), estimate_memory(whole, f)
     assert m.phase == m_half.phase == "layer backward"
     parts = dict(m.gpu_parts)
@@ -124,7 +129,7 @@ def test_ring_buffers_hold_the_whole_sequences_keys_and_values_of_one_layer():
 
 def test_a_rank_computes_its_tokens_linears_and_an_even_share_of_causal_attention():
     split, half, whole = Workload(SHAPE, 262144, parallel=_cp(2)), Workload(SHAPE, 131072), Workload(SHAPE, 262144)
-    f = _features(split.tokens)
+    f = _options(split.tokens)
     lf, lb, af, ab = step_flops(split, f)
     assert (lf, lb) == step_flops(half, f)[:2]
     assert af == step_flops(whole, f)[2] / 2 == 2 * step_flops(half, f)[2]
@@ -141,13 +146,13 @@ def test_ring_traffic_is_the_other_ranks_share_of_keys_and_values(world):
     assert gather_bytes(w) == kv * (world - 1) // world
     # The gradients go all the way round, each ring step the rank's share in fp32.
     assert gradient_exchange_bytes(w) * world == kv * GRADIENT_BYTES // w.dtype_bytes
-    f = _features(w.tokens, offload=False)
+    f = _options(w.tokens, offload=False)
     t = estimate_time(w, f, Rates(), ["gpu"] * SHAPE.layers)
     # Forward, the recompute and backward gather them; backward sends the gradients round.
     moved = SHAPE.layers * (3 * gather_bytes(w) + world * gradient_exchange_bytes(w))
     assert t.ring_s == pytest.approx(moved / LINK_BYTES_PER_S, rel=1e-12)
     # A layer whose attention output is kept runs no attention in the recompute: no gather there.
-    kept = replace(f, offload_inputs=True, keep_attention=10)
+    kept = with_options(_options(w.tokens), CheckpointOptions, keep_attention=10)
     t = estimate_time(w, kept, Rates(), ["ram"] * (SHAPE.layers - 1) + ["gpu"])
     assert t.ring_s == pytest.approx((moved - 10 * gather_bytes(w)) / LINK_BYTES_PER_S, rel=1e-12)
 
@@ -156,7 +161,7 @@ def test_ring_traffic_grows_with_the_other_ranks_share():
     times = []
     for world in (2, 4, 8):
         w = Workload(SHAPE, 1 << 20, parallel=_cp(world))
-        times.append(estimate_time(w, _features(w.tokens, offload=False), Rates(), ["gpu"] * SHAPE.layers).ring_s)
+        times.append(estimate_time(w, _options(w.tokens, offload=False), Rates(), ["gpu"] * SHAPE.layers).ring_s)
     assert times[0] < times[1] < times[2]
 
 
@@ -164,7 +169,7 @@ def test_ring_traffic_hides_behind_long_attention():
     """At 1M tokens over 4 ranks a layer's attention takes seconds and its keys and values
     tens of milliseconds: only the last gradient exchange of each layer is waited for."""
     w = Workload(SHAPE, 1 << 20, parallel=_cp(4))
-    f = _features(w.tokens, offload=False)
+    f = _options(w.tokens, offload=False)
     t = estimate_time(w, f, Rates(), ["gpu"] * SHAPE.layers)
     last_exchanges = SHAPE.layers * gradient_exchange_bytes(w) / LINK_BYTES_PER_S
     assert t.ring_wait_s == pytest.approx(last_exchanges, rel=1e-12)
@@ -173,7 +178,7 @@ def test_ring_traffic_hides_behind_long_attention():
 
 def test_ring_traffic_attention_cannot_hide_adds_to_the_step():
     w = Workload(SHAPE, 16384, parallel=_cp(8))
-    f = _features(w.tokens, offload=False)
+    f = _options(w.tokens, offload=False)
     placement = ["gpu"] * SHAPE.layers
     fast = estimate_time(w, f, Rates(link_bytes_per_s=1e30), placement)
     slow = estimate_time(w, f, Rates(link_bytes_per_s=100e9), placement)

@@ -9,7 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from offloadkit.planning import Features, Workload, estimate_memory, estimate_time, resolve_shape
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.parallel.options import ParallelOptions
+from offloadkit.planning import Workload, estimate_memory, estimate_time, resolve_shape
 from offloadkit.planning.memory import FRAGMENTATION
 from offloadkit.planning.parallelism import (
     GRADIENT_BYTES,
@@ -20,6 +23,7 @@ from offloadkit.planning.parallelism import (
     ring_buffer_bytes,
     ring_traffic,
 )
+from offloadkit.planning.plan import Choice, option, place_inputs, planned_options, with_options
 from offloadkit.planning.timing import Rates
 
 GiB = 1 << 30
@@ -85,11 +89,13 @@ def test_each_head_group_is_its_own_ring_call():
     # In a step's memory: tiled, the attention side of a layer's backward is the larger, and the
     # ring's buffers add in full for the groups it runs in.
     w = _split(4, 819200, "alltoall")
-    f = Features(offload_inputs=True, loss_chunks=392, mlp_shards=44, tiled_projections=True, head_groups=6)
+    chosen = dict(loss_chunks=392, mlp_shards=44, tiled_projections=True, head_groups=6)
+    f = place_inputs(w, planned_options(w, offload_inputs=True, **chosen))
     m = estimate_memory(w, f)
     assert m.gpu_parts["ring attention buffers"] == ring_buffer_bytes(w, 4, "alltoall")
-    # Features.rotation, where set, is the plan's; else the run's (all-gather where it is auto).
-    assert estimate_memory(replace(w, parallel=_cp(4)), replace(f, rotation="alltoall")) == m
+    # The options' rotation, where set (not auto), is the plan's; else the run's (all-gather
+    # where it is auto).
+    assert estimate_memory(replace(w, parallel=_cp(4)), with_options(f, ParallelOptions, rotation="alltoall")) == m
     gathered = estimate_memory(replace(w, parallel=_cp(4)), f)
     assert gathered.gpu_parts["ring attention buffers"] == ring_buffer_bytes(w, 4, "allgather")
     assert gathered.gpu_peak > m.gpu_peak
@@ -112,7 +118,7 @@ def test_the_merger_holds_less_than_the_backward():
 
 def test_both_rotations_move_the_same_bytes_and_hide_them_differently():
     placement = ["gpu"] * SHAPE.layers
-    f = Features(mlp_shards=8)
+    f = planned_options(_split(4, 262144), mlp_shards=8)
     # At 1M tokens over 4 ranks a ring step's attention outlasts any transfer: only the last
     # gradient exchange of each layer is waited for, either way.
     long = {r: estimate_time(_split(4, 262144, r), f, Rates(), placement) for r in ("allgather", "alltoall")}
@@ -191,10 +197,10 @@ MEASURED = [
 WITHIN = 1.2
 
 
-def _features(config: dict, layers: int, rotation: str) -> Features:
-    kept = config.get("keep_attention_outputs", False)
-    return Features(
-        checkpointing=config["gradient_checkpointing"],
+def _options(config: dict, w: Workload, rotation: str) -> Choice:
+    """The run's options (block inputs placed by the planner's counts: none held or dropped)."""
+    c = planned_options(
+        w,
         offload_inputs=bool(config["activation_offloading"]),
         layer_streaming=config["layer_offloading"],
         stream_depth=config["layer_offloading_depth"],
@@ -202,10 +208,15 @@ def _features(config: dict, layers: int, rotation: str) -> Features:
         mlp_shards=config.get("tiled_mlp_num_shards") or 1,
         tiled_projections=config.get("tiled_projections", False),
         head_groups=config.get("attention_head_groups", 1),
-        horizon=config.get("activation_loading_horizon"),
-        keep_attention=layers if kept is True else int(kept),
         rotation=rotation,
     )
+    c = with_options(
+        c,
+        CheckpointOptions,
+        enabled=config["gradient_checkpointing"],
+        keep_attention=config.get("keep_attention_outputs", False),
+    )
+    return place_inputs(w, with_options(c, ActivationOptions, loading_horizon=config.get("activation_loading_horizon")))
 
 
 @pytest.mark.parametrize("where,world,tokens,layers,rotation,config,allocated,reserved", MEASURED)
@@ -214,7 +225,7 @@ def test_predicted_peaks_hold_the_measured_ones(where, world, tokens, layers, ro
     reservation it checks against the budget) is at or above what every rank measured, and
     within :data:`WITHIN` of it."""
     w = _split(world, tokens, rotation, layers) if world > 1 else Workload(SHAPE.with_layers(layers), tokens)
-    f = _features(config, layers, rotation)
+    f = _options(config, w, rotation)
     m = estimate_memory(w, f)
     assert m.block_placement == config["block_input_placement"]
     assert allocated * GiB <= m.gpu_peak <= WITHIN * allocated * GiB, m.gpu_peak / GiB / allocated
@@ -248,12 +259,14 @@ def test_auto_takes_all_gather_where_it_fits():
     from offloadkit.planning import plan
 
     p = plan("llama-3-8b", 1 << 20, budgets=_budgets(4, 500, 200), parallel=_cp(4))
-    assert p.fits and p.rotation == p.features.rotation == "allgather" and p.rotation_note == "all-gather fits"
+    assert p.fits and p.rotation == option(p.options, ParallelOptions).rotation == "allgather"
+    assert p.rotation_note == "all-gather fits"
     assert "ring attention: all-gather rotation" in p.table()
     assert p.at_depth(2).rotation == "allgather"
     # One GPU: no ring, no rotation.
     one = plan("llama-3-8b", 1 << 18, budgets=_budgets(1, 250, 100))
-    assert one.rotation is None and one.features.rotation is None and "rotation" not in one.table()
+    assert one.rotation is None and option(one.options, ParallelOptions).rotation == "auto"
+    assert "rotation" not in one.table()
 
 
 def test_auto_takes_all_to_all_where_all_gather_does_not_fit():

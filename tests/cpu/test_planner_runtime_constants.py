@@ -13,8 +13,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from offloadkit.component import OptionSet
 from offloadkit.defaults import COMPACT_CHUNK_BYTES_PER_ELEMENT
-from offloadkit.planning import Budgets, Features, Workload, estimate_memory, plan, resolve_shape
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.layers.options import StreamingOptions
+from offloadkit.longctx.footprint import tiled_mlp_shards
+from offloadkit.planning import Budgets, Workload, estimate_memory, plan, resolve_shape
 from offloadkit.planning.memory import (
     auto_loss_chunks,
     auto_mlp_shards,
@@ -22,6 +26,7 @@ from offloadkit.planning.memory import (
     tiered_reserve_bytes,
     tiles_projections,
 )
+from offloadkit.planning.plan import option, place_inputs, planned_options, with_options
 
 GiB = 1 << 30
 EIGHT_B = resolve_shape("llama-3-8b")
@@ -62,14 +67,14 @@ def test_the_planned_horizon_is_the_engines_default(tmp_path, storage, ram_block
     finally:
         manager.close()
     w = Workload(EIGHT_B, 16384)
-    f = Features(offload_inputs=True, ram_blocks=ram_blocks, loss_chunks=8)
+    f = place_inputs(w, planned_options(w, offload_inputs=True, loss_chunks=8), ram_blocks=ram_blocks)
     default = estimate_memory(w, f)
     assert ("disk" in default.block_placement) == (storage != "ram")
     assert ("ram" in default.block_placement) == (storage != "disk")
-    explicit = estimate_memory(w, replace(f, horizon=runtime))
+    explicit = estimate_memory(w, with_options(f, ActivationOptions, loading_horizon=runtime))
     assert (default.gpu_peak, default.host) == (explicit.gpu_peak, explicit.host), runtime
     # The horizon counts: one more or one less would change the figures.
-    other = estimate_memory(w, replace(f, horizon=runtime + 1))
+    other = estimate_memory(w, with_options(f, ActivationOptions, loading_horizon=runtime + 1))
     assert other.gpu_peak != default.gpu_peak
 
 
@@ -118,7 +123,7 @@ def test_mlp_shards_are_the_tiled_mlps(monkeypatch, tokens):
     assert tiles_projections(tokens, EIGHT_B.hidden) == (norm > 1)
     # A plan tiles as the runtime's automatic count does.
     p = plan("llama-3-8b", tokens, budgets=Budgets(1 << 50, 1 << 50, 1 << 50))
-    assert p.features.mlp_shards in (1, mlp)
+    assert tiled_mlp_shards(OptionSet(p.options)) in (1, mlp)
 
 
 @pytest.mark.parametrize("tokens", [1, 2092, 2093, 16384, 131072, 1 << 20])
@@ -160,12 +165,13 @@ def test_head_groups_are_the_groups_attention_runs_in(monkeypatch, wanted, kv_he
     out = attention_groups.grouped_attention(wanted, q, k, v, is_causal=True, enable_gqa=True)
     ran = len(calls) if out is not None else 1
     assert sum(calls) == (kv_heads if out is not None else 0)
-    from offloadkit.planning.memory import Features, layer_phase
+    from offloadkit.planning.memory import layer_phase
 
     w = Workload(replace(EIGHT_B, heads=2 * kv_heads, kv_heads=kv_heads), 65536)
 
     def layer_backward(groups: int) -> int:
-        return layer_phase(w, Features(mlp_shards=16, tiled_projections=True, head_groups=groups))["layer backward"]
+        f = planned_options(w, mlp_shards=16, tiled_projections=True, head_groups=groups)
+        return layer_phase(w, f)["layer backward"]
 
     assert layer_backward(wanted) == layer_backward(ran)
     if ran > 1:  # grouping shows in the estimate: the rule is not idle here
@@ -188,11 +194,11 @@ def test_disk_staging_is_the_disk_tiers_writes_in_flight(tmp_path):
     finally:
         tier.close()
     w = Workload(resolve_shape("tiny"), 512)
-    f = Features(offload_inputs=True, ram_blocks=0)
+    f = place_inputs(w, planned_options(w, offload_inputs=True), ram_blocks=0)
     placement = estimate_memory(w, f).block_placement
     assert "ram" not in placement and "disk" in placement
     assert 8 * w.block_input_bytes < runtime  # the block inputs read ahead stage less
-    assert disk_staging_bytes(w, f, placement) == runtime
+    assert disk_staging_bytes(w, OptionSet(f), placement) == runtime
 
 
 @pytest.mark.parametrize("base", [1 << 20, 100 << 20, 1 << 30, (1536 << 20) + 5, 3 << 30, 40 << 30])
@@ -223,14 +229,16 @@ def test_a_spilling_plans_cap_realises_its_ram_share(tmp_path):
     assert config["activation_offloading"] == "disk" and config["disk_tiering"], config
     # The RAM share: the block inputs placed in RAM and the streamed layers, which share the cap.
     ram = p.placement.count("ram") * size_class(p.workload.block_input_bytes)
-    ram += _streamed_host_bytes(p.workload, p.features)
+    ram += _streamed_host_bytes(p.workload, OptionSet(p.options))
     manager = _manager("tiered", tmp_path, host_budget_bytes=config["host_budget_bytes"])
     try:
         assert manager.tier.reserve_bytes == config["host_budget_bytes"] - ram
-        horizon = p.features.horizon if p.features.horizon is not None else manager.prefetch
+        asked = option(p.options, ActivationOptions).loading_horizon
+        horizon = asked if asked is not None else manager.prefetch
     finally:
         manager.close()
-    assert estimate_memory(p.workload, replace(p.features, horizon=horizon)).gpu_peak == p.memory.gpu_peak
+    fetched = with_options(p.options, ActivationOptions, loading_horizon=horizon)
+    assert estimate_memory(p.workload, fetched).gpu_peak == p.memory.gpu_peak
 
 
 # -- BackwardAdamW -------------------------------------------------------------------------
@@ -248,10 +256,10 @@ def test_the_planned_copy_window_is_backward_adamws_default(precision):
     _, opt = _optimizer(precision)
     runtime = opt._copies.window_bytes
     w = Workload(EIGHT_B, 4096, lora_rank=0, optimizer_precision=precision, updates_in_backward=True)
-    f = Features(optimizer_offloading=True, loss_chunks=2)
+    f = planned_options(w, optimizer_offloading=True, loss_chunks=2)
     default = estimate_memory(w, f).gpu_parts["trainable state"]
-    assert default == estimate_memory(w, replace(f, copy_window_bytes=runtime)).gpu_parts["trainable state"]
-    assert default != estimate_memory(w, replace(f, copy_window_bytes=runtime // 2)).gpu_parts["trainable state"]
+    assert default == estimate_memory(replace(w, copy_window_bytes=runtime), f).gpu_parts["trainable state"]
+    assert default != estimate_memory(replace(w, copy_window_bytes=runtime // 2), f).gpu_parts["trainable state"]
 
 
 def test_the_planned_compact_chunk_is_backward_adamws():
@@ -261,7 +269,8 @@ def test_the_planned_compact_chunk_is_backward_adamws():
     w = Workload(EIGHT_B, 4096, lora_rank=0, optimizer_precision="compact", updates_in_backward=True)
     plain = replace(w, optimizer_precision="params")
     assert w.optimizer_state_bytes == plain.optimizer_state_bytes
-    f = Features(optimizer_offloading=True, loss_chunks=2, copy_window_bytes=GiB)
+    f = planned_options(w, optimizer_offloading=True, loss_chunks=2)
+    w, plain = (replace(x, copy_window_bytes=GiB) for x in (w, plain))
     extra = estimate_memory(w, f).gpu_parts["trainable state"] - estimate_memory(plain, f).gpu_parts["trainable state"]
     largest = max(max(a * c for a, c in EIGHT_B.linears), EIGHT_B.embed_params, EIGHT_B.head_params)
     assert largest > opt.chunk_elements
@@ -289,5 +298,6 @@ def test_the_planned_stream_depth_is_layer_streamings_default():
 
     runtime = inspect.signature(apply_layer_streaming).parameters["depth"].default
     assert inspect.signature(LayerStreamer).parameters["depth"].default == runtime
-    assert Features().stream_depth == runtime
+    assert StreamingOptions().depth == runtime
+    assert inspect.signature(planned_options).parameters["stream_depth"].default == runtime
     assert inspect.signature(plan).parameters["stream_depth"].default == runtime

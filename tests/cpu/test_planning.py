@@ -11,11 +11,19 @@ import pytest
 import torch
 
 from offloadkit.checkpointing import apply_activation_checkpointing
+from offloadkit.checkpointing.footprint import keeps_attention
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.component import OptionSet
 from offloadkit.compose import prepare
 from offloadkit.config import ConfigError, OffloadConfig
+from offloadkit.engine.options import ActivationOptions
+from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx import chunked_cross_entropy
-from offloadkit.planning import Budgets, Features, Workload, estimate_memory, longest_sequence, plan, resolve_shape
+from offloadkit.longctx.options import LongContextOptions
+from offloadkit.optim.options import OptimizerOptions
+from offloadkit.planning import Budgets, Workload, estimate_memory, longest_sequence, plan, resolve_shape
 from offloadkit.planning.memory import LOSS_CHUNK_BYTES_PER_LOGIT, auto_loss_chunks, layer_saved_bytes
+from offloadkit.planning.plan import input_counts, option, place_inputs, planned_options, with_options
 from offloadkit.testing import AllocationTracker, build_llama
 
 pytest.importorskip("transformers")
@@ -73,7 +81,7 @@ def test_block_inputs_offloaded_as_planned():
     finally:
         handle.remove()
     w = Workload(resolve_shape("tiny", layers=4), 128, 2, lora_rank=0, dtype_bytes=4)
-    m = estimate_memory(w, Features(offload_inputs=True))
+    m = estimate_memory(w, place_inputs(w, planned_options(w, offload_inputs=True)))
     planned = sum(p != "gpu" for p in m.block_placement) * w.block_input_bytes
     assert m.block_placement == ["ram", "ram", "ram", "gpu"]
     # The rest are the rotary tables and position ids passed to each block (counted as
@@ -103,7 +111,7 @@ def test_block_inputs_held_on_the_gpu_as_planned(held):
         finally:
             handle.remove()
     w = Workload(resolve_shape("tiny", layers=4), 128, 2, lora_rank=0, dtype_bytes=4)
-    m = estimate_memory(w, Features(offload_inputs=True, gpu_blocks=held))
+    m = estimate_memory(w, place_inputs(w, planned_options(w, offload_inputs=True), gpu_blocks=held))
     assert m.block_placement == ["ram"] * (3 - held) + ["gpu"] * (held + 1)
     # Each block input held back is one block input's bytes (and its rotary tables) fewer.
     per_block = (moved[0] - moved[1]) / held
@@ -136,7 +144,10 @@ def test_nine_tenths_of_the_physical_limit_at_every_gpu_size(gpu_gib):
     cap = longest_sequence("llama-3-8b", lora_rank=16, budgets=Budgets(gpu_gib * GiB, 108 * GiB, 55 * GiB))
     assert cap.ratio >= 0.9, cap.summary()
     p = cap.plan
-    assert p.fits and OffloadConfig.from_dict(p.to_config()).layer_offloading_depth == p.features.stream_depth
+    assert (
+        p.fits
+        and OffloadConfig.from_dict(p.to_config()).layer_offloading_depth == option(p.options, StreamingOptions).depth
+    )
     if gpu_gib >= 80:
         # Past what storage holds, block inputs are dropped and replayed instead.
         assert "recompute" in p.placement and "disk" in p.placement
@@ -148,11 +159,13 @@ def test_one_streamed_layer_resident_is_chosen_only_when_needed():
 
     small = Budgets(16 * GiB, 108 * GiB, 55 * GiB)
     edge = longest_sequence("llama-3-8b", lora_rank=16, budgets=small).plan
-    assert edge.features.stream_depth == 1 and edge.to_config()["layer_offloading_depth"] == 1
+    assert option(edge.options, StreamingOptions).depth == 1 and edge.to_config()["layer_offloading_depth"] == 1
     # Waiting for each layer's weights costs time, so with room the plan keeps two resident.
-    two = estimate_time(edge.workload, replace(edge.features, stream_depth=2), small.rates, edge.placement)
+    two = estimate_time(
+        edge.workload, with_options(edge.options, StreamingOptions, depth=2), small.rates, edge.placement
+    )
     assert edge.time.seconds > two.seconds
-    assert plan("llama-3-8b", 16384, lora_rank=16, budgets=small).features.stream_depth == 2
+    assert option(plan("llama-3-8b", 16384, lora_rank=16, budgets=small).options, StreamingOptions).depth == 2
 
 
 def test_loss_chunk_bytes_match_the_chunked_loss():
@@ -172,7 +185,7 @@ def test_loss_chunk_bytes_match_the_chunked_loss():
         dtype_bytes=4,
     )
     chunks = 8
-    part = estimate_memory(w, Features(loss_chunks=chunks)).gpu_parts
+    part = estimate_memory(w, planned_options(w, loss_chunks=chunks)).gpu_parts
     h = torch.randn(tokens, hidden, requires_grad=True)
     weight = torch.randn(vocab, hidden)
     labels = torch.randint(0, vocab, (tokens,))
@@ -198,8 +211,9 @@ def test_full_fine_tune_counts_the_chunked_loss_fp32_head_gradient():
             "vocab_size": vocab,
         }
     )
-    full = estimate_memory(Workload(shape, tokens, lora_rank=0, dtype_bytes=2), Features(loss_chunks=4)).gpu_parts
-    lora = estimate_memory(Workload(shape, tokens, lora_rank=8, dtype_bytes=2), Features(loss_chunks=4)).gpu_parts
+    full_w, lora_w = (Workload(shape, tokens, lora_rank=r, dtype_bytes=2) for r in (0, 8))
+    full = estimate_memory(full_w, planned_options(full_w, loss_chunks=4)).gpu_parts
+    lora = estimate_memory(lora_w, planned_options(lora_w, loss_chunks=4)).gpu_parts
     h = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,))
@@ -208,13 +222,14 @@ def test_full_fine_tune_counts_the_chunked_loss_fp32_head_gradient():
     held = [n * 4 for _, _, n, dt in t.records if dt == torch.float32 and n == vocab * hidden]
     assert held and full["head weight gradient (fp32)"] == held[0] == vocab * hidden * 4
     assert "head weight gradient (fp32)" not in lora
-    eight_b = estimate_memory(Workload(resolve_shape("llama-3-8b"), 4096, lora_rank=0), Features(loss_chunks=1))
+    eight_b_w = Workload(resolve_shape("llama-3-8b"), 4096, lora_rank=0)
+    eight_b = estimate_memory(eight_b_w, planned_options(eight_b_w, loss_chunks=1))
     assert eight_b.gpu_parts["head weight gradient (fp32)"] == 128256 * 4096 * 4  # 1.96 GiB
 
 
 def test_more_tokens_more_memory_and_time():
     """The chosen plans take more storage and time as the length grows; each plan's own
-    features take more GPU at a greater length (the fastest plan at a longer length may
+    options take more GPU at a greater length (the fastest plan at a longer length may
     tile more and so peak lower)."""
     previous = None
     for seq in (8192, 16384, 65536, 131072, 262144):
@@ -222,22 +237,24 @@ def test_more_tokens_more_memory_and_time():
         now = (p.memory.host + p.memory.disk, p.time.seconds)
         if previous is not None:
             assert all(a < b for a, b in zip(previous, now)), (seq, previous, now)
-        longer = estimate_memory(replace(p.workload, seq_len=2 * seq), p.features)
+        longer = estimate_memory(replace(p.workload, seq_len=2 * seq), p.options)
         assert longer.gpu_peak > p.memory.gpu_peak
         previous = now
 
 
 def test_depth_does_not_change_the_gpu_peak_when_offloading_and_streaming():
-    f = Features(offload_inputs=True, layer_streaming=True, loss_chunks=32, mlp_shards=4)
-    est = {n: estimate_memory(Workload(resolve_shape("llama-3-8b", layers=n), 65536), f) for n in (8, 32)}
+    at = {n: Workload(resolve_shape("llama-3-8b", layers=n), 65536) for n in (8, 32)}
+    chosen = dict(loss_chunks=32, mlp_shards=4)
+    f = {
+        n: place_inputs(w, planned_options(w, offload_inputs=True, layer_streaming=True, **chosen))
+        for n, w in at.items()
+    }
+    est = {n: estimate_memory(w, f[n]) for n, w in at.items()}
     # Only the LoRA adapters and their AdamW state grow with depth (0.5 GiB at 32 layers).
     peaks = {n: m.gpu_peak - m.gpu_parts["trainable state"] for n, m in est.items()}
     assert peaks[8] == peaks[32]
-    plain = Features(loss_chunks=32, mlp_shards=4)
-    assert (
-        estimate_memory(Workload(resolve_shape("llama-3-8b", layers=32), 65536), plain).gpu_peak
-        > estimate_memory(Workload(resolve_shape("llama-3-8b", layers=8), 65536), plain).gpu_peak
-    )
+    plain = planned_options(at[32], **chosen)
+    assert estimate_memory(at[32], plain).gpu_peak > estimate_memory(at[8], plain).gpu_peak
 
 
 def test_ram_exhaustion_pushes_oldest_block_inputs_to_disk():
@@ -250,7 +267,7 @@ def test_ram_exhaustion_pushes_oldest_block_inputs_to_disk():
     first_ram, first_gpu = p.placement.index("ram"), p.placement.index("gpu")
     assert set(p.placement[:first_ram]) == {"disk"} and set(p.placement[first_ram:first_gpu]) == {"ram"}
     assert set(p.placement[first_gpu:]) == {"gpu"}
-    assert p.features.gpu_blocks == len(p.placement) - first_gpu - 1
+    assert input_counts(p.workload, p.options)[0] == len(p.placement) - first_gpu - 1
     cfg = OffloadConfig.from_dict(p.to_config())
     assert cfg.block_input_placement == tuple(p.placement)
     assert cfg.activation_offloading == "disk" and cfg.disk_tiering and cfg.host_budget_bytes <= 40 * GiB
@@ -330,7 +347,7 @@ def test_a_plan_that_drops_block_inputs_runs_bitwise_through_prepare(tmp_path):
     shape = {"num_hidden_layers": 6}
     ref, ours = build_llama("tiny", **shape), build_llama("tiny", **shape)
     w = Workload(resolve_shape(ours), 64, batch=2, lora_rank=0, dtype_bytes=4)
-    f = Features(offload_inputs=True, recompute_blocks=2, loss_chunks=1)
+    f = place_inputs(w, planned_options(w, offload_inputs=True, loss_chunks=1), recompute_blocks=2)
     m = estimate_memory(w, f)
     p = Plan(w, f, BIG, "drops", m, estimate_time(w, f, BIG.rates, m.block_placement), True)
     assert p.placement == ["ram", "ram", "recompute", "ram", "recompute", "gpu"]
@@ -509,12 +526,12 @@ def test_long_plans_tile_projections_and_shorten_the_horizon_only_when_needed():
     assert long.fits, long.reasons
     assert cfg["tiled_projections"] and cfg["tiled_mlp"] and cfg["activation_loading_horizon"] == 1
     # The last one, one fetched ahead, and those the GPU's spare room holds (disk is short).
-    held = long.features.gpu_blocks
+    held = input_counts(long.workload, long.options)[0]
     assert held > 0 and cfg["block_input_placement"][-1 - held :] == ("gpu",) * (1 + held)
     assert long.memory.gpu_parts["block inputs"] == (2 + held) * long.workload.block_input_bytes
     OffloadConfig.from_dict(cfg)  # a valid config
     # Without the projections tiled the same step does not fit.
-    untiled = estimate_memory(long.workload, Features(**{**long.features.__dict__, "tiled_projections": False}))
+    untiled = estimate_memory(long.workload, with_options(long.options, LongContextOptions, tiled_projections=False))
     assert untiled.gpu_reserved > budgets.gpu_bytes
     # 128K fits untiled: the faster plan wins (the projections' extra forward is not paid).
     assert not plan("llama-3-8b", 131072, lora_rank=16, budgets=budgets).to_config()["tiled_projections"]
@@ -537,16 +554,16 @@ def test_physical_limit_holds_everything_alive_at_once():
 
     def alive(seq, drops=0):
         w = Workload(shape, seq)
-        f = Features(
+        f = planned_options(
+            w,
             offload_inputs=True,
             layer_streaming=True,
-            horizon=0,
             loss_chunks=seq,
             mlp_shards=seq,
             tiled_projections=True,
             head_groups=shape.kv_heads,
-            recompute_blocks=drops,
         )
+        f = place_inputs(w, with_options(f, ActivationOptions, loading_horizon=0), recompute_blocks=drops)
         gpu = estimate_memory(w, f).gpu_peak
         kept = shape.layers - 1 - drops
         return gpu, gpu + kept * w.block_input_bytes + shape.layers * shape.layer_params * 2
@@ -580,17 +597,18 @@ def test_recompute_placement_drops_what_storage_cannot_hold():
     assert region_length(p.placement) == 2 and all(p.placement[i - 1] != "recompute" for i in dropped)
     assert p.to_config()["block_input_placement"] == tuple(p.placement)
     assert OffloadConfig.from_dict(p.to_config()).block_input_placement == tuple(p.placement)
-    w, f = p.workload, p.features
+    w, f = p.workload, p.options
     block = w.block_input_bytes
     assert p.memory.disk == p.placement.count("disk") * block
     assert p.memory.gpu_parts["replayed block inputs"] == block
     # Dropping fewer does not fit; the cost is one forward of the block before each drop.
-    fewer = replace(f, recompute_blocks=f.recompute_blocks - 1)
-    from offloadkit.planning.planner import _check, _ram_blocks
+    held, drops = input_counts(w, f)
+    from offloadkit.planning.planner import _check, _placed
 
-    fewer = replace(fewer, ram_blocks=_ram_blocks(w, fewer, budgets))
+    fewer = _placed(w, f, budgets, held, drops - 1)
     assert _check(w, estimate_memory(w, fewer), budgets)
-    kept = estimate_time(w, replace(f, recompute_blocks=0), budgets.rates, p.placement)
+    in_ram = p.placement.count("ram") if "disk" in p.placement else None
+    kept = estimate_time(w, place_inputs(w, f, held, 0, in_ram), budgets.rates, p.placement)
     s = w.shape
     one_forward = 2 * w.tokens * sum(a * b for a, b in s.linears) + 2 * w.tokens * s.lora_params(16) // s.layers
     attention = 2.0 * w.seq_len**2 * s.heads * s.head_dim
@@ -626,14 +644,17 @@ def test_capacity_reaches_nine_tenths_of_the_physical_limit_on_the_h100_budgets(
     p = cap.plan
     assert p.fits and p.memory.disk <= H100.disk_bytes and p.memory.gpu_reserved <= H100.gpu_bytes
     # At the edge nothing is fetched ahead: the horizon is 0, and the step time pays for each fetch.
-    assert p.features.horizon == 0 and p.to_config()["activation_loading_horizon"] == 0
+    assert option(p.options, ActivationOptions).loading_horizon == 0
+    assert p.to_config()["activation_loading_horizon"] == 0
 
     from offloadkit.planning import estimate_time
 
-    ahead = estimate_time(p.workload, replace(p.features, horizon=1), H100.rates, p.placement)
+    ahead = estimate_time(
+        p.workload, with_options(p.options, ActivationOptions, loading_horizon=1), H100.rates, p.placement
+    )
     assert p.time.seconds > ahead.seconds
     # One more block input held on the GPU would not fit: that is why the horizon went to 0.
-    held = estimate_memory(p.workload, replace(p.features, horizon=1))
+    held = estimate_memory(p.workload, with_options(p.options, ActivationOptions, loading_horizon=1))
     assert held.gpu_reserved > H100.gpu_bytes
 
 
@@ -647,7 +668,7 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
     import offloadkit.storage.pool as pool_module
     from offloadkit.planning import ModelShape, estimate_time
     from offloadkit.planning.memory import disk_staging_bytes, final_norm_saves
-    from offloadkit.planning.planner import Plan, _ram_blocks
+    from offloadkit.planning.planner import Plan, _placed
     from offloadkit.storage import DiskOptions, HostBufferPool, HostMemoryBudget
     from offloadkit.storage.factory import build_tier
 
@@ -662,13 +683,12 @@ def test_the_tiered_engine_keeps_in_ram_what_the_plan_places_there(tmp_path, mon
     monkeypatch.setattr(pool_module, "_MAX_CHUNK", layer_bytes * 512 // 416 // 4096 * 4096)
     streamed = shape.layers * layer_bytes if lora_rank else 0
     budgets = Budgets(80 * GiB, streamed + 20 * block, 1 * GiB)
-    f = Features(offload_inputs=True, layer_streaming=bool(lora_rank))
-    f = replace(f, ram_blocks=_ram_blocks(w, f, budgets))
+    f = _placed(w, planned_options(w, offload_inputs=True, layer_streaming=bool(lora_rank)), budgets)
     m = estimate_memory(w, f)
     p = Plan(w, f, budgets, "offload", m, estimate_time(w, f, budgets.rates, m.block_placement), True)
     planned_ram, planned_disk = p.placement.count("ram"), p.placement.count("disk")
     assert planned_ram > 0 and planned_disk > 0
-    staging = disk_staging_bytes(w, f, p.placement)
+    staging = disk_staging_bytes(w, OptionSet(f), p.placement)
     assert p.host_budget_bytes() + staging <= budgets.host_bytes, "cap plus staging within the host budget"
 
     budget = HostMemoryBudget(limit_bytes=p.host_budget_bytes(), min_free_bytes=0)
@@ -713,7 +733,7 @@ def test_a_full_fine_tune_keeps_its_adamw_state_in_host_memory_when_that_fits_lo
     cap = longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets)
     assert cap.longest >= 384 * 1024, cap.summary()
     chosen = cap.plan
-    assert chosen.fits and chosen.features.optimizer_offloading
+    assert chosen.fits and option(chosen.options, OptimizerOptions).enabled
     keys = chosen.to_config()
     assert keys["optimizer_offloading"] is True and keys["optimizer_precision"] == "params"
     state = chosen.workload.shape.params * 4  # two bf16 moments
@@ -721,17 +741,17 @@ def test_a_full_fine_tune_keeps_its_adamw_state_in_host_memory_when_that_fits_lo
     # Its state crosses the link both ways in backward: the predicted PCIe time counts it.
     assert chosen.time.pcie_s >= state / budgets.rates.pcie_bytes_per_s
 
-    on_gpu = estimate_memory(chosen.workload, replace(chosen.features, optimizer_offloading=False))
+    on_gpu = estimate_memory(chosen.workload, with_options(chosen.options, OptimizerOptions, enabled=False))
     assert on_gpu.gpu_reserved > budgets.gpu_bytes
 
 
 def test_fp32_master_weights_cost_twelve_bytes_a_parameter_of_host_memory():
     budgets = Budgets(60 << 30, 108 << 30, 55 << 30)  # too small for the state on the GPU
     bf16 = plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets)
-    assert bf16.features.optimizer_offloading
+    assert option(bf16.options, OptimizerOptions).enabled
     fp32 = plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets, optimizer_precision="fp32_master")
     params = bf16.workload.shape.params
-    assert fp32.features.optimizer_offloading and fp32.to_config()["optimizer_precision"] == "fp32_master"
+    assert option(fp32.options, OptimizerOptions).enabled and fp32.to_config()["optimizer_precision"] == "fp32_master"
     assert fp32.memory.host - bf16.memory.host == params * (12 - 4)
     assert "AdamW state (fp32_master, 12 bytes a parameter): host memory" in fp32.table()
     shorter = longest_sequence("llama-3-8b", lora_rank=0, budgets=budgets, optimizer_precision="fp32_master")
@@ -740,7 +760,7 @@ def test_fp32_master_weights_cost_twelve_bytes_a_parameter_of_host_memory():
     assert compact.memory.host == bf16.memory.host and "AdamW state (compact, 4 bytes a parameter)" in compact.table()
     # The compact update's fp32 temporaries: one chunk of 2**24 elements, 40 bytes each.
     extra = compact.memory.gpu_parts["trainable state"] - bf16.memory.gpu_parts["trainable state"]
-    assert compact.features.optimizer_offloading and extra == (1 << 24) * 40
+    assert option(compact.options, OptimizerOptions).enabled and extra == (1 << 24) * 40
     with pytest.raises(ValueError, match="optimizer_precision='fp8' is not a precision; use one of params, fp32"):
         plan("llama-3-8b", 16384, lora_rank=0, budgets=budgets, optimizer_precision="fp8")
 
@@ -748,13 +768,13 @@ def test_fp32_master_weights_cost_twelve_bytes_a_parameter_of_host_memory():
 def test_without_room_in_host_memory_the_state_stays_on_the_gpu():
     """16 GiB of RAM cannot hold the 8B's 28 GB of moments: the plan keeps them on the GPU."""
     p = plan("llama-3-8b", 4096, lora_rank=0, budgets=Budgets(79 << 30, 16 << 30, 55 << 30))
-    assert p.fits and not p.features.optimizer_offloading
+    assert p.fits and not option(p.options, OptimizerOptions).enabled
     assert "AdamW state (params, 4 bytes a parameter): GPU" in p.table()
 
 
 def test_lora_plans_never_offload_the_optimizer():
     p = plan("llama-3-8b", 16384, lora_rank=16, budgets=Budgets(79 << 30, 108 << 30, 55 << 30))
-    assert not p.features.optimizer_offloading and p.to_config()["optimizer_offloading"] is False
+    assert not option(p.options, OptimizerOptions).enabled and p.to_config()["optimizer_offloading"] is False
 
 
 def test_a_full_fine_tune_streams_its_weights_when_the_gpu_is_small():
@@ -769,24 +789,24 @@ def test_a_full_fine_tune_streams_its_weights_when_the_gpu_is_small():
     small = plan(
         "llama-3-8b", 16384, lora_rank=0, budgets=Budgets(16 << 30, 108 << 30, 55 << 30), optimizer=in_backward
     )
-    assert roomy.fits and not roomy.features.layer_streaming
-    assert small.fits and small.features.layer_streaming and small.features.optimizer_offloading
+    assert roomy.fits and not option(roomy.options, StreamingOptions).enabled
+    assert small.fits and option(small.options, StreamingOptions).enabled
+    assert option(small.options, OptimizerOptions).enabled
     assert not plan("llama-3-8b", 16384, lora_rank=0, budgets=Budgets(16 << 30, 108 << 30, 55 << 30)).fits
     shape = small.workload.shape
     weights = shape.layers * shape.layer_params * 2
     assert small.memory.gpu_reserved <= 16 << 30
     edge = shape.embed_params + shape.head_params + shape.hidden
     assert small.memory.gpu_parts["weights"] == (edge + 2 * shape.layer_params) * 2  # two layers and the edges
-    streamed = replace(small.features, layer_streaming=False)
-    assert estimate_memory(small.workload, small.features).host - estimate_memory(small.workload, streamed).host == (
+    streamed = with_options(small.options, StreamingOptions, enabled=False)
+    assert estimate_memory(small.workload, small.options).host - estimate_memory(small.workload, streamed).host == (
         weights
     )
     keys = small.to_config()
     assert keys["layer_offloading"] and keys["optimizer_offloading"]
     # Without the optimizer updating in backward, trainable weights never stream.
-    assert estimate_memory(small.workload, replace(streamed, layer_streaming=True, optimizer_offloading=False)).host < (
-        estimate_memory(small.workload, small.features).host
-    )
+    state_on_gpu = with_options(small.options, OptimizerOptions, enabled=False)
+    assert estimate_memory(small.workload, state_on_gpu).host < estimate_memory(small.workload, small.options).host
 
 
 def test_attention_outputs_are_kept_for_the_layers_ram_holds():
@@ -796,11 +816,14 @@ def test_attention_outputs_are_kept_for_the_layers_ram_holds():
 
     budgets = Budgets(80 * GiB, 108 * GiB, 55 * GiB)
     short = plan("llama-3-8b", 65536, lora_rank=16, budgets=budgets)
-    assert short.features.keep_attention == 32 and short.to_config()["keep_attention_outputs"] is True
+    assert (
+        keeps_attention(short.workload, OptionSet(short.options)) == 32
+        and short.to_config()["keep_attention_outputs"] is True
+    )
     long = plan("llama-3-8b", 262144, lora_rank=16, budgets=budgets)
-    kept = long.features.keep_attention
+    kept = keeps_attention(long.workload, OptionSet(long.options))
     assert 0 < kept < 32 and long.to_config()["keep_attention_outputs"] == kept
-    without = replace(long.features, keep_attention=0)
+    without = with_options(long.options, CheckpointOptions, keep_attention=False)
     m = estimate_memory(long.workload, without)
     assert long.memory.host - m.host == kept * attention_kept_bytes(long.workload)
     from offloadkit.planning import estimate_time
@@ -809,7 +832,7 @@ def test_attention_outputs_are_kept_for_the_layers_ram_holds():
     assert long.time.seconds < t.seconds and long.time.attention_flops < t.attention_flops
     # At the edge storage is short: nothing is kept.
     edge = longest_sequence("llama-3-8b", lora_rank=16, budgets=H100).plan
-    assert edge.features.keep_attention == 0
+    assert keeps_attention(edge.workload, OptionSet(edge.options)) == 0
 
 
 @pytest.mark.parametrize("lora_rank", [0, 8])
@@ -823,7 +846,7 @@ def test_the_layer_linear_rate_counts_what_the_planner_counts(lora_rank):
     shape = resolve_shape("llama-3-8b").with_layers(1)
     shape = replace(shape, hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16, vocab=100)
     tokens = 32
-    fwd, bwd, _, _ = step_flops(Workload(shape, tokens, lora_rank=lora_rank), Features(checkpointing=False))
+    fwd, bwd, _, _ = step_flops(Workload(shape, tokens, lora_rank=lora_rank), (CheckpointOptions(enabled=False),))
     head = shape.vocab * shape.hidden * tokens * (2 + (4 if not lora_rank else 2))
     assert layer_linear_flops(shape, lora_rank, tokens) == fwd + bwd - head
     # What the probe runs is that count: PyTorch's own FLOP counter over its four runs (one
@@ -841,9 +864,11 @@ def test_a_fused_lora_plan_runs_its_linear_work_at_the_fused_rate():
     from offloadkit.planning.timing import FUSED_LORA_LINEAR_SPEEDUP, Rates, estimate_time
 
     w = Workload(resolve_shape("llama-3-8b"), 65536, lora_rank=16)
-    f = Features(offload_inputs=True, loss_chunks=8, mlp_shards=4)
+    chosen = dict(offload_inputs=True, loss_chunks=8, mlp_shards=4)
+    f = place_inputs(w, planned_options(w, **chosen))
+    with_fused = place_inputs(w, planned_options(w, fused_lora=True, **chosen))
     peft, fused = estimate_time(w, f, Rates(), ["ram"] * 31 + ["gpu"]), None
-    fused = estimate_time(w, replace(f, fused_lora=True), Rates(), ["ram"] * 31 + ["gpu"])
+    fused = estimate_time(w, with_fused, Rates(), ["ram"] * 31 + ["gpu"])
     linear = peft.linear_flops / Rates().matmul_flops_per_s
     assert fused.compute_s == pytest.approx(peft.compute_s - linear + linear / FUSED_LORA_LINEAR_SPEEDUP)
     measured = Rates(fused_lora_matmul_flops_per_s=1e15)
@@ -851,6 +876,6 @@ def test_a_fused_lora_plan_runs_its_linear_work_at_the_fused_rate():
         measured.linear_flops_per_s(True) == 1e15 and measured.linear_flops_per_s(False) == Rates().matmul_flops_per_s
     )
     full = Workload(resolve_shape("llama-3-8b"), 65536, lora_rank=0)  # no adapters: nothing to fuse
-    assert estimate_time(full, replace(f, fused_lora=True), Rates(), ["ram"] * 31 + ["gpu"]) == estimate_time(
+    assert estimate_time(full, with_fused, Rates(), ["ram"] * 31 + ["gpu"]) == estimate_time(
         full, f, Rates(), ["ram"] * 31 + ["gpu"]
     )

@@ -82,10 +82,13 @@ def test_block_inputs_come_back_further_ahead_where_state_travels_in_backward(up
     ahead as from disk, unless the config says how far; the planner counts the same."""
     import warnings
 
+    from offloadkit.component import OptionSet
     from offloadkit.compose import prepare
     from offloadkit.engine.footprint import activations_footprint
+    from offloadkit.engine.options import ActivationOptions
     from offloadkit.planning import OptimizerSetup
-    from offloadkit.planning.memory import Features, Workload
+    from offloadkit.planning.memory import Workload
+    from offloadkit.planning.plan import place_inputs, planned_options, with_options
     from offloadkit.planning.shape import ModelShape
 
     config = {"gradient_checkpointing": True, "activation_offloading": True, "optimizer_offloading": True}
@@ -102,6 +105,7 @@ def test_block_inputs_come_back_further_ahead_where_state_travels_in_backward(up
     dims = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4}
     shape = ModelShape.from_config(dict(dims, vocab_size=256))
     work = Workload(shape, seq_len=1024, updates_in_backward=updates_in_backward)
-    held = activations_footprint(work, Features(offload_inputs=True, optimizer_offloading=True, horizon=asked))
+    offloaded = place_inputs(work, planned_options(work, offload_inputs=True, optimizer_offloading=True))
+    held = activations_footprint(work, OptionSet(with_options(offloaded, ActivationOptions, loading_horizon=asked)))
     blocks = held.gpu["block inputs"] // work.block_input_bytes
     assert blocks == 1 + (expected or 2)  # the last layer's input stays, and the horizon comes back ahead

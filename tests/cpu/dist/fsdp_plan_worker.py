@@ -6,11 +6,15 @@ DDP-wrapped model, with and without gradient bucket views. Prints ``RESULT`` lin
 import torch
 import torch.distributed as dist
 
+from offloadkit.checkpointing.options import CheckpointOptions
+from offloadkit.component import OptionSet
 from offloadkit.compose import prepare
+from offloadkit.layers.options import StreamingOptions
 from offloadkit.models.blocks import find_blocks
 from offloadkit.parallel.footprint import GATHERED_LAYERS, sharded_weights_footprint
-from offloadkit.planning.memory import Features, Workload
+from offloadkit.planning.memory import Workload
 from offloadkit.planning.parallelism import Parallelism
+from offloadkit.planning.plan import input_counts, option
 from offloadkit.planning.shape import resolve_shape
 from offloadkit.testing import build_llama
 
@@ -26,7 +30,7 @@ def main(rank: int, world: int) -> None:
     shape = resolve_shape("tiny", layers=4)
     layers_local = sum(t.numel() for name, t in local.items() if ".layers." in name)
     w = Workload(shape, 64, lora_rank=0, dtype_bytes=4, parallel=Parallelism(world, shard_weights=True))
-    planned = sharded_weights_footprint(w, Features()).gpu["weights"] // 4
+    planned = sharded_weights_footprint(w, OptionSet((CheckpointOptions(enabled=True),))).gpu["weights"] // 4
     root = shape.embed_params + shape.head_params + shape.hidden
     gathered = GATHERED_LAYERS * shape.layer_params
     # FSDP2 pads each parameter's dim-0 shards to equal sizes: a rank holds at most one row more.
@@ -38,7 +42,8 @@ def main(rank: int, world: int) -> None:
     runtime = prepare(model, {"offload_plan": "auto", "seq_len": 64, "gradient_checkpointing": True})
     try:
         assert runtime.plan.workload.parallel.shard_weights, runtime.plan.workload.parallel
-        assert not runtime.plan.features.layer_streaming and not runtime.plan.features.recompute_blocks
+        p = runtime.plan
+        assert not option(p.options, StreamingOptions).enabled and not input_counts(p.workload, p.options)[1]
     finally:
         runtime.close()
     print(f"RESULT prepare rank={rank} ok", flush=True)
