@@ -17,7 +17,7 @@ Example:
 
 from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.capacity import Capacity, longest_sequence, physical_limit
-from offloadkit.planning.memory import Features, MemoryEstimate, Workload, estimate_memory
+from offloadkit.planning.memory import MemoryEstimate, Workload, estimate_memory
 from offloadkit.planning.parallelism import Parallelism
 from offloadkit.planning.plan import OptimizerSetup, Plan
 from offloadkit.planning.planner import plan
@@ -27,7 +27,6 @@ from offloadkit.planning.timing import Rates, StepTime, estimate_time
 __all__ = [
     "Budgets",
     "Capacity",
-    "Features",
     "MemoryEstimate",
     "ModelShape",
     "OptimizerSetup",

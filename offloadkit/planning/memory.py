@@ -1,5 +1,5 @@
 """Bytes of one training step of a Llama-style decoder: what sits on the GPU at the peak,
-in host RAM and on disk, for a given set of offloadkit features.
+in host RAM and on disk, for a given set of the components' options.
 
 Every figure is a sum of named tensors (bf16 weights, fp32 norm upcasts, fp32 LoRA input
 casts, SDPA's outputs and log-sum-exp, ...). The per-layer saved set is what autograd saves
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TypeVar, Union
 
 from offloadkit.checkpointing.footprint import attention_kept_bytes, keeps_attention
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import Footprint, FootprintOptions, OptionSet
 from offloadkit.components import COMPONENTS
-from offloadkit.defaults import OPTIMIZER_STATE_BYTES, PREFETCH_FROM_DISK, PREFETCH_FROM_RAM, STREAM_DEPTH
+from offloadkit.defaults import OPTIMIZER_STATE_BYTES, PREFETCH_FROM_DISK, PREFETCH_FROM_RAM
 from offloadkit.engine.options import ActivationOptions
 from offloadkit.layers.footprint import streams_weights
 from offloadkit.layers.options import StreamingOptions
@@ -57,10 +57,8 @@ from offloadkit.storage.footprint import (
 from offloadkit.storage.options import BudgetOptions
 
 __all__ = [
-    "Features",
     "PLANNED_OPTIONS",
     "StepOptions",
-    "counted_placement",
     "long_context_counts",
     "long_context_options",
     "placed_by_counts",
@@ -205,244 +203,6 @@ PLANNED_OPTIONS: tuple[type[Options], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Features:
-    """Which offloadkit features are on, by the planner's counts: a shorthand for a set of
-    components' options, kept for code and tests that spell a step this way. The planner
-    searches over the options themselves (:attr:`~offloadkit.planning.plan.Plan.options`);
-    an estimate given features reads the options they set for its workload
-    (:meth:`options_for`), and a plan's :attr:`~offloadkit.planning.plan.Plan.features` are
-    its options read back (:meth:`from_options`).
-
-    Attributes:
-        checkpointing: checkpoint every decoder layer.
-        offload_inputs: offload block inputs (all but the last layer's).
-        ram_blocks: how many offloaded block inputs fit in the RAM budget (the rest go to
-            disk, oldest first); None: all in RAM.
-        gpu_blocks: block inputs kept on the GPU besides the last layer's (the newest ones,
-            needed first in backward), where the GPU has room the RAM and disk lack.
-        layer_streaming / stream_depth: stream the layers' weights, layers resident (a full
-            fine-tune's only with ``optimizer_offloading``: the update runs in backward, or,
-            deferred to ``step()``, reads and writes the weights where they rest).
-        loss_chunks: chunks of the chunked loss; 0: the unchunked loss.
-        mlp_shards: shards of the tiled MLP; 1: untiled.
-        tiled_projections: the norms and attention projections run tiled too (they save
-            only their bf16 inputs). With ``mlp_shards`` 1 the options are the tiled MLP's at
-            one shard (the MLP counts as untiled; the planner never chooses this).
-        horizon: offloaded block inputs brought back ahead in backward (None: the engine's
-            default, 2 from RAM and 4 from disk).
-        optimizer_offloading: a full fine-tune's AdamW state in host memory (BackwardAdamW):
-            no state held on the GPU beyond one parameter's and the copy window, and, with
-            ``Workload.updates_in_backward``, one gradient at a time (else every gradient,
-            until ``step()``).
-        copy_window_bytes: GPU bytes of optimizer state in flight, each way (None: BackwardAdamW's
-            default for the precision); an estimate reads it as the workload's
-            (:attr:`Workload.copy_window_bytes`).
-        recompute_blocks: offloaded block inputs dropped instead (kept nowhere, recomputed in
-            backward from the kept input before them), spread evenly so that the runs between
-            kept inputs are as short as possible.
-        head_groups: key/value head groups each layer's attention runs in (1: whole); its
-            backward then holds one group's kernel workspace.
-        keep_attention: layers (the last ones) whose attention output and log-sum-exp wait
-            in host RAM for the recompute, which then skips their attention forward
-            (the checkpointing options' ``keep_attention``).
-        rotation: with a sequence split over ranks, how ring attention moves keys and values
-            ("allgather" or "alltoall"); None: the run's own
-            (:func:`~offloadkit.planning.parallelism.ring_rotation`).
-        fused_lora: LoRA layers run fused in the compute dtype (``offloadkit/lora``).
-        options: the options of components the planner does not choose, as the run sets them
-            (one not given has its defaults).
-    """
-
-    checkpointing: bool = True
-    offload_inputs: bool = False
-    ram_blocks: int | None = None
-    gpu_blocks: int = 0
-    layer_streaming: bool = False
-    stream_depth: int = STREAM_DEPTH
-    loss_chunks: int = 0
-    mlp_shards: int = 1
-    tiled_projections: bool = False
-    horizon: int | None = None
-    optimizer_offloading: bool = False
-    copy_window_bytes: int | None = None
-    recompute_blocks: int = 0
-    keep_attention: int = 0
-    head_groups: int = 1
-    rotation: str | None = None
-    fused_lora: bool = False
-    options: tuple[Options, ...] = ()
-
-    def of(self, cls: type[OptionsT]) -> OptionsT:
-        """``cls``'s options as these features realise them: for the long-context parts, layer
-        streaming and LoRA, those the features choose (:attr:`chosen`: what
-        :attr:`~offloadkit.planning.plan.Plan.options` holds for them, automatic counts
-        resolved); checkpointing's, the engine's, the optimizer's and ring attention's as far
-        as they need no depth (where block inputs wait needs the workload's: see
-        :meth:`options_for`); for a component the planner does not choose, as the run sets
-        them, or its defaults. Footprints read their own options through this (to read, not
-        to change: the features' options are shared by every equal choice).
-
-        Raises:
-            ValueError: checkpointing's options with inputs dropped or split between RAM and
-                disk (their placement needs the depth).
-
-        Example:
-            >>> Features(loss_chunks=8, mlp_shards=4).of(LongContextOptions).mlp_shards
-            4
-        """
-        for o in self.chosen:
-            if isinstance(o, cls):
-                return o
-        if issubclass(CheckpointOptions, cls) and (self.recompute_blocks or self.ram_blocks not in (None, 0)):
-            raise ValueError(
-                "block inputs dropped, or split over RAM and disk, are placed for a depth: "
-                "read Features.options_for(workload)"
-            )
-        for o in _depth_free_options(
-            self.checkpointing,
-            self.offload_inputs,
-            self.gpu_blocks,
-            self.ram_blocks,
-            self.keep_attention,
-            self.horizon,
-            self.optimizer_offloading,
-            self.rotation,
-        ):
-            if isinstance(o, cls):
-                return o
-        return next((o for o in self.options if isinstance(o, cls)), None) or cls()
-
-    def options_for(self, w: Workload) -> tuple[Options, ...]:
-        """Every component's options these features set for workload ``w``: the planned
-        components' (block inputs placed for ``w``'s depth: ``block_input_placement``), then
-        the others as the run sets them. The footprints read these.
-
-        Example:
-            >>> from offloadkit.planning.shape import resolve_shape
-            >>> w = Workload(resolve_shape("tiny", layers=4), 512)
-            >>> f = Features(offload_inputs=True, recompute_blocks=1)
-            >>> next(o for o in f.options_for(w) if isinstance(o, CheckpointOptions)).block_input_placement
-            ('ram', 'ram', 'recompute', 'gpu')
-        """
-        placement = counted_placement(w.shape.layers, self)
-        offload = self.offload_inputs
-        checkpoint = CheckpointOptions(
-            enabled=self.checkpointing,
-            block_input_placement=tuple(placement) if offload and self.checkpointing else (),
-            keep_attention=self.keep_attention or False,
-        )
-        activations = ActivationOptions(
-            mode=False if not offload else "disk" if "disk" in placement else True,
-            disk_tiering="disk" in placement and "ram" in placement,
-            loading_horizon=self.horizon if offload else None,
-        )
-        planned = (
-            checkpoint,
-            *self.chosen,
-            activations,
-            OptimizerOptions(enabled=self.optimizer_offloading),
-            ParallelOptions(rotation=self.rotation or "auto"),
-        )
-        return planned + tuple(o for o in self.options if type(o) not in PLANNED_OPTIONS)
-
-    @property
-    def chosen(self) -> tuple[Options, ...]:
-        """The options these features choose that need nothing of the workload, the placement
-        or the budgets: the long-context parts' (chunked loss, tiled MLP and projections,
-        attention head groups), layer streaming's and LoRA's. (The other chosen options, in
-        :attr:`~offloadkit.planning.plan.Plan.options`, are built from these features with the
-        workload and placement; footprints still read their counts as fields.)"""
-        return _chosen_options(
-            self.loss_chunks,
-            self.mlp_shards,
-            self.tiled_projections,
-            self.head_groups,
-            self.layer_streaming,
-            self.stream_depth,
-            self.fused_lora,
-        )
-
-    @classmethod
-    def from_options(
-        cls, w: Workload, options: tuple[Options, ...], copy_window_bytes: int | None = None
-    ) -> "Features":
-        """The features a set of components' options turns on for workload ``w`` (a plan's
-        :attr:`~offloadkit.planning.plan.Plan.options`, or a run's): one not given has its
-        defaults; automatic loss chunks and MLP shards are resolved for ``w``'s tokens. Where
-        block inputs wait is read from ``block_input_placement`` (``ram_blocks`` None where
-        none is on disk; else from
-        ``gpu_block_inputs`` and ``recompute_block_inputs``, the rest in RAM, or on disk
-        without ``disk_tiering``). ``copy_window_bytes`` has no config key (BackwardAdamW's
-        argument).
-
-        Example:
-            >>> from offloadkit.planning.planner import plan
-            >>> from offloadkit.planning.budgets import Budgets
-            >>> p = plan("llama-3-8b", 131072, budgets=Budgets(79 << 30, 100 << 30, 60 << 30))
-            >>> estimate_memory(p.workload, Features.from_options(p.workload, p.options)) == p.memory
-            True
-        """
-        given = {type(o): o for o in options}
-
-        def of(c: type[OptionsT]) -> OptionsT:
-            return given.get(c) or c()  # type: ignore[return-value]
-
-        ckpt, act, long = of(CheckpointOptions), of(ActivationOptions), of(LongContextOptions)
-        streaming, opt, par, lora = of(StreamingOptions), of(OptimizerOptions), of(ParallelOptions), of(LoraOptions)
-        layers = w.shape.layers
-        placement = ckpt.block_input_placement
-        offload = act.mode is not False
-        if placement:
-            gpu_blocks, recompute_blocks = placement.count("gpu") - 1, placement.count("recompute")
-            # Nothing on disk: every stored input in RAM, at any depth.
-            ram_blocks: int | None = placement.count("ram") if "disk" in placement else None
-        else:
-            gpu_blocks, recompute_blocks = ckpt.gpu_block_inputs, len(ckpt.recompute_block_inputs)
-            ram_blocks = 0 if act.storage == "disk" else None
-        mlp_shards = (long.mlp_shards or auto_mlp_shards(w.tokens, w.shape.intermediate)) if long.tiled_mlp else 1
-        keep = ckpt.keep_attention
-        return cls(
-            checkpointing=ckpt.enabled,
-            offload_inputs=offload,
-            ram_blocks=ram_blocks,
-            gpu_blocks=gpu_blocks,
-            layer_streaming=streaming.enabled,
-            stream_depth=streaming.depth,
-            loss_chunks=(long.loss_chunks or auto_loss_chunks(w.tokens, w.shape.vocab)) if long.chunked_loss else 0,
-            mlp_shards=mlp_shards,
-            tiled_projections=long.tiled_projections and mlp_shards > 1,
-            horizon=act.loading_horizon,
-            optimizer_offloading=opt.enabled,
-            copy_window_bytes=copy_window_bytes,
-            recompute_blocks=recompute_blocks,
-            keep_attention=(layers if keep is True else int(keep)) if offload else 0,
-            head_groups=long.head_groups or 1,
-            rotation=None if par.rotation == "auto" else par.rotation,
-            fused_lora=lora.fused is True,
-            options=tuple(o for o in options if type(o) not in PLANNED_OPTIONS),
-        )
-
-
-@functools.lru_cache(maxsize=4096)
-def _chosen_options(
-    loss_chunks: int,
-    mlp_shards: int,
-    tiled_projections: bool,
-    head_groups: int,
-    layer_streaming: bool,
-    stream_depth: int,
-    fused_lora: bool,
-) -> tuple[Options, ...]:
-    # Built once per distinct choice: the planner estimates many candidates, and each
-    # footprint asks for its options.
-    return (
-        long_context_options(loss_chunks, mlp_shards, tiled_projections, head_groups),
-        StreamingOptions(enabled=layer_streaming, depth=stream_depth),
-        LoraOptions(fused=True if fused_lora else None),
-    )
-
-
 @functools.lru_cache(maxsize=4096)
 def long_context_options(
     loss_chunks: int, mlp_shards: int, tiled_projections: bool = False, head_groups: int = 1
@@ -477,51 +237,24 @@ def long_context_counts(long: LongContextOptions) -> tuple[int, int, bool, int]:
     return chunks, shards, long.tiled_projections and long.tiled_mlp, long.head_groups or 1
 
 
-@functools.lru_cache(maxsize=4096)
-def _depth_free_options(
-    checkpointing: bool,
-    offload_inputs: bool,
-    gpu_blocks: int,
-    ram_blocks: int | None,
-    keep_attention: int,
-    horizon: int | None,
-    optimizer_offloading: bool,
-    rotation: str | None,
-) -> tuple[Options, ...]:
-    return (
-        CheckpointOptions(enabled=checkpointing, gpu_block_inputs=gpu_blocks, keep_attention=keep_attention or False),
-        # With a RAM share, the tiered tier (its placement is checkpointing's, for a depth).
-        ActivationOptions(
-            mode=False if not offload_inputs else True if ram_blocks is None else "disk",
-            disk_tiering=offload_inputs and bool(ram_blocks),
-            loading_horizon=horizon if offload_inputs else None,
-        ),
-        OptimizerOptions(enabled=optimizer_offloading),
-        ParallelOptions(rotation=rotation or "auto"),
-    )
-
-
-def counted_placement(layers: int, f: Features) -> list[str]:
-    """Per decoder layer, where the features' counts put its input in backward: ``gpu``,
-    ``ram``, ``disk`` or ``recompute`` (what a plan writes as ``block_input_placement``).
-
-    The last layer's input stays on the GPU (backward needs it first), and so do the newest
-    ``gpu_blocks`` before it. Dropped inputs spread evenly over the offloaded ones (block 0's is
-    always kept: there is nothing before it to replay from), so each run replays as few blocks
-    as possible. The tiered tier keeps the newest entries in RAM and demotes the oldest to disk.
-    """
-    return placed_by_counts(
-        layers, f.checkpointing and f.offload_inputs, f.gpu_blocks, f.recompute_blocks, f.ram_blocks
-    )
-
-
 def placed_by_counts(
     layers: int, offloaded_inputs: bool, gpu_blocks: int = 0, recompute_blocks: int = 0, ram_blocks: int | None = None
 ) -> list[str]:
-    """Where block inputs wait by the planner's counts (see :func:`counted_placement`): with
-    ``offloaded_inputs`` (checkpointed and offloaded), the newest ``gpu_blocks`` besides the
-    last on the GPU, ``recompute_blocks`` dropped evenly, ``ram_blocks`` of the rest in RAM
-    (None: all) and the oldest on disk; else every input on the GPU."""
+    """Per decoder layer, where the planner's counts put its input in backward: ``gpu``,
+    ``ram``, ``disk`` or ``recompute`` (what a plan writes as ``block_input_placement``).
+
+    With ``offloaded_inputs`` (checkpointed and offloaded), the last layer's input stays on the
+    GPU (backward needs it first), and so do the newest ``gpu_blocks`` before it. The
+    ``recompute_blocks`` dropped inputs spread evenly over the offloaded ones (block 0's is
+    always kept: there is nothing before it to replay from), so each run replays as few blocks
+    as possible. ``ram_blocks`` of the stored ones wait in RAM (None: all): the tiered tier
+    keeps the newest there and demotes the oldest to disk. Without ``offloaded_inputs``, every
+    input stays on the GPU.
+
+    Example:
+        >>> placed_by_counts(4, True, recompute_blocks=1)
+        ['ram', 'ram', 'recompute', 'gpu']
+    """
     if not offloaded_inputs:
         return ["gpu"] * layers
     kept = max(0, min(layers - 1, gpu_blocks))
@@ -534,19 +267,14 @@ def placed_by_counts(
     return prefix + ["gpu"] * (kept + 1)
 
 
-# What a step's estimate reads its choices from: features (turned into options for the
-# workload), a tuple of components' options, or options a footprint reads.
-StepOptions = Union[Features, tuple, FootprintOptions]
+# What a step's estimate reads its choices from: a tuple of components' options, or options
+# a footprint reads.
+StepOptions = Union[tuple, FootprintOptions]
 
 
 def step_options(w: Workload, f: StepOptions) -> tuple[Workload, FootprintOptions]:
-    """The workload and the components' options the footprints read for a step: features
-    give theirs for ``w`` (:meth:`Features.options_for`; their optimizer's copy window is the
-    workload's), a tuple of options is read as set."""
-    if isinstance(f, Features):
-        if f.copy_window_bytes is not None:
-            w = replace(w, copy_window_bytes=f.copy_window_bytes)
-        return w, OptionSet(f.options_for(w))
+    """The workload and the components' options the footprints read for a step: a tuple of
+    options is read as set (one not given has its defaults)."""
     if isinstance(f, tuple):
         return w, OptionSet(f)
     return w, f
@@ -705,7 +433,7 @@ def estimate_memory(w: Workload, f: StepOptions) -> MemoryEstimate:
 
     Args:
         w: the workload.
-        f: the components' options (a tuple of them, or :class:`Features` for ``w``).
+        f: the components' options (a tuple of them: one not given has its defaults).
 
     Returns:
         A :class:`MemoryEstimate`.
@@ -713,7 +441,8 @@ def estimate_memory(w: Workload, f: StepOptions) -> MemoryEstimate:
     Example:
         >>> from offloadkit.planning.shape import resolve_shape
         >>> work = Workload(resolve_shape("llama-3-8b"), 16384)
-        >>> m = estimate_memory(work, Features(offload_inputs=True, loss_chunks=8))
+        >>> from offloadkit.planning.plan import place_inputs, planned_options
+        >>> m = estimate_memory(work, place_inputs(work, planned_options(work, offload_inputs=True, loss_chunks=8)))
         >>> m.block_placement[-1]
         'gpu'
     """

@@ -26,12 +26,10 @@ from offloadkit.planning.budgets import Budgets
 from offloadkit.planning.memory import (
     HOST_BASELINE_BYTES,
     PLANNED_OPTIONS,
-    Features,
     MemoryEstimate,
     OptionsT,
     Workload,
     block_placement,
-    counted_placement,
     estimate_memory,
     long_context_options,
     placed_by_counts,
@@ -139,36 +137,6 @@ def input_counts(w: Workload, choice: FootprintOptions | Choice) -> tuple[int, i
     return placement.count("gpu") - 1, placement.count("recompute")
 
 
-def _from_features(w: Workload, f: Features) -> Choice:
-    """The options features choose for ``w`` (block inputs placed by their counts)."""
-    placement = counted_placement(w.shape.layers, f)
-    offload = f.offload_inputs
-    every = f.keep_attention >= w.shape.layers
-    tiered = "disk" in placement and "ram" in placement
-    chosen: Choice = (
-        CheckpointOptions(
-            enabled=f.checkpointing,
-            block_input_placement=tuple(placement) if offload and f.checkpointing else (),
-            keep_attention=(True if every else f.keep_attention) if f.keep_attention else False,
-        ),
-        replace(f.of(StreamingOptions)),
-        replace(f.of(LongContextOptions)),
-        ActivationOptions(
-            mode=False if not offload else "disk" if "disk" in placement else True,
-            disk_tiering=tiered,
-            loading_horizon=f.horizon if offload else None,
-        ),
-        OptimizerOptions(
-            enabled=f.optimizer_offloading,
-            precision=w.optimizer_precision if f.optimizer_offloading else OptimizerOptions.default("precision"),
-        ),
-        replace(f.of(LoraOptions)),
-        ParallelOptions(rotation=f.rotation or "auto"),
-        BudgetOptions(),
-    )
-    return chosen + tuple(o for o in f.options if type(o) not in PLANNED_OPTIONS)
-
-
 # Fields a plan writes whatever their value: what it decides over the run's config (the
 # rest of its options are written where they differ from their defaults).
 _DECIDED: dict[type[Options], tuple[str, ...]] = {
@@ -245,8 +213,7 @@ class Plan:
         options: the plan's choice as the components' options: every planned component's (in
             :data:`~offloadkit.planning.memory.PLANNED_OPTIONS` order), block inputs placed
             (``block_input_placement``) and the host budget that realises their RAM share,
-            then those of the components it does not choose, as the run set them. Given
-            :class:`~offloadkit.planning.memory.Features` instead, the options they choose.
+            then those of the components it does not choose, as the run set them.
         name: the chosen candidate.
         memory / time: predictions.
         fits: whether every budget holds.
@@ -270,10 +237,7 @@ class Plan:
     rotation_note: str = ""
 
     def __post_init__(self) -> None:
-        w = self.workload
-        if isinstance(self.options, Features):
-            self.options = _from_features(w, self.options)
-        par = w.parallel
+        par = self.workload.parallel
         # The rotation this plan counted; whether to split is the caller's (context_parallel).
         rotation = (
             ring_rotation(par, chosen_rotation(self._set)) if par.context_parallel and par.world_size > 1 else "auto"
@@ -286,13 +250,6 @@ class Plan:
     @property
     def _set(self) -> OptionSet:
         return OptionSet(self.options)
-
-    @property
-    def features(self) -> Features:
-        """The plan's options read back as :class:`~offloadkit.planning.memory.Features`
-        (:meth:`~offloadkit.planning.memory.Features.from_options`): kept for code that reads
-        features; the plan's choice is :attr:`options`."""
-        return Features.from_options(self.workload, self.options)
 
     @property
     def rotation(self) -> str | None:

@@ -28,7 +28,6 @@ fixes the rotation (:attr:`Parallelism.rotation`).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import OptionSet
@@ -49,7 +48,6 @@ from offloadkit.planning.memory import (
     HORIZON_DISK,
     HOST_BASELINE_BYTES,
     PLANNED_OPTIONS,
-    Features,
     MemoryEstimate,
     StepOptions,
     Workload,
@@ -111,10 +109,7 @@ def _ram_blocks(
     disk, also beside the disk tier's staging buffers and the room the tiered tier keeps free
     (what the engine does with the cap :meth:`Plan.host_budget_bytes` gives it). The block
     inputs on the GPU and dropped: ``gpu_blocks`` and ``recompute_blocks``, else where ``f``
-    places them (features: their counts)."""
-    if isinstance(f, Features):
-        gpu_blocks = f.gpu_blocks if gpu_blocks is None else gpu_blocks
-        recompute_blocks = f.recompute_blocks if recompute_blocks is None else recompute_blocks
+    places them."""
     w, o = step_options(w, f)
     assert isinstance(o, OptionSet)
     placed_gpu, placed_drops = input_counts(w, o)
@@ -290,7 +285,7 @@ def plan(
     fused_lora: bool = False,
     options: tuple[Options, ...] = (),
 ) -> Plan:
-    """Choose the features for one step and predict its cost.
+    """Choose the components' options for one step and predict its cost.
 
     Args:
         model: a shape name, model directory, config (dict or object), model or :class:`ModelShape`.
@@ -429,21 +424,14 @@ def _with_rotation(w: Workload, b: Budgets, name: str, c: Choice, optimizer: Opt
     return q
 
 
-def _keep_attention(w: Workload, c: Choice | Features, b: Budgets, t: StepTime):
+def _keep_attention(w: Workload, c: Choice, b: Budgets, t: StepTime):
     """Attention outputs kept in host RAM for the recompute, for as many layers as RAM holds
     beside the block inputs (none on disk, none dropped: replayed runs recompute their blocks
     anyway), where the attention forward saved outweighs the copies.
 
     Returns:
-        ``(options, memory, time)`` with ``keep_attention`` set (given features, the features
-        with it), or None.
+        ``(options, memory, time)`` with ``keep_attention`` set, or None.
     """
-    if isinstance(c, Features):
-        kept = _keep_attention(w, c.options_for(w), b, t)
-        if kept is None:
-            return None
-        g, gm, gt = kept
-        return replace(c, keep_attention=keeps_attention(w, OptionSet(g))), gm, gt
     if not offloads_inputs(OptionSet(c)) or input_counts(w, c)[1]:
         return None
     m = estimate_memory(w, c)

@@ -201,8 +201,8 @@ def estimate_time(w: Workload, f: StepOptions, rates: Rates, placement: list[str
     """Predict one step's time from FLOPs and the bytes each link moves.
 
     Args:
-        w, f: the workload and the components' options (a tuple of them, or
-            :class:`~offloadkit.planning.memory.Features` for ``w``).
+        w, f: the workload and the components' options (a tuple of them: one not given has
+            its defaults).
         rates: throughputs.
         placement: per layer, where its input lives ("gpu", "ram", "disk", "recompute").
 
