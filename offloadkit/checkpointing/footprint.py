@@ -6,8 +6,7 @@ last layers' recompute (``keep_attention_outputs``: ``attention.py``)."""
 from __future__ import annotations
 
 from offloadkit.checkpointing.options import CheckpointOptions
-from offloadkit.component import Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.storage.footprint import block_placement, offloads_inputs, region_length
 
@@ -20,7 +19,7 @@ def attention_kept_bytes(w: Workload) -> int:
     return w.tokens * (w.dtype_bytes * s.heads * s.head_dim + 4 * s.heads)
 
 
-def keeps_attention(w: Workload, f: Features) -> int:
+def keeps_attention(w: Workload, f: FootprintOptions) -> int:
     """Layers whose attention outputs are kept (``keep_attention``: True for every layer; it
     needs block inputs offloaded, by checkpointing)."""
     if not offloads_inputs(f):
@@ -29,7 +28,7 @@ def keeps_attention(w: Workload, f: Features) -> int:
     return w.shape.layers if keep is True else int(keep)
 
 
-def checkpointing_footprint(w: Workload, f: Features) -> Footprint:
+def checkpointing_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """The replayed run's recomputed inputs, held while its last block runs backward, and the
     kept attention outputs in host RAM."""
     layer = {}

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from offloadkit.component import Component, Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Component, Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.embeddings.host_table import HostEmbeddings, offload_embeddings, refusal
 from offloadkit.embeddings.options import EmbeddingOptions
@@ -39,7 +38,7 @@ def report_embeddings(handle: HostEmbeddings) -> dict:
     return {"embedding_offloading": {"host_bytes": handle.nbytes}}
 
 
-def embeddings_footprint(w: Workload, f: Features) -> Footprint:
+def embeddings_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """The table's bytes move from the GPU's weights to pinned host RAM: a LoRA model's frozen
     table only, not one the output head shares nor one FSDP2 shards (the build refuses both)."""
     if not (f.of(EmbeddingOptions).offload and w.lora_rank) or w.shape.tied or w.parallel.weight_shards > 1:

@@ -6,8 +6,7 @@ come from). Where the others rest is the storage tiers' footprint (``storage/foo
 from __future__ import annotations
 
 from offloadkit.checkpointing.options import CheckpointOptions
-from offloadkit.component import Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.defaults import PREFETCH_BESIDE_STATE, PREFETCH_FROM_DISK, PREFETCH_FROM_RAM
 from offloadkit.engine.options import ActivationOptions
@@ -26,7 +25,7 @@ def default_horizon(from_disk: bool, state_in_backward: bool) -> int:
     return PREFETCH_BESIDE_STATE if state_in_backward else PREFETCH_FROM_RAM
 
 
-def prefetch_horizon(f: Features, placement: list[str], state_in_backward: bool = False) -> int:
+def prefetch_horizon(f: FootprintOptions, placement: list[str], state_in_backward: bool = False) -> int:
     """Offloaded block inputs brought back ahead in backward: ``activation_loading_horizon``,
     else the engine's default (:func:`default_horizon`)."""
     asked = f.of(ActivationOptions).loading_horizon
@@ -35,7 +34,7 @@ def prefetch_horizon(f: Features, placement: list[str], state_in_backward: bool 
     return default_horizon("disk" in placement, state_in_backward)
 
 
-def activations_footprint(w: Workload, f: Features) -> Footprint:
+def activations_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """With checkpointing, the block inputs on the GPU in backward: the kept ones, and with
     them offloaded, the horizon fetched ahead (without checkpointing every saved tensor is the
     model's own, counted by the planner with the layers' saved sets)."""

@@ -4,8 +4,7 @@ holds its blocks resident together), and host RAM holds the pinned copies of eve
 
 from __future__ import annotations
 
-from offloadkit.component import Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.optim.options import OptimizerOptions
@@ -14,13 +13,13 @@ from offloadkit.storage.footprint import block_placement, region_length
 __all__ = ["layer_streaming_footprint", "streams_weights"]
 
 
-def streams_weights(w: Workload, f: Features) -> bool:
+def streams_weights(w: Workload, f: FootprintOptions) -> bool:
     """Whether the layers' weights stream from host memory: a LoRA model's frozen base, or a
     full fine-tune's trainable weights when the optimizer updates them in backward."""
     return f.of(StreamingOptions).enabled and (bool(w.lora_rank) or f.of(OptimizerOptions).enabled)
 
 
-def layer_streaming_footprint(w: Workload, f: Features) -> Footprint:
+def layer_streaming_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """The weights resident on the GPU (they replace the whole model's) and the pinned host
     copies of the streamed layers."""
     if not streams_weights(w, f):

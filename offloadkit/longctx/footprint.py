@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 
 from offloadkit.checkpointing.options import CheckpointOptions
-from offloadkit.component import Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.longctx.attention_groups import kv_head_groups
 from offloadkit.longctx.options import LongContextOptions
@@ -45,7 +44,7 @@ UNCHUNKED_LOSS_BYTES_PER_LOGIT = 11.5
 LOSS_CHUNK_BYTES_PER_LOGIT = 6
 
 
-def chunked_loss_footprint(w: Workload, f: Features) -> Footprint:
+def chunked_loss_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """The loss phase's bytes: one chunk's logits, the hidden states' gradient the chunked
     loss computes in forward and, in a full fine-tune, the head's fp32 weight gradient summed
     over the chunks; without ``chunked_loss``, Hugging Face's whole logits instead."""
@@ -92,20 +91,20 @@ def mlp_backward_bytes(w: Workload, mlp_shards: int = 1) -> int:
     return mlp
 
 
-def projections_tiled(f: Features) -> bool:
+def projections_tiled(f: FootprintOptions) -> bool:
     """Whether the norms and attention projections run tiled (``tiled_projections``, with the
     tiled MLP)."""
     long = f.of(LongContextOptions)
     return long.tiled_mlp and long.tiled_projections
 
 
-def tiled_mlp_shards(f: Features) -> int:
+def tiled_mlp_shards(f: FootprintOptions) -> int:
     """Shards of the tiled MLP as the features' options set them (1: untiled)."""
     long = f.of(LongContextOptions)
     return (long.mlp_shards or 1) if long.tiled_mlp else 1
 
 
-def tiled_mlp_footprint(w: Workload, f: Features) -> Footprint:
+def tiled_mlp_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """The MLP's saved set and backward temporaries over ``mlp_shards`` shards (1: untiled),
     and, with the projections tiled under checkpointing, the attention projections' forward
     once more (the tiled norms and projections are recomputed and run again in their own
@@ -152,7 +151,7 @@ def head_groups_backward_bytes(w: Workload, head_groups: int = 1) -> tuple[int, 
     return t * b * q, t * b * q // groups - off
 
 
-def head_groups_footprint(w: Workload, f: Features) -> Footprint:
+def head_groups_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """The backward temporaries attention over ``head_groups`` groups adds and takes off
     (:func:`head_groups_backward_bytes`)."""
     mlp, attention = head_groups_backward_bytes(w, f.of(LongContextOptions).head_groups or 1)

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from offloadkit.component import Component, Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Component, Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.longctx.footprint import projections_tiled, tiled_mlp_shards
 from offloadkit.lora.fused import FusedLoRA, apply_fused_lora
@@ -40,7 +39,7 @@ def report_fused_lora(handle: FusedLoRA) -> dict:
     return {"fused_lora": {"layers": len(handle.layers), "unfused": len(handle.skipped)}}
 
 
-def fused_lora_footprint(w: Workload, f: Features) -> Footprint:
+def fused_lora_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """Per token of a layer: attention's adapters save the shared 16-bit norm output and four
     rank-r activations instead of fp32 copies of q/k/v's input (three) and o's (as wide as q);
     an untiled MLP's save the shared norm output, the down projection's 16-bit input and three

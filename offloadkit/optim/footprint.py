@@ -4,8 +4,7 @@ gradients it holds, the state in flight each way (``copy_window_bytes``) and the
 
 from __future__ import annotations
 
-from offloadkit.component import Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.defaults import COMPACT_CHUNK_BYTES_PER_ELEMENT, COMPACT_CHUNK_ELEMENTS, OPTIMIZER_COPY_WINDOW_BYTES
 from offloadkit.optim.options import OptimizerOptions
@@ -13,7 +12,7 @@ from offloadkit.optim.options import OptimizerOptions
 __all__ = ["optimizer_footprint"]
 
 
-def optimizer_footprint(w: Workload, f: Features) -> Footprint:
+def optimizer_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """LoRA: each adapter parameter, its gradient and AdamW's two moments. A full fine-tune:
     gradients and state on the GPU, or with ``optimizer_offloading`` the gradients held (one
     at a time when updated in backward; every one until ``step()`` under clipping, fp16

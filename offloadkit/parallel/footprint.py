@@ -5,8 +5,7 @@ The traffic and its overlap are the planner's (``planning/parallelism.py``)."""
 
 from __future__ import annotations
 
-from offloadkit.component import Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Footprint, FootprintOptions
 from offloadkit.component import FootprintParallelism as Parallelism
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.longctx.attention_groups import kv_head_groups
@@ -80,13 +79,13 @@ def ring_rotation(parallel: Parallelism, chosen: str | None = None) -> str:
     return parallel.rotation if parallel.rotation != "auto" else "allgather"
 
 
-def chosen_rotation(f: Features) -> str | None:
+def chosen_rotation(f: FootprintOptions) -> str | None:
     """The rotation ``context_parallel_rotation`` fixes; None where it is "auto"."""
     rotation = f.of(ParallelOptions).rotation
     return None if rotation == "auto" else rotation
 
 
-def context_parallel_footprint(w: Workload, f: Features) -> Footprint:
+def context_parallel_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """One ring call's buffers (one head group's), held while a layer's attention runs
     backward: what they raise the layer's backward by is the part ``ring attention buffers``."""
     groups = kv_head_groups(f.of(LongContextOptions).head_groups or 1, w.shape.kv_heads)
@@ -94,7 +93,7 @@ def context_parallel_footprint(w: Workload, f: Features) -> Footprint:
     return Footprint(attention_backward=ring, backward_part="ring attention buffers" if ring else "")
 
 
-def sharded_weights_footprint(w: Workload, f: Features) -> Footprint:
+def sharded_weights_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """FSDP2's weights on one rank (``parallel.shard_weights``): its shard of the decoder
     layers', the root's whole (embeddings, final norm, head: gathered from forward to backward)
     and :data:`GATHERED_LAYERS` layers gathered. Replaces the model's whole weights."""

@@ -13,8 +13,7 @@ the tier the engine's (``activation_offloading``).
 from __future__ import annotations
 
 from offloadkit.checkpointing.options import CheckpointOptions
-from offloadkit.component import Footprint
-from offloadkit.component import FootprintOptions as Features
+from offloadkit.component import Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.defaults import PREFETCH_FROM_DISK
 from offloadkit.engine.options import ActivationOptions
@@ -31,12 +30,12 @@ __all__ = [
 ]
 
 
-def offloads_inputs(f: Features) -> bool:
+def offloads_inputs(f: FootprintOptions) -> bool:
     """Whether checkpointed blocks' inputs are offloaded (checkpointing on, offloading on)."""
     return f.of(CheckpointOptions).enabled and f.of(ActivationOptions).mode is not False
 
 
-def block_placement(layers: int, f: Features) -> list[str]:
+def block_placement(layers: int, f: FootprintOptions) -> list[str]:
     """Per decoder layer, where its input lives in backward: ``gpu``, ``ram``, ``disk`` or
     ``recompute`` (kept nowhere: replayed from the kept input before it), as the options set
     it: ``block_input_placement`` where given (what a plan chose), else the last layer's input
@@ -74,7 +73,7 @@ def tiered_reserve_bytes(base: int) -> int:
     return min(RESERVE_BYTES, base // (RESERVE_CAP_DIVISOR - 1))
 
 
-def disk_staging_bytes(w: Workload, f: Features, placement: list[str]) -> int:
+def disk_staging_bytes(w: Workload, f: FootprintOptions, placement: list[str]) -> int:
     """Host buffers of the disk tier when block inputs spill: in backward the ones read ahead
     (the horizon) and the one in use (in forward the tiered tier demotes from its own RAM
     blocks; with every input on disk, every write is staged, up to the tier's bytes in
@@ -89,7 +88,7 @@ def disk_staging_bytes(w: Workload, f: Features, placement: list[str]) -> int:
     return max(reads, MAX_INFLIGHT_BYTES, w.block_input_bytes)
 
 
-def storage_footprint(w: Workload, f: Features) -> Footprint:
+def storage_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """The block inputs held in RAM and on disk, and the disk tier's staging buffers."""
     placement = block_placement(w.shape.layers, f)
     host = {}
