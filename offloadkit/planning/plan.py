@@ -222,6 +222,8 @@ class Plan:
         optimizer: what was assumed of a full fine-tune's optimizer.
         rotation_note: with a sequence split over ranks, why the rotation (:attr:`rotation`)
             was taken.
+        ram_blocks: the block inputs the host budget holds, as the planner counted them (None:
+            not counted); :meth:`at_depth` places by it what the GPU no longer holds.
     """
 
     workload: Workload
@@ -235,6 +237,7 @@ class Plan:
     rejected: list[tuple[str, str]] = field(default_factory=list)
     optimizer: OptimizerSetup = field(default_factory=OptimizerSetup)
     rotation_note: str = ""
+    ram_blocks: int | None = None
 
     def __post_init__(self) -> None:
         par = self.workload.parallel
@@ -310,7 +313,7 @@ class Plan:
         w = replace(self.workload, shape=self.workload.shape.with_layers(layers))
         gpu, dropped = input_counts(self.workload, self._set)
         keep = self._set.of(CheckpointOptions).keep_attention
-        kept = layers if keep is True else min(int(keep), layers)
+        kept = min(self.workload.shape.layers if keep is True else int(keep), layers)
         choice = with_options(
             self.options, CheckpointOptions, keep_attention=(True if kept >= layers else kept) or False
         )
@@ -323,8 +326,9 @@ class Plan:
             gpu_blocks=min(gpu, max(0, layers - 2)),
             # A run of dropped inputs replays as many blocks as at full depth, where it fits.
             recompute_blocks=region_length(placement) - 1 if dropped else 0,
-            # RAM holds as many as at full depth where some spilled to disk (else all of them).
-            ram_blocks=placement.count("ram") if "disk" in placement else None,
+            # RAM holds as many as at full depth where some spilled to disk, else as many as
+            # the planner found room for (the inputs the GPU held at full depth included).
+            ram_blocks=placement.count("ram") if "disk" in placement else self.ram_blocks,
         )
         m = estimate_memory(w, f)
         t = estimate_time(w, f, self.budgets.rates, m.block_placement)
@@ -341,6 +345,7 @@ class Plan:
             reasons,
             optimizer=self.optimizer,
             rotation_note=self.rotation_note,
+            ram_blocks=self.ram_blocks,
         )
 
     def table(self) -> str:

@@ -400,7 +400,7 @@ def _realise(w: Workload, b: Budgets, name: str, c: Choice, optimizer: Optimizer
     keep = keeps_attention(w, OptionSet(c))
     if keep:
         name += f", attention outputs of {keep} layers kept"
-    return Plan(w, c, b, name, m, t, not reasons, reasons, optimizer=optimizer)
+    return Plan(w, c, b, name, m, t, not reasons, reasons, optimizer=optimizer, ram_blocks=_ram_blocks(w, c, b))
 
 
 def _with_rotation(w: Workload, b: Budgets, name: str, c: Choice, optimizer: OptimizerSetup) -> Plan:

@@ -190,3 +190,20 @@ def test_the_planners_candidates_are_components_options():
             assert [type(o) for o in c] == [*PLANNED_OPTIONS, *(type(o) for o in given)], name
         again = Plan(w, p.options, p.budgets, p.name, p.memory, p.time, p.fits, optimizer=p.optimizer)
         assert again.options == p.options and again.to_config() == p.to_config()
+
+
+def test_at_depth_places_what_the_gpu_no_longer_holds_within_the_host_budget():
+    """A full plan whose GPU holds every block input: at fewer layers an input leaves the GPU
+    and goes where the host budget has room (here disk, RAM having none), as the planner
+    counted it; a plan keeping attention outputs of its layers keeps no more at more layers."""
+    from offloadkit.planning import Budgets, plan
+
+    gib = 1 << 30
+    full = plan("llama-3-8b", 32768, lora_rank=0, budgets=Budgets(40 * gib, 6 * gib, 30 * gib))
+    assert full.placement.count("gpu") == len(full.placement)
+    short = full.at_depth(2)
+    assert short.placement == ["disk", "gpu"] and short.to_config()["activation_offloading"] == "disk"
+    six = plan("llama-3-8b", 131072, budgets=Budgets(79 * gib, 100 * gib, 60 * gib), layers=6)
+    kept = six.to_config().get("keep_attention_outputs")
+    assert kept in (True, 6), kept
+    assert six.at_depth(8).to_config().get("keep_attention_outputs") == 6
