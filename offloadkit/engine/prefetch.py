@@ -7,8 +7,10 @@ autograd node may unpack several saved tensors in its own field order (attention
 q, k, v, out, ...), and parallel branches interleave. So every pass that consumes a whole
 step records the order in which its entries were really used; the next step with the same
 number of entries replays it, also when its sizes differ (variable-length batches save
-the same tensors at other lengths). The order is only a hint: a wrong guess costs a wait,
-never a wrong result.
+the same tensors at other lengths). Outputs kept for a checkpoint's recompute are entries
+too, but fetched as that recompute begins: the order names saved tensors' entries only, by
+rank, so steps that keep more or fewer outputs share it. The order is only a hint: a wrong
+guess costs a wait, never a wrong result.
 
 Everything is tied to the step it came from, so a partial ``autograd.grad`` on an older
 retained graph, or two threads sharing one manager, never mix their bookkeeping.
@@ -57,14 +59,21 @@ class Step:
         self.trace: list[int] = []  # seqs in consumption order during the current pass
         self.consumed: set[int] = set()  # seqs used in the current pass
         self.window_bytes = 0
-        self.outputs = 0  # seqs of entries holding only outputs kept for a recompute
+        self.outputs: set[int] = set()  # seqs of entries holding only outputs kept for a recompute
+
+
+def _saved_seqs(step: Step) -> list[int]:
+    """The seqs of ``step``'s saved tensors' entries (not kept outputs'), in save order."""
+    return [seq for seq in range(step.next_seq) if seq not in step.outputs]
 
 
 class PrefetchPlanner:
     """Tracks save order per step, records consumption order, proposes what to fetch next."""
 
     def __init__(self) -> None:
-        self._plan: list[int] | None = None  # learned from the last pass that used a whole step
+        # Learned from the last pass that used a whole step: the order of use of its saved
+        # tensors' entries, each by its rank among them in save order.
+        self._plan: list[int] | None = None
 
     # -- forward -----------------------------------------------------------------------
     @staticmethod
@@ -97,12 +106,14 @@ class PrefetchPlanner:
         step.trace = []
         step.consumed = set()
         plan = self._plan
-        # Outputs kept for a recompute are fetched as it begins, not by the learned order: a
-        # step matches it when its saved tensors' entries do (a kernel run again leaves its
-        # outputs unused, and one refused in part gives the rest back in forward).
-        saved = sum(1 for e in step.by_seq.values() if not e.for_recompute)
-        ok = plan is not None and len(plan) == step.next_seq - step.outputs == saved
-        step.plan = plan if ok else None
+        # Outputs kept for a recompute are fetched as it begins, not by the learned order,
+        # which names saved tensors' entries by their rank among them: a step matches it when
+        # its saved tensors' entries do, however many outputs it kept (a kernel run again
+        # leaves its outputs unused; outputs refused by storage get no entry).
+        saved = _saved_seqs(step)
+        alive = sum(1 for e in step.by_seq.values() if not e.for_recompute)
+        ok = plan is not None and len(plan) == len(saved) == alive
+        step.plan = [saved[rank] for rank in plan] if ok and plan is not None else None
         return ok
 
     @staticmethod
@@ -117,8 +128,10 @@ class PrefetchPlanner:
 
     def end_pass(self, step: Step) -> None:
         # Learn only from a pass that used every entry of its forward exactly once.
-        if step.trace and len(step.trace) == step.next_seq - step.outputs:
-            self._plan = step.trace
+        saved = _saved_seqs(step)
+        if step.trace and len(step.trace) == len(saved):
+            rank = {seq: i for i, seq in enumerate(saved)}
+            self._plan = [rank[seq] for seq in step.trace]
         step.trace = []
         step.plan = None
         step.task = None

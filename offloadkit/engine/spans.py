@@ -103,8 +103,11 @@ class Entry:
     def mark_for_recompute(self, flag: bool) -> None:
         """Whether it holds only outputs kept for a recompute; its step counts those (they are
         left out of the learned order of use: see engine/prefetch.py)."""
-        if flag != self.for_recompute and self.step is not None:
-            self.step.outputs += 1 if flag else -1
+        if self.step is not None:
+            if flag:
+                self.step.outputs.add(self.seq)
+            else:
+                self.step.outputs.discard(self.seq)
         self.for_recompute = flag
 
     def add_handle(self) -> None:

@@ -12,7 +12,7 @@ from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.engine.decide import decide_output
 from offloadkit.engine.policy import OffloadPolicy
 from offloadkit.runtime.attention_ops import AttentionCalls
-from offloadkit.testing import assert_bitwise_equal, make_batch, run_step
+from offloadkit.testing import assert_bitwise_equal, build_llama, make_batch, run_step
 from tests.cpu.test_kept_attention import LAYERS, _CountKernels, _model
 
 OUTPUTS = 2 * LAYERS  # an output and its log-sum-exp per layer
@@ -283,4 +283,34 @@ def test_outputs_left_unused_keep_the_learned_order(unused):
         run_step(model, batch)
     assert offloader.stats.replayed_passes == 3 and offloader.stats.prefetch_misses == 0, offloader.stats
     assert handle.attention_stats.ran_again > 0
+    handle.remove()
+
+
+def test_a_step_keeping_fewer_outputs_replays_the_learned_order_of_its_saved_tensors():
+    """Storage refuses a layer's outputs outright every other step (no entry for them): the
+    saved tensors' entries are then numbered differently from the step the order was learned
+    on, and the order, kept by rank among saved tensors, still names each of them."""
+    torch.manual_seed(0)
+    model = build_llama("tiny", num_hidden_layers=8, attn_implementation="sdpa")
+    model.config.use_cache = False
+    model.train()
+    handle = _apply(model)
+    offloader = handle.offloader
+    tier, save = offloader.tier, offloader.save_for_recompute
+    store, refusing, saves = tier.store, [False], [0]
+
+    def first_layer_refused(t):
+        saves[0] += 1
+        tier.store = (lambda src, *a: None) if refusing[0] and saves[0] <= 2 else store
+        try:
+            return save(t)
+        finally:
+            tier.store = store
+
+    offloader.save_for_recompute = first_layer_refused
+    batch = make_batch(256, 2, 64)
+    for step in range(6):
+        refusing[0], saves[0] = step % 2 == 1, 0
+        run_step(model, batch)
+    assert offloader.stats.replayed_passes == 5 and offloader.stats.prefetch_misses == 0, offloader.stats
     handle.remove()
