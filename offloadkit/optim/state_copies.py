@@ -203,7 +203,7 @@ class StateCopies:
         if id(p) in self._updating:
             self._abandon(id(p))  # fetched before and never stored: that update raised
         if id(p) in self._seen_ids:
-            self.end_pass()  # a parameter updated again: a new pass began without step()
+            self._end_pass()  # a parameter updated again: a new pass began without step()
         got = self._ahead.pop(id(p), None)
         if got is not None:
             self._lane.settle(got[2])  # in use: it leaves the look-ahead window
@@ -278,8 +278,11 @@ class StateCopies:
     # -- passes -------------------------------------------------------------------------
     def end_pass(self) -> None:
         """The updates of one optimizer step are done: remember their order, and release
-        what was fetched for parameters that were not updated."""
+        what was fetched for parameters that were not updated (and for those whose update
+        raised: none is still being updated now)."""
         with self._lock:
+            for key in list(self._updating):
+                self._abandon(key)
             self._end_pass()
 
     def _end_pass(self) -> None:
