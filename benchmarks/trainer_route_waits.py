@@ -83,63 +83,25 @@ def _rearrange(variant: str) -> None:
 
 def run_one(variant: str, steps: int) -> dict:
     import torch
-    import transformers
 
-    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
-    from offloadkit.integrations.trainer import ActivationOffloadingMixin
     from offloadkit.testing import build_llama
+    from offloadkit.testing.trainer_runs import train_timed
 
     _rearrange(variant)
-    times: list[float] = []
-    waits: list[tuple[float, float]] = []
-
-    class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            times.append(self.start.elapsed_time(end) / 1000)
-            manager = trainer.offload_runtime.manager
-            stats = manager.collect_stats()
-            waits.append((stats.wait_seconds_forward, stats.wait_seconds_backward))
-            manager.reset_stats()
-
     model = build_llama(SHAPE, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     config = {"gradient_checkpointing": True, "optimizer_offloading": variant != "no_state"}
     if variant == "horizon4":
         config["activation_loading_horizon"] = 4
-    args = transformers.TrainingArguments(
-        output_dir="/tmp/trainer_route_waits",
-        per_device_train_batch_size=1,
-        max_steps=steps,
-        report_to=[],
-        disable_tqdm=True,
-        save_strategy="no",
-        bf16=True,
-        max_grad_norm=0.0,
-        learning_rate=1e-5,
-        remove_unused_columns=False,
-    )
-    trainer = type("T", (ActivationOffloadingMixin, transformers.Trainer), {})(
-        model=model,
-        args=args,
-        train_dataset=TokenBlocks(byte_tokenizer(), load_texts() * 8, 8192),
-        callbacks=[Clock()],
-        offload_config=config,
-    )
-    trainer.train()
-    later = slice(1, None)  # the first step builds caches and learns the orders
+    records = train_timed(model, config, output_dir="/tmp/trainer_route_waits", steps=steps, seq_len=8192)
+    later = records[1:]  # the first step builds caches and learns the orders
+    times = [r.seconds for r in later]
+    waits = [(r.stats.wait_seconds_forward, r.stats.wait_seconds_backward) for r in later]
     return {
         "variant": variant,
-        "step_s": statistics.median(times[later]),
-        "wait_forward_ms": 1000 * statistics.median(w[0] for w in waits[later]),
-        "wait_backward_ms": 1000 * statistics.median(w[1] for w in waits[later]),
-        "max_wait_ms": 1000 * max(sum(w) for w in waits[later]),
+        "step_s": statistics.median(times),
+        "wait_forward_ms": 1000 * statistics.median(w[0] for w in waits),
+        "wait_backward_ms": 1000 * statistics.median(w[1] for w in waits),
+        "max_wait_ms": 1000 * max(sum(w) for w in waits),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
     }

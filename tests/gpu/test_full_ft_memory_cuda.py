@@ -15,6 +15,7 @@ from offloadkit.compose import prepare
 from offloadkit.optim import BackwardAdamW
 from offloadkit.planning import OptimizerSetup
 from offloadkit.testing import build_llama, make_batch
+from offloadkit.testing.trainer_runs import train_timed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("transformers")
@@ -82,63 +83,15 @@ def test_the_trainer_route_brings_activations_back_before_their_use(tmp_path, cl
     activations in backward: 17-21 ms of a 77 ms step with the state fetched by a byte window
     alone (the whole state at backward's first update), 8.7 ms with it fetched by layers, 0.1 ms
     with block inputs also coming back 4 layers ahead (what prepare() now does beside state)."""
-    import transformers
-
-    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
-    from offloadkit.integrations.trainer import ActivationOffloadingMixin
-
-    class Clock(transformers.TrainerCallback):
-        def __init__(self):
-            self.times: list[float] = []
-            self.waits: list[float] = []  # the GPU's waits for activations in backward, per step
-            self.hits = self.misses = 0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
-            self.times.append(self.start.elapsed_time(end) / 1000)
-            runtime = self.trainer.offload_runtime  # the run's (None once train() ends)
-            self.horizon, manager = runtime.config.activation_loading_horizon, runtime.manager
-            stats = manager.collect_stats()
-            if state.global_step > 1:  # the first step builds caches and learns the orders
-                self.waits.append(stats.wait_seconds_backward)
-                self.hits += stats.prefetch_hits
-                self.misses += stats.prefetch_misses
-            manager.reset_stats()
-
     model = build_llama(dict(SHAPE, vocab_size=259), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=1,
-        max_steps=6,
-        report_to=[],
-        disable_tqdm=True,
-        save_strategy="no",
-        bf16=True,
-        max_grad_norm=0.0,
-        learning_rate=1e-5,
-        remove_unused_columns=False,
-    )
-    clock = Clock()
-    trainer = type("T", (ActivationOffloadingMixin, transformers.Trainer), {})(
-        model=model,
-        args=args,
-        train_dataset=TokenBlocks(byte_tokenizer(), load_texts() * 8, 8192),
-        callbacks=[clock],
-        offload_config={"gradient_checkpointing": True, "optimizer_offloading": True},
-    )
-    clock.trainer = trainer
+    config = {"gradient_checkpointing": True, "optimizer_offloading": True}
     try:
-        trainer.train()
-        horizon, hits, misses = clock.horizon, clock.hits, clock.misses
-        times, waits = clock.times[1:], clock.waits
+        records = train_timed(model, config, output_dir=str(tmp_path), steps=6, seq_len=8192)
     finally:
-        trainer = model = clock = None  # a failure's traceback must not keep the model for later tests
+        model = None  # a failure's traceback must not keep the model for later tests
+    later = records[1:]  # the first step builds caches and learns the orders
+    horizon = records[0].config.activation_loading_horizon
+    hits, misses = sum(r.stats.prefetch_hits for r in later), sum(r.stats.prefetch_misses for r in later)
+    times, waits = [r.seconds for r in later], [r.stats.wait_seconds_backward for r in later]
     assert horizon == 4 and misses == 0 and hits > 0
     assert statistics.median(waits) < 0.02 * statistics.median(times), (waits, times)
