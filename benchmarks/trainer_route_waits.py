@@ -27,14 +27,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = ("as_is", "no_state", "state_on_h2d", "state_chunks", "priorities", "horizon4", "loads_off_compute")
-SHAPE = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=4,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=259,
-)
 
 
 def _rearrange(variant: str) -> None:
@@ -85,10 +77,10 @@ def run_one(variant: str, steps: int) -> dict:
     import torch
 
     from offloadkit.testing import build_llama
-    from offloadkit.testing.trainer_runs import train_timed
+    from offloadkit.testing.trainer_runs import ROUTE_SHAPE, train_timed
 
     _rearrange(variant)
-    model = build_llama(SHAPE, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    model = build_llama(ROUTE_SHAPE, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     config = {"gradient_checkpointing": True, "optimizer_offloading": variant != "no_state"}
     if variant == "horizon4":
         config["activation_loading_horizon"] = 4

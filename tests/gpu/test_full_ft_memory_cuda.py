@@ -15,19 +15,12 @@ from offloadkit.compose import prepare
 from offloadkit.optim import BackwardAdamW
 from offloadkit.planning import OptimizerSetup
 from offloadkit.testing import build_llama, make_batch
-from offloadkit.testing.trainer_runs import train_timed
+from offloadkit.testing.trainer_runs import ROUTE_SHAPE, train_timed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("transformers")
 _MiB = 1 << 20
-SHAPE = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=4,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=32000,
-)
+SHAPE = dict(ROUTE_SHAPE, vocab_size=32000)
 
 
 def _reserved_by_stream() -> dict[int, int]:
@@ -83,7 +76,7 @@ def test_the_trainer_route_brings_activations_back_before_their_use(tmp_path, cl
     activations in backward: 17-21 ms of a 77 ms step with the state fetched by a byte window
     alone (the whole state at backward's first update), 8.7 ms with it fetched by layers, 0.1 ms
     with block inputs also coming back 4 layers ahead (what prepare() now does beside state)."""
-    model = build_llama(dict(SHAPE, vocab_size=259), dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
+    model = build_llama(ROUTE_SHAPE, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     config = {"gradient_checkpointing": True, "optimizer_offloading": True}
     try:
         records = train_timed(model, config, output_dir=str(tmp_path), steps=6, seq_len=8192)
