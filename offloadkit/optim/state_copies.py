@@ -149,9 +149,9 @@ class StateCopies:
         gpu, slot, follow = self._allocate(state, keys, device)
         if slot is not None:
             self._slots[id(p)] = slot
-        nbytes = _aligned_bytes(gpu)
-        if self._size_on(device).counts(nbytes):
-            self._size_on(device).taken(nbytes)
+        nbytes, size = _aligned_bytes(gpu), self._size_on(device)
+        if size.counts(nbytes):
+            size.taken(nbytes)
             self._counted[id(p)] = (device, nbytes)
         for completion in follow:
             order_after(h2d, completion)  # the bytes' last tenant has been copied back
@@ -168,13 +168,13 @@ class StateCopies:
     def _allocate(self, state: dict, keys: tuple[str, ...], device: torch.device):
         """The device tensors of one parameter's state: from this pass's arena where it has
         room, with the completions the copy in must follow; else from the allocator."""
-        if not self._size_on(device).counts(sum(aligned(state[k].nbytes) for k in keys)):
-            return {k: torch.empty(state[k].shape, dtype=state[k].dtype, device=device) for k in keys}, None, []
-        arena = self._arenas.get(device)
-        if arena is None and self._ring_bytes.get(device):
-            # On the compute stream, as fetched activations are: the memory returns there.
-            with torch.cuda.device(device):
-                arena = self._arenas[device] = StateArena(self._ring_bytes[device], device, self.arena_stats)
+        arena = None
+        if self._size_on(device).counts(sum(aligned(state[k].nbytes) for k in keys)):
+            arena = self._arenas.get(device)
+            if arena is None and self._ring_bytes.get(device):
+                # On the compute stream, as fetched activations are: the memory returns there.
+                with torch.cuda.device(device):
+                    arena = self._arenas[device] = StateArena(self._ring_bytes[device], device, self.arena_stats)
         carved = arena.carve({k: (state[k].shape, state[k].dtype) for k in keys}) if arena is not None else None
         if carved is not None:
             return carved
