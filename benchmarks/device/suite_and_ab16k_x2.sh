@@ -15,7 +15,8 @@ deal_suite 1
     > "$OUT/ab16k.log" 2>&1
   say "16K rows A/B done" ) &
 wait
-CUDA_VISIBLE_DEVICES=0,1 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
+CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
   > "$OUT/gpu_tests_multi.txt" 2>&1
 say "two GPUs: $(tail -n 1 "$OUT/gpu_tests_multi.txt")"
 grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt
+say "done"
