@@ -17,6 +17,7 @@ from offloadkit.checkpointing.component import CHECKPOINTING
 from offloadkit.component import Component
 from offloadkit.embeddings.component import EMBEDDINGS
 from offloadkit.engine.component import ACTIVATIONS
+from offloadkit.kernels.component import KERNELS
 from offloadkit.layers.component import LAYER_STREAMING
 from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
 from offloadkit.lora.component import FUSED_LORA
@@ -29,6 +30,7 @@ COMPONENTS: tuple[Component, ...] = (
     CONTEXT_PARALLEL,
     CHUNKED_LOSS,
     FUSED_LORA,
+    KERNELS,
     TILED_MLP,
     HEAD_GROUPS,
     CHECKPOINTING,

@@ -265,6 +265,20 @@ def _plans_fused_lora(model: nn.Module, config: OffloadConfig) -> bool:
     return config.fused_lora is True
 
 
+def _auto_kernels(model: nn.Module, config: OffloadConfig) -> OffloadConfig:
+    """Under ``offload_plan: auto``, Liger's norm and gated-MLP kernels where they can run on
+    this model, unless a key sets them (faster, and less saved per layer; within the kernels'
+    tolerance, as the fused LoRA path)."""
+    from offloadkit.kernels.component import kernels_unusable
+    from offloadkit.kernels.options import KernelOptions
+
+    k = config.options(KernelOptions)
+    unset = {n: True for n in ("rms_norm", "glu_activation") if getattr(k, n) is None}
+    if not unset or kernels_unusable(model, KernelOptions(**unset)) is not None:
+        return config
+    return config.replace(**KernelOptions.config_keys(**unset))
+
+
 def component_options(config: OffloadConfig, model: nn.Module | None = None) -> tuple:
     """Every component's options as ``config`` sets them, for the planner to count their
     footprints (it chooses some of them itself; the others pass through its plan); with
@@ -386,6 +400,7 @@ def _planned(
             source="assumed: max_grad_norm=1.0; optimizer_offloading: "
             + ("true, BackwardAdamW" if asked else "false, the loop's own optimizer"),
         )
+    config = _auto_kernels(model, config)
     chosen = plan_for(model, config, seq_len, optimizer, parallel)
     return config.replace(**chosen.to_config()), chosen  # a placement it sets is for the depth built
 

@@ -29,6 +29,7 @@ EXTRAS: dict[str, str] = {
     "tensorboard": "tensorboard",
     "bitsandbytes": "qlora",
     "torchao": "lowbit-optim",
+    "liger_kernel": "liger",
 }
 
 

@@ -32,6 +32,7 @@ APPLY_ORDER = (
     "context_parallel",  # switches the attention function the others run through
     "chunked_loss",  # replaces the loss: the timeline's head hooks see it as the forward's tail
     "fused_lora",  # the adapted projections' forward, which the tiled projections then call
+    "kernels",  # the norms' and gated MLPs' forwards, which the tiled MLP and norms then call
     "tiled_mlp",  # wraps modules inside the blocks, before checkpointing wraps the blocks
     "head_groups",  # likewise, the attention modules
     "checkpointing",  # replaces the blocks' forwards before the timeline and the manager exist
@@ -47,6 +48,7 @@ ARCHITECTURE_NAMES = {
     "tiled_mlp": "tiled MLP",
     "head_groups": "attention head groups",
     "fused_lora": "fused LoRA",
+    "kernels": "Liger's kernels",
     "checkpointing": "checkpointing",
     "activations": "activation offloading",
     "layer_streaming": "layer streaming",

@@ -1,0 +1,200 @@
+"""Liger's fused norm and gated-MLP kernels (``liger_rms_norm``, ``liger_glu_activation``): the
+modules they replace and leave, the arguments each replaced forward hands the kernel (checked
+against a stand-in module with the kernels' documented arithmetic, in torch), detaching, the
+notes where they cannot take effect, the Axolotl keys, ``offload_plan: auto`` and the
+planner's count. (The kernels themselves, on CUDA: ``tests/gpu/test_liger_kernels_cuda.py``.)"""
+
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from offloadkit.component import Footprint
+from offloadkit.compose import _auto_kernels, prepare
+from offloadkit.config import ConfigError, OffloadConfig
+from offloadkit.kernels import KernelOptions, apply_liger_kernels
+from offloadkit.kernels import component as kernels_component
+from offloadkit.kernels import liger as liger_module
+from offloadkit.planning import Workload, estimate_memory, resolve_shape
+from offloadkit.planning.memory import footprints
+from offloadkit.planning.plan import planned_options
+from offloadkit.testing import build_llama
+from offloadkit.testing.families import build_family, family_batch
+
+pytest.importorskip("transformers")
+
+
+class _RMSNorm:
+    """Liger's ``LigerRMSNormFunction`` arithmetic (its docstring), differentiated by autograd:
+    llama casts the normed value to the input's dtype before the weight; gemma multiplies in
+    fp32 and casts at the end."""
+
+    calls: list = []
+
+    @staticmethod
+    def apply(x, w, eps, offset, casting, in_place):
+        _RMSNorm.calls.append((offset, casting, eps, in_place))
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if casting == "llama":
+            return (offset + w) * normed.to(x.dtype)
+        return (normed * (offset + w.float())).to(x.dtype)
+
+
+class _SiLUMul:
+    calls: list = []
+
+    @staticmethod
+    def apply(a, b):
+        _SiLUMul.calls.append(a.shape)
+        return torch.nn.functional.silu(a) * b
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """liger_kernel as a stand-in module, its kernels taking CPU tensors."""
+    modules = {
+        "liger_kernel": types.ModuleType("liger_kernel"),
+        "liger_kernel.ops": types.ModuleType("liger_kernel.ops"),
+        "liger_kernel.ops.rms_norm": types.ModuleType("liger_kernel.ops.rms_norm"),
+        "liger_kernel.ops.swiglu": types.ModuleType("liger_kernel.ops.swiglu"),
+    }
+    modules["liger_kernel.ops.rms_norm"].LigerRMSNormFunction = _RMSNorm
+    modules["liger_kernel.ops.swiglu"].LigerSiLUMulFunction = _SiLUMul
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    liger_module._ops.cache_clear()
+    monkeypatch.setattr(liger_module, "_plain", lambda *tensors: True)
+    _RMSNorm.calls.clear()
+    _SiLUMul.calls.clear()
+    yield
+    liger_module._ops.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3", "phi3"])
+def test_each_known_module_hands_the_kernel_its_own_arithmetic(stand_in, family):
+    model = build_family(family)
+    batch = family_batch(family, model, 12)
+    with torch.no_grad():
+        expected = model(**batch).logits
+    handle = apply_liger_kernels(model)
+    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    assert handle.norms == norms and norms
+    with torch.no_grad():
+        got = model(**batch).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    gemma = family.startswith("gemma")
+    assert {c[:2] for c in _RMSNorm.calls} == {(1.0, "gemma") if gemma else (0.0, "llama")}
+    assert all(in_place is False for *_, in_place in _RMSNorm.calls)
+    eps = {c[2] for c in _RMSNorm.calls}
+    assert eps == {model.config.rms_norm_eps}
+    if family == "phi3":  # gate and up in one projection: the MLP stays eager
+        assert handle.mlps == [] and not _SiLUMul.calls
+    elif gemma:  # GELU-gated: not a class the SiLU kernel reproduces
+        assert handle.mlps == []
+    else:
+        assert len(handle.mlps) == model.config.num_hidden_layers == len(_SiLUMul.calls)
+    handle.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    _RMSNorm.calls.clear()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, expected)
+    assert not _RMSNorm.calls
+
+
+def test_an_mlp_without_silu_stays_eager_and_says_why(stand_in):
+    model = build_llama("tiny")
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    handle = apply_liger_kernels(model, rms_norm=False)
+    assert handle.mlps == ["model.layers.0.mlp"] and handle.norms == []
+    assert handle.skipped == {"model.layers.1.mlp": "activation GELU, not SiLU"}
+    with pytest.raises(ValueError, match="already runs Liger's kernels; remove"):
+        apply_liger_kernels(model, rms_norm=False)
+    handle.remove()
+    assert len(apply_liger_kernels(model, rms_norm=False).mlps) == 1
+
+
+def test_a_call_the_kernel_would_compute_otherwise_runs_the_modules_own_forward(monkeypatch, stand_in):
+    model = build_llama("tiny")
+    apply_liger_kernels(model)
+    monkeypatch.setattr(liger_module, "_plain", lambda *tensors: False)  # CPU tensors, DTensors
+    norm = model.model.norm
+    x = torch.randn(2, 3, model.config.hidden_size)
+    assert torch.equal(norm(x), type(norm).forward(norm, x)) and not _RMSNorm.calls
+    monkeypatch.setattr(liger_module, "_plain", lambda *tensors: True)
+    # Llama's form multiplies in the weight's dtype: an fp32 weight on a bf16 input is not the kernel's.
+    norm.weight.data = norm.weight.data.float()
+    y = x.bfloat16()
+    assert torch.equal(norm(y), type(norm).forward(norm, y)) and not _RMSNorm.calls
+
+
+def test_keys_validate_and_an_axolotl_config_keeps_them():
+    config = OffloadConfig.from_dict({"liger_rms_norm": True, "liger_glu_activation": False})
+    assert config.options(KernelOptions) == KernelOptions(rms_norm=True, glu_activation=False)
+    assert OffloadConfig().options(KernelOptions) == KernelOptions()
+    with pytest.raises(ConfigError, match=r"liger_rms_norm=1 has the wrong type"):
+        OffloadConfig.from_dict({"liger_rms_norm": 1})
+    from offloadkit.integrations.axolotl import WITHOUT_EFFECT
+
+    assert "liger_rms_norm" not in WITHOUT_EFFECT and "liger_glu_activation" not in WITHOUT_EFFECT
+
+
+def test_without_liger_or_a_gpu_prepare_says_the_keys_have_no_effect(monkeypatch):
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: "liger-kernel is not installed (pip ...)")
+    model = build_llama("tiny")
+    with pytest.warns(UserWarning, match="liger_rms_norm and liger_glu_activation has no effect: liger-kernel is not"):
+        run = prepare(model, {"liger_rms_norm": True, "liger_glu_activation": True})
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    run.close()
+
+
+def test_prepare_builds_them_before_the_tiled_mlp_and_close_detaches(monkeypatch, stand_in):
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: None)
+    model = build_llama("tiny")
+    batch = family_batch("llama", model, 16)
+    expected = model(**batch).logits.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = prepare(
+            model, {"liger_rms_norm": True, "liger_glu_activation": True, "tiled_mlp": True, "tiled_mlp_num_shards": 4}
+        )
+    assert run.report()["liger_kernels"] == {"rms_norms": 5, "gated_mlps": 2}
+    out = model(**batch).logits
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+    assert len(_SiLUMul.calls) == 2 * 4  # the tiled MLP runs the fused forward shard by shard
+    out.float().sum().backward()
+    run.close()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_offload_plan_auto_turns_them_on_where_they_run_unless_a_key_says(monkeypatch):
+    model = build_llama("tiny")
+    auto = OffloadConfig(offload_plan="auto")
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: "Liger's kernels need a GPU")
+    assert _auto_kernels(model, auto).options(KernelOptions) == KernelOptions()
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: None)
+    assert _auto_kernels(model, auto).options(KernelOptions) == KernelOptions(True, True)
+    declined = auto.replace(liger_glu_activation=False)
+    assert _auto_kernels(model, declined).options(KernelOptions) == KernelOptions(True, False)
+    # A model with none of the known classes: nothing to turn on.
+    assert _auto_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2)), auto).options(KernelOptions) == KernelOptions()
+
+
+@pytest.mark.parametrize("lora", [16, 0])
+@pytest.mark.parametrize("mlp_shards", [1, 8])
+def test_the_planner_counts_what_the_kernels_save(lora, mlp_shards):
+    shape = resolve_shape("llama-3-8b")
+    t, h, i, b = 65536, shape.hidden, shape.intermediate, 2
+    w = Workload(shape, t, lora_rank=lora)
+    base = planned_options(w, mlp_shards=mlp_shards, loss_chunks=8)
+    both = (*base, KernelOptions(rms_norm=True, glu_activation=True))
+    kernels = dict(footprints(w, both))["kernels"]
+    assert kernels.layer_saved == t * (b * h - 8 * h - (0 if lora else 2 * b * h)) - (
+        t * b * i if mlp_shards == 1 else 0
+    )
+    assert kernels.mlp_backward == (-(-t // mlp_shards) * -b * i if mlp_shards > 1 else 0)
+    assert kernels.loss == {"final norm": t * (2 * b * h + 4)}
+    assert dict(footprints(w, base))["kernels"] == Footprint()
+    assert estimate_memory(w, both).gpu_peak < estimate_memory(w, base).gpu_peak
