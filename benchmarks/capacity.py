@@ -128,6 +128,7 @@ def predict(
     from offloadkit.checkpointing.footprint import keeps_attention
     from offloadkit.component import OptionSet
     from offloadkit.engine.options import ActivationOptions
+    from offloadkit.kernels import KernelOptions, liger_unusable
     from offloadkit.longctx.options import LongContextOptions
     from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, plan, resolve_shape
     from offloadkit.planning.memory import long_context_counts, region_length
@@ -147,8 +148,12 @@ def predict(
         )
 
     budgets = budgets or Budgets.detect(host_bytes=host_budget)
+    # What offload_plan: auto runs on the zoo's models: LoRA fused (every layer fuses), and
+    # Liger's kernels where liger-kernel and a GPU are there (offloadkit.compose._auto_kernels).
+    fused = bool(lora_rank)
+    kernels = () if liger_unusable() is not None else (KernelOptions(rms_norm=True, glu_activation=True),)
     if mode == "auto":
-        p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets, layers=layers)
+        p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets, layers=layers, fused_lora=fused, options=kernels)
         m, t, k = p.memory, p.time, chosen(p)
     else:
         w = Workload(resolve_shape(shape, layers), seq, 1, lora_rank)
@@ -190,7 +195,8 @@ def predict(
         "flops": t.flops,
         # The model's parts: attention and linear compute at the rates it was given.
         "attention_s": t.attention_flops / budgets.rates.attention_flops_per_s,
-        "linear_s": t.linear_flops / budgets.rates.matmul_flops_per_s,
+        "linear_s": t.linear_flops
+        / budgets.rates.linear_flops_per_s(fused and mode == "auto", 2 * len(kernels) if mode == "auto" else 0),
         "placement": placement_code(m.block_placement),
         "loss_chunks": k.get("loss_chunks", 0),
         "mlp_shards": k.get("mlp_shards", 1),

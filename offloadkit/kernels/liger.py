@@ -26,7 +26,7 @@ from torch import nn
 
 from offloadkit.models.forwards import ForwardWraps
 
-__all__ = ["GATED_MLPS", "NORMS", "LigerKernels", "apply_liger_kernels", "liger_unusable"]
+__all__ = ["GATED_MLPS", "NORMS", "LigerKernels", "apply_liger_kernels", "liger_ops", "liger_unusable"]
 
 # RMSNorm class -> (offset added to the weight, Liger's casting mode, the eps attribute).
 NORMS: dict[str, tuple[float, str, str]] = {
@@ -53,6 +53,15 @@ def liger_unusable() -> str | None:
     if not torch.cuda.is_available():
         return "Liger's kernels need a GPU"
     return None
+
+
+def liger_ops() -> tuple[Any, Any]:
+    """Liger's ``(LigerRMSNormFunction, LigerSiLUMulFunction)``.
+
+    Raises:
+        MissingExtraError: liger-kernel is not installed.
+    """
+    return _ops()
 
 
 @functools.cache

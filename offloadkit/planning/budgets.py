@@ -158,10 +158,18 @@ class Budgets:
                 try:
                     rates = dataclasses.replace(rates, matmul_flops_per_s=timed.linear_rate(shape, lora_rank))
                     measured.append("layer linears")
+                    base = rates.matmul_flops_per_s
                     if lora_rank:
-                        fused = timed.linear_rate(shape, lora_rank, fused_lora=True)
-                        rates = dataclasses.replace(rates, fused_lora_matmul_flops_per_s=fused)
+                        base = timed.linear_rate(shape, lora_rank, fused_lora=True)
+                        rates = dataclasses.replace(rates, fused_lora_matmul_flops_per_s=base)
                         measured.append("layer linears with fused_lora")
+                    from offloadkit.kernels.liger import liger_unusable
+
+                    if liger_unusable() is None:
+                        # Over the path offload_plan: auto runs (fused LoRA for a LoRA model).
+                        liger = timed.linear_rate(shape, lora_rank, fused_lora=bool(lora_rank), liger_kernels=True)
+                        rates = dataclasses.replace(rates, liger_speedup=liger / base)
+                        measured.append("layer linears with Liger's kernels")
                 except torch.cuda.OutOfMemoryError:  # a GPU too full for one layer: keep the default
                     pass
             # Outside the handlers, whose tracebacks hold the probes' tensors.

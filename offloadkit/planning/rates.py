@@ -16,6 +16,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Callable
 
 import torch
 
@@ -120,6 +121,7 @@ def linear_rate(
     device: str = "cuda",
     adapter_dtype=torch.float32,
     fused_lora: bool = False,
+    liger_kernels: bool = False,
 ) -> float:
     """One decoder layer's work outside attention, forward and backward, in the planner's
     linear FLOP/s (:func:`offloadkit.planning.timing.step_flops`'s count for one layer).
@@ -140,6 +142,8 @@ def linear_rate(
         adapter_dtype: the LoRA weights' dtype.
         fused_lora: each adapter as ``fused_lora: true`` computes it
             (:func:`offloadkit.lora.lora_linear`) instead of PEFT's way.
+        liger_kernels: the norms and the SiLU gating as Liger's kernels compute them
+            (``liger_rms_norm``, ``liger_glu_activation``; needs liger-kernel and a GPU).
     """
     import torch.nn.functional as F
 
@@ -179,14 +183,23 @@ def linear_rate(
     leaves = [x] + [p for wab in (wq, wk, wv, wo, wg, wu, wd) for p in wab if p is not None and p.requires_grad]
     leaves += [n for n in norms if n.requires_grad]
 
+    rms_norm: Callable = _rms_norm
+    silu_mul: Callable = lambda g, u: F.silu(g) * u  # noqa: E731
+    if liger_kernels:
+        from offloadkit.kernels.liger import liger_ops
+
+        liger_norm, liger_silu_mul = liger_ops()
+        rms_norm = lambda t, w: liger_norm.apply(t, w, 1e-6, 0.0, "llama", False)  # noqa: E731
+        silu_mul = liger_silu_mul.apply
+
     def run():
-        h = _rms_norm(x, norms[0])
+        h = rms_norm(x, norms[0])
         q = _rotate(heads(linear(h, wq), shape.heads), cos, sin)
         k = _rotate(heads(linear(h, wk), shape.kv_heads), cos, sin)
         v = linear(h, wv)
         x1 = x + linear(q.transpose(1, 2).reshape(1, tokens, -1), wo)
-        h = _rms_norm(x1, norms[1])
-        out = x1 + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
+        h = rms_norm(x1, norms[1])
+        out = x1 + linear(silu_mul(linear(h, wg), linear(h, wu)), wd)
         # Constant gradients stop being constant at the first matmul they meet backward.
         torch.autograd.grad((out, k, v), leaves, (torch.ones_like(out), torch.ones_like(k), torch.ones_like(v)))
 

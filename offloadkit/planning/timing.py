@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import FootprintOptions
 from offloadkit.engine.options import ActivationOptions
+from offloadkit.kernels.options import KernelOptions
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.footprint import tiled_mlp_footprint
 from offloadkit.lora.options import LoraOptions
@@ -65,6 +66,7 @@ __all__ = [
     "DISK_WRITE_BYTES_PER_S",
     "DISK_READ_BYTES_PER_S",
     "LINK_BYTES_PER_S",
+    "LIGER_LINEAR_SPEEDUP",
     "NETWORK_BYTES_PER_S",
 ]
 
@@ -80,6 +82,11 @@ ATTENTION_FLOPS_PER_S = 3.0e14
 # LoRA r=16 step went 0.941 -> 0.725 s at 64K (1.298x) and 3.793 -> 2.913 s at 256K (1.302x)
 # on an H100 (benchmarks/results/fused-lora/h100-caa6bbc/).
 FUSED_LORA_LINEAR_SPEEDUP = 1.30
+# And this much faster again with Liger's norm and gated-MLP kernels (offloadkit/kernels): the
+# compute stream's gemm and pointwise time of that step with fused_lora went 0.685 -> 0.628 s
+# at 64K and 2.782 -> 2.561 s at 256K on an H200 (1.09x, 1.086x;
+# benchmarks/results/liger/h200x2-acd2e36/). One of the two kernels on is assumed half of it.
+LIGER_LINEAR_SPEEDUP = 1.09
 # Pinned host<->device copies: 55.5 GB/s measured on the H200 (PCIe Gen5) in
 # benchmarks/results/README.md; a shared link is assumed to give each direction that much.
 PCIE_BYTES_PER_S = 55.5e9
@@ -115,15 +122,20 @@ class Rates:
     link_bytes_per_s: float = LINK_BYTES_PER_S
     network_bytes_per_s: float = NETWORK_BYTES_PER_S
     fused_lora_matmul_flops_per_s: float | None = None
+    liger_speedup: float = LIGER_LINEAR_SPEEDUP
 
-    def linear_flops_per_s(self, fused_lora: bool = False) -> float:
+    def linear_flops_per_s(self, fused_lora: bool = False, liger_kernels: int = 0) -> float:
         """The rate of the work outside attention: with ``fused_lora``, the measured fused rate,
-        else :data:`FUSED_LORA_LINEAR_SPEEDUP` times the PEFT path's."""
+        else :data:`FUSED_LORA_LINEAR_SPEEDUP` times the PEFT path's; with Liger's kernels
+        (``liger_kernels``: how many of the two, norms and gated MLP), :attr:`liger_speedup`
+        times that (half the gain for one)."""
         if not fused_lora:
-            return self.matmul_flops_per_s
-        if self.fused_lora_matmul_flops_per_s is not None:
-            return self.fused_lora_matmul_flops_per_s
-        return self.matmul_flops_per_s * FUSED_LORA_LINEAR_SPEEDUP
+            rate = self.matmul_flops_per_s
+        elif self.fused_lora_matmul_flops_per_s is not None:
+            rate = self.fused_lora_matmul_flops_per_s
+        else:
+            rate = self.matmul_flops_per_s * FUSED_LORA_LINEAR_SPEEDUP
+        return rate * (1 + (self.liger_speedup - 1) * min(liger_kernels, 2) / 2)
 
 
 @dataclass
@@ -211,7 +223,11 @@ def estimate_time(w: Workload, f: StepOptions, rates: Rates, placement: list[str
     """
     w, o = step_options(w, f)
     lf, lb, af, ab = step_flops(w, o)
-    linear_rate = rates.linear_flops_per_s(o.of(LoraOptions).fused is True and bool(w.lora_rank))
+    kernels = o.of(KernelOptions)
+    linear_rate = rates.linear_flops_per_s(
+        o.of(LoraOptions).fused is True and bool(w.lora_rank),
+        (kernels.rms_norm is True) + (kernels.glu_activation is True),
+    )
     fwd_compute = lf / linear_rate + af / rates.attention_flops_per_s
     bwd_compute = lb / linear_rate + ab / rates.attention_flops_per_s
     block = w.block_input_bytes

@@ -198,3 +198,23 @@ def test_the_planner_counts_what_the_kernels_save(lora, mlp_shards):
     assert kernels.loss == {"final norm": t * (2 * b * h + 4)}
     assert dict(footprints(w, base))["kernels"] == Footprint()
     assert estimate_memory(w, both).gpu_peak < estimate_memory(w, base).gpu_peak
+
+
+def test_the_step_time_counts_the_kernels_and_measure_times_them(stand_in):
+    from offloadkit.planning import Rates, estimate_time
+    from offloadkit.planning.rates import linear_rate
+    from offloadkit.planning.timing import LIGER_LINEAR_SPEEDUP
+
+    rates = Rates()
+    assert rates.linear_flops_per_s(True, 2) == rates.linear_flops_per_s(True) * LIGER_LINEAR_SPEEDUP
+    assert rates.linear_flops_per_s(False, 1) == rates.matmul_flops_per_s * (1 + (LIGER_LINEAR_SPEEDUP - 1) / 2)
+    w = Workload(resolve_shape("llama-3-8b"), 65536, lora_rank=16)
+    base = planned_options(w, loss_chunks=8)
+    placement = estimate_memory(w, base).block_placement
+    eager = estimate_time(w, base, rates, placement)
+    both = estimate_time(w, (*base, KernelOptions(rms_norm=True, glu_activation=True)), rates, placement)
+    assert both.flops == eager.flops and both.seconds < eager.seconds
+    # --measure's probe runs the layer's norms and gating through the kernels it is asked for.
+    shape = resolve_shape("tiny")
+    assert linear_rate(shape, 4, tokens=64, device="cpu", liger_kernels=True) > 0
+    assert len(_RMSNorm.calls) == 2 * 4 and len(_SiLUMul.calls) == 4  # 2 norms, 1 gating, 4 runs
