@@ -104,6 +104,10 @@ _CPUOFF_64K = _r("multi-gpu/h200x4-893588b/fsdp2-llama-3-8b-4x65536-cpu_offload_
 _CP_SCALE1 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-1x131072-2L.json")
 _CP_SCALE4 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-4x131072-2L.json")
 _FUSED = _r("fused-lora/h100-caa6bbc/summary.json")
+_LIGER = "liger/h100-9bd14ab/rows/"
+_LIGER_64K_EAGER = _r(_LIGER + "auto-65536-32L-eager.json")
+_LIGER_64K = _r(_LIGER + "auto-65536-32L-liger.json")
+_LIGER_256K = _r(_LIGER + "auto-262144-2L-liger.json")
 _LONGEST = "longest sequence that fits: ([0-9]+) tokens"
 _REACHED = "reached ([0-9]+)%"
 
@@ -130,6 +134,20 @@ CLAIMS: list[Claim | Ratio] = [
           "rows[seq_len=262144,mode=fused].step_s", unit="s", fmt=".2f"),
     Claim("fused-256k-peak", "8B LoRA, 256K, 2 layers, one H100, fused_lora: peak allocated", _FUSED,
           "rows[seq_len=262144,mode=fused].peak_allocated_gib", unit="GiB", fmt=".2f"),
+    # Liger's norm and gated-MLP kernels under offload_plan: auto, 8B LoRA r=16, one H100.
+    Claim("liger-64k-eager-step", "8B LoRA, 64K, 32 layers, one H100, auto without Liger's kernels: step",
+          _LIGER_64K_EAGER, _probe("auto", 65536, 32, "step_s"), unit="s", fmt=".2f"),
+    Claim("liger-64k-eager-peak", "the same: peak allocated", _LIGER_64K_EAGER,
+          _probe("auto", 65536, 32, "peak_allocated_gib"), unit="GiB", fmt=".2f"),
+    Claim("liger-64k-step", "8B LoRA, 64K, 32 layers, one H100, auto with Liger's kernels: step", _LIGER_64K,
+          _probe("auto", 65536, 32, "step_s"), unit="s", fmt=".2f"),
+    Claim("liger-64k-peak", "the same: peak allocated", _LIGER_64K,
+          _probe("auto", 65536, 32, "peak_allocated_gib"), unit="GiB", fmt=".2f"),
+    Ratio("liger-64k-vs-eager", "Liger's kernels against without: step", "liger-64k-step", "liger-64k-eager-step"),
+    Claim("liger-256k-step", "8B LoRA, 256K, 2 layers, one H100, auto with Liger's kernels: step", _LIGER_256K,
+          _probe("auto", 262144, 2, "step_s"), unit="s", fmt=".2f"),
+    Claim("liger-256k-peak", "the same: peak allocated", _LIGER_256K,
+          _probe("auto", 262144, 2, "peak_allocated_gib"), unit="GiB", fmt=".2f"),
     # Context parallelism, 8B LoRA on H200s capped to 79 GiB a rank, 1 layer timed.
     Claim("cp2-tokens", "8B LoRA, context parallel over 2 GPUs: tokens", _CP2, "tokens", unit="tokens", fmt=",.0f"),
     Claim("cp2-step", "8B LoRA, context parallel over 2 GPUs, 1 layer: step", _CP2, "step_s", unit="s"),

@@ -22,6 +22,7 @@ from offloadkit.engine import (
     OffloadPolicy,
     OffloadStats,
 )
+from offloadkit.kernels import apply_liger_kernels
 from offloadkit.longctx import apply_attention_head_groups, apply_chunked_loss, apply_tiled_mlp, chunked_cross_entropy
 from offloadkit.lora import apply_fused_lora
 from offloadkit.runtime.device import use_expandable_segments
@@ -41,6 +42,7 @@ __all__ = [
     "apply_tiled_mlp",
     "apply_attention_head_groups",
     "apply_fused_lora",
+    "apply_liger_kernels",
     "chunked_cross_entropy",
     "get_act_offloading_ctx_manager",
     "get_lora_act_offloading_ctx_manager",
