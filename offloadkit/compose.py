@@ -266,17 +266,17 @@ def _plans_fused_lora(model: nn.Module, config: OffloadConfig) -> bool:
 
 
 def _auto_kernels(model: nn.Module, config: OffloadConfig) -> OffloadConfig:
-    """Under ``offload_plan: auto``, Liger's norm and gated-MLP kernels where they can run on
-    this model, unless a key sets them (faster, and less saved per layer; within the kernels'
+    """Under ``offload_plan: auto``, Liger's norm and gated-MLP kernels where each runs on this
+    model, unless a key sets it (faster, and less saved per layer; within the kernels'
     tolerance, as the fused LoRA path)."""
-    from offloadkit.kernels.component import kernels_unusable
+    from offloadkit.kernels.component import auto_kernels
     from offloadkit.kernels.options import KernelOptions
 
-    k = config.options(KernelOptions)
-    unset = {n: True for n in ("rms_norm", "glu_activation") if getattr(k, n) is None}
-    if not unset or kernels_unusable(model, KernelOptions(**unset)) is not None:
+    own = config.options(KernelOptions)
+    chosen = auto_kernels(model, own)
+    if chosen == own:
         return config
-    return config.replace(**KernelOptions.config_keys(**unset))
+    return config.replace(**KernelOptions.config_keys(rms_norm=chosen.rms_norm, glu_activation=chosen.glu_activation))
 
 
 def component_options(config: OffloadConfig, model: nn.Module | None = None) -> tuple:
@@ -402,7 +402,14 @@ def _planned(
         )
     config = _auto_kernels(model, config)
     chosen = plan_for(model, config, seq_len, optimizer, parallel)
-    return config.replace(**chosen.to_config()), chosen  # a placement it sets is for the depth built
+    applied = config.replace(**chosen.to_config())  # a placement it sets is for the depth built
+    # The plan counts what a component would refuse on this model as off (Component.effective);
+    # the run keeps the config's value, so that the component's build says why it has no effect.
+    for c in COMPONENTS:
+        if c.effective is not None:
+            own = config.options(c.options)
+            applied = applied.replace(**{key: getattr(own, name) for key, name in c.options.keys().items()})
+    return applied, chosen
 
 
 def _horizon_beside_state(config: OffloadConfig, optimizer: OptimizerSetup | None) -> OffloadConfig:

@@ -10,36 +10,46 @@ from torch import nn
 
 from offloadkit.component import Component, Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
-from offloadkit.kernels.liger import GATED_MLPS, NORMS, LigerKernels, apply_liger_kernels, liger_unusable
+from offloadkit.kernels.liger import LigerKernels, applicable, apply_liger_kernels, liger_unusable
 from offloadkit.kernels.options import KernelOptions
 from offloadkit.longctx.footprint import projections_tiled, tiled_mlp_shards
 
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime
 
-__all__ = ["KERNELS", "effective_kernels", "kernels_footprint", "kernels_unusable"]
+__all__ = ["KERNELS", "auto_kernels", "effective_kernels", "kernels_footprint", "kernels_unusable"]
+
+_KINDS = ("rms_norm", "glu_activation")
 
 
-def kernels_unusable(model: nn.Module, options: KernelOptions) -> str | None:
-    """Why the kernels asked for cannot run on ``model`` here (None: they can)."""
+def kernels_unusable(model: nn.Module) -> dict[str, str | None]:
+    """Per option (``rms_norm``, ``glu_activation``), why its kernel cannot run on ``model``
+    here (None: it can)."""
     why = liger_unusable()
-    if why is not None:
-        return why
-    kinds = {type(m).__name__ for m in model.modules()}
-    if not ((options.rms_norm and kinds & set(NORMS)) or (options.glu_activation and kinds & GATED_MLPS)):
-        return "the model has no RMSNorm or gated MLP of a class the kernels reproduce"
-    return None
+    norms, mlps = applicable(model)
+    return {
+        "rms_norm": why or (None if norms else "the model has no RMSNorm of a class the kernel reproduces"),
+        "glu_activation": why or (None if mlps else "the model has no SiLU-gated MLP of a class the kernel reproduces"),
+    }
 
 
 def build_kernels(model: nn.Module, options: KernelOptions, run: OffloadRuntime) -> LigerKernels | None:
-    if not (options.rms_norm or options.glu_activation):
+    asked = [n for n in _KINDS if getattr(options, n)]
+    if not asked:
         return None
-    keys = " and ".join(options.key(n) for n in ("rms_norm", "glu_activation") if getattr(options, n))
-    why = kernels_unusable(model, options)
-    if why is not None:
-        run.note(f"{keys} has no effect: {why}")
+    why = kernels_unusable(model)
+    for reason in dict.fromkeys(why[n] for n in asked if why[n] is not None):
+        keys = " and ".join(options.key(n) for n in asked if why[n] == reason)
+        run.note(f"{keys} has no effect: {reason}")
+    runs = {n: n in asked and why[n] is None for n in _KINDS}
+    if not any(runs.values()):
         return None
-    handle = apply_liger_kernels(model, rms_norm=bool(options.rms_norm), glu_activation=bool(options.glu_activation))
+    try:
+        handle = apply_liger_kernels(model, **runs)
+    except ValueError as exc:
+        keys = " and ".join(options.key(n) for n in _KINDS if runs[n])
+        run.note(f"{keys} has no effect: {exc}")
+        return None
     for name, reason in handle.skipped.items():
         run.note(f"{options.key('glu_activation')}: {name} stays eager ({reason})")
     return handle
@@ -50,10 +60,18 @@ def report_kernels(handle: LigerKernels) -> dict:
 
 
 def effective_kernels(model: nn.Module, options: KernelOptions) -> KernelOptions:
-    """Off where the build would leave the model eager: the planner then counts eager saves."""
-    if (options.rms_norm or options.glu_activation) and kernels_unusable(model, options) is not None:
-        return dataclasses.replace(options, rms_norm=False, glu_activation=False)
-    return options
+    """Each kernel off where the build would leave the model eager: the planner then counts
+    eager saves."""
+    if not (options.rms_norm or options.glu_activation):
+        return options
+    why = kernels_unusable(model)
+    return dataclasses.replace(options, **{n: False for n in _KINDS if getattr(options, n) and why[n] is not None})
+
+
+def auto_kernels(model: nn.Module, options: KernelOptions) -> KernelOptions:
+    """What ``offload_plan: auto`` runs: each kernel left unset, on where it runs on ``model``."""
+    why = kernels_unusable(model)
+    return dataclasses.replace(options, **{n: True for n in _KINDS if getattr(options, n) is None and why[n] is None})
 
 
 def kernels_footprint(w: Workload, f: FootprintOptions) -> Footprint:
@@ -71,6 +89,7 @@ def kernels_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     if k.rms_norm is True and not projections_tiled(f):
         eager = 2 * 4 * h + (0 if w.lora_rank else 2 * b * h)  # fp32 inputs (+ the normed values)
         layer += t * (b * h - eager)
+    if k.rms_norm is True and not (projections_tiled(f) and tiled_mlp_shards(f) > 1):  # the final norm untiled
         loss["final norm"] = t * (2 * b * h + 4)  # replaces the eager count of that name
     if k.glu_activation is True:
         shards = tiled_mlp_shards(f)

@@ -26,7 +26,7 @@ from torch import nn
 
 from offloadkit.models.forwards import ForwardWraps
 
-__all__ = ["GATED_MLPS", "NORMS", "LigerKernels", "apply_liger_kernels", "liger_ops", "liger_unusable"]
+__all__ = ["GATED_MLPS", "NORMS", "LigerKernels", "applicable", "apply_liger_kernels", "liger_ops", "liger_unusable"]
 
 # RMSNorm class -> (offset added to the weight, Liger's casting mode, the eps attribute).
 NORMS: dict[str, tuple[float, str, str]] = {
@@ -137,13 +137,25 @@ class LigerKernels:
         self.mlps.clear()
 
 
+def applicable(model: nn.Module) -> tuple[bool, bool]:
+    """Whether ``model`` has an RMSNorm, and a gated MLP, that the kernels reproduce."""
+    norms = mlps = False
+    for module in model.modules():
+        kind = type(module).__name__
+        norms = norms or kind in NORMS
+        mlps = mlps or (kind in GATED_MLPS and _why_not_mlp(module) is None)
+    return norms, mlps
+
+
 def apply_liger_kernels(model: nn.Module, rms_norm: bool = True, glu_activation: bool = True) -> LigerKernels:
     """Run ``model``'s RMSNorms and gated MLPs of known classes (:data:`NORMS`,
-    :data:`GATED_MLPS`) through Liger's kernels.
+    :data:`GATED_MLPS`) through Liger's kernels. Apply them before anything that wraps those
+    modules' forwards (the tiled MLP and norms run the kernels' forward by shards).
 
     Raises:
         MissingExtraError: liger-kernel is not installed.
-        ValueError: a module is already replaced by an earlier call (``remove()`` it first).
+        ValueError: a module is already replaced by an earlier call (``remove()`` it first),
+            or has a forward of its own on the instance, which the kernel would bypass.
     """
     _ops()  # the import error first, before any module is touched
     handle = LigerKernels()
@@ -158,6 +170,12 @@ def apply_liger_kernels(model: nn.Module, rms_norm: bool = True, glu_activation:
                 mlps.append((name, module))
             else:
                 handle.skipped[name] = why
+    for name, module in norms + mlps:
+        if "forward" in module.__dict__ and not handle._wraps.holds(module):
+            raise ValueError(
+                f"{name} already has a forward of its own on the instance (a tiled module?), which Liger's kernel "
+                "would bypass; apply Liger's kernels first"
+            )
 
     def make(name: str, module: nn.Module):
         kind = type(module).__name__

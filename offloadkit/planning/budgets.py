@@ -168,7 +168,7 @@ class Budgets:
                     if liger_unusable() is None:
                         # Over the path offload_plan: auto runs (fused LoRA for a LoRA model).
                         liger = timed.linear_rate(shape, lora_rank, fused_lora=bool(lora_rank), liger_kernels=True)
-                        rates = dataclasses.replace(rates, liger_speedup=liger / base)
+                        rates = dataclasses.replace(rates, liger_saving_s_per_flop=max(0.0, 1 / base - 1 / liger))
                         measured.append("layer linears with Liger's kernels")
                 except torch.cuda.OutOfMemoryError:  # a GPU too full for one layer: keep the default
                     pass

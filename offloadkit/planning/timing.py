@@ -85,7 +85,9 @@ FUSED_LORA_LINEAR_SPEEDUP = 1.30
 # And this much faster again with Liger's norm and gated-MLP kernels (offloadkit/kernels): the
 # compute stream's gemm and pointwise time of that step with fused_lora went 0.685 -> 0.628 s
 # at 64K and 2.782 -> 2.561 s at 256K on an H200 (1.09x, 1.086x;
-# benchmarks/results/liger/h200x2-acd2e36/). One of the two kernels on is assumed half of it.
+# benchmarks/results/liger/h200x2-acd2e36/). Counted as the seconds it saves per FLOP of that
+# path, on any path (the pointwise work it replaces does not grow with the matmuls); one of
+# the two kernels is assumed half of it.
 LIGER_LINEAR_SPEEDUP = 1.09
 # Pinned host<->device copies: 55.5 GB/s measured on the H200 (PCIe Gen5) in
 # benchmarks/results/README.md; a shared link is assumed to give each direction that much.
@@ -122,20 +124,22 @@ class Rates:
     link_bytes_per_s: float = LINK_BYTES_PER_S
     network_bytes_per_s: float = NETWORK_BYTES_PER_S
     fused_lora_matmul_flops_per_s: float | None = None
-    liger_speedup: float = LIGER_LINEAR_SPEEDUP
+    liger_saving_s_per_flop: float | None = None
 
     def linear_flops_per_s(self, fused_lora: bool = False, liger_kernels: int = 0) -> float:
         """The rate of the work outside attention: with ``fused_lora``, the measured fused rate,
         else :data:`FUSED_LORA_LINEAR_SPEEDUP` times the PEFT path's; with Liger's kernels
-        (``liger_kernels``: how many of the two, norms and gated MLP), :attr:`liger_speedup`
-        times that (half the gain for one)."""
-        if not fused_lora:
-            rate = self.matmul_flops_per_s
-        elif self.fused_lora_matmul_flops_per_s is not None:
-            rate = self.fused_lora_matmul_flops_per_s
-        else:
-            rate = self.matmul_flops_per_s * FUSED_LORA_LINEAR_SPEEDUP
-        return rate * (1 + (self.liger_speedup - 1) * min(liger_kernels, 2) / 2)
+        (``liger_kernels``: how many of the two, norms and gated MLP), less the seconds per
+        FLOP they save (:attr:`liger_saving_s_per_flop`, measured; else from
+        :data:`LIGER_LINEAR_SPEEDUP` over the fused path; half of it for one kernel)."""
+        fused = self.fused_lora_matmul_flops_per_s or self.matmul_flops_per_s * FUSED_LORA_LINEAR_SPEEDUP
+        rate = fused if fused_lora else self.matmul_flops_per_s
+        if not liger_kernels:
+            return rate
+        saving = self.liger_saving_s_per_flop
+        if saving is None:
+            saving = (1 - 1 / LIGER_LINEAR_SPEEDUP) / fused
+        return 1 / (1 / rate - saving * min(liger_kernels, 2) / 2)
 
 
 @dataclass

@@ -206,8 +206,14 @@ def test_the_step_time_counts_the_kernels_and_measure_times_them(stand_in):
     from offloadkit.planning.timing import LIGER_LINEAR_SPEEDUP
 
     rates = Rates()
-    assert rates.linear_flops_per_s(True, 2) == rates.linear_flops_per_s(True) * LIGER_LINEAR_SPEEDUP
-    assert rates.linear_flops_per_s(False, 1) == rates.matmul_flops_per_s * (1 + (LIGER_LINEAR_SPEEDUP - 1) / 2)
+    fused = rates.linear_flops_per_s(True)
+    assert rates.linear_flops_per_s(True, 2) == pytest.approx(fused * LIGER_LINEAR_SPEEDUP)
+    # The seconds saved per FLOP of the fused path, on PEFT's path too (not its ratio).
+    saved = 1 / fused - 1 / rates.linear_flops_per_s(True, 2)
+    assert 1 / rates.matmul_flops_per_s - 1 / rates.linear_flops_per_s(False, 2) == pytest.approx(saved)
+    assert 1 / rates.matmul_flops_per_s - 1 / rates.linear_flops_per_s(False, 1) == pytest.approx(saved / 2)
+    measured = Rates(liger_saving_s_per_flop=saved * 2)
+    assert 1 / fused - 1 / measured.linear_flops_per_s(True, 2) == pytest.approx(saved * 2)
     w = Workload(resolve_shape("llama-3-8b"), 65536, lora_rank=16)
     base = planned_options(w, loss_chunks=8)
     placement = estimate_memory(w, base).block_placement
@@ -218,3 +224,79 @@ def test_the_step_time_counts_the_kernels_and_measure_times_them(stand_in):
     shape = resolve_shape("tiny")
     assert linear_rate(shape, 4, tokens=64, device="cpu", liger_kernels=True) > 0
     assert len(_RMSNorm.calls) == 2 * 4 and len(_SiLUMul.calls) == 4  # 2 norms, 1 gating, 4 runs
+
+
+@pytest.mark.parametrize(
+    "family, runs",
+    [("llama", (True, True)), ("gemma3", (True, False)), ("phi3", (True, False)), ("qwen3_moe", (True, False))],
+)
+def test_auto_and_the_planner_take_each_kernel_only_where_it_runs(monkeypatch, family, runs):
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: None)
+    model = build_family(family)
+    chosen = _auto_kernels(model, OffloadConfig(offload_plan="auto")).options(KernelOptions)
+    assert (chosen.rms_norm is True, chosen.glu_activation is True) == runs
+    both = KernelOptions(rms_norm=True, glu_activation=True)
+    assert kernels_component.effective_kernels(model, both) == KernelOptions(*runs)
+
+
+def test_a_key_that_cannot_run_says_so_under_offload_plan_auto_too(monkeypatch, stand_in):
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: None)
+    model = build_family("gemma3")
+    with pytest.warns(UserWarning, match="liger_glu_activation has no effect: the model has no SiLU-gated MLP"):
+        run = prepare(model, {"liger_glu_activation": True, "offload_plan": "auto", "seq_len": 64})
+    # The run keeps the key as set; the plan counted the gating eager, the norms fused (auto).
+    assert run.config.options(KernelOptions) == KernelOptions(rms_norm=True, glu_activation=True)
+    assert run.report()["liger_kernels"] == {"rms_norms": 13, "gated_mlps": 0}
+    run.close()
+
+
+def test_applied_after_a_tiled_module_it_refuses_and_prepare_says_why(monkeypatch, stand_in):
+    from offloadkit import apply_tiled_mlp
+
+    model = build_llama("tiny")
+    tiled = apply_tiled_mlp(model, num_shards=2)
+    with pytest.raises(
+        ValueError, match="model.layers.0.mlp already has a forward of its own.*apply Liger's kernels first"
+    ):
+        apply_liger_kernels(model)
+    assert all("_offloadkit_liger" not in m.__dict__ for m in model.modules())
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: None)
+    with pytest.warns(UserWarning, match="liger_rms_norm and liger_glu_activation has no effect: .*forward of its own"):
+        run = prepare(model, {"liger_rms_norm": True, "liger_glu_activation": True})
+    run.close()
+    tiled.remove()
+
+
+def test_offloadkit_plan_counts_the_kernels_where_a_run_would_have_them(monkeypatch, capsys):
+    import offloadkit.kernels as kernels_package
+    from offloadkit.cli.main import main
+
+    argv = [
+        "plan",
+        "--shape",
+        "llama-3-8b",
+        "--lora-rank",
+        "16",
+        "--seq-len",
+        "65536",
+        "--gpu-gib",
+        "79",
+        "--host-gib",
+        "100",
+        "--disk-gib",
+        "100",
+    ]
+    monkeypatch.setattr(kernels_package, "liger_unusable", lambda: "no GPU")
+    assert main(argv) == 0
+    without = capsys.readouterr().out
+    monkeypatch.setattr(kernels_package, "liger_unusable", lambda: None)
+    assert main(argv) == 0
+    with_kernels = capsys.readouterr().out
+    assert "liger_rms_norm: true" in with_kernels and "liger_rms_norm" not in without
+
+
+def test_the_final_norm_is_counted_untiled_when_the_tiled_projections_run_in_one_shard():
+    w = Workload(resolve_shape("llama-3-8b"), 4096, lora_rank=16)
+    one_shard = planned_options(w, mlp_shards=1, tiled_projections=True)
+    kernels = dict(footprints(w, (*one_shard, KernelOptions(rms_norm=True))))["kernels"]
+    assert kernels.loss == {"final norm": 4096 * (2 * 2 * 4096 + 4)} and kernels.layer_saved == 0
