@@ -9,6 +9,7 @@ from offloadkit.testing.delays import slow_copies
 from offloadkit.testing.parity import assert_bitwise_equal, assert_equal_as_reruns, grads_of, run_step
 from offloadkit.testing.references import Fp32MasterAdamW
 from offloadkit.testing.steps import (
+    GPU_LAYER_SHAPE,
     BackwardFailedError,
     failed_backward,
     lora_llama,
@@ -21,6 +22,7 @@ __all__ = [
     "AllocationTracker",
     "BackwardFailedError",
     "Fp32MasterAdamW",
+    "GPU_LAYER_SHAPE",
     "SavedTensorTracker",
     "LLAMA_SHAPES",
     "assert_bitwise_equal",

@@ -28,6 +28,18 @@ def randomize_lora_b(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Modu
     return model
 
 
+# Two decoder layers of a 1B-class Llama: wide enough that the GPU's kernels behave as at
+# scale (the GPU tests' fused-path and layer-time comparisons), small enough for a test.
+GPU_LAYER_SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=2,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+)
+
+
 def lora_llama(shape: str = "small", rank: int = 4) -> torch.nn.Module:
     """A zoo Llama with LoRA adapters on every linear layer (no dropout, B randomised), in
     training mode: the frozen base streams, the adapters train. Needs peft."""

@@ -11,19 +11,12 @@ import torch
 
 from offloadkit.compose import prepare
 from offloadkit.lora import apply_fused_lora
-from offloadkit.testing import build_llama, make_batch, randomize_lora_b, run_step
+from offloadkit.testing import GPU_LAYER_SHAPE, build_llama, make_batch, randomize_lora_b, run_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 peft = pytest.importorskip("peft")
 
-SHAPE = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=2,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    vocab_size=32000,
-)
+SHAPE = GPU_LAYER_SHAPE
 
 
 def _model(shape=SHAPE, attention="sdpa"):

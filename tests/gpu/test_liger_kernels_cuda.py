@@ -13,7 +13,7 @@ import torch
 
 from offloadkit.compose import prepare
 from offloadkit.kernels import apply_liger_kernels
-from offloadkit.testing import build_llama, make_batch, randomize_lora_b, run_step
+from offloadkit.testing import GPU_LAYER_SHAPE, build_llama, make_batch, randomize_lora_b, run_step
 from offloadkit.testing.allocations import saved_bytes_in_layer
 from offloadkit.testing.families import build_family, family_batch
 
@@ -21,14 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 pytest.importorskip("liger_kernel", reason="needs liger-kernel")
 peft = pytest.importorskip("peft")
 
-SHAPE = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=2,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    vocab_size=32000,
-)
+SHAPE = GPU_LAYER_SHAPE
 BF16 = 2.0**-8
 
 
