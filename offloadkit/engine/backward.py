@@ -118,7 +118,10 @@ class BackwardPath:
     def _window(self, step: Step) -> None:
         shared = self.shared
         if shared.prefetch_bytes is None:
-            step.window_bytes = sum(e.nbytes for e in step.by_seq.values()) // 16
+            # Of what the look-ahead brings back: kept outputs come back with their block's
+            # recompute (fetch_outputs), and counted here they would double a checkpointed
+            # step's window (two more block inputs held ahead at 16K on an 8B model).
+            step.window_bytes = sum(e.nbytes for e in step.by_seq.values() if not e.for_recompute) // 16
         else:
             step.window_bytes = shared.prefetch_bytes
 

@@ -26,7 +26,8 @@ class ActivationOptions(Options):
             checkpointing) brought back ahead; None: 2 from RAM, 4 from disk, and 4 from RAM
             where BackwardAdamW's state travels on the link in backward.
         prefetch_bytes: ``prefetch_bytes``: also keep this many bytes in flight ahead; None:
-            1/16 of the step's offloaded bytes.
+            1/16 of the step's offloaded bytes that backward fetches ahead (kept attention
+            outputs come back with their block's recompute, outside it).
         min_offload_size: ``min_offload_size``: smallest saved tensor moved, in bytes (below
             it a copy's fixed cost is more than the memory it frees).
         max_fwd_stash_size: ``max_fwd_stash_size``: device tensors kept alive while their

@@ -84,6 +84,27 @@ def test_kept_outputs_are_entries_of_the_blocks_group():
     assert sizes[True][1] == sizes[False][1] + OUTPUTS
 
 
+def test_the_adaptive_window_counts_what_the_look_ahead_fetches():
+    """The default prefetch window is 1/16 of what backward brings back ahead: kept outputs,
+    fetched with their block's recompute, do not widen it (counted, they doubled it: two more
+    block inputs ahead, 0.24 GiB more at the peak of an 8B step at 16K)."""
+    windows = {}
+    for keep in (False, True):
+        model = _model()
+        handle = _apply(model, keep, prefetch_bytes=None)  # the window prepare() builds
+        out = _forward(model)
+        shared = handle.offloader._shared
+        (step,) = {e.step for e in shared.entries}
+        inputs = sum(e.nbytes for e in step.by_seq.values() if not e.for_recompute)
+        outputs = sum(e.nbytes for e in step.by_seq.values() if e.for_recompute)
+        assert (outputs > 0) is keep
+        out.loss.backward()
+        windows[keep] = step.window_bytes
+        assert step.window_bytes == inputs // 16 > 0
+        handle.remove()
+    assert windows[True] == windows[False]
+
+
 def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
     """From the second step (the order of use learned), every kept output is fetched by the
     scheduler before the recompute asks for it, as its block's recompute begins, and never
