@@ -128,7 +128,7 @@ def predict(
     from offloadkit.checkpointing.footprint import keeps_attention
     from offloadkit.component import OptionSet
     from offloadkit.engine.options import ActivationOptions
-    from offloadkit.kernels import KernelOptions, liger_unusable
+    from offloadkit.kernels.component import llama_auto_kernels
     from offloadkit.longctx.options import LongContextOptions
     from offloadkit.planning import Budgets, Workload, estimate_memory, estimate_time, plan, resolve_shape
     from offloadkit.planning.memory import long_context_counts, region_length
@@ -151,7 +151,7 @@ def predict(
     # What offload_plan: auto runs on the zoo's models: LoRA fused (every layer fuses), and
     # Liger's kernels where liger-kernel and a GPU are there (offloadkit.compose._auto_kernels).
     fused = bool(lora_rank)
-    kernels = () if liger_unusable() is not None else (KernelOptions(rms_norm=True, glu_activation=True),)
+    kernels = llama_auto_kernels()
     if mode == "auto":
         p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets, layers=layers, fused_lora=fused, options=kernels)
         m, t, k = p.memory, p.time, chosen(p)

@@ -195,7 +195,7 @@ def _gib(value: float | None, name: str) -> int | None:
 
 
 def run_plan(args, log=print) -> int:
-    from offloadkit.kernels import KernelOptions, liger_unusable
+    from offloadkit.kernels.component import llama_auto_kernels
     from offloadkit.planning import Budgets, OptimizerSetup, longest_sequence, plan
 
     if args.seq_len < 1 or args.batch < 1:
@@ -239,7 +239,7 @@ def run_plan(args, log=print) -> int:
         "parallel": parallel,
         "fused_lora": args.fused_lora if args.fused_lora is not None else bool(args.lora_rank),
         # Liger's kernels where a run here would have them (offload_plan: auto turns them on).
-        "options": () if liger_unusable() is not None else (KernelOptions(rms_norm=True, glu_activation=True),),
+        "options": llama_auto_kernels(),
     }
     p = plan(model, args.seq_len, **common)
     w, t = p.workload, p.time

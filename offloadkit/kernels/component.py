@@ -17,7 +17,14 @@ from offloadkit.longctx.footprint import projections_tiled, tiled_mlp_shards
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime
 
-__all__ = ["KERNELS", "auto_kernels", "effective_kernels", "kernels_footprint", "kernels_unusable"]
+__all__ = [
+    "KERNELS",
+    "auto_kernels",
+    "effective_kernels",
+    "kernels_footprint",
+    "kernels_unusable",
+    "llama_auto_kernels",
+]
 
 _KINDS = ("rms_norm", "glu_activation")
 
@@ -31,6 +38,12 @@ def kernels_unusable(model: nn.Module) -> dict[str, str | None]:
         "rms_norm": why or (None if norms else "the model has no RMSNorm of a class the kernel reproduces"),
         "glu_activation": why or (None if mlps else "the model has no SiLU-gated MLP of a class the kernel reproduces"),
     }
+
+
+def llama_auto_kernels() -> tuple[KernelOptions, ...]:
+    """The kernels ``offload_plan: auto`` would run on a Llama-family model in this process
+    (both, where liger-kernel and a GPU are here): for planning a shape without a model."""
+    return () if liger_unusable() is not None else (KernelOptions(rms_norm=True, glu_activation=True),)
 
 
 def build_kernels(model: nn.Module, options: KernelOptions, run: OffloadRuntime) -> LigerKernels | None:

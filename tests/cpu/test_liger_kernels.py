@@ -268,7 +268,6 @@ def test_applied_after_a_tiled_module_it_refuses_and_prepare_says_why(monkeypatc
 
 
 def test_offloadkit_plan_counts_the_kernels_where_a_run_would_have_them(monkeypatch, capsys):
-    import offloadkit.kernels as kernels_package
     from offloadkit.cli.main import main
 
     argv = [
@@ -286,10 +285,10 @@ def test_offloadkit_plan_counts_the_kernels_where_a_run_would_have_them(monkeypa
         "--disk-gib",
         "100",
     ]
-    monkeypatch.setattr(kernels_package, "liger_unusable", lambda: "no GPU")
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: "no GPU")
     assert main(argv) == 0
     without = capsys.readouterr().out
-    monkeypatch.setattr(kernels_package, "liger_unusable", lambda: None)
+    monkeypatch.setattr(kernels_component, "liger_unusable", lambda: None)
     assert main(argv) == 0
     with_kernels = capsys.readouterr().out
     assert "liger_rms_norm: true" in with_kernels and "liger_rms_norm" not in without
