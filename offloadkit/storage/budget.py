@@ -142,9 +142,11 @@ class HostMemoryBudget:
 
     Host RAM is a node's, not a process's: with ``ranks_per_node`` processes on a node (read
     from the launcher's ``LOCAL_WORLD_SIZE``), each takes at most its share of the RAM above
-    ``min_free_bytes`` that is free now or already its own, so eight ranks do not each plan on
-    the whole free RAM (and machines whose RAM grows as it is used are followed live).
-    ``limit_bytes`` is a cap per process.
+    ``min_free_bytes``, so eight ranks do not each plan on the whole free RAM. The share is
+    taken when the budget is made, from the RAM free then (what the planner divides), and
+    grows if more RAM is free later (machines whose RAM grows as it is used): a share read
+    only live would shrink as the other ranks fill theirs, to 1/(2n-1) of the RAM for n
+    ranks filling at once. ``limit_bytes`` is a cap per process.
 
     Args:
         limit_bytes: hard cap for this process, or None.
@@ -182,6 +184,7 @@ class HostMemoryBudget:
             raise ValueError(f"ranks_per_node={ranks_per_node!r} is invalid; pass an int >= 1")
         self._reading: tuple[float, int, int] | None = None  # (time, available, used then)
         self._used = 0
+        self._share_at_start = self._live_share()
         self._peak = 0
         self._refusals = 0
         self._lock = threading.Lock()
@@ -224,11 +227,15 @@ class HostMemoryBudget:
             reading = self._reading = (now, self._read_available(), self._used)
         return reading[1] - (self._used - reading[2])
 
-    def node_share(self) -> int | None:
-        """This process's share of the node's RAM above the guard (None: alone on the node)."""
+    def _live_share(self) -> int | None:
         if self.ranks_per_node == 1:
             return None
         return max(0, self._available() + self._used - self.min_free_bytes) // self.ranks_per_node
+
+    def node_share(self) -> int | None:
+        """This process's share of the node's RAM above the guard (None: alone on the node)."""
+        live = self._live_share()
+        return None if live is None else max(live, self._share_at_start or 0)
 
     def _cap(self) -> int | None:
         caps = [c for c in (self.limit_bytes, self.node_share()) if c is not None]

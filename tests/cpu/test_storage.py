@@ -317,6 +317,29 @@ def test_ranks_on_one_node_share_its_ram(monkeypatch):
     assert HostMemoryBudget(min_free_bytes=0, available_fn=lambda: 40 * GiB).headroom() == 40 * GiB
 
 
+def test_ranks_filling_a_node_at_once_each_get_their_share():
+    # Four ranks share 100 GiB above the guard and fill it together, 1 GiB at a time: each must
+    # reach a quarter (what the planner gave it), not the 1/7 a share read only live leaves once
+    # the others' bytes are gone from the free RAM.
+    free = [104 * GiB]
+
+    def reading():
+        return free[0]
+
+    ranks = [HostMemoryBudget(min_free_bytes=4 * GiB, available_fn=reading, ranks_per_node=4) for _ in range(4)]
+    for b in ranks:
+        b.REFRESH_S = -1.0  # every call reads the node's RAM, as a slow fill does
+    progress = True
+    while progress:
+        progress = False
+        for b in ranks:
+            if b.try_reserve(GiB):
+                free[0] -= GiB
+                progress = True
+    assert [b.used_bytes for b in ranks] == [25 * GiB] * 4
+    assert free[0] == 4 * GiB, "the guard's RAM stays free"
+
+
 def test_a_block_given_back_inside_the_pools_own_lock_waits_for_the_next_call():
     pool = HostBufferPool(False, HostMemoryBudget(min_free_bytes=0))
     block = pool.acquire(1 << 20)
