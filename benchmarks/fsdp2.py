@@ -11,7 +11,8 @@ grad norms are compared with the first mode.
 
 Two more modes for full fine-tuning past one GPU: ``ckpt+input_offload+backward_adamw``
 (the same, with BackwardAdamW updating each reduce-scattered shard in backward, its state in
-pinned host memory, no gradients kept) and ``cpu_offload_policy`` (FSDP2's own
+pinned host memory, no gradients kept; ``+layer_groups`` after it fetches the state a decoder
+layer ahead, as ``prepare()`` and the Trainer route set it) and ``cpu_offload_policy`` (FSDP2's own
 ``CPUOffloadPolicy``: parameters, gradients and the optimizer on the host, Hugging Face
 checkpointing, torch AdamW on the CPU). All modes keep bf16 parameters. ``--chunked-loss N``
 computes offloadkit modes' loss over N token chunks (the longest sequence a full fine-tune
@@ -64,11 +65,14 @@ def build(shape: str, mode: str, chunked_loss: int = 0):
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    if mode.endswith("+backward_adamw"):
+    if "+backward_adamw" in mode:
         from offloadkit.optim import BackwardAdamW
 
         # Each shard updated on FSDP2's post-reduce stream, its moments in pinned host memory.
         opt = BackwardAdamW(model.parameters(), lr=1e-5)
+        if mode.endswith("+layer_groups"):
+            # The state fetched a layer ahead, as prepare() and the Trainer route set it.
+            opt.set_update_groups([list(layer.parameters()) for layer in model.model.layers])
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     return model, handle, opt
@@ -99,7 +103,7 @@ def run(mode: str, args, rank: int, world: int) -> dict:
             loss.backward()
             # Updates in backward consume the gradients: a norm over the few left would
             # compare unlike with the reference (NaN).
-            has_grads = not mode.endswith("+backward_adamw") and any(p.grad is not None for p in model.parameters())
+            has_grads = "+backward_adamw" not in mode and any(p.grad is not None for p in model.parameters())
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) if has_grads else None
             opt.step()
             opt.zero_grad(set_to_none=True)

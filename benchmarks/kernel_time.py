@@ -38,6 +38,42 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _gaps(per_stream: dict[int, list], compute: int, top: int = 8) -> dict:
+    """The compute stream's longest idle gaps and, for each, the last kernel or copy each other
+    stream finished inside it (what the compute stream most likely waited for)."""
+    kernels = sorted(per_stream[compute], key=lambda e: e.time_range.start)
+    t0 = kernels[0].time_range.start
+    found, last = [], kernels[0]
+    for after in kernels[1:]:
+        a, b = last.time_range.end, after.time_range.start
+        if b - a > 100:  # microseconds
+            found.append((b - a, a, b, last, after))
+        if after.time_range.end > last.time_range.end:
+            last = after  # a short kernel inside a long one's interval ends no gap
+    longest = []
+    for length, a, b, before, after in sorted(found, key=lambda g: -g[0])[:top]:
+        ended = {}
+        for stream, evs in per_stream.items():
+            inside = [e for e in evs if stream != compute and a < e.time_range.end <= b + 5]
+            if inside:
+                last = max(inside, key=lambda e: e.time_range.end)
+                ended[str(stream)] = last.name[:60]
+        longest.append(
+            {
+                "at_s": round((a - t0) / 1e6, 4),
+                "ms": round(length / 1e3, 3),
+                "before": before.name[:60],
+                "after": after.name[:60],
+                "ended_inside": ended,
+            }
+        )
+    return {
+        "compute_gaps_over_100us": len(found),
+        "compute_gaps_over_100us_s": round(sum(g[0] for g in found) / 1e6, 3),
+        "compute_longest_gaps": longest,
+    }
+
+
 def breakdown(events, top: int = 12) -> dict:
     """Seconds per group on the compute stream, busy seconds per stream, the longest kernels.
 
@@ -71,6 +107,7 @@ def breakdown(events, top: int = 12) -> dict:
         groups[group_of(e.name)] += seconds
         names[e.name[:90]] += seconds
     return {
+        **_gaps(per_stream, compute),
         "compute_stream": compute,
         "compute_span_s": round(span, 3),
         "compute_busy_s": round(busy[compute], 3),

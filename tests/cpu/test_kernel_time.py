@@ -54,6 +54,24 @@ def test_the_busiest_stream_is_compute_and_its_gaps_are_idle():
     assert out["top_kernels_s"][0] == ["flash_fwd_kernel", 2.0]
 
 
+def test_the_compute_streams_gaps_name_what_other_streams_finished_inside_them():
+    events = [
+        _kernel("nvjet_tst_gemm", 0, 1_000_000),
+        _kernel("short_kernel", 100_000, 200_000),  # inside the gemm's interval: no gap after it
+        _kernel("flash_fwd_kernel", 1_500_000, 3_500_000),
+        _kernel("elementwise_kernel", 3_500_050, 4_000_000),  # 50 us: too short to list
+        _kernel("Memcpy HtoD (Pinned -> Device)", 1_000_000, 1_400_000, stream=20),
+        _kernel("ncclDevKernel_ReduceScatter", 900_000, 1_450_000, stream=24),
+    ]
+    out = kernel_time.breakdown(events)
+    assert out["compute_gaps_over_100us"] == 1
+    assert out["compute_gaps_over_100us_s"] == 0.5
+    (gap,) = out["compute_longest_gaps"]
+    assert gap["at_s"] == 1.0 and gap["ms"] == 500.0
+    assert gap["before"] == "nvjet_tst_gemm" and gap["after"] == "flash_fwd_kernel"
+    assert gap["ended_inside"] == {"20": "Memcpy HtoD (Pinned -> Device)", "24": "ncclDevKernel_ReduceScatter"}
+
+
 def test_a_copy_bound_steps_compute_stream_is_not_its_copy_stream():
     events = [
         _kernel("nvjet_tst_gemm", 0, 1_000_000),
