@@ -103,6 +103,8 @@ _CPUOFF_16K = _r("multi-gpu/h200x4-893588b/fsdp2-llama-3-8b-4x16384-cpu_offload_
 _CPUOFF_64K = _r("multi-gpu/h200x4-893588b/fsdp2-llama-3-8b-4x65536-cpu_offload_policy.json")
 _CP_SCALE1 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-1x131072-2L.json")
 _CP_SCALE4 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-4x131072-2L.json")
+_CP_FULL1 = _r("multi-gpu/h200x4-2a931d1/cp/cp-llama-3-8b-1x131072-32L.json")
+_CP_FULL2 = _r("multi-gpu/h200x4-2a931d1/cp/cp-llama-3-8b-2x131072-32L.json")
 _FUSED = _r("fused-lora/h100-caa6bbc/summary.json")
 _LIGER = "liger/h100-9bd14ab/rows/"
 _LIGER_64K_EAGER = _r(_LIGER + "auto-65536-32L-eager.json")
@@ -196,6 +198,12 @@ CLAIMS: list[Claim | Ratio] = [
           "model_tflops_per_gpu", fmt=".0f", quoted=False),
     Ratio("cp-scale4", "weak scaling at 128K a GPU: 4 GPUs' model TFLOP/s per GPU over one GPU's",
           "cp-scale4-tflops", "cp-scale1-tflops", fmt=".2f"),
+    Claim("cp-full1-tflops", "128K a GPU, 32 layers: one GPU's model TFLOP/s", _CP_FULL1, "model_tflops_per_gpu",
+          fmt=".0f", quoted=False),
+    Claim("cp-full2-tflops", "128K a GPU, 32 layers: model TFLOP/s per GPU over 2", _CP_FULL2,
+          "model_tflops_per_gpu", fmt=".0f", quoted=False),
+    Ratio("cp-full2", "weak scaling at 128K a GPU, full depth: 2 GPUs' model TFLOP/s per GPU over one GPU's",
+          "cp-full2-tflops", "cp-full1-tflops", fmt=".2f"),
     # 8B LoRA at 16K and 32K on one H100, Hugging Face checkpointing against everything on.
     Claim("lora8b-16k-hf-step", "8B LoRA, 16K, one H100, HF checkpointing: step", _CAP,
           _probe("hf_ckpt", 16384, 32, "step_s"), unit="s"),
