@@ -1,6 +1,7 @@
 """Updates in backward under data parallelism on two GPUs (NCCL): DDP's communication hook
 updates each bucket on a side stream after its all-reduce, FSDP2 updates the reduce-scattered
-shards on its post-reduce stream, context parallelism all-reduces before each update; every
+shards on its post-reduce stream (also through the Trainer's own FSDP2, with checkpoint
+inputs offloaded), context parallelism all-reduces before each update; every
 result bitwise ``torch.optim`` under the same wrapper (deterministic kernels) and the
 replicas equal across ranks. The worker is the CPU suite's, run on CUDA."""
 
@@ -21,6 +22,7 @@ CHECKS = {
     "ddp": ["ddp-adamw", "ddp-sgd", "ddp-bucket-view", "ddp-clip", "ddp-accumulate", "ddp-unused", "ddp-unsaid"],
     "fsdp2": ["fsdp2-adamw", "fsdp2-sgd", "fsdp2-clip"],
     "cp": ["cp-adamw", "cp-clip"],
+    "trainer_fsdp2": ["trainer-fsdp2"],
 }
 
 

@@ -251,6 +251,60 @@ def _trainer_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, loa
     same_on_every_rank([p for _, p in weights[1]], "Trainer under DDP")
 
 
+def check_trainer_fsdp2(rank, world):
+    """The Trainer mixin under the Trainer's own FSDP2 (``fsdp_config`` version 2, one GPU a
+    rank): checkpointing with its inputs offloaded and optimizer_offloading (BackwardAdamW on
+    FSDP2's sharded parameters, updated from the reduce-scattered shard in backward); weights
+    those of the plain Trainer with FSDP2 and checkpointing (eager attention), replicas equal."""
+    assert DEVICE == "cuda", "accelerate's FSDP2 runs on GPUs"
+    import transformers
+
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+    from offloadkit.integrations.trainer import ActivationOffloadingMixin
+
+    class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
+        pass
+
+    out = tempfile.mkdtemp(prefix=f"offloadkit-fsdp2-trainer-{rank}-")
+    results = []
+    for cls in (transformers.Trainer, OffloadTrainer):
+        torch.manual_seed(0)
+        model = build_llama("tiny", vocab_size=259, attn_implementation="eager")
+        args = transformers.TrainingArguments(
+            output_dir=os.path.join(out, cls.__name__), per_device_train_batch_size=2, max_steps=3,
+            learning_rate=3e-3, max_grad_norm=0.0, optim="adamw_torch", save_strategy="no", report_to=[],
+            disable_tqdm=True, seed=0, remove_unused_columns=False, logging_steps=1, gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False}, fsdp="full_shard auto_wrap",
+            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+        )  # fmt: skip
+        extra = {}
+        if cls is OffloadTrainer:
+            extra["offload_config"] = {
+                "gradient_checkpointing": True, "activation_offloading": True, "optimizer_offloading": True,
+            }  # fmt: skip
+        trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
+        trainer.train()
+        params = list(trainer.model.parameters())
+        assert all(type(p).__name__ == "DTensor" for p in params), "the Trainer sharded the model with FSDP2"
+        if cls is OffloadTrainer:
+            opt = trainer.optimizer
+            opt = getattr(opt, "optimizer", opt)
+            assert isinstance(opt, BackwardAdamW) and opt.updates_in_backward, type(opt)
+            some = next(p for p in params if p.dim() == 2)
+            assert opt.state[some]["exp_avg"].shape == some.to_local().shape, "state the size of the shard"
+            assert trainer.offload_report["activations"]["offloaded_bytes"] > 0, trainer.offload_report
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        results.append((losses, [p.full_tensor().detach().clone() for p in params]))
+    (ref_losses, ref_weights), (losses, weights) = results
+    # The Trainer's AdamW on CUDA is torch's foreach implementation, BackwardAdamW updates one
+    # parameter at a time: equal arithmetic, not always the same rounding.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for a, b in zip(weights, ref_weights):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    same_on_every_rank(weights, "Trainer under FSDP2")
+    report("trainer-fsdp2", rank)
+
+
 def check_trainer_cp(rank, world):
     """``context_parallel: true`` through the Trainer mixin: every rank's batch in turn, each
     split over the ranks; weights after three SGD steps those of the plain Trainer under DDP
