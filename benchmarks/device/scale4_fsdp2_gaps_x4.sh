@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On a host of 4 GPUs, the runs past one GPU still owed, one call:
+#   A: weak scaling's 4-rank row at full depth (8B LoRA r=16, context parallel, the planner's
+#      choices, 131,072 tokens a GPU; the one- and two-rank rows: ../results/multi-gpu/h200x4-2a931d1/)
+#   B: the 8B full fine-tune under FSDP2 at 16K a rank: block inputs offloaded with torch AdamW,
+#      with BackwardAdamW, and with BackwardAdamW fetching its state a layer ahead, each with a
+#      kernel breakdown that lists the compute stream's longest gaps
+#   C: the tests that need several GPUs (the Trainer under FSDP2 among them) at 2 ranks and at 4
+# GPU_GIB=79 caps each process to an H100's memory on a larger card. Results under $OUT
+# (progress.txt, env.txt, logs, json records). Run from .snap; longer than one command: start
+# it with setsid and collect $OUT later.
+. "$(dirname "$0")/common.sh"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+mkdir -p "$OUT"/{cp,fsdp2}
+CAP=(); [[ -n ${GPU_GIB:-} ]] && CAP=(--gpu-gib "$GPU_GIB")
+{ python3 -c "import torch, transformers, peft, accelerate; print(torch.__version__, transformers.__version__, peft.__version__, accelerate.__version__)"
+  nvidia-smi -L; free -g | head -2; echo "commit ${OFFLOADKIT_COMMIT:-}"; } > "$OUT/env.txt"
+
+say "A: weak scaling, 4 x 131072, full depth"
+timeout "${SCALE_LIMIT:-560}" torchrun --standalone --nproc_per_node 4 benchmarks/context_parallel.py --shape llama-3-8b \
+  --lora-rank 16 --tokens-per-gpu 131072 --warmup 1 --steps 1 "${CAP[@]}" --out "$OUT/cp" > "$OUT/scale_4.txt" 2>&1
+say "scale 4 rc=$? $(grep -h -m1 -E '^(RESULT|OOM)' "$OUT/scale_4.txt") $(grep -c 'host-memory budget reached' "$OUT/scale_4.txt") budget warnings"
+
+say "B: FSDP2 8B full fine-tune, 4 x 16K"
+timeout 420 torchrun --standalone --nproc_per_node 4 benchmarks/fsdp2.py --shape llama-3-8b --seq-len 16384 --steps 3 \
+  --modes ckpt+input_offload,ckpt+input_offload+backward_adamw,ckpt+input_offload+backward_adamw+layer_groups \
+  --kernel-breakdown --out "$OUT/fsdp2" > "$OUT/fsdp2_16k.txt" 2>&1
+say "fsdp2 rc=$?"; grep -A5 "^| mode" "$OUT/fsdp2_16k.txt" | tee -a "$OUT/progress.txt"
+
+say "C: tests on several GPUs"
+CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
+  > "$OUT/gpu_tests_multi.txt" 2>&1
+say "two GPUs: $(tail -n 1 "$OUT/gpu_tests_multi.txt")"
+timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -k four $MULTI > "$OUT/gpu_tests_four.txt" 2>&1
+say "four GPUs: $(tail -n 1 "$OUT/gpu_tests_four.txt")"
+grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
+say "done"
