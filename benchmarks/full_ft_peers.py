@@ -14,7 +14,8 @@ would need.
 
     python benchmarks/full_ft_peers.py --out DIR --shapes llama-3.2-3b,llama-3-8b
 
-Mode ``offloadkit_plan`` is the GPU side of the planner's longest full fine-tune instead:
+``+liger`` after an offloadkit mode runs the norms and the gated MLPs through Liger's kernels
+(liger-kernel installed). Mode ``offloadkit_plan`` is the GPU side of the planner's longest full fine-tune instead:
 the plan for ``--budgets`` (GPU, host, disk GiB; the GPU's enforced through
 ``gpu_budget_bytes``) at ``--seq-len`` (0: the planner's longest), applied with ``prepare()``
 to a model of ``--layers`` decoder layers (the GPU peak does not grow with depth), with
@@ -109,7 +110,7 @@ def _state_allocation(how: str) -> None:
     StateCopies._allocate = allocate
 
 
-def _build_offloadkit(shape: str, chunked: bool, args):
+def _build_offloadkit(shape: str, chunked: bool, args, liger: bool = False):
     from offloadkit import use_expandable_segments
     from offloadkit.checkpointing import apply_activation_checkpointing
     from offloadkit.longctx import apply_chunked_loss
@@ -123,6 +124,11 @@ def _build_offloadkit(shape: str, chunked: bool, args):
     # memory the cast left cached (use_expandable_segments).
     use_expandable_segments()
     model.train()
+    if liger:
+        from offloadkit.kernels import apply_liger_kernels
+
+        # Before checkpointing, as prepare() orders them: the norms and gating run fused.
+        apply_liger_kernels(model)
     handles = [apply_activation_checkpointing(model, offload_inputs=True)]
     if chunked:
         handles.append(apply_chunked_loss(model))
@@ -312,7 +318,7 @@ def run_one(mode: str, shape: str, args) -> dict:
     if mode == "offloadkit_plan":
         step, info, seq_len = _build_planned(shape, args)
     elif mode.startswith("offloadkit"):
-        step, info = _build_offloadkit(shape, chunked=mode.endswith("chunked_loss"), args=args)
+        step, info = _build_offloadkit(shape, chunked="+chunked_loss" in mode, args=args, liger="+liger" in mode)
     elif mode == "fsdp2_cpu_offload":
         step, info = _build_fsdp2(shape)
     else:

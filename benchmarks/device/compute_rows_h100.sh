@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On one H100, liger-kernel under /tmp/site (carried as a wheel in .whl/): the compute side's
+# rows still owed. The 3B full fine-tune at 16K with fp32 master weights, without and with
+# Liger's kernels (benchmarks/full_ft_peers.py); the 8B LoRA r=16, offload_plan: auto, at 64K
+# over 32 layers and at 256K over 2, without liger-kernel (auto leaves the layers eager) and
+# with it, each with a kernel breakdown (benchmarks/capacity.py --kernel-breakdown). Results
+# under $OUT. Run from .snap; longer than one command: start it with setsid, collect $OUT later.
+. "$(dirname "$0")/common.sh"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+{ python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__, torch.cuda.get_device_name())"
+  PYTHONPATH=/tmp/site:$PWD python3 -c "import importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))"
+  nvidia-smi -L | head -1; echo "commit ${OFFLOADKIT_COMMIT:-}"; } | tee "$OUT/env.txt"
+
+say "3B full fine-tune, 16K, fp32 master weights"
+PYTHONPATH=/tmp/site:$PWD timeout 420 python3 benchmarks/full_ft_peers.py --out "$OUT/full-ft" --shapes llama-3.2-3b \
+  --modes offloadkit,offloadkit+liger,offloadkit+chunked_loss+liger --seq-len 16384 > "$OUT/full_ft.log" 2>&1
+say "full ft rc=$?"; grep -E "^\| offloadkit" "$OUT/full_ft.log" | tee -a "$OUT/progress.txt"
+
+row() {  # NAME PROBE with|without
+  local path=$PWD; [ "$3" = with ] && path=/tmp/site:$PWD
+  PYTHONPATH=$path timeout 300 python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 --kernel-breakdown \
+    --probes "$2" --budget-s 280 --out "$OUT/rows" --name "$1" 2>&1 | grep -E "^\| auto" | tail -1 | tee -a "$OUT/progress.txt"
+  say "$1"
+}
+row auto-65536-32L-eager "auto:65536:32:1:2" without
+row auto-65536-32L-liger "auto:65536:32:1:2" with
+row auto-262144-2L-eager "auto:262144:2:1:2" without
+row auto-262144-2L-liger "auto:262144:2:1:2" with
+say "done"
