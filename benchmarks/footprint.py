@@ -22,6 +22,17 @@ counts beside the block inputs in RAM and on disk.
 
     PYTHONPATH=$PWD python3 benchmarks/footprint.py --shape llama-3-8b --lora-rank 16 --seq-len 655360 --out results/
     PYTHONPATH=$PWD python3 benchmarks/footprint.py --shape llama-3-8b --lora-rank 0 --seq-len 0 --out results/
+
+One rank of a sequence split over N GPUs by context parallelism (``--world-size N`` under
+``torchrun --nproc_per_node N``): each process plans its rank as ``offload_plan: auto`` does
+under a process group (``--seq-len`` is the whole sequence; 0: the planner's longest over the
+N ranks, all-to-all rotation), the host's RAM and disk shared by the ranks on it, and runs its
+share of the tokens through the stand-in at full depth, all ranks at once: their pinned RAM
+and disk are held together, as in the real step. Nothing crosses ranks (the stand-in has no
+attention), so no process group is made.
+
+    torchrun --standalone --nproc_per_node 4 benchmarks/footprint.py --lora-rank 16 --seq-len 0 \
+        --world-size 4 --out results/
 """
 
 from __future__ import annotations
@@ -98,17 +109,22 @@ def _sample_rss(peak: list, stop: threading.Event) -> None:
         stop.wait(0.1)
 
 
-def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict:
+def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None, world: int = 1) -> dict:
     from offloadkit.compose import prepare
-    from offloadkit.planning import Budgets, plan, resolve_shape
+    from offloadkit.planning import Budgets, Parallelism, plan, resolve_shape
+    from offloadkit.runtime.ranks import global_rank, local_rank, local_world_size
 
     shape = resolve_shape(shape_name)
+    parallel = None
+    if world > 1:
+        torch.cuda.set_device(local_rank())
+        parallel = Parallelism(world, context_parallel=True, ranks_per_host=local_world_size(), rotation="alltoall")
     budgets = Budgets.detect(disk_dir=disk_dir)
     if seq <= 0:  # the planner's longest full-depth sequence under the budgets read here
         from offloadkit.planning import longest_sequence
 
-        seq = longest_sequence(shape, lora_rank=lora_rank, budgets=budgets).longest
-    p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets)
+        seq = longest_sequence(shape, lora_rank=lora_rank, budgets=budgets, parallel=parallel).longest
+    p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets, parallel=parallel)
     config = dict(
         p.to_config(),
         chunked_cross_entropy=False,
@@ -117,12 +133,20 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
         tiled_mlp_num_shards=None,
         tiled_projections=False,
     )
+    # The stand-in's layers have no attention: the split is only the rank's share of tokens.
+    for key in ("context_parallel", "context_parallel_rotation", "attention_head_groups", "keep_attention_outputs"):
+        config.pop(key, None)
+    tokens = seq // world
     if disk_dir:
         config["disk_dir"] = disk_dir
     out: dict = {
         "shape": shape.name,
         "layers": shape.layers,
         "seq_len": seq,
+        "world_size": world,
+        "rank": global_rank(),
+        "ranks_per_host": local_world_size(),
+        "tokens_this_rank": tokens,
         "fits": p.fits,
         "plan": p.name,
         "placement": "".join("x" if x == "recompute" else x[0] for x in p.placement),  # x: recomputed
@@ -152,7 +176,7 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None) -> dict
             lr=0.0,  # the state is what is measured; the weights stay as they are
         )
     out["prepare_s"] = time.perf_counter() - t0
-    x_gpu = torch.randn(1, seq, shape.hidden, dtype=torch.bfloat16, device="cuda")
+    x_gpu = torch.randn(1, tokens, shape.hidden, dtype=torch.bfloat16, device="cuda")
     # What every layer's scale gradient must be: its input is x (all scales are 1).
     probe = torch.ones((), device="cuda", requires_grad=True)
     (expected,) = torch.autograd.grad((x_gpu * probe.to(x_gpu.dtype)).sum(), probe)
@@ -221,10 +245,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, required=True, help="0: the planner's longest under this machine's budgets")
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--out", default="footprint-results")
+    ap.add_argument("--world-size", type=int, default=1, help="one rank of a context-parallel split over N (torchrun)")
     args = ap.parse_args(argv)
-    result = run(args.shape, args.seq_len, args.lora_rank, args.disk_dir)
+    result = run(args.shape, args.seq_len, args.lora_rank, args.disk_dir, args.world_size)
     os.makedirs(args.out, exist_ok=True)
     name = f"footprint-{args.shape}-{result['seq_len']}"
+    if args.world_size > 1:
+        name += f"-rank{result['rank']}of{args.world_size}"
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(json.dumps(result, indent=2, default=str))

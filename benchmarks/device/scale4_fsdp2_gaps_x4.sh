@@ -6,6 +6,8 @@
 #      with BackwardAdamW, and with BackwardAdamW fetching its state a layer ahead, each with a
 #      kernel breakdown that lists the compute stream's longest gaps
 #   C: the tests that need several GPUs (the Trainer under FSDP2 among them) at 2 ranks and at 4
+#   D: the full-depth host and disk footprint of the planner's longest 8B LoRA sequence over the
+#      4 ranks, every rank at once (benchmarks/footprint.py --world-size 4), restored inputs checked
 # GPU_GIB=79 caps each process to an H100's memory on a larger card. Results under $OUT
 # (progress.txt, env.txt, logs, json records). Run from .snap; longer than one command: start
 # it with setsid and collect $OUT later.
@@ -34,4 +36,11 @@ say "two GPUs: $(tail -n 1 "$OUT/gpu_tests_multi.txt")"
 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -k four $MULTI > "$OUT/gpu_tests_four.txt" 2>&1
 say "four GPUs: $(tail -n 1 "$OUT/gpu_tests_four.txt")"
 grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
+
+say "D: full-depth footprint of the planner's longest over 4 ranks"
+mkdir -p /tmp/okdisk
+timeout 540 torchrun --standalone --nproc_per_node 4 benchmarks/footprint.py --lora-rank 16 --seq-len 0 --world-size 4 \
+  --disk-dir /tmp/okdisk --out "$OUT/footprint" > "$OUT/footprint.txt" 2>&1
+say "footprint rc=$? $(grep -h -o '"restored_inputs_exact": [a-z]*' "$OUT"/footprint/*.json 2>/dev/null | sort | uniq -c | tr '\n' ' ')"
+rm -rf /tmp/okdisk
 say "done"
