@@ -31,3 +31,13 @@ suite_on_gpus_0_1() {
     > "$OUT/gpu_tests_multi.txt" 2>&1
   say "two GPUs: $(tail -1 "$OUT/gpu_tests_multi.txt")"
 }
+# The tests that need several GPUs: at two ranks on GPUs 0 and 1, then the four-rank ones on
+# all four; results in $OUT/gpu_tests_{multi,four}.txt, failures appended to progress.txt.
+several_gpu_tests() {
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
+    > "$OUT/gpu_tests_multi.txt" 2>&1
+  say "two GPUs: $(tail -n 1 "$OUT/gpu_tests_multi.txt")"
+  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -k four $MULTI > "$OUT/gpu_tests_four.txt" 2>&1
+  say "four GPUs: $(tail -n 1 "$OUT/gpu_tests_four.txt")"
+  grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
+}

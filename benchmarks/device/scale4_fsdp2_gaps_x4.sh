@@ -30,12 +30,7 @@ timeout 420 torchrun --standalone --nproc_per_node 4 benchmarks/fsdp2.py --shape
 say "fsdp2 rc=$?"; grep -A5 "^| mode" "$OUT/fsdp2_16k.txt" | tee -a "$OUT/progress.txt"
 
 say "C: tests on several GPUs"
-CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
-  > "$OUT/gpu_tests_multi.txt" 2>&1
-say "two GPUs: $(tail -n 1 "$OUT/gpu_tests_multi.txt")"
-timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -k four $MULTI > "$OUT/gpu_tests_four.txt" 2>&1
-say "four GPUs: $(tail -n 1 "$OUT/gpu_tests_four.txt")"
-grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
+several_gpu_tests
 
 say "D: full-depth footprint of the planner's longest over 4 ranks"
 mkdir -p /tmp/okdisk

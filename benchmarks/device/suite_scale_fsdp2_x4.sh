@@ -46,10 +46,5 @@ timeout 480 torchrun --standalone --nproc_per_node 4 benchmarks/fsdp2.py --shape
   --modes hf_ckpt,ckpt,ckpt+input_offload,ckpt+input_offload+backward_adamw --kernel-breakdown --out "$OUT/fsdp2" \
   > "$OUT/fsdp2_16k.txt" 2>&1
 say "fsdp2 rc=$?"; grep -A6 "^| mode" "$OUT/fsdp2_16k.txt" | tee -a "$OUT/progress.txt"
-CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
-  > "$OUT/gpu_tests_multi.txt" 2>&1
-say "two GPUs: $(tail -n 1 "$OUT/gpu_tests_multi.txt")"
-timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -k four $MULTI > "$OUT/gpu_tests_four.txt" 2>&1
-say "four GPUs: $(tail -n 1 "$OUT/gpu_tests_four.txt")"
-grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
+several_gpu_tests
 say "done"

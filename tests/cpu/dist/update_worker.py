@@ -196,6 +196,17 @@ def check_cp(rank, world):
         report(f"cp-{name}", rank)
 
 
+def _trained(cls, offload_cls, model, args, offload_config: dict):
+    """``cls`` (the plain Trainer, or ``offload_cls`` given ``offload_config``) trained on the
+    byte-tokenized sample texts in blocks of 32."""
+    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
+
+    extra = {"offload_config": offload_config} if cls is offload_cls else {}
+    trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
+    trainer.train()
+    return trainer
+
+
 def check_trainer(rank, world):
     """The Trainer mixin under DDP (torchrun, gloo): optimizer_offloading replaces AdamW with
     BackwardAdamW, which updates from DDP's reduced gradients: weights bitwise the Trainer's."""
@@ -259,7 +270,6 @@ def check_trainer_fsdp2(rank, world):
     assert DEVICE == "cuda", "accelerate's FSDP2 runs on GPUs"
     import transformers
 
-    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
 
     class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
@@ -277,13 +287,8 @@ def check_trainer_fsdp2(rank, world):
             gradient_checkpointing_kwargs={"use_reentrant": False}, fsdp="full_shard auto_wrap",
             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
         )  # fmt: skip
-        extra = {}
-        if cls is OffloadTrainer:
-            extra["offload_config"] = {
-                "gradient_checkpointing": True, "activation_offloading": True, "optimizer_offloading": True,
-            }  # fmt: skip
-        trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
-        trainer.train()
+        offload = {"gradient_checkpointing": True, "activation_offloading": True, "optimizer_offloading": True}
+        trainer = _trained(cls, OffloadTrainer, model, args, offload)
         params = list(trainer.model.parameters())
         assert all(type(p).__name__ == "DTensor" for p in params), "the Trainer sharded the model with FSDP2"
         if cls is OffloadTrainer:
@@ -311,7 +316,6 @@ def check_trainer_cp(rank, world):
     (the CPU path's attention over all-gathered keys sums in another order: close, not equal)."""
     import transformers
 
-    from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
     from offloadkit.integrations.trainer import ActivationOffloadingMixin
     from offloadkit.parallel.turns import batches_in_turn
 
@@ -328,13 +332,11 @@ def check_trainer_cp(rank, world):
 
     out = tempfile.mkdtemp(prefix=f"offloadkit-cp-trainer-{rank}-")
     for offload_optimizer, accumulation in ((False, 1), (True, 2)):
-        _trainer_cp_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, load_texts, out, rank, world,
-                         offload_optimizer, accumulation)  # fmt: skip
+        _trainer_cp_pair(transformers, OffloadTrainer, out, rank, world, offload_optimizer, accumulation)
     report("trainer-cp", rank)
 
 
-def _trainer_cp_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, load_texts, out, rank, world,
-                     offload_optimizer, accumulation):  # fmt: skip
+def _trainer_cp_pair(transformers, OffloadTrainer, out, rank, world, offload_optimizer, accumulation):
     """The plain Trainer under DDP against the mixin with context_parallel (and, with
     ``offload_optimizer``, BackwardSGD updating from DDP's reduction in the last turn)."""
     results = []
@@ -342,18 +344,24 @@ def _trainer_cp_pair(transformers, OffloadTrainer, TokenBlocks, byte_tokenizer, 
         torch.manual_seed(0)
         model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa", num_key_value_heads=2)
         args = transformers.TrainingArguments(
-            output_dir=os.path.join(out, f"{cls.__name__}-{accumulation}"), per_device_train_batch_size=2,
-            max_steps=3, learning_rate=0.1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[],
-            disable_tqdm=True, use_cpu=True, seed=0, remove_unused_columns=False, logging_steps=1,
-            ddp_find_unused_parameters=False, gradient_accumulation_steps=accumulation,
+            output_dir=os.path.join(out, f"{cls.__name__}-{accumulation}"),
+            per_device_train_batch_size=2,
+            max_steps=3,
+            learning_rate=0.1,
+            optim="sgd",
+            max_grad_norm=0.0,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=0,
+            remove_unused_columns=False,
+            logging_steps=1,
+            ddp_find_unused_parameters=False,
+            gradient_accumulation_steps=accumulation,
         )
-        extra = {}
-        if cls is OffloadTrainer:
-            extra["offload_config"] = {
-                "context_parallel": True, "activation_offloading": False, "optimizer_offloading": offload_optimizer,
-            }  # fmt: skip
-        trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
-        trainer.train()
+        offload = {"context_parallel": True, "activation_offloading": False, "optimizer_offloading": offload_optimizer}
+        trainer = _trained(cls, OffloadTrainer, model, args, offload)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         if cls is OffloadTrainer:
             assert trainer.offload_report["context_parallel"] == {"ranks": world}, trainer.offload_report
