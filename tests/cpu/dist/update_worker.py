@@ -344,22 +344,11 @@ def _trainer_cp_pair(transformers, OffloadTrainer, out, rank, world, offload_opt
         torch.manual_seed(0)
         model = build_llama("tiny", vocab_size=259, attn_implementation="sdpa", num_key_value_heads=2)
         args = transformers.TrainingArguments(
-            output_dir=os.path.join(out, f"{cls.__name__}-{accumulation}"),
-            per_device_train_batch_size=2,
-            max_steps=3,
-            learning_rate=0.1,
-            optim="sgd",
-            max_grad_norm=0.0,
-            save_strategy="no",
-            report_to=[],
-            disable_tqdm=True,
-            use_cpu=True,
-            seed=0,
-            remove_unused_columns=False,
-            logging_steps=1,
-            ddp_find_unused_parameters=False,
-            gradient_accumulation_steps=accumulation,
-        )
+            output_dir=os.path.join(out, f"{cls.__name__}-{accumulation}"), per_device_train_batch_size=2,
+            max_steps=3, learning_rate=0.1, optim="sgd", max_grad_norm=0.0, save_strategy="no", report_to=[],
+            disable_tqdm=True, use_cpu=True, seed=0, remove_unused_columns=False, logging_steps=1,
+            ddp_find_unused_parameters=False, gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
         offload = {"context_parallel": True, "activation_offloading": False, "optimizer_offloading": offload_optimizer}
         trainer = _trained(cls, OffloadTrainer, model, args, offload)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
