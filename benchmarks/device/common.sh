@@ -41,3 +41,13 @@ several_gpu_tests() {
   say "four GPUs: $(tail -n 1 "$OUT/gpu_tests_four.txt")"
   grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
 }
+# A host of several GPUs: NVLink multicast off, $OUT/{cp,fsdp2} made, CAP the per-process
+# GPU cap asked by GPU_GIB (79: an H100's memory on a larger card), and $OUT/env.txt with the
+# versions, the cards, the host's RAM and the commit(s).
+several_gpu_setup() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  mkdir -p "$OUT"/{cp,fsdp2}
+  CAP=(); [[ -n ${GPU_GIB:-} ]] && CAP=(--gpu-gib "$GPU_GIB")
+  { python3 -c "import torch, transformers, peft, accelerate; print(torch.__version__, transformers.__version__, peft.__version__, accelerate.__version__)"
+    nvidia-smi -L; free -g | head -2; echo "commit ${OFFLOADKIT_COMMIT:-} before ${BEFORE_COMMIT:-}"; } > "$OUT/env.txt"
+}

@@ -12,11 +12,7 @@
 # (progress.txt, env.txt, logs, json records). Run from .snap; longer than one command: start
 # it with setsid and collect $OUT later.
 . "$(dirname "$0")/common.sh"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-mkdir -p "$OUT"/{cp,fsdp2}
-CAP=(); [[ -n ${GPU_GIB:-} ]] && CAP=(--gpu-gib "$GPU_GIB")
-{ python3 -c "import torch, transformers, peft, accelerate; print(torch.__version__, transformers.__version__, peft.__version__, accelerate.__version__)"
-  nvidia-smi -L; free -g | head -2; echo "commit ${OFFLOADKIT_COMMIT:-}"; } > "$OUT/env.txt"
+several_gpu_setup
 
 say "A: weak scaling, 4 x 131072, full depth"
 timeout "${SCALE_LIMIT:-560}" torchrun --standalone --nproc_per_node 4 benchmarks/context_parallel.py --shape llama-3-8b \

@@ -12,11 +12,7 @@
 # (progress.txt, env.txt, logs, json records). Run from .snap; longer than one command: start
 # it with setsid and collect $OUT later.
 . "$(dirname "$0")/common.sh"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-mkdir -p "$OUT"/{cp,fsdp2}
-CAP=(); [[ -n ${GPU_GIB:-} ]] && CAP=(--gpu-gib "$GPU_GIB")
-{ python3 -c "import torch, transformers, peft, accelerate; print(torch.__version__, transformers.__version__, peft.__version__, accelerate.__version__)"
-  nvidia-smi -L; free -g | head -2; echo "commit ${OFFLOADKIT_COMMIT:-} before ${BEFORE_COMMIT:-}"; } > "$OUT/env.txt"
+several_gpu_setup
 
 scale() {  # GPUS N LOG: weak scaling's row for N ranks on the GPUs listed
   local gpus=$1 n=$2
