@@ -126,12 +126,16 @@ def _layer_groups(model: Any) -> list[list[Any]]:
 def reduce_for_run(optimizer: Any, model: Any) -> None:
     """Tell a backward optimizer (or the Accelerate wrapper around one) how the run's model
     wrapper reduces gradients: a ``DistributedDataParallel`` model gets its communication hook,
-    so that updates in backward apply the reduced gradients. FSDP2 needs nothing."""
+    so that updates in backward apply the reduced gradients. Under FSDP2, Accelerate has put
+    the sharded parameters in the optimizer's groups: the hooks and the update groups follow
+    them (:meth:`~offloadkit.optim.backward.BackwardOptimizer.follow_parameters`)."""
     ours = optimizer if isinstance(optimizer, BackwardOptimizer) else getattr(optimizer, "optimizer", None)
     if not isinstance(ours, BackwardOptimizer):
         return
     from torch.nn.parallel import DistributedDataParallel
 
+    if ours.follow_parameters():
+        ours.set_update_groups(_layer_groups(model))
     if isinstance(model, DistributedDataParallel):
         ours.reduce_with_ddp(model)
 

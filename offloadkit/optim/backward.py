@@ -17,7 +17,9 @@ gradient. A hook called inside such a nested backward leaves the gradient to acc
 until then). Everywhere else a parameter's uses meet in one accumulation before its hook runs
 (tied weights included), so it is updated in backward. A parameter updated in backward before
 a nested backward adds to its gradient (used inside and outside reentrant checkpoints) is an
-error: non-reentrant checkpointing updates every parameter in backward.
+error: non-reentrant checkpointing updates every parameter in backward. FSDP2 calls its
+shards' hooks from an autograd Function's backward too, but after its reduce-scatter, with the
+pass's whole gradient: shards are updated there.
 
 Where the state rests: pinned host memory by default. With ``state_dir`` each state tensor is
 a file in that directory mapped into memory (the file is unlinked at once, so nothing is left
@@ -107,6 +109,7 @@ class BackwardOptimizer(Optimizer):
         self._copies = StateCopies(self._travelling, copy_window_bytes, scheduler)
         self._groups_seen: tuple[int, dict[int, dict]] = (0, {})
         self._handles: list | None = None  # the hooks while attached
+        self._hooked_ids: list[int] = []  # the parameters they are on
         # How gradients are reduced over ranks before an update: "unsaid" (refused under
         # several ranks), "local" (complete on every rank), "ddp" (a DDP hook updates), or a
         # process group to all-reduce each gradient over.
@@ -284,7 +287,9 @@ class BackwardOptimizer(Optimizer):
             return  # DDP reduces it after this hook; its communication hook updates
         if not self.updates_now():
             return  # clipping needs every gradient first, or accumulating: step() updates
-        if in_function_backward():
+        # FSDP2 runs a shard's hooks itself, from its post-backward Function, once the
+        # reduce-scatter has made the pass's whole gradient: not a reentrant segment's part.
+        if in_function_backward() and not is_shard(p):
             if id(p) in self._updated:
                 raise RuntimeError(
                     f"offloadkit: a {list(p.shape)} parameter was updated in backward, then got more gradient from "
@@ -336,6 +341,7 @@ class BackwardOptimizer(Optimizer):
         self._updated.clear()
         self._reduced.clear()
         self._copies.end_pass()
+        self.follow_parameters()  # replaced since the last pass: the next backward updates them
         return loss
 
     def _synchronize(self) -> None:
@@ -374,15 +380,28 @@ class BackwardOptimizer(Optimizer):
         and :meth:`remove`)."""
         return self._handles is not None
 
+    def _hooked_now(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
     def attach(self) -> None:
         """Attach the backward hooks again after :meth:`remove`; nothing when attached."""
         if self._handles is None:
-            self._handles = [
-                p.register_post_accumulate_grad_hook(self._on_grad)
-                for group in self.param_groups
-                for p in group["params"]
-                if p.requires_grad
-            ]
+            params = self._hooked_now()
+            self._hooked_ids = [id(p) for p in params]
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def follow_parameters(self) -> bool:
+        """Hook the parameters the groups hold now where a wrapper has replaced them since
+        the hooks were attached (Accelerate's FSDP2 preparation swaps an optimizer's
+        parameters for the sharded ones made by ``fully_shard``: the old ones' hooks never
+        fire, and every update would wait for :meth:`step` with the gradients held). Returns
+        whether it attached them anew; :meth:`step` calls it, and so does the Trainer route
+        at each training step."""
+        if self._handles is None or [id(p) for p in self._hooked_now()] == self._hooked_ids:
+            return False
+        self.remove()
+        self.attach()
+        return True
 
     def remove(self) -> None:
         """Detach the backward hooks: a backward then leaves every gradient in place, and the

@@ -1,7 +1,9 @@
 """What cannot run under FSDP2 is refused before the first step, in one line naming both things
 and the alternative: by prepare() on a sharded model (nothing attached), by the feature's own
 apply on a sharded model, and at the first forward where the model was sharded after the feature
-was attached. One rank over gloo, in this process."""
+was attached. And what FSDP2 replaces is followed: a backward optimizer made before ``fully_shard``
+(as the Trainer's FSDP2 route makes it) hooks the sharded parameters Accelerate puts in its
+groups. One rank over gloo, in this process."""
 
 import socket
 import sys
@@ -168,3 +170,43 @@ def test_recomputed_inputs_of_layers_sharded_later_are_refused_at_the_first_forw
     with pytest.raises(ValueError, match=RECOMPUTE.replace("(", r"\(")):
         apply_activation_checkpointing(model, recompute_inputs=[1])
     assert torch.isfinite(model(**make_batch(256, 2, 16)).loss)  # usable as it was
+
+
+def _grads_left(model) -> int:
+    return sum(p.grad is not None for p in model.parameters())
+
+
+def test_a_backward_optimizer_made_before_fully_shard_follows_the_sharded_parameters(one_rank):
+    from offloadkit.integrations.optimizer import reduce_for_run
+    from offloadkit.optim import BackwardAdamW
+
+    torch.manual_seed(0)
+    model = build_llama("tiny")
+    opt = BackwardAdamW(model.parameters(), lr=1e-2, foreach=False)
+    names = [n for n, _ in model.named_parameters()]
+    shard(model)
+    # What Accelerate's FSDP2 preparation does: the groups now hold the sharded parameters.
+    sharded = dict(model.named_parameters())
+    opt.param_groups[0]["params"] = [sharded[n] for n in names]
+    batch = make_batch(256, 2, 16)
+    model(**batch).loss.backward()
+    assert _grads_left(model) == len(names), "the hooks were on the parameters fully_shard replaced"
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # updates from the held gradients, then follows the new parameters
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    assert _grads_left(model) == 0, "updated in backward from the second step on"
+    assert not opt.follow_parameters(), "nothing replaced since"
+
+    # The Trainer route follows them at its first training step, with the layers' update groups.
+    model = build_llama("tiny")
+    opt = BackwardAdamW(model.parameters(), lr=1e-2, foreach=False)
+    shard(model)
+    sharded = dict(model.named_parameters())
+    opt.param_groups[0]["params"] = [sharded[n] for n in names]
+    reduce_for_run(opt, model)
+    model(**batch).loss.backward()
+    assert _grads_left(model) == 0
+    layer0 = {id(p) for p in model.model.layers[0].parameters()}
+    assert layer0 <= set(opt._copies._group), "the update groups name the sharded parameters"

@@ -147,6 +147,10 @@ def check_fsdp2(rank, world):
             )
             for step in range(3):
                 model(**batch_for(rank, step)).loss.backward()
+                if ours and clip is None:
+                    # Updated in backward, on FSDP2's post-reduce stream: no gradient is left.
+                    left = [n for n, p in model.named_parameters() if p.grad is not None]
+                    assert not left, f"FSDP2 {name}: not updated in backward: {left[:3]}"
                 if clip is not None and not ours:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
