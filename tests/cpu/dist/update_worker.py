@@ -200,12 +200,12 @@ def check_cp(rank, world):
         report(f"cp-{name}", rank)
 
 
-def _trained(cls, offload_cls, model, args, offload_config: dict):
-    """``cls`` (the plain Trainer, or ``offload_cls`` given ``offload_config``) trained on the
-    byte-tokenized sample texts in blocks of 32."""
+def _trained(cls, offload_cls, model, args, offload_config: dict, callbacks=None):
+    """``cls`` (the plain Trainer, or ``offload_cls`` given ``offload_config`` and ``callbacks``)
+    trained on the byte-tokenized sample texts in blocks of 32."""
     from offloadkit.data import TokenBlocks, byte_tokenizer, load_texts
 
-    extra = {"offload_config": offload_config} if cls is offload_cls else {}
+    extra = {"offload_config": offload_config, "callbacks": callbacks} if cls is offload_cls else {}
     trainer = cls(model=model, args=args, train_dataset=TokenBlocks(byte_tokenizer(), load_texts(), 32), **extra)
     trainer.train()
     return trainer
@@ -279,6 +279,16 @@ def check_trainer_fsdp2(rank, world):
     class OffloadTrainer(ActivationOffloadingMixin, transformers.Trainer):
         pass
 
+    class GradientsLeft(transformers.TrainerCallback):
+        """How many parameters still hold a gradient when the optimizer step comes."""
+
+        def __init__(self):
+            self.counts = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.counts.append(sum(p.grad is not None for p in model.parameters()))
+
+    left = GradientsLeft()
     out = tempfile.mkdtemp(prefix=f"offloadkit-fsdp2-trainer-{rank}-")
     results = []
     for cls in (transformers.Trainer, OffloadTrainer):
@@ -292,7 +302,7 @@ def check_trainer_fsdp2(rank, world):
             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
         )  # fmt: skip
         offload = {"gradient_checkpointing": True, "activation_offloading": True, "optimizer_offloading": True}
-        trainer = _trained(cls, OffloadTrainer, model, args, offload)
+        trainer = _trained(cls, OffloadTrainer, model, args, offload, callbacks=[left])
         params = list(trainer.model.parameters())
         assert all(type(p).__name__ == "DTensor" for p in params), "the Trainer sharded the model with FSDP2"
         if cls is OffloadTrainer:
@@ -302,6 +312,8 @@ def check_trainer_fsdp2(rank, world):
             some = next(p for p in params if p.dim() == 2)
             assert opt.state[some]["exp_avg"].shape == some.to_local().shape, "state the size of the shard"
             assert trainer.offload_report["activations"]["offloaded_bytes"] > 0, trainer.offload_report
+            # The sharded parameters Accelerate gave the optimizer were updated in backward.
+            assert left.counts == [0, 0, 0], left.counts
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         results.append((losses, [p.full_tensor().detach().clone() for p in params]))
     (ref_losses, ref_weights), (losses, weights) = results
