@@ -29,7 +29,8 @@ under a process group (``--seq-len`` is the whole sequence; 0: the planner's lon
 N ranks, all-to-all rotation), the host's RAM and disk shared by the ranks on it, and runs its
 share of the tokens through the stand-in at full depth, all ranks at once: their pinned RAM
 and disk are held together, as in the real step. Nothing crosses ranks (the stand-in has no
-attention), so no process group is made.
+attention); a gloo group only lets the ranks read the host's RAM before any of them takes
+some and agree on one length.
 
     torchrun --standalone --nproc_per_node 4 benchmarks/footprint.py --lora-rank 16 --seq-len 0 \
         --world-size 4 --out results/
@@ -45,6 +46,7 @@ import time
 
 import psutil
 import torch
+import torch.distributed as dist
 from torch import nn
 
 GiB = float(1 << 30)
@@ -112,18 +114,27 @@ def _sample_rss(peak: list, stop: threading.Event) -> None:
 def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None, world: int = 1) -> dict:
     from offloadkit.compose import prepare
     from offloadkit.planning import Budgets, Parallelism, plan, resolve_shape
-    from offloadkit.runtime.ranks import global_rank, local_rank, local_world_size
+    from offloadkit.runtime.ranks import global_rank, local_rank, local_world_size, world_size
 
     shape = resolve_shape(shape_name)
     parallel = None
     if world > 1:
+        if world != world_size():
+            raise SystemExit(f"--world-size {world}: run it under torchrun --nproc_per_node {world} (WORLD_SIZE)")
         torch.cuda.set_device(local_rank())
         parallel = Parallelism(world, context_parallel=True, ranks_per_host=local_world_size(), rotation="alltoall")
+        # Every rank reads the host's RAM before any of them takes some, and all plan one length.
+        dist.init_process_group("gloo")
     budgets = Budgets.detect(disk_dir=disk_dir)
     if seq <= 0:  # the planner's longest full-depth sequence under the budgets read here
         from offloadkit.planning import longest_sequence
 
         seq = longest_sequence(shape, lora_rank=lora_rank, budgets=budgets, parallel=parallel).longest
+    if world > 1:
+        agreed = torch.tensor([seq])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        seq = int(agreed) // (2 * world) * (2 * world)  # load-balanced shards: two pieces a rank
+        dist.destroy_process_group()  # the stand-in's ranks exchange nothing
     p = plan(shape, seq, lora_rank=lora_rank, budgets=budgets, parallel=parallel)
     config = dict(
         p.to_config(),
