@@ -18,8 +18,9 @@ until then). Everywhere else a parameter's uses meet in one accumulation before 
 (tied weights included), so it is updated in backward. A parameter updated in backward before
 a nested backward adds to its gradient (used inside and outside reentrant checkpoints) is an
 error: non-reentrant checkpointing updates every parameter in backward. FSDP2 calls its
-shards' hooks from an autograd Function's backward too, but after its reduce-scatter, with the
-pass's whole gradient: shards are updated there.
+shards' hooks from an autograd Function's backward too, but from its reduction, with the
+module's reduce-scattered gradient: shards are updated there. A module that runs twice in one
+forward is reduced once per call; a shard reduced twice in one backward is an error.
 
 Where the state rests: pinned host memory by default. With ``state_dir`` each state tensor is
 a file in that directory mapped into memory (the file is unlinked at once, so nothing is left
@@ -49,7 +50,7 @@ from offloadkit.defaults import STATE_GROUPS_AHEAD
 from offloadkit.layers.flat import order_after_write_back
 from offloadkit.optim.reduction import DDPUpdates, is_shard, local_tensor, ranks_in_run, unreduced_error
 from offloadkit.optim.state_copies import StateCopies
-from offloadkit.runtime.autograd import in_function_backward
+from offloadkit.runtime.autograd import current_graph_task, in_fsdp_reduce, in_function_backward
 from offloadkit.transfer.prefetch import PrefetchScheduler
 
 __all__ = ["BackwardOptimizer"]
@@ -118,6 +119,7 @@ class BackwardOptimizer(Optimizer):
         self._ddp_model: weakref.ref | None = None
         self._waits_for_ddp = False  # DDP with find_unused_parameters: updates at step()
         self._reduced: set[int] = set()  # gradients all-reduced over the group this pass
+        self._fsdp_updated: dict[int, int | None] = {}  # shard -> the backward FSDP2 updated it in
         self.attach()
 
     # -- what a subclass provides ---------------------------------------------------------
@@ -288,8 +290,18 @@ class BackwardOptimizer(Optimizer):
         if not self.updates_now():
             return  # clipping needs every gradient first, or accumulating: step() updates
         # FSDP2 runs a shard's hooks itself, from its post-backward Function, once the
-        # reduce-scatter has made the pass's whole gradient: not a reentrant segment's part.
-        if in_function_backward() and not is_shard(p):
+        # reduce-scatter has made its module's gradient: not a reentrant segment's part.
+        by_fsdp = in_fsdp_reduce()
+        if by_fsdp:
+            task = current_graph_task()
+            if self._fsdp_updated.get(id(p)) == task:
+                raise RuntimeError(
+                    f"offloadkit: FSDP2 reduced a {list(p.shape)} shard's gradient twice in one backward (its module "
+                    "ran more than once in forward, each call's part reduced apart) after it was updated from the "
+                    "first part; pass defer_to_step=True to update at step() from the whole gradient"
+                )
+            self._fsdp_updated[id(p)] = task
+        elif in_function_backward():
             if id(p) in self._updated:
                 raise RuntimeError(
                     f"offloadkit: a {list(p.shape)} parameter was updated in backward, then got more gradient from "
@@ -340,6 +352,7 @@ class BackwardOptimizer(Optimizer):
             self._update(p)
         self._updated.clear()
         self._reduced.clear()
+        self._fsdp_updated.clear()
         self._copies.end_pass()
         self.follow_parameters()  # replaced since the last pass: the next backward updates them
         return loss
@@ -401,6 +414,10 @@ class BackwardOptimizer(Optimizer):
             return False
         self.remove()
         self.attach()
+        # The learned order and update groups name the replaced parameters: learn them again
+        # (the Trainer route names the new groups).
+        self._copies.reset()
+        self._copies.set_groups([], 0)
         return True
 
     def remove(self) -> None:

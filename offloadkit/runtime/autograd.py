@@ -6,6 +6,8 @@ PyTorch upgrade that moves one has a single place to mend.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 
 import torch
@@ -14,6 +16,7 @@ __all__ = [
     "current_graph_task",
     "first_grad_fn",
     "in_backward",
+    "in_fsdp_reduce",
     "in_function_backward",
     "pop_saved_tensor_hooks",
     "push_saved_tensor_hooks",
@@ -101,6 +104,30 @@ def in_function_backward() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@functools.cache
+def _fsdp_reduce_code():
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import foreach_reduce
+    except ImportError:  # a build without distributed, or FSDP2 moved
+        return None
+    return getattr(inspect.unwrap(foreach_reduce), "__code__", None)
+
+
+def in_fsdp_reduce() -> bool:
+    """Whether this thread runs inside FSDP2's reduction of a module's gradients
+    (``foreach_reduce``), which calls the sharded parameters' post-accumulate hooks with the
+    reduce-scattered gradient of that module's backward."""
+    code = _fsdp_reduce_code()
+    if code is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
             return True
         frame = frame.f_back
     return False

@@ -210,3 +210,24 @@ def test_a_backward_optimizer_made_before_fully_shard_follows_the_sharded_parame
     assert _grads_left(model) == 0
     layer0 = {id(p) for p in model.model.layers[0].parameters()}
     assert layer0 <= set(opt._copies._group), "the update groups name the sharded parameters"
+
+
+def test_a_shard_reduced_twice_in_one_backward_is_refused_after_its_first_update(monkeypatch):
+    import offloadkit.optim.backward as backward
+    from offloadkit.optim import BackwardSGD
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = BackwardSGD([w], lr=0.5)
+    # As FSDP2's reduction calls a hook, twice in one backward for a module that ran twice.
+    monkeypatch.setattr(backward, "in_fsdp_reduce", lambda: True)
+    monkeypatch.setattr(backward, "current_graph_task", lambda: 7)
+    w.grad = torch.ones(3)
+    opt._on_grad(w)
+    assert torch.equal(w.detach(), torch.full((3,), 0.5)) and w.grad is None
+    w.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="reduced a \\[3\\] shard's gradient twice in one backward"):
+        opt._on_grad(w)
+    opt.step()  # a new pass: the next backward's reduction updates again
+    w.grad = torch.ones(3)
+    opt._on_grad(w)
+    assert torch.equal(w.detach(), torch.zeros(3))
