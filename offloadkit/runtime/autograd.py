@@ -101,9 +101,14 @@ def in_function_backward() -> bool:
     there (a reentrant checkpoint's segment) is nested in another one, which may still add to
     the gradients it accumulates. A nested backward runs on the thread of the Function that
     started it, so that Function's frame is on this thread's stack."""
-    frame = sys._getframe(1)
+    return _on_stack(_FUNCTION_BACKWARD)
+
+
+def _on_stack(code) -> bool:
+    """Whether a frame of ``code`` is on this thread's stack (the caller's callers)."""
+    frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code is _FUNCTION_BACKWARD:
+        if frame.f_code is code:
             return True
         frame = frame.f_back
     return False
@@ -123,11 +128,4 @@ def in_fsdp_reduce() -> bool:
     (``foreach_reduce``), which calls the sharded parameters' post-accumulate hooks with the
     reduce-scattered gradient of that module's backward."""
     code = _fsdp_reduce_code()
-    if code is None:
-        return False
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return code is not None and _on_stack(code)
