@@ -291,8 +291,8 @@ class BackwardOptimizer(Optimizer):
             return  # clipping needs every gradient first, or accumulating: step() updates
         # FSDP2 runs a shard's hooks itself, from its post-backward Function, once the
         # reduce-scatter has made its module's gradient: not a reentrant segment's part.
-        by_fsdp = in_fsdp_reduce()
-        if by_fsdp:
+        # A stack walk per hook: only a shard can be FSDP2's.
+        if is_shard(p) and in_fsdp_reduce():
             task = current_graph_task()
             if self._fsdp_updated.get(id(p)) == task:
                 raise RuntimeError(

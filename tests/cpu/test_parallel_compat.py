@@ -219,6 +219,7 @@ def test_a_shard_reduced_twice_in_one_backward_is_refused_after_its_first_update
     w = torch.nn.Parameter(torch.ones(3))
     opt = BackwardSGD([w], lr=0.5)
     # As FSDP2's reduction calls a hook, twice in one backward for a module that ran twice.
+    monkeypatch.setattr(backward, "is_shard", lambda p: True)
     monkeypatch.setattr(backward, "in_fsdp_reduce", lambda: True)
     monkeypatch.setattr(backward, "current_graph_task", lambda: 7)
     w.grad = torch.ones(3)
