@@ -33,14 +33,17 @@ suite_on_gpus_0_1() {
 }
 # The tests that need several GPUs: at two ranks on GPUs 0 and 1, then the four-rank ones on
 # all four; results in $OUT/gpu_tests_{multi,four}.txt, failures appended to progress.txt.
-several_gpu_tests() {
+several_gpu_tests_two() {
   CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $MULTI \
     > "$OUT/gpu_tests_multi.txt" 2>&1
   say "two GPUs: $(tail -n 1 "$OUT/gpu_tests_multi.txt")"
+}
+several_gpu_tests_four() {
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE -k four $MULTI > "$OUT/gpu_tests_four.txt" 2>&1
   say "four GPUs: $(tail -n 1 "$OUT/gpu_tests_four.txt")"
   grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
 }
+several_gpu_tests() { several_gpu_tests_two; several_gpu_tests_four; }
 # A host of several GPUs: NVLink multicast off, $OUT/{cp,fsdp2} made, CAP the per-process
 # GPU cap asked by GPU_GIB (79: an H100's memory on a larger card), and $OUT/env.txt with the
 # versions, the cards, the host's RAM and the commit(s).
