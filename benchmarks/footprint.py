@@ -111,9 +111,12 @@ def _sample_rss(peak: list, stop: threading.Event) -> None:
         stop.wait(0.1)
 
 
-def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None, world: int = 1) -> dict:
+def run(
+    shape_name: str, seq: int, lora_rank: int, disk_dir: str | None, world: int = 1, gpu_gib: float | None = None
+) -> dict:
     from offloadkit.compose import prepare
     from offloadkit.planning import Budgets, Parallelism, plan, resolve_shape
+    from offloadkit.planning.budgets import GPU_CONTEXT_BYTES
     from offloadkit.runtime.ranks import global_rank, local_rank, local_world_size, world_size
 
     shape = resolve_shape(shape_name)
@@ -125,7 +128,13 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None, world: 
         parallel = Parallelism(world, context_parallel=True, ranks_per_host=local_world_size(), rotation="alltoall")
         # Every rank reads the host's RAM before any of them takes some, and all plan one length.
         dist.init_process_group("gloo")
-    budgets = Budgets.detect(disk_dir=disk_dir)
+    gpu_bytes = None
+    if gpu_gib is not None:  # plan (and cap this process) as on a card of gpu_gib, e.g. an H100's on an H200
+        gpu_bytes = int(gpu_gib * GiB)
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_bytes / total))
+        gpu_bytes -= GPU_CONTEXT_BYTES  # as Budgets.detect leaves out of a card's total
+    budgets = Budgets.detect(disk_dir=disk_dir, gpu_bytes=gpu_bytes)
     if seq <= 0:  # the planner's longest full-depth sequence under the budgets read here
         from offloadkit.planning import longest_sequence
 
@@ -170,6 +179,7 @@ def run(shape_name: str, seq: int, lora_rank: int, disk_dir: str | None, world: 
         },
         "predicted": {"host_gib": p.memory.host / GiB, "disk_gib": p.memory.disk / GiB},
         "device": torch.cuda.get_device_name(),
+        "gpu_gib_cap": gpu_gib,
         "torch": torch.__version__,
     }
     full = lora_rank == 0
@@ -257,8 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--out", default="footprint-results")
     ap.add_argument("--world-size", type=int, default=1, help="one rank of a context-parallel split over N (torchrun)")
+    ap.add_argument("--gpu-gib", type=float, default=None, help="plan for (and cap each process to) this GPU memory")
     args = ap.parse_args(argv)
-    result = run(args.shape, args.seq_len, args.lora_rank, args.disk_dir, args.world_size)
+    result = run(args.shape, args.seq_len, args.lora_rank, args.disk_dir, args.world_size, args.gpu_gib)
     os.makedirs(args.out, exist_ok=True)
     name = f"footprint-{args.shape}-{result['seq_len']}"
     if args.world_size > 1:

@@ -195,7 +195,9 @@ def main() -> None:
             f"torch {torch.__version__}" + (f", chunked loss {args.chunked_loss}" if args.chunked_loss else "")
         )
         os.makedirs(args.out, exist_ok=True)
-        stem = f"fsdp2-{args.shape}-{world}x{args.seq_len}-{'+'.join(r['mode'] for r in rows)}"
+        # Plain characters only, so the name is safe in any shell or archive.
+        modes = "__".join(r["mode"].replace("+", "-") for r in rows)
+        stem = f"fsdp2-{args.shape}-{world}x{args.seq_len}-{modes}"
         with open(os.path.join(args.out, stem + ".json"), "w") as f:
             json.dump(dict(setup=head, rows=rows, provenance=provenance()), f, indent=1)
         with open(os.path.join(args.out, stem + ".md"), "w") as f:

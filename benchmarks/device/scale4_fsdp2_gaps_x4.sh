@@ -41,7 +41,7 @@ say "scale 4 rc=$? $(grep -h -m1 -E '^(RESULT|OOM)' "$OUT/scale_4.txt") $(grep -
 say "D: full-depth footprint of the planner's longest over 4 ranks"
 mkdir -p /tmp/okdisk
 timeout 540 torchrun --standalone --nproc_per_node 4 benchmarks/footprint.py --lora-rank 16 --seq-len 0 --world-size 4 \
-  --disk-dir /tmp/okdisk --out "$OUT/footprint" > "$OUT/footprint.txt" 2>&1
+  "${CAP[@]}" --disk-dir /tmp/okdisk --out "$OUT/footprint" > "$OUT/footprint.txt" 2>&1
 say "footprint rc=$? $(grep -h -o '"restored_inputs_exact": [a-z]*' "$OUT"/footprint/*.json 2>/dev/null | sort | uniq -c | tr '\n' ' ')"
 rm -rf /tmp/okdisk
 say "done"
