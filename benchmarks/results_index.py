@@ -97,7 +97,9 @@ _PEER4_LONGEST = _r("multi-gpu/h200x4-7c17d82/cp/peer-llama-3-8b-4x32768-32L.jso
 _PEER4_SIDE = _r("multi-gpu/h200x4-7c17d82/cp/peer-llama-3-8b-4x32768-4L.json")
 _OURS4_SIDE = _r("multi-gpu/h200x4-7c17d82/cp/cp-llama-3-8b-4x32768-4L-fused.json")
 _FSDP2 = "multi-gpu/h200x4-7c17d82/fsdp2/fsdp2-llama-3-8b-4x"
-_FSDP2_16K = _r(_FSDP2 + "16384-hf_ckpt+ckpt+input_offload+backward_adamw.json")
+_FSDP2_SAME = "multi-gpu/h200x4-b695acf/same-run/"
+_FSDP2_16K = _r(_FSDP2_SAME + "fsdp2_4x16k.txt")
+_FSDP2_16K_2 = _r(_FSDP2_SAME + "fsdp2_2x16k.txt")
 _FSDP2_64K = _r(_FSDP2 + "65536-ckpt+input_offload+backward_adamw.json")
 _CPUOFF_16K = _r("multi-gpu/h200x4-893588b/fsdp2-llama-3-8b-4x16384-cpu_offload_policy.json")
 _CPUOFF_64K = _r("multi-gpu/h200x4-893588b/fsdp2-llama-3-8b-4x65536-cpu_offload_policy.json")
@@ -105,6 +107,8 @@ _CP_SCALE1 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-1x131072-2L.json")
 _CP_SCALE4 = _r("multi-gpu/h200x4-310d2e2/cp-llama-3-8b-4x131072-2L.json")
 _CP_FULL1 = _r("multi-gpu/h200x4-2a931d1/cp/cp-llama-3-8b-1x131072-32L.json")
 _CP_FULL2 = _r("multi-gpu/h200x4-2a931d1/cp/cp-llama-3-8b-2x131072-32L.json")
+_CP_FULL4 = _r("multi-gpu/h200x4-b695acf/cp/cp-llama-3-8b-4x131072-32L.json")
+_FOOT4 = _r("multi-gpu/h200x4-b695acf/footprint/footprint-llama-3-8b-5289984-rank0of4.json")
 _FUSED = _r("fused-lora/h100-caa6bbc/summary.json")
 _LIGER = "liger/h100-9bd14ab/rows/"
 _LIGER_64K_EAGER = _r(_LIGER + "auto-65536-32L-eager.json")
@@ -177,15 +181,22 @@ CLAIMS: list[Claim | Ratio] = [
           "peer4-side-step", fmt=".2f"),
     # 8B full fine-tune under FSDP2 over 4 GPUs, bf16 weights.
     Claim("fsdp2-8b-hf-step", "8B full FT, FSDP2 over 4 GPUs, 16K a rank, HF checkpointing: step", _FSDP2_16K,
-          "rows[mode=hf_ckpt].step_s", unit="s", fmt=".2f"),
+          pattern=r"\| hf_ckpt \| ([0-9.]+) \|", unit="s", fmt=".2f"),
     Claim("fsdp2-8b-hf-peak", "8B full FT, FSDP2 over 4 GPUs, 16K a rank, HF checkpointing: peak", _FSDP2_16K,
-          "rows[mode=hf_ckpt].peak_allocated_gib[0]", unit="GiB", fmt=".1f"),
+          pattern=r"\| hf_ckpt \|[^|]+\|[^|]+\|[^|]+\| ([0-9.]+),", unit="GiB", fmt=".1f"),
     Claim("fsdp2-8b-step", "8B full FT, FSDP2 over 4 GPUs, 16K a rank, offloadkit: step", _FSDP2_16K,
-          "rows[mode=ckpt+input_offload+backward_adamw].step_s", unit="s", fmt=".2f"),
+          pattern=r"\| ckpt\+input_offload\+backward_adamw \| ([0-9.]+) \|", unit="s", fmt=".2f"),
     Claim("fsdp2-8b-peak", "8B full FT, FSDP2 over 4 GPUs, 16K a rank, offloadkit: peak", _FSDP2_16K,
-          "rows[mode=ckpt+input_offload+backward_adamw].peak_allocated_gib[0]", unit="GiB", fmt=".1f"),
+          pattern=r"\| ckpt\+input_offload\+backward_adamw \|[^|]+\|[^|]+\|[^|]+\| ([0-9.]+),", unit="GiB",
+          fmt=".1f"),
     Ratio("fsdp2-8b-vs-hf", "8B full FT, FSDP2 over 4 GPUs, 16K: offloadkit's step over HF checkpointing's",
-          "fsdp2-8b-step", "fsdp2-8b-hf-step", fmt=".2f"),
+          "fsdp2-8b-step", "fsdp2-8b-hf-step", fmt=".3f"),
+    Claim("fsdp2-8b-2-hf-step", "8B full FT, FSDP2 over 2 GPUs, 16K a rank, HF checkpointing: step", _FSDP2_16K_2,
+          pattern=r"\| hf_ckpt \| ([0-9.]+) \|", unit="s", fmt=".3f", quoted=False),
+    Claim("fsdp2-8b-2-step", "8B full FT, FSDP2 over 2 GPUs, 16K a rank, offloadkit: step", _FSDP2_16K_2,
+          pattern=r"\| ckpt\+input_offload\+backward_adamw \| ([0-9.]+) \|", unit="s", fmt=".3f", quoted=False),
+    Ratio("fsdp2-8b-2-vs-hf", "8B full FT, FSDP2 over 2 GPUs, 16K: offloadkit's step over HF checkpointing's",
+          "fsdp2-8b-2-step", "fsdp2-8b-2-hf-step", fmt=".3f"),
     Claim("fsdp2-8b-cpuoff-step", "8B full FT, FSDP2 CPUOffloadPolicy over 4 GPUs, 16K a rank: step", _CPUOFF_16K,
           "rows[mode=cpu_offload_policy].step_s", unit="s", fmt=".2f"),
     Claim("fsdp2-8b-64k-peak", "8B full FT, FSDP2 over 4 GPUs, 64K a rank, offloadkit: peak", _FSDP2_64K,
@@ -204,6 +215,17 @@ CLAIMS: list[Claim | Ratio] = [
           "model_tflops_per_gpu", fmt=".0f", quoted=False),
     Ratio("cp-full2", "weak scaling at 128K a GPU, full depth: 2 GPUs' model TFLOP/s per GPU over one GPU's",
           "cp-full2-tflops", "cp-full1-tflops", fmt=".2f"),
+    Claim("cp-full4-tflops", "128K a GPU, 32 layers: model TFLOP/s per GPU over 4", _CP_FULL4,
+          "model_tflops_per_gpu", fmt=".0f", quoted=False),
+    Ratio("cp-full4", "weak scaling at 128K a GPU, full depth: 4 GPUs' model TFLOP/s per GPU over one GPU's",
+          "cp-full4-tflops", "cp-full1-tflops", fmt=".2f"),
+    # The full-depth host and disk footprint of the planner's longest over 4 uncapped H200s (stand-in compute).
+    Claim("foot4-tokens", "8B LoRA over 4 H200s: the planner's longest, full-depth footprint run", _FOOT4, "seq_len",
+          unit="tokens", fmt=",.0f"),
+    Claim("foot4-rss", "8B LoRA over 4 H200s, full-depth footprint: a rank's peak RSS", _FOOT4, "peak_rss_gib",
+          unit="GiB", fmt=".1f"),
+    Claim("foot4-disk", "8B LoRA over 4 H200s, full-depth footprint: a rank's bytes on disk", _FOOT4,
+          "disk_written_gib", unit="GiB", fmt=".1f"),
     # 8B LoRA at 16K and 32K on one H100, Hugging Face checkpointing against everything on.
     Claim("lora8b-16k-hf-step", "8B LoRA, 16K, one H100, HF checkpointing: step", _CAP,
           _probe("hf_ckpt", 16384, 32, "step_s"), unit="s"),
@@ -370,6 +392,14 @@ RECORDED: dict[str, dict[str, Recorded]] = {
     _RESIDENT: {"command": Recorded(_r("full-ft/README.md"), r"Command:\s*`(RUNS=\"streamed-bf16-16k [^`]*)`")},
     _STREAMED: {"command": Recorded(_r("full-ft/README.md"), r"Command:\s*`(RUNS=\"streamed-bf16-16k [^`]*)`")},
     _WEIGHTS: {"command": Recorded(_r("weights/README.md"), r"\n\s+(torchrun [^\n]*weights_offload\.py[^\n]*)")},
+    _FSDP2_16K: {
+        "commit": Recorded(_r(_FSDP2_SAME + "command.txt"), r"^commit ([0-9a-f]{7,40})"),
+        "command": Recorded(_r(_FSDP2_SAME + "command.txt"), r"\n  (torchrun [^\n]*?)\s*>"),
+    },
+    _FSDP2_16K_2: {
+        "commit": Recorded(_r(_FSDP2_SAME + "command.txt"), r"^commit ([0-9a-f]{7,40})"),
+        "command": Recorded(_r(_FSDP2_SAME + "command.txt"), r"\n  (torchrun [^\n]*?)\s*>"),
+    },
     _FIRST: {
         "commit": Recorded(_r("first-run/README.md"), r"GPU figures \(`gpu/`, library code of ([0-9a-f]{7,40})"),
         "command": Recorded(_r("first-run/README.md"), r"GPU figures \(`gpu/`, [^)]*?made by `([^`]+)`"),
