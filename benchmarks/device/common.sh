@@ -9,7 +9,7 @@ say() { echo "$(( $(date +%s) - start )) s: $*" | tee -a "$OUT/progress.txt"; }
 cap() { python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 "$@"; }
 # The tests that need two GPUs, and deal_suite N: the other GPU test files dealt round-robin,
 # largest first, into groups[0..N-1] (one pytest per GPU).
-MULTI="tests/gpu/test_distributed_updates_cuda.py tests/gpu/test_context_parallel_cuda.py"
+MULTI="tests/gpu/test_distributed_updates_cuda.py tests/gpu/test_context_parallel_cuda.py tests/gpu/test_multinode_cuda.py"
 deal_suite() {
   local files i
   mapfile -t files < <(for f in tests/gpu/test_*_cuda.py; do

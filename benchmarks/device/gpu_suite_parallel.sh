@@ -9,7 +9,7 @@ GPUS=$(nvidia-smi -L | wc -l)
 { python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
   python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -1
   nvidia-smi -L; echo "commit ${OFFLOADKIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } | tee "$OUT/env.txt"
-MULTI="tests/gpu/test_distributed_updates_cuda.py tests/gpu/test_context_parallel_cuda.py"
+MULTI="tests/gpu/test_distributed_updates_cuda.py tests/gpu/test_context_parallel_cuda.py tests/gpu/test_multinode_cuda.py"
 mapfile -t files < <(for f in tests/gpu/test_*_cuda.py; do
   [[ " $MULTI " == *" $f "* ]] && continue; echo "$(grep -c 'def test' "$f") $f"; done | sort -rn | cut -d' ' -f2)
 declare -a groups

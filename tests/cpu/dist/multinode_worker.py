@@ -2,7 +2,11 @@
 0 and 1) meet at a rendezvous on localhost, two ranks each, every host with its own spill
 directory and its own RAM budget (``NODE_DIR``, ``NODE_HOST_BYTES``, set per launcher as each
 host's command line would). DDP over the four ranks with block inputs offloaded to each host's
-disk; the step against the same four batches in one process. Prints ``RESULT multinode``."""
+disk; the step against the same four batches in one process. Prints ``RESULT multinode``.
+
+On CPU over gloo by default; with ``OFFLOADKIT_TEST_DEVICE=cuda``, one GPU a rank over NCCL
+(each launcher given its host's GPUs by ``CUDA_VISIBLE_DEVICES``): the block inputs then go
+device -> pinned RAM -> this host's disk and back."""
 
 import os
 
@@ -16,10 +20,15 @@ from offloadkit.storage.disk import DiskOptions
 from offloadkit.testing import build_llama, make_batch
 
 
+DEVICE = os.environ.get("OFFLOADKIT_TEST_DEVICE", "cpu")
+
+
 def main() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     node_dir = os.environ["NODE_DIR"]
     host_bytes = int(os.environ["NODE_HOST_BYTES"])
@@ -31,20 +40,21 @@ def main() -> None:
     assert budgets.host_bytes == host_bytes // 2 and budgets.disk_bytes == (8 << 30) // 2, budgets
 
     torch.manual_seed(0)
-    reference = build_llama("tiny", num_hidden_layers=3)
-    model = DistributedDataParallel(build_llama("tiny", num_hidden_layers=3))
-    # Block inputs spill to this host's own directory (CPU tensors here: offloaded explicitly).
+    device = torch.device(DEVICE, torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+    reference = build_llama("tiny", num_hidden_layers=3).to(device)
+    model = DistributedDataParallel(build_llama("tiny", num_hidden_layers=3).to(device))
+    # Block inputs spill to this host's own directory (CPU tensors: offloaded explicitly).
     handle = apply_activation_checkpointing(
-        model.module, offload_inputs=True, offload_cpu_tensors=True, storage="disk",
+        model.module, offload_inputs=True, offload_cpu_tensors=DEVICE == "cpu", storage="disk",
         disk=DiskOptions(directory=node_dir),
     )
     for step in range(2):
         model.zero_grad(set_to_none=True)
-        loss = model(**make_batch(256, 2, 32, seed=10 * step + rank)).loss
+        loss = model(**make_batch(256, 2, 32, seed=10 * step + rank, device=device)).loss
         loss.backward()
         reference.zero_grad(set_to_none=True)
         for r in range(world):
-            (reference(**make_batch(256, 2, 32, seed=10 * step + r)).loss / world).backward()
+            (reference(**make_batch(256, 2, 32, seed=10 * step + r, device=device)).loss / world).backward()
         for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=f"grad {name}")
         with torch.no_grad():
