@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun with g
 WORKER = os.path.join(os.path.dirname(__file__), "dist", "update_worker.py")
 CHECKS = {
     "ddp": ["ddp-adamw", "ddp-sgd", "ddp-bucket-view", "ddp-clip", "ddp-accumulate", "ddp-unused", "ddp-unsaid"],
-    "fsdp2": ["fsdp2-adamw", "fsdp2-sgd", "fsdp2-clip"],
+    "fsdp2": ["fsdp2-adamw", "fsdp2-sgd", "fsdp2-clip", "fsdp2-accumulate-accumulating", "fsdp2-accumulate-no-sync"],
     "cp": ["cp-adamw", "cp-clip"],
     "trainer": ["trainer-ddp-unused-False", "trainer-ddp-unused-None"],
     "trainer_cp": ["trainer-cp"],

@@ -20,9 +20,9 @@ pytestmark = [
 WORKER = os.path.join(os.path.dirname(__file__), "..", "cpu", "dist", "update_worker.py")
 CHECKS = {
     "ddp": ["ddp-adamw", "ddp-sgd", "ddp-bucket-view", "ddp-clip", "ddp-accumulate", "ddp-unused", "ddp-unsaid"],
-    "fsdp2": ["fsdp2-adamw", "fsdp2-sgd", "fsdp2-clip"],
+    "fsdp2": ["fsdp2-adamw", "fsdp2-sgd", "fsdp2-clip", "fsdp2-accumulate-accumulating", "fsdp2-accumulate-no-sync"],
     "cp": ["cp-adamw", "cp-clip"],
-    "trainer_fsdp2": ["trainer-fsdp2"],
+    "trainer_fsdp2": ["trainer-fsdp2", "trainer-fsdp2-accumulate"],
 }
 
 

@@ -164,6 +164,42 @@ def check_fsdp2(rank, world):
         equal(zip(range(len(full[0])), full[0]), full[1], f"FSDP2 {name}")
         same_on_every_rank(full[1], f"FSDP2 {name}")
         report(f"fsdp2-{name}", rank)
+    fsdp2_accumulation(base, rank)
+
+
+def fsdp2_accumulation(base, rank):
+    """Gradient accumulation over 2 micro-steps under FSDP2, the two ways users write it:
+    reduce-scattering every micro-step inside ``opt.accumulating()``, or FSDP2's
+    ``set_requires_gradient_sync(False)`` on the first (nothing reduced, so nothing to update,
+    until the last). Either way one update a step, from the summed gradient, as torch AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    for how in ("accumulating", "no-sync"):
+        models = []
+        for ours in (False, True):
+            model = copy.deepcopy(base)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            opt = adamw(model.parameters(), ours)
+            for step in range(2):
+                for micro in range(2):
+                    last = micro == 1
+                    if how == "no-sync":
+                        model.set_requires_gradient_sync(last)
+                    held = opt.accumulating() if ours and how == "accumulating" and not last else contextlib.nullcontext()
+                    with held:
+                        (model(**batch_for(rank, 10 * step + micro)).loss / 2).backward()
+                    if ours and last:
+                        left = [n for n, p in model.named_parameters() if p.grad is not None]
+                        assert not left, f"FSDP2 accumulation ({how}): not updated in backward: {left[:3]}"
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            models.append(model)
+        full = [[p.full_tensor() for p in m.parameters()] for m in models]
+        equal(zip(range(len(full[0])), full[0]), full[1], f"FSDP2 accumulation ({how})")
+        same_on_every_rank(full[1], f"FSDP2 accumulation ({how})")
+        report(f"fsdp2-accumulate-{how}", rank)
 
 
 def check_cp(rank, world):
@@ -270,7 +306,8 @@ def check_trainer_fsdp2(rank, world):
     """The Trainer mixin under the Trainer's own FSDP2 (``fsdp_config`` version 2, one GPU a
     rank): checkpointing with its inputs offloaded and optimizer_offloading (BackwardAdamW on
     FSDP2's sharded parameters, updated from the reduce-scattered shard in backward); weights
-    those of the plain Trainer with FSDP2 and checkpointing (eager attention), replicas equal."""
+    those of the plain Trainer with FSDP2 and checkpointing (eager attention), replicas equal.
+    Once with one micro-step a step, once accumulating gradients over two."""
     assert DEVICE == "cuda", "accelerate's FSDP2 runs on GPUs"
     import transformers
 
@@ -288,42 +325,45 @@ def check_trainer_fsdp2(rank, world):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             self.counts.append(sum(p.grad is not None for p in model.parameters()))
 
-    left = GradientsLeft()
-    out = tempfile.mkdtemp(prefix=f"offloadkit-fsdp2-trainer-{rank}-")
-    results = []
-    for cls in (transformers.Trainer, OffloadTrainer):
-        torch.manual_seed(0)
-        model = build_llama("tiny", vocab_size=259, attn_implementation="eager")
-        args = transformers.TrainingArguments(
-            output_dir=os.path.join(out, cls.__name__), per_device_train_batch_size=2, max_steps=3,
-            learning_rate=3e-3, max_grad_norm=0.0, optim="adamw_torch", save_strategy="no", report_to=[],
-            disable_tqdm=True, seed=0, remove_unused_columns=False, logging_steps=1, gradient_checkpointing=True,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, fsdp="full_shard auto_wrap",
-            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-        )  # fmt: skip
-        offload = {"gradient_checkpointing": True, "activation_offloading": True, "optimizer_offloading": True}
-        trainer = _trained(cls, OffloadTrainer, model, args, offload, callbacks=[left])
-        params = list(trainer.model.parameters())
-        assert all(type(p).__name__ == "DTensor" for p in params), "the Trainer sharded the model with FSDP2"
-        if cls is OffloadTrainer:
-            opt = trainer.optimizer
-            opt = getattr(opt, "optimizer", opt)
-            assert isinstance(opt, BackwardAdamW) and opt.updates_in_backward, type(opt)
-            some = next(p for p in params if p.dim() == 2)
-            assert opt.state[some]["exp_avg"].shape == some.to_local().shape, "state the size of the shard"
-            assert trainer.offload_report["activations"]["offloaded_bytes"] > 0, trainer.offload_report
-            # The sharded parameters Accelerate gave the optimizer were updated in backward.
-            assert left.counts == [0, 0, 0], left.counts
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        results.append((losses, [p.full_tensor().detach().clone() for p in params]))
-    (ref_losses, ref_weights), (losses, weights) = results
-    # The Trainer's AdamW on CUDA is torch's foreach implementation, BackwardAdamW updates one
-    # parameter at a time: equal arithmetic, not always the same rounding.
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for a, b in zip(weights, ref_weights):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    same_on_every_rank(weights, "Trainer under FSDP2")
-    report("trainer-fsdp2", rank)
+    for accumulation in (1, 2):
+        left = GradientsLeft()
+        out = tempfile.mkdtemp(prefix=f"offloadkit-fsdp2-trainer-{rank}-")
+        results = []
+        for cls in (transformers.Trainer, OffloadTrainer):
+            torch.manual_seed(0)
+            model = build_llama("tiny", vocab_size=259, attn_implementation="eager")
+            args = transformers.TrainingArguments(
+                output_dir=os.path.join(out, cls.__name__), per_device_train_batch_size=2, max_steps=3,
+                gradient_accumulation_steps=accumulation, learning_rate=3e-3, max_grad_norm=0.0,
+                optim="adamw_torch", save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+                remove_unused_columns=False, logging_steps=1, gradient_checkpointing=True,
+                gradient_checkpointing_kwargs={"use_reentrant": False}, fsdp="full_shard auto_wrap",
+                fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+            )  # fmt: skip
+            offload = {"gradient_checkpointing": True, "activation_offloading": True, "optimizer_offloading": True}
+            trainer = _trained(cls, OffloadTrainer, model, args, offload, callbacks=[left])
+            params = list(trainer.model.parameters())
+            assert all(type(p).__name__ == "DTensor" for p in params), "the Trainer sharded the model with FSDP2"
+            if cls is OffloadTrainer:
+                opt = trainer.optimizer
+                opt = getattr(opt, "optimizer", opt)
+                assert isinstance(opt, BackwardAdamW) and opt.updates_in_backward, type(opt)
+                some = next(p for p in params if p.dim() == 2)
+                assert opt.state[some]["exp_avg"].shape == some.to_local().shape, "state the size of the shard"
+                assert trainer.offload_report["activations"]["offloaded_bytes"] > 0, trainer.offload_report
+                # The sharded parameters Accelerate gave the optimizer were updated in backward,
+                # once a step: after the last micro-step's reduction.
+                assert left.counts == [0, 0, 0], left.counts
+            losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+            results.append((losses, [p.full_tensor().detach().clone() for p in params]))
+        (ref_losses, ref_weights), (losses, weights) = results
+        # The Trainer's AdamW on CUDA is torch's foreach implementation, BackwardAdamW updates
+        # one parameter at a time: equal arithmetic, not always the same rounding.
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for a, b in zip(weights, ref_weights):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        same_on_every_rank(weights, f"Trainer under FSDP2, {accumulation} micro-steps a step")
+        report("trainer-fsdp2" if accumulation == 1 else "trainer-fsdp2-accumulate", rank)
 
 
 def check_trainer_cp(rank, world):
