@@ -12,12 +12,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   PYTHONPATH=/tmp/site:$PWD python3 -c "import importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))"
   nvidia-smi -L | head -1; echo "commit ${OFFLOADKIT_COMMIT:-}"; } | tee "$OUT/env.txt"
 
-# FlashAttention-4 and its CuTe DSL runtime, when their wheels were carried (.whl/fa4a, and the
-# cu13 runtime wheel split in two parts over .whl/fa4a and .whl/fa4b: one carry holds 64 MiB).
+# FlashAttention-4 and its CuTe DSL (flash-attn-4, nvidia-cutlass-dsl[cu13] with libs-core,
+# cuda-bindings, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, protobuf), when their wheels
+# were carried in two calls (.whl/fa4a, .whl/fa4b; the cu13 runtime wheel split over both: one
+# carry holds 64 MiB).
 if [ -f .whl/fa4a/cu13.part.aa ] && [ -f .whl/fa4b/cu13.part.ab ]; then
   cat .whl/fa4a/cu13.part.aa .whl/fa4b/cu13.part.ab > /tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/fa4a/*.whl /tmp/nvidia_cutlass_dsl_libs_cu13-*.whl > "$OUT/fa4_install.txt" 2>&1
+    .whl/fa4a/*.whl .whl/fa4b/*.whl /tmp/nvidia_cutlass_dsl_libs_cu13-*.whl > "$OUT/fa4_install.txt" 2>&1
   say "fa4 install rc=$?"
 fi
 # The CuTe DSL finds its packages through a .pth file, which a PYTHONPATH entry does not read.
