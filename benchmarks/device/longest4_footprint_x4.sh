@@ -2,7 +2,8 @@
 # On a host of 4 GPUs (capped to an H100's memory with GPU_GIB=79 on a larger card), what is
 # owed past one GPU after b695acf, one call:
 #   A: two hosts of two GPUs simulated (two torchrun launchers, --nnodes 2, each its own GPUs,
-#      spill directory and RAM budget): DDP with block inputs on each host's disk against one process
+#      spill directory and RAM budget): DDP with block inputs on each host's disk against one process;
+#      then BackwardAdamW under FSDP2 on 2 GPUs (plain, accumulating, through the Trainer)
 #   B: the planner's longest 8B LoRA r=16 sequence over the 4 ranks, context parallel, 1 layer whose
 #      input needs a gradient (a middle layer's memory), all-to-all rotation
 #   C: the full-depth host and disk footprint of that same sequence over the 4 ranks, every rank at
@@ -12,10 +13,14 @@
 . "$(dirname "$0")/common.sh"
 several_gpu_setup
 
-say "A: two hosts of two GPUs"
+say "A: two hosts of two GPUs; FSDP2's updates in backward with gradient accumulation, on 2 GPUs"
 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/gpu/test_multinode_cuda.py \
   > "$OUT/gpu_tests_hosts.txt" 2>&1
 say "two hosts: $(tail -n 1 "$OUT/gpu_tests_hosts.txt")"
+CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+  tests/gpu/test_distributed_updates_cuda.py -k "two_gpus and fsdp2" > "$OUT/gpu_tests_fsdp2.txt" 2>&1
+say "FSDP2 updates, 2 GPUs: $(tail -n 1 "$OUT/gpu_tests_fsdp2.txt")"
+grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
 
 say "B: the planner's longest over 4 ranks, 1 layer"
 timeout 560 torchrun --standalone --nproc_per_node 4 benchmarks/context_parallel.py --shape llama-3-8b --lora-rank 16 \
