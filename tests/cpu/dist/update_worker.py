@@ -128,18 +128,30 @@ def check_ddp(rank, world):
     report("ddp-unsaid", rank)
 
 
-def check_fsdp2(rank, world):
+def sharded(base):
+    """A copy of ``base`` under FSDP2: each decoder layer, then the root."""
     from torch.distributed.fsdp import fully_shard
 
+    model = copy.deepcopy(base)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def same_as_reference(models, what):
+    """The second model's full weights bitwise the first's, and equal on every rank."""
+    full = [[p.full_tensor() for p in m.parameters()] for m in models]
+    equal(zip(range(len(full[0])), full[0]), full[1], what)
+    same_on_every_rank(full[1], what)
+
+
+def check_fsdp2(rank, world):
     torch.manual_seed(0)
     base = build("tiny")
     for name, make, clip in (("adamw", adamw, None), ("sgd", sgd, None), ("clip", adamw, 0.5)):
         models = []
         for ours in (False, True):
-            model = copy.deepcopy(base)
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
+            model = sharded(base)
             opt = (
                 make(model.parameters(), ours)
                 if clip is None or not ours
@@ -160,9 +172,7 @@ def check_fsdp2(rank, world):
                 some = next(p for p in model.parameters() if p.dim() == 2)
                 assert opt.state[some]["exp_avg" if make is adamw else "momentum_buffer"].shape == some.to_local().shape
             models.append(model)
-        full = [[p.full_tensor() for p in m.parameters()] for m in models]
-        equal(zip(range(len(full[0])), full[0]), full[1], f"FSDP2 {name}")
-        same_on_every_rank(full[1], f"FSDP2 {name}")
+        same_as_reference(models, f"FSDP2 {name}")
         report(f"fsdp2-{name}", rank)
     fsdp2_accumulation(base, rank)
 
@@ -172,15 +182,10 @@ def fsdp2_accumulation(base, rank):
     reduce-scattering every micro-step inside ``opt.accumulating()``, or FSDP2's
     ``set_requires_gradient_sync(False)`` on the first (nothing reduced, so nothing to update,
     until the last). Either way one update a step, from the summed gradient, as torch AdamW."""
-    from torch.distributed.fsdp import fully_shard
-
     for how in ("accumulating", "no-sync"):
         models = []
         for ours in (False, True):
-            model = copy.deepcopy(base)
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
+            model = sharded(base)
             opt = adamw(model.parameters(), ours)
             for step in range(2):
                 for micro in range(2):
@@ -196,9 +201,7 @@ def fsdp2_accumulation(base, rank):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             models.append(model)
-        full = [[p.full_tensor() for p in m.parameters()] for m in models]
-        equal(zip(range(len(full[0])), full[0]), full[1], f"FSDP2 accumulation ({how})")
-        same_on_every_rank(full[1], f"FSDP2 accumulation ({how})")
+        same_as_reference(models, f"FSDP2 accumulation ({how})")
         report(f"fsdp2-accumulate-{how}", rank)
 
 
