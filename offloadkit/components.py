@@ -17,7 +17,7 @@ from offloadkit.checkpointing.component import CHECKPOINTING
 from offloadkit.component import Component
 from offloadkit.embeddings.component import EMBEDDINGS
 from offloadkit.engine.component import ACTIVATIONS
-from offloadkit.kernels.component import KERNELS
+from offloadkit.kernels.component import ATTENTION_KERNEL, KERNELS
 from offloadkit.layers.component import LAYER_STREAMING
 from offloadkit.longctx.component import CHUNKED_LOSS, HEAD_GROUPS, TILED_MLP
 from offloadkit.lora.component import FUSED_LORA
@@ -31,6 +31,7 @@ COMPONENTS: tuple[Component, ...] = (
     CHUNKED_LOSS,
     FUSED_LORA,
     KERNELS,
+    ATTENTION_KERNEL,
     TILED_MLP,
     HEAD_GROUPS,
     CHECKPOINTING,

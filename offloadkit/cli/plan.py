@@ -238,8 +238,9 @@ def run_plan(args, log=print) -> int:
         "optimizer": optimizer,
         "parallel": parallel,
         "fused_lora": args.fused_lora if args.fused_lora is not None else bool(args.lora_rank),
-        # Liger's kernels where a run here would have them (offload_plan: auto turns them on).
-        "options": llama_auto_kernels(),
+        # Liger's kernels where a run here would have them (offload_plan: auto turns them on),
+        # and the attention kernel --measure found fastest.
+        "options": llama_auto_kernels() + _measured_attention_kernel(budgets),
     }
     p = plan(model, args.seq_len, **common)
     w, t = p.workload, p.time
@@ -301,3 +302,10 @@ def run_plan(args, log=print) -> int:
         log("")
         log(p.table())
     return 0 if p.fits else 1
+
+
+def _measured_attention_kernel(budgets) -> tuple:
+    from offloadkit.kernels.options import AttentionKernelOptions
+
+    kernel = budgets.rates.attention_kernel
+    return (AttentionKernelOptions(kernel=kernel),) if kernel != "auto" else ()

@@ -10,14 +10,16 @@ from torch import nn
 
 from offloadkit.component import Component, Footprint, FootprintOptions
 from offloadkit.component import FootprintWorkload as Workload
+from offloadkit.kernels.attention import AttentionKernel, apply_attention_kernel, attention_kernel_unusable
 from offloadkit.kernels.liger import LigerKernels, applicable, apply_liger_kernels, liger_unusable
-from offloadkit.kernels.options import KernelOptions
+from offloadkit.kernels.options import AttentionKernelOptions, KernelOptions
 from offloadkit.longctx.footprint import projections_tiled, tiled_mlp_shards
 
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime
 
 __all__ = [
+    "ATTENTION_KERNEL",
     "KERNELS",
     "auto_kernels",
     "effective_kernels",
@@ -123,4 +125,29 @@ KERNELS = Component(
     report=report_kernels,
     footprint=kernels_footprint,
     effective=effective_kernels,
+)
+
+
+def build_attention_kernel(model: nn.Module, options: AttentionKernelOptions, run: OffloadRuntime):
+    if options.kernel == "auto":
+        return None
+    why = attention_kernel_unusable(options.kernel, model)
+    if why is not None:
+        run.note(f"{options.key('kernel')}: {options.kernel} has no effect: {why}")
+        return None
+    return apply_attention_kernel(model, options.kernel)
+
+
+def report_attention_kernel(handle: AttentionKernel) -> dict:
+    return {"attention_kernel": {"kernel": handle.kernel, "attention_modules": len(handle.modules)}}
+
+
+ATTENTION_KERNEL = Component(
+    name="attention_kernel",
+    options=AttentionKernelOptions,
+    why_here=(
+        "wraps each attention module's forward, so its recompute under checkpointing runs the kernel the forward ran"
+    ),
+    build=build_attention_kernel,
+    report=report_attention_kernel,
 )

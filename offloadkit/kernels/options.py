@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from offloadkit.options import Options, option
 
-__all__ = ["KernelOptions"]
+__all__ = ["AttentionKernelOptions", "KernelOptions"]
 
 
 @dataclass
@@ -38,3 +38,31 @@ class KernelOptions(Options):
         for name in ("rms_norm", "glu_activation"):
             if getattr(self, name) is not None:
                 self._bool(name)
+
+
+@dataclass
+class AttentionKernelOptions(Options):
+    """Which fused attention kernel each decoder layer's SDPA calls run.
+
+    Attributes:
+        kernel: ``attention_kernel``: ``auto`` (the default: PyTorch's own choice per call),
+            ``cudnn``, ``flash`` (FlashAttention-2 as built into torch), ``efficient``, or
+            ``fa3`` / ``fa4`` (FlashAttention-3 / -4 through torch's provider registry, in
+            place of the flash kernel for the whole process until the run is closed; FA4
+            needs ``flash-attn-4``, both a Hopper GPU or, for FA4, a Blackwell one). Every
+            kernel is exact attention, each rounding its own way. ``offloadkit plan
+            --measure`` times each one this machine runs and writes the fastest. A kernel that
+            cannot run here (no GPU, not installed, a model whose attention is not SDPA)
+            leaves PyTorch's choice, and a note says why.
+    """
+
+    kernel: str = option("auto", "attention_kernel")
+
+    def __post_init__(self) -> None:
+        from offloadkit.kernels.attention import ATTENTION_KERNELS
+
+        if self.kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"{self.named('kernel')}={self.kernel!r} is not a kernel offloadkit knows; "
+                f"use one of {', '.join(ATTENTION_KERNELS)} (auto: PyTorch's own choice)"
+            )

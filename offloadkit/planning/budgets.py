@@ -147,13 +147,11 @@ class Budgets:
         rates = self.rates
         measured = []
         if torch.cuda.is_available() and shape is not None:
-            try:
-                # Over the key/value head groups long plans split attention into.
-                rate, backend = timed.attention_rate(shape, groups=shape.kv_heads)
-                rates = dataclasses.replace(rates, attention_flops_per_s=rate)
-                measured.append(f"attention ({backend} kernel)")
-            except torch.cuda.OutOfMemoryError:  # no fused kernel for these heads: keep the default
-                pass
+            attention = _fastest_attention(timed, shape)
+            if attention is not None:
+                rate, kernel, said = attention
+                rates = dataclasses.replace(rates, attention_flops_per_s=rate, attention_kernel=kernel)
+                measured.append(said)
             if lora_rank is not None:
                 try:
                     rates = dataclasses.replace(rates, matmul_flops_per_s=timed.linear_rate(shape, lora_rank))
@@ -185,3 +183,31 @@ class Budgets:
             source="measured: " + ", ".join(measured + ["disk"]),
         )
         return self.with_rates(rates)
+
+
+def _fastest_attention(timed, shape) -> tuple[float, str, str] | None:
+    """PyTorch's own attention kernel and each other one this machine runs, timed over the key/value
+    head groups long plans split attention into: (the fastest's rate, its ``attention_kernel``
+    value, auto where PyTorch's choice was the fastest, what was measured), or None."""
+    from offloadkit.kernels.attention import ATTENTION_KERNELS, attention_kernel_unusable
+
+    rates: dict[str, float] = {}
+    picked = None
+    for kernel in ATTENTION_KERNELS:
+        if attention_kernel_unusable(kernel) is not None:
+            continue
+        try:
+            rate, ran = timed.attention_rate(shape, groups=shape.kv_heads, kernel=kernel)
+        except (torch.cuda.OutOfMemoryError, RuntimeError):  # no such kernel for these heads here
+            continue
+        if kernel == "auto":
+            picked = ran
+        rates[kernel] = rate
+    if not rates:
+        return None
+    # PyTorch's choice unless another kernel is measurably (over 2%) faster.
+    best = max(rates, key=rates.__getitem__)
+    if "auto" in rates and rates[best] <= 1.02 * rates["auto"]:
+        best = "auto"
+    timed_ones = ", ".join(f"{k if k != 'auto' else f'auto ({picked})'} {r / 1e12:.0f}" for k, r in rates.items())
+    return rates[best], best, f"attention ({timed_ones} TFLOP/s; fastest: {best})"

@@ -411,7 +411,9 @@ class Plan:
             "",
             "GPU peak parts: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.gpu_parts.items()) + " GiB",
             f"rates ({b.rates.source}): matmul {b.rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s, attention "
-            f"{b.rates.attention_flops_per_s / 1e12:.0f} TFLOP/s, PCIe {b.rates.pcie_bytes_per_s / 1e9:.1f} GB/s, "
+            f"{b.rates.attention_flops_per_s / 1e12:.0f} TFLOP/s"
+            + (f" ({b.rates.attention_kernel} kernel)" if b.rates.attention_kernel != "auto" else "")
+            + f", PCIe {b.rates.pcie_bytes_per_s / 1e9:.1f} GB/s, "
             f"disk write/read {b.rates.disk_write_bytes_per_s / 1e9:.2f}/"
             f"{b.rates.disk_read_bytes_per_s / 1e9:.2f} GB/s"
             + (

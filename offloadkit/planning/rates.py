@@ -54,16 +54,25 @@ def _median_time(fn, repeats: int = 3) -> float:
     return statistics.median(times[1:])
 
 
-def attention_rate(shape, tokens: int = ATTENTION_PROBE_TOKENS, groups: int = 1) -> tuple[float, str]:
+def attention_rate(
+    shape, tokens: int = ATTENTION_PROBE_TOKENS, groups: int = 1, kernel: str = "auto"
+) -> tuple[float, str]:
     """Causal SDPA forward and backward with the model's heads, called as a Llama-family
     attention module calls it: query, key and value are ``[B, S, heads, D]`` projections seen
     as ``[B, heads, S, D]``, key/value heads as they are (no mask), over ``groups`` key/value
-    head groups (:func:`offloadkit.longctx.attention_groups.grouped_attention`, what long plans use).
+    head groups (:func:`offloadkit.longctx.attention_groups.grouped_attention`, what long plans use),
+    with the attention kernel ``kernel`` (``attention_kernel``'s values; auto: PyTorch's choice).
 
     Returns:
         (executed FLOP/s counting 2 S^2 heads x head_dim forward and twice that backward,
         the kernel that ran).
     """
+    if kernel != "auto":
+        from offloadkit.kernels.attention import running
+
+        with running(kernel):
+            rate, _ = attention_rate(shape, tokens, groups)
+        return rate, kernel
     import torch.nn.functional as F
 
     from offloadkit.runtime.attention_ops import sdpa_backend

@@ -125,6 +125,9 @@ class Rates:
     network_bytes_per_s: float = NETWORK_BYTES_PER_S
     fused_lora_matmul_flops_per_s: float | None = None
     liger_saving_s_per_flop: float | None = None
+    # The attention kernel attention_flops_per_s was measured with: the fastest here ("auto":
+    # PyTorch's own choice was, or nothing else was measured).
+    attention_kernel: str = "auto"
 
     def linear_flops_per_s(self, fused_lora: bool = False, liger_kernels: int = 0) -> float:
         """The rate of the work outside attention: with ``fused_lora``, the measured fused rate,

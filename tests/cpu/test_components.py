@@ -33,6 +33,7 @@ APPLY_ORDER = (
     "chunked_loss",  # replaces the loss: the timeline's head hooks see it as the forward's tail
     "fused_lora",  # the adapted projections' forward, which the tiled projections then call
     "kernels",  # the norms' and gated MLPs' forwards, which the tiled MLP and norms then call
+    "attention_kernel",  # the attention modules' SDPA backend, in their forward and recompute
     "tiled_mlp",  # wraps modules inside the blocks, before checkpointing wraps the blocks
     "head_groups",  # likewise, the attention modules
     "checkpointing",  # replaces the blocks' forwards before the timeline and the manager exist
@@ -49,6 +50,7 @@ ARCHITECTURE_NAMES = {
     "head_groups": "attention head groups",
     "fused_lora": "fused LoRA",
     "kernels": "Liger's kernels",
+    "attention_kernel": "attention kernel",
     "checkpointing": "checkpointing",
     "activations": "activation offloading",
     "layer_streaming": "layer streaming",
