@@ -31,6 +31,8 @@ import sys
 import threading
 import time
 
+import yaml
+
 from offloadkit.bench.modes import MODES, PROBE_MODES
 from offloadkit.bench.provenance import provenance
 
@@ -257,7 +259,7 @@ def run_probe(spec: dict) -> dict:
     if setup.config is None:
         setup.enable(model, None)  # an in-process mode (ckpt: Hugging Face checkpointing)
     else:
-        config = setup.config({**spec, "seq_len": seq})
+        config = {**setup.config({**spec, "seq_len": seq}), **spec.get("extra", {})}
         runtime = prepare(model, config)
         out["config"] = {k: v for k, v in runtime.config.to_dict().items() if v not in (None, False)}
     params = [q for q in model.parameters() if q.requires_grad]
@@ -410,11 +412,24 @@ def main(argv=None) -> int:
         default=None,
         help="everything probes: drop and replay this many block inputs (0: none), whatever the plan says",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key on top of each probe's mode (YAML value), e.g. attention_kernel=fa4",
+    )
     ap.add_argument("--out", default="capacity-results")
     ap.add_argument("--name", default="capacity")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budgets-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    extra = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item}: write KEY=VALUE")
+        extra[key] = yaml.safe_load(value)
     if args.budgets_only:
         print("BUDGETS " + json.dumps(_detect_budgets(args)), flush=True)
         return 0
@@ -515,6 +530,7 @@ def main(argv=None) -> int:
             disk_dir=args.disk_dir,
             breakdown=args.peak_breakdown,
             kernel_breakdown=args.kernel_breakdown,
+            extra=extra,
         )
         full = full_depth(
             args.shape, chosen["mode"], chosen["seq_len"], chosen["layers"], args.lora_rank, host_budget, budgets

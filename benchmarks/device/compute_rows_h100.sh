@@ -41,14 +41,20 @@ PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/full_ft_peers.py --out "$OU
   --modes offloadkit,offloadkit+liger,offloadkit+chunked_loss+liger --seq-len 16384 > "$OUT/full_ft.log" 2>&1
 say "full ft rc=$?"; grep -E "^\| offloadkit" "$OUT/full_ft.log" | tee -a "$OUT/progress.txt"
 
-row() {  # NAME PROBE with|without
+row() {  # NAME PROBE with|without [capacity.py arguments]
   local path=$PWD; [ "$3" = with ] && path=$SITE:$PWD
   PYTHONPATH=$path timeout 300 python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 --kernel-breakdown \
-    --probes "$2" --budget-s 280 --out "$OUT/rows" --name "$1" 2>&1 | grep -E "^\| auto" | tail -1 | tee -a "$OUT/progress.txt"
+    --probes "$2" --budget-s 280 --out "$OUT/rows" --name "$1" "${@:4}" 2>&1 | grep -E "^\| auto" | tail -1 \
+    | tee -a "$OUT/progress.txt"
   say "$1"
 }
 row auto-65536-32L-eager "auto:65536:32:1:2" without
 row auto-65536-32L-liger "auto:65536:32:1:2" with
 row auto-262144-2L-eager "auto:262144:2:1:2" without
 row auto-262144-2L-liger "auto:262144:2:1:2" with
+# Where FlashAttention-4 ran in the comparison above: the 256K and 64K rows with it.
+if grep -q '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/attention.log" 2>/dev/null; then
+  row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" with --set attention_kernel=fa4
+  row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" with --set attention_kernel=fa4
+fi
 say "done"
