@@ -21,7 +21,11 @@ def source_commit() -> str | None:
     """The commit of the offloadkit checkout that is running: ``git rev-parse HEAD`` where the
     package's own directory is the top of a git checkout (not the working directory, which may
     be another checkout; nor a repository around a tree copied without ``.git``, whose HEAD is
-    not this tree's), else ``$OFFLOADKIT_COMMIT`` (set for such a copy), else None."""
+    not this tree's), else ``$OFFLOADKIT_COMMIT`` (set for such a copy), else None.
+
+    Where tracked files differ from that HEAD (edits not committed, or a newer tree copied
+    over an older checkout), HEAD is not what ran: ``$OFFLOADKIT_COMMIT`` if set, else HEAD
+    marked ``-dirty``."""
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         out = subprocess.run(
@@ -37,8 +41,26 @@ def source_commit() -> str | None:
     if out is not None and out.returncode == 0:
         lines = out.stdout.split()
         if len(lines) == 2 and os.path.realpath(lines[0]) == os.path.realpath(here):
-            return lines[1]
+            if not _tracked_changes(here):
+                return lines[1]
+            return os.environ.get(COMMIT_ENV) or f"{lines[1]}-dirty"
     return os.environ.get(COMMIT_ENV) or None
+
+
+def _tracked_changes(top: str) -> bool:
+    """Whether tracked files in the checkout at ``top`` differ from its HEAD (True if unknown)."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=top,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return out.returncode != 0 or bool(out.stdout.strip())
 
 
 def _version(package: str) -> str | None:

@@ -33,7 +33,8 @@ def test_provenance_records_the_run(monkeypatch):
     assert got["torch"] == torch.__version__
     assert got["command"] == "benchmarks/capacity.py --shape llama-3-8b --probes everything:65536:32:1:2"
     assert shlex.split(got["command"]) == got["argv"]
-    assert got["commit"] == _git_head()  # None outside a git checkout, without the variable
+    head = _git_head()  # None outside a git checkout, without the variable
+    assert got["commit"] in (head, f"{head}-dirty")  # -dirty: tracked files edited since HEAD
     if not torch.cuda.is_available():
         assert got["gpu"] is None
     json.dumps(got)  # it goes into JSON as it is
@@ -68,8 +69,43 @@ def test_git_wins_over_the_environment(monkeypatch):
     head = _git_head()
     if head is None:
         pytest.skip("not a git checkout")
+    if prov_module._tracked_changes(prov_module.__file__.rsplit("/offloadkit/", 1)[0]):
+        pytest.skip("tracked files differ from HEAD here")
     monkeypatch.setenv(COMMIT_ENV, "not-this-one")
     assert source_commit() == head
+
+
+def _checkout_with_provenance(tmp_path):
+    """A git checkout holding a copy of the module at offloadkit/bench/, committed; the copy
+    loaded, and its HEAD."""
+    import importlib.util
+
+    top = tmp_path / "checkout"
+    copied = top / "offloadkit" / "bench" / "provenance.py"
+    copied.parent.mkdir(parents=True)
+    shutil.copy(prov_module.__file__, copied)
+    ident = ["-c", "user.email=a@b", "-c", "user.name=a"]
+    subprocess.run(["git", "init", "-q", str(top)], check=True)
+    subprocess.run(["git", "-C", str(top), "add", "."], check=True)
+    subprocess.run(["git", "-C", str(top), *ident, "commit", "-q", "-m", "x"], check=True)
+    head = subprocess.run(["git", "-C", str(top), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    spec = importlib.util.spec_from_file_location("provenance_checkout", copied)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, copied, head
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_tree_that_differs_from_its_head_is_not_called_head(tmp_path, monkeypatch):
+    """A newer tree copied over an older checkout (or edits not committed): HEAD is not what
+    ran. The commit the operator gives wins then; without one, HEAD marked -dirty."""
+    module, copied, head = _checkout_with_provenance(tmp_path)
+    monkeypatch.delenv(COMMIT_ENV, raising=False)
+    assert module.source_commit() == head
+    copied.write_text(copied.read_text() + "\n# changed\n")
+    assert module.source_commit() == f"{head}-dirty"
+    monkeypatch.setenv(COMMIT_ENV, "feedbee")
+    assert module.source_commit() == "feedbee"
 
 
 def test_save_report_writes_provenance_and_keeps_a_reports_own(tmp_path, monkeypatch):
