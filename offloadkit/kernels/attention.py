@@ -60,7 +60,7 @@ def sdpa_context(kernel: str):
 def _module_found(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package that is missing or broken
+    except Exception:  # a parent package that is missing, or fails as it is imported
         return False
 
 
