@@ -135,7 +135,11 @@ def build_attention_kernel(model: nn.Module, options: AttentionKernelOptions, ru
     if why is not None:
         run.note(f"{options.key('kernel')}: {options.kernel} has no effect: {why}")
         return None
-    return apply_attention_kernel(model, options.kernel)
+    try:
+        return apply_attention_kernel(model, options.kernel)
+    except ImportError as exc:  # a provider whose own imports fail (FA4 without its CuTe DSL)
+        run.note(f"{options.key('kernel')}: {options.kernel} has no effect: {type(exc).__name__}: {exc}")
+        return None
 
 
 def report_attention_kernel(handle: AttentionKernel) -> dict:

@@ -159,3 +159,24 @@ def test_the_plan_writes_the_measured_kernel_and_says_it():
     auto = Budgets(79 << 30, 100 << 30, 100 << 30)
     assert _measured_attention_kernel(auto) == ()
     assert "attention_kernel" not in plan("llama-3-8b", 65536, lora_rank=16, budgets=auto).to_config()
+
+
+def test_a_provider_whose_imports_fail_is_noted_and_nothing_stays_wrapped(monkeypatch):
+    from offloadkit.kernels import attention as attention_module
+    from offloadkit.kernels import component as kernels_component
+
+    monkeypatch.setattr(kernels_component, "attention_kernel_unusable", lambda kernel, model=None: None)
+    monkeypatch.setattr(attention_module, "attention_kernel_unusable", lambda kernel, model=None: None)
+
+    def failing(kernel):
+        raise ModuleNotFoundError("No module named 'cutlass.cute'")
+
+    monkeypatch.setattr(attention_module, "_activate", failing)
+    model = _model()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        runtime = prepare(model, {"attention_kernel": "fa4"})
+    assert runtime.handles["attention_kernel"] is None
+    assert runtime.notes == ["attention_kernel: fa4 has no effect: ModuleNotFoundError: No module named 'cutlass.cute'"]
+    assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
+    runtime.close()
