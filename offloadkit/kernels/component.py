@@ -146,6 +146,14 @@ def report_attention_kernel(handle: AttentionKernel) -> dict:
     return {"attention_kernel": {"kernel": handle.kernel, "attention_modules": len(handle.modules)}}
 
 
+def attention_kernel_footprint(w: Workload, f: FootprintOptions) -> Footprint:
+    """Nothing beyond the planner's own attention count: every kernel saves the attention
+    output and its log-sum-exp for backward, and the backward's workspace the planner counts is
+    cuDNN's (an fp32 copy of the query gradient, and more), which the flash kernels' fp32 query
+    gradient accumulator does not exceed."""
+    return Footprint()
+
+
 ATTENTION_KERNEL = Component(
     name="attention_kernel",
     options=AttentionKernelOptions,
@@ -154,4 +162,5 @@ ATTENTION_KERNEL = Component(
     ),
     build=build_attention_kernel,
     report=report_attention_kernel,
+    footprint=attention_kernel_footprint,
 )
