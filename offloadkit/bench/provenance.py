@@ -27,17 +27,7 @@ def source_commit() -> str | None:
     over an older checkout), HEAD is not what ran: ``$OFFLOADKIT_COMMIT`` if set, else HEAD
     marked ``-dirty``."""
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        out = None
+    out = _git(here, "rev-parse", "--show-toplevel", "HEAD")
     if out is not None and out.returncode == 0:
         lines = out.stdout.split()
         if len(lines) == 2 and os.path.realpath(lines[0]) == os.path.realpath(here):
@@ -47,20 +37,18 @@ def source_commit() -> str | None:
     return os.environ.get(COMMIT_ENV) or None
 
 
+def _git(cwd: str, *args: str) -> subprocess.CompletedProcess | None:
+    """``git args`` run in ``cwd`` (None where git cannot run)."""
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _tracked_changes(top: str) -> bool:
     """Whether tracked files in the checkout at ``top`` differ from its HEAD (True if unknown)."""
-    try:
-        out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=top,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return True
-    return out.returncode != 0 or bool(out.stdout.strip())
+    out = _git(top, "status", "--porcelain", "--untracked-files=no")
+    return out is None or out.returncode != 0 or bool(out.stdout.strip())
 
 
 def _version(package: str) -> str | None:

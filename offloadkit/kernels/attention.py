@@ -28,7 +28,7 @@ import importlib.util
 import torch
 from torch import nn
 
-from offloadkit.models.blocks import attention_module, find_blocks
+from offloadkit.models.blocks import attention_modules
 from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
 
@@ -187,14 +187,7 @@ def apply_attention_kernel(model: nn.Module, kernel: str) -> AttentionKernel:
     why = attention_kernel_unusable(kernel, model)
     if why is not None:
         raise ValueError(f"attention kernel {kernel!r} cannot run here: {why}")
-    base = unwrap_model(model)
-    modules = []
-    for name, block in find_blocks(base):
-        found = attention_module(block)
-        if found is not None:
-            modules.append((f"{name}.{found[0]}", found[1]))
-    if not modules:
-        raise ValueError(f"no attention modules found in the decoder layers of {type(base).__name__}")
+    modules = attention_modules(model)
     handle = AttentionKernel(kernel, modules)
     handle._attach()
     return handle

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from offloadkit.models.blocks import attention_module, find_blocks
+from offloadkit.models.blocks import attention_modules
 from offloadkit.models.forwards import ForwardWraps
-from offloadkit.models.heads import unwrap_model
 from offloadkit.runtime.dtensor import DTensorLayout, is_dtensor, local_tensor
 from offloadkit.runtime.ring import SDPA, is_sdpa
 
@@ -214,14 +213,7 @@ def apply_attention_head_groups(model: nn.Module, groups: int) -> AttentionHeadG
     """
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 2:
         raise ValueError(f"groups={groups!r} must be an integer >= 2 (1 runs attention whole: do not apply)")
-    base = unwrap_model(model)
-    modules = []
-    for name, block in find_blocks(base):
-        found = attention_module(block)
-        if found is not None:
-            modules.append((f"{name}.{found[0]}", found[1]))
-    if not modules:
-        raise ValueError(f"no attention modules found in the decoder layers of {type(base).__name__}")
+    modules = attention_modules(model)
     handle = AttentionHeadGroups(modules, groups)
     handle._attach()
     return handle

@@ -15,7 +15,7 @@ from torch import nn
 
 from offloadkit.models.heads import unwrap_model
 
-__all__ = ["find_blocks", "attention_module"]
+__all__ = ["find_blocks", "attention_module", "attention_modules"]
 
 Predicate = Callable[[str, nn.Module], bool]
 
@@ -109,3 +109,21 @@ def attention_module(block: nn.Module) -> tuple[str, nn.Module] | None:
         if isinstance(module, nn.Module):
             return attr, module
     return None
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every decoder layer's attention module, as ``(qualified name, module)`` pairs (PEFT
+    wrappers looked through).
+
+    Raises:
+        ValueError: the model's decoder layers have none.
+    """
+    base = unwrap_model(model)
+    modules = []
+    for name, block in find_blocks(base):
+        found = attention_module(block)
+        if found is not None:
+            modules.append((f"{name}.{found[0]}", found[1]))
+    if not modules:
+        raise ValueError(f"no attention modules found in the decoder layers of {type(base).__name__}")
+    return modules
