@@ -47,7 +47,7 @@ def _git(cwd: str, *args: str) -> subprocess.CompletedProcess | None:
 
 def _tracked_changes(top: str) -> bool:
     """Whether tracked files in the checkout at ``top`` differ from its HEAD (True if unknown)."""
-    out = _git(top, "status", "--porcelain", "--untracked-files=no")
+    out = _git(top, "--no-optional-locks", "status", "--porcelain", "--untracked-files=no")
     return out is None or out.returncode != 0 or bool(out.stdout.strip())
 
 

@@ -239,8 +239,8 @@ def run_plan(args, log=print) -> int:
         "parallel": parallel,
         "fused_lora": args.fused_lora if args.fused_lora is not None else bool(args.lora_rank),
         # Liger's kernels where a run here would have them (offload_plan: auto turns them on),
-        # and the attention kernel --measure found fastest.
-        "options": llama_auto_kernels() + _measured_attention_kernel(budgets),
+        # and the attention kernel --measure found fastest (ring attention picks its own).
+        "options": llama_auto_kernels() + (() if parallel.splits_sequence else _measured_attention_kernel(budgets)),
     }
     p = plan(model, args.seq_len, **common)
     w, t = p.workload, p.time

@@ -12,18 +12,21 @@ for a long causal call). ``attention_kernel`` names one instead:
   FA3 needs its ``flash_attn_interface`` build and compute capability 9.0, FA4 the
   ``flash-attn-4`` package (CuTe DSL) and capability 9.0 or 10.0.
 
-Every kernel is exact attention; they differ by rounding (``benchmarks/attention_kernels.py``
-holds each against the default on the same inputs and times them at a model's lengths:
-choose by that measurement). The kernels keep the same outputs for backward (the attention
-output and its log-sum-exp), so kept attention outputs, head groups and context parallelism
-work with each.
+The named kernel comes first in SDPA's priority order and the others after it: a call it
+cannot take (a mask, for the flash kernels) falls back, the same way in forward and in the
+recompute. Every kernel is exact attention; they differ by rounding
+(``benchmarks/attention_kernels.py`` holds each against the default on the same inputs and
+times them at a model's lengths: choose by that measurement). The kernels keep the same
+outputs for backward (the attention output and its log-sum-exp), so kept attention outputs
+and head groups work with each. Under context parallelism the ring attention picks its own
+kernels (flash or cuDNN), and the key has no effect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
+import importlib
 
 import torch
 from torch import nn
@@ -43,25 +46,33 @@ __all__ = [
 
 ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient", "fa3", "fa4")
 _MARK = "_offloadkit_attention_kernel"
-# Provider name in torch's registry, the module it imports, the compute capabilities it runs on.
-_PROVIDERS = {"fa3": ("FA3", "flash_attn_interface", (9,)), "fa4": ("FA4", "flash_attn.cute", (9, 10))}
+# Provider name in torch's registry, the module torch's provider imports, the compute
+# capabilities it runs on.
+_PROVIDERS = {"fa3": ("FA3", "flash_attn_interface", (9,)), "fa4": ("FA4", "flash_attn.cute.interface", (9, 10))}
+# The attention implementation context parallelism switches the model to (parallel/context.py).
+_RING = "offloadkit_context_parallel"
 
 
 def sdpa_context(kernel: str):
-    """A context in which SDPA calls run ``kernel`` (a null context for ``auto``)."""
+    """A context in which SDPA calls prefer ``kernel`` (a null context for ``auto``): first in
+    SDPA's priority order, the others after it, so a call it cannot take (a mask for the flash
+    kernels, say) falls back the same way in forward and in the recompute."""
     if kernel == "auto":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    return sdpa_kernel([backend.get(kernel, SDPBackend.FLASH_ATTENTION)])
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    pinned = first.get(kernel, SDPBackend.FLASH_ATTENTION)
+    rest = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel([pinned, *(b for b in rest if b != pinned)], set_priority=True)
 
 
-def _module_found(name: str) -> bool:
+def _provider_import_error(module: str) -> str | None:
     try:
-        return importlib.util.find_spec(name) is not None
-    except Exception:  # a parent package that is missing, or fails as it is imported
-        return False
+        importlib.import_module(module)
+    except Exception as exc:  # not installed, or its own imports fail (FA4 without its CuTe DSL)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def attention_kernel_unusable(kernel: str, model: nn.Module | None = None) -> str | None:
@@ -71,57 +82,77 @@ def attention_kernel_unusable(kernel: str, model: nn.Module | None = None) -> st
     if kernel == "auto":
         return None
     if model is not None:
-        impl = getattr(getattr(unwrap_model(model), "config", None), "_attn_implementation", "sdpa")
+        config = getattr(unwrap_model(model), "config", None)
+        impl = getattr(config, "_attn_implementation", "sdpa")
+        if impl == _RING:
+            return "context parallelism runs its own ring attention kernels (flash or cuDNN)"
         if impl not in (None, "sdpa"):
             return f"the model's attention is {impl!r}, not SDPA (load it with attn_implementation='sdpa')"
+        heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+        if kernel == "efficient" and kv_heads not in (None, heads):
+            return "the efficient kernel takes no grouped key/value heads"
     if not torch.cuda.is_available():
         return None if kernel == "flash" else "it needs a CUDA GPU"  # SDPA has a flash kernel for CPUs
+    major = torch.cuda.get_device_capability()[0]
+    if kernel in ("cudnn", "flash") and major < 8:
+        return f"it needs compute capability 8.0 or later, not {major}.x"
     if kernel in _PROVIDERS:
         provider, module, capabilities = _PROVIDERS[kernel]
         from torch.nn import attention
 
         if provider not in getattr(attention, "list_flash_attention_impls", lambda: [])():
             return f"torch {torch.__version__} has no {provider} provider (torch.nn.attention)"
-        major = torch.cuda.get_device_capability()[0]
+        if not hasattr(attention, "restore_flash_attention_impl"):
+            return f"torch {torch.__version__} cannot restore its own flash kernel after {provider}"
         if major not in capabilities:
             return f"{provider} runs on compute capability {' or '.join(f'{c}.0' for c in capabilities)}, not {major}.x"
-        if not _module_found(module):
+        failed = _provider_import_error(module)
+        if failed is not None:
             package = "flash-attn-4" if kernel == "fa4" else "FlashAttention-3 (its hopper/ build)"
-            return f"{module} is not installed (install {package})"
+            return f"{module} does not import ({failed}; install {package})"
     return None
 
 
-def _activate(kernel: str) -> str | None:
-    """Activate ``kernel``'s flash provider (FA3, FA4) in torch's registry; its name, or None."""
+def _activate(kernel: str) -> tuple[str, str | None] | None:
+    """Activate ``kernel``'s flash provider (FA3, FA4) in torch's registry: (its name, the
+    provider active before), or None for a kernel without one."""
     if kernel not in _PROVIDERS:
         return None
-    from torch.nn.attention import activate_flash_attention_impl
+    from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl
 
-    provider = _PROVIDERS[kernel][0]
+    provider, before = _PROVIDERS[kernel][0], current_flash_attention_impl()
     activate_flash_attention_impl(provider)
-    return provider
+    return provider, before
 
 
-def _restore(provider: str) -> None:
-    """Torch's own flash kernel again, if ``provider`` is still the active one."""
-    from torch.nn import attention
+def _restore(activated: tuple[str, str | None]) -> None:
+    """The provider active before ``activated`` again (torch's own flash kernel if none), if
+    ``activated``'s is still the active one."""
+    from torch.nn.attention import (
+        activate_flash_attention_impl,
+        current_flash_attention_impl,
+        restore_flash_attention_impl,
+    )
 
-    restore = getattr(attention, "restore_flash_attention_impl", None)
-    current = getattr(attention, "current_flash_attention_impl", lambda: None)()
-    if restore is not None and current == provider:
-        restore()
+    provider, before = activated
+    if current_flash_attention_impl() != provider:
+        return  # someone activated another since: theirs stays
+    if before is None:
+        restore_flash_attention_impl()
+    else:
+        activate_flash_attention_impl(before)
 
 
 @contextlib.contextmanager
 def running(kernel: str):
-    """SDPA calls inside run ``kernel`` (its provider active for the duration)."""
-    provider = _activate(kernel)
+    """SDPA calls inside prefer ``kernel`` (its provider active for the duration)."""
+    activated = _activate(kernel)
     try:
         with sdpa_context(kernel):
             yield
     finally:
-        if provider is not None:
-            _restore(provider)
+        if activated is not None:
+            _restore(activated)
 
 
 class AttentionKernel:
@@ -136,7 +167,7 @@ class AttentionKernel:
     def __init__(self, kernel: str, modules: list[tuple[str, nn.Module]]) -> None:
         self.kernel, self.modules = kernel, modules
         self._wraps = ForwardWraps(_MARK)
-        self._provider: str | None = None
+        self._provider: tuple[str, str | None] | None = None
 
     def _attach(self) -> None:
         self._wraps.wrap_all(

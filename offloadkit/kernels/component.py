@@ -137,7 +137,7 @@ def build_attention_kernel(model: nn.Module, options: AttentionKernelOptions, ru
         return None
     try:
         return apply_attention_kernel(model, options.kernel)
-    except ImportError as exc:  # a provider whose own imports fail (FA4 without its CuTe DSL)
+    except (ImportError, RuntimeError) as exc:  # a provider whose imports fail, or that lacks its kernels
         run.note(f"{options.key('kernel')}: {options.kernel} has no effect: {type(exc).__name__}: {exc}")
         return None
 

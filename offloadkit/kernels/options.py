@@ -49,11 +49,13 @@ class AttentionKernelOptions(Options):
             ``cudnn``, ``flash`` (FlashAttention-2 as built into torch), ``efficient``, or
             ``fa3`` / ``fa4`` (FlashAttention-3 / -4 through torch's provider registry, in
             place of the flash kernel for the whole process until the run is closed; FA4
-            needs ``flash-attn-4``, both a Hopper GPU or, for FA4, a Blackwell one). Every
-            kernel is exact attention, each rounding its own way. ``offloadkit plan
-            --measure`` times each one this machine runs and writes the fastest. A kernel that
-            cannot run here (no GPU, not installed, a model whose attention is not SDPA)
-            leaves PyTorch's choice, and a note says why.
+            needs ``flash-attn-4``, both a Hopper GPU or, for FA4, a Blackwell one). The kernel
+            comes first in SDPA's priority order in each attention module (a call it cannot
+            take falls back). Every kernel is exact attention, each rounding its own way.
+            ``offloadkit plan --measure`` times each one this machine runs and writes the
+            fastest. A kernel that cannot run here (no GPU, not installed, a model whose
+            attention is not SDPA, context parallelism's ring attention, grouped key/value
+            heads for ``efficient``) leaves PyTorch's choice, and a note says why.
     """
 
     kernel: str = option("auto", "attention_kernel")

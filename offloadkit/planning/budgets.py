@@ -192,13 +192,19 @@ def _fastest_attention(timed, shape) -> tuple[float, str, str] | None:
     from offloadkit.kernels.attention import ATTENTION_KERNELS, attention_kernel_unusable
 
     rates: dict[str, float] = {}
+    failed: dict[str, str] = {}
     picked = None
     for kernel in ATTENTION_KERNELS:
         if attention_kernel_unusable(kernel) is not None:
             continue
         try:
             rate, ran = timed.attention_rate(shape, groups=shape.kv_heads, kernel=kernel)
-        except (torch.cuda.OutOfMemoryError, RuntimeError):  # no such kernel for these heads here
+        except torch.cuda.OutOfMemoryError:
+            continue
+        except Exception as exc:  # no such kernel for these heads here, or a provider that fails
+            if kernel == "auto":
+                raise
+            failed[kernel] = type(exc).__name__
             continue
         if kernel == "auto":
             picked = ran
@@ -210,4 +216,5 @@ def _fastest_attention(timed, shape) -> tuple[float, str, str] | None:
     if "auto" in rates and rates[best] <= 1.02 * rates["auto"]:
         best = "auto"
     timed_ones = ", ".join(f"{k if k != 'auto' else f'auto ({picked})'} {r / 1e12:.0f}" for k, r in rates.items())
-    return rates[best], best, f"attention ({timed_ones} TFLOP/s; fastest: {best})"
+    failures = "".join(f"; {k} failed ({why})" for k, why in failed.items())
+    return rates[best], best, f"attention ({timed_ones} TFLOP/s; fastest: {best}{failures})"

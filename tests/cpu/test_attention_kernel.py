@@ -1,14 +1,15 @@
-"""``attention_kernel``: the SDPA backend each decoder layer's attention runs, in its forward and
-in its recompute under checkpointing; what cannot run here is refused by name (Python) or
-noted with no effect (config); ``remove()`` restores the modules. On a CPU only SDPA's flash
-kernel runs, which is also PyTorch's own choice there, so a run with it is bitwise the plain
-one. (Each kernel on CUDA: ``tests/gpu/test_attention_kernel_cuda.py``.)"""
+"""``attention_kernel``: the SDPA backend each decoder layer's attention prefers, in its forward
+and in its recompute under checkpointing; what cannot run here is refused by name (Python) or
+noted with no effect (config); ``remove()`` restores the modules. On a CPU, SDPA runs its CPU
+flash kernel whatever comes first in the priority order, so a run is bitwise the plain one.
+(Each kernel on CUDA: ``tests/gpu/test_attention_kernel_cuda.py``.)"""
 
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from offloadkit.checkpointing import apply_activation_checkpointing
 from offloadkit.compose import prepare
@@ -21,19 +22,13 @@ pytest.importorskip("transformers")
 
 @pytest.fixture
 def sdpa_calls(monkeypatch):
-    """At each SDPA call (the forward's, and the recompute's in backward): the backends it may use."""
+    """At each SDPA call (the forward's, and the recompute's in backward): the backend first in
+    SDPA's priority order (read through torch's own getter: nothing public tells it)."""
     calls = []
     real = F.scaled_dot_product_attention
 
     def spy(*args, **kwargs):
-        b = torch.backends.cuda
-        enabled = {
-            "flash": b.flash_sdp_enabled(),
-            "cudnn": b.cudnn_sdp_enabled(),
-            "efficient": b.mem_efficient_sdp_enabled(),
-            "math": b.math_sdp_enabled(),
-        }
-        calls.append(enabled)
+        calls.append(SDPBackend(torch._C._get_sdp_priority_order()[0]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
@@ -51,31 +46,38 @@ def _loss_and_grads(model):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_flash_pins_every_layers_sdpa_calls_in_forward_and_recompute_and_is_bitwise_plain_on_cpu(sdpa_calls):
-    reference = _loss_and_grads(_model())
-    assert all(c["math"] and c["flash"] for c in sdpa_calls)  # every backend open: PyTorch's choice
-    model = _model()
+def test_the_kernel_comes_first_in_every_layers_forward_and_recompute_and_is_bitwise_plain_on_cpu(
+    sdpa_calls, monkeypatch
+):
+    from offloadkit.kernels import attention as attention_module
+
+    # The efficient kernel needs CUDA: its place in the order is what is checked here.
+    monkeypatch.setattr(attention_module, "attention_kernel_unusable", lambda kernel, model=None: None)
+    reference = _loss_and_grads(_model(num_key_value_heads=4))
+    default = sdpa_calls[0]
+    assert default != SDPBackend.EFFICIENT_ATTENTION
+    model = _model(num_key_value_heads=4)
     ckpt = apply_activation_checkpointing(model)
-    handle = apply_attention_kernel(model, "flash")
+    handle = apply_attention_kernel(model, "efficient")
     assert len(handle.modules) == 2
     sdpa_calls.clear()
     got = _loss_and_grads(model)
     # Two layers in forward, the same two again in the checkpoint's recompute.
-    assert sdpa_calls == [{"flash": True, "cudnn": False, "efficient": False, "math": False}] * 4
+    assert sdpa_calls == [SDPBackend.EFFICIENT_ATTENTION] * 4
     assert torch.equal(got[0], reference[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], reference[1]))
-    # Outside the attention modules the backends are as they were.
-    assert torch.backends.cuda.math_sdp_enabled()
+    # Outside the attention modules the order is as it was.
+    assert SDPBackend(torch._C._get_sdp_priority_order()[0]) == default
     handle.remove()
     ckpt.remove()
     assert all("forward" not in m.__dict__ for _, m in handle.modules)
     sdpa_calls.clear()
     _loss_and_grads(model)
-    assert len(sdpa_calls) == 2 and all(c["math"] for c in sdpa_calls)  # PyTorch's own choice again
+    assert sdpa_calls == [default] * 2  # PyTorch's own order again
 
 
 def test_kernels_that_cannot_run_here_are_refused_by_name():
-    model = _model()
+    model = _model(num_key_value_heads=4)
     for kernel in ("cudnn", "efficient", "fa3", "fa4"):
         why = attention_kernel_unusable(kernel, model)
         assert why == "it needs a CUDA GPU", (kernel, why)
@@ -130,6 +132,8 @@ def test_measuring_picks_the_fastest_kernel_and_keeps_pytorchs_choice_within_two
 
         def attention_rate(self, shape, groups=1, kernel="auto"):
             self.asked.append((kernel, groups))
+            if kernel == "fa3":
+                raise ModuleNotFoundError("No module named 'cutlass.cute'")
             if self.rates.get(kernel) is None:
                 raise RuntimeError("No available kernel")
             return self.rates[kernel], "cudnn" if kernel == "auto" else kernel
@@ -138,11 +142,18 @@ def test_measuring_picks_the_fastest_kernel_and_keeps_pytorchs_choice_within_two
     timed = Timed({"auto": 480e12, "cudnn": 481e12, "flash": 400e12, "efficient": 300e12, "fa3": None, "fa4": 560e12})
     rate, kernel, said = budgets_module._fastest_attention(timed, shape)
     assert (rate, kernel) == (560e12, "fa4")
-    assert said == "attention (auto (cudnn) 480, cudnn 481, flash 400, efficient 300, fa4 560 TFLOP/s; fastest: fa4)"
+    assert said == (
+        "attention (auto (cudnn) 480, cudnn 481, flash 400, efficient 300, fa4 560 TFLOP/s; fastest: fa4; "
+        "fa3 failed (ModuleNotFoundError))"
+    )
     assert {g for _, g in timed.asked} == {shape.kv_heads}  # over the head groups long plans use
     # Within 2% of PyTorch's own choice: keep it (nothing to write in the config).
     timed = Timed({"auto": 480e12, "cudnn": 481e12, "flash": 489e12})
     assert budgets_module._fastest_attention(timed, shape)[:2] == (480e12, "auto")
+    # The kernels that could not run here are said, not timed.
+    assert budgets_module._fastest_attention(timed, shape)[2].endswith(
+        "fastest: auto; efficient failed (RuntimeError); fa3 failed (ModuleNotFoundError); fa4 failed (RuntimeError))"
+    )
 
 
 def test_the_plan_writes_the_measured_kernel_and_says_it():
@@ -180,3 +191,39 @@ def test_a_provider_whose_imports_fail_is_noted_and_nothing_stays_wrapped(monkey
     assert runtime.notes == ["attention_kernel: fa4 has no effect: ModuleNotFoundError: No module named 'cutlass.cute'"]
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
     runtime.close()
+
+
+def test_refusals_name_what_stands_in_the_way():
+    grouped = _model()  # 4 heads, 2 key/value heads
+    assert attention_kernel_unusable("efficient", grouped) == "the efficient kernel takes no grouped key/value heads"
+    ring = _model()
+    ring.config._attn_implementation = "offloadkit_context_parallel"
+    assert attention_kernel_unusable("flash", ring) == (
+        "context parallelism runs its own ring attention kernels (flash or cuDNN)"
+    )
+
+
+def test_removing_a_provider_brings_back_the_one_before_unless_another_came_since(monkeypatch):
+    from torch.nn import attention as torch_attention
+
+    from offloadkit.kernels import attention as attention_module
+
+    state = {"active": "FA3"}
+    monkeypatch.setattr(torch_attention, "current_flash_attention_impl", lambda: state["active"])
+    monkeypatch.setattr(torch_attention, "activate_flash_attention_impl", lambda name: state.update(active=name))
+    monkeypatch.setattr(torch_attention, "restore_flash_attention_impl", lambda: state.update(active=None))
+    monkeypatch.setattr(attention_module, "attention_kernel_unusable", lambda kernel, model=None: None)
+    model = _model()
+    handle = apply_attention_kernel(model, "fa4")
+    assert state["active"] == "FA4"
+    handle.remove()
+    assert state["active"] == "FA3"  # the user's provider again, not torch's default
+    state["active"] = None
+    handle = apply_attention_kernel(model, "fa4")
+    state["active"] = "FA3"  # activated by someone else meanwhile
+    handle.remove()
+    assert state["active"] == "FA3"
+    state["active"] = None
+    with attention_module.running("fa4"):
+        assert state["active"] == "FA4"
+    assert state["active"] is None
