@@ -157,7 +157,7 @@ def running(kernel: str):
 
 class AttentionKernel:
     """What :func:`apply_attention_kernel` attached; ``remove()`` restores the modules (and
-    torch's own flash kernel where a provider was activated).
+    the flash provider active before, or torch's own flash kernel, where one was activated).
 
     Attributes:
         kernel: the kernel's name.
@@ -186,8 +186,8 @@ class AttentionKernel:
             return original(*args, **kwargs)
 
     def remove(self) -> None:
-        """Restore every module's forward, and torch's flash kernel if this handle's provider
-        is still the active one."""
+        """Restore every module's forward, and the flash provider active before this handle's
+        (torch's own flash kernel if none) while this handle's is still the active one."""
         self._wraps.remove()
         if self._provider is not None:
             _restore(self._provider)
