@@ -25,6 +25,11 @@ fi
 # The CuTe DSL finds its packages through a .pth file, which a PYTHONPATH entry does not read.
 SITE=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 
+say "attention kernel option on this GPU (FlashAttention-4 included where it imports)"
+PYTHONPATH=$SITE:$PWD timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+  tests/gpu/test_attention_kernel_cuda.py > "$OUT/gpu_tests_attention_kernel.txt" 2>&1
+say "attention kernel tests: $(tail -n 1 "$OUT/gpu_tests_attention_kernel.txt")"
+
 say "attention kernels: SDPA's default against FlashAttention-4 and FlexAttention, 64K and 256K"
 PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/attention_kernels.py --seq 65536,262144 --kernels fa4,flex \
   --out "$OUT/attention" > "$OUT/attention.log" 2>&1

@@ -4,6 +4,7 @@
 #   A: two hosts of two GPUs simulated (two torchrun launchers, --nnodes 2, each its own GPUs,
 #      spill directory and RAM budget): DDP with block inputs on each host's disk against one process;
 #      then BackwardAdamW under FSDP2 on 2 GPUs (plain, accumulating, through the Trainer)
+#      and, meanwhile, the single-GPU suite on GPUs 2 and 3
 #   B: the planner's longest 8B LoRA r=16 sequence over the 4 ranks, context parallel, 1 layer whose
 #      input needs a gradient (a middle layer's memory), all-to-all rotation
 #   C: the full-depth host and disk footprint of that same sequence over the 4 ranks, every rank at
@@ -17,9 +18,17 @@ say "A: two hosts of two GPUs; FSDP2's updates in backward with gradient accumul
 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/gpu/test_multinode_cuda.py \
   > "$OUT/gpu_tests_hosts.txt" 2>&1
 say "two hosts: $(tail -n 1 "$OUT/gpu_tests_hosts.txt")"
+# Meanwhile the single-GPU suite on GPUs 2 and 3 (everything GPU-facing since the last run).
+deal_suite 2
+for g in 0 1; do
+  CUDA_VISIBLE_DEVICES=$(( g + 2 )) timeout 330 python3 -m pytest -m gpu -q --timeout 240 -p no:cacheprovider -rfE \
+    ${groups[$g]} > "$OUT/gpu_tests_$(( g + 2 )).txt" 2>&1 &
+done
 CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
   tests/gpu/test_distributed_updates_cuda.py -k "two_gpus and fsdp2" > "$OUT/gpu_tests_fsdp2.txt" 2>&1
 say "FSDP2 updates, 2 GPUs: $(tail -n 1 "$OUT/gpu_tests_fsdp2.txt")"
+wait
+say "single-GPU suite: $(tail -n 1 "$OUT/gpu_tests_2.txt") | $(tail -n 1 "$OUT/gpu_tests_3.txt")"
 grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
 
 say "B: the planner's longest over 4 ranks, 1 layer"
