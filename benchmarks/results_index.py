@@ -109,8 +109,9 @@ _CP_FULL1 = _r("multi-gpu/h200x4-2a931d1/cp/cp-llama-3-8b-1x131072-32L.json")
 _CP_FULL2 = _r("multi-gpu/h200x4-2a931d1/cp/cp-llama-3-8b-2x131072-32L.json")
 _CP_FULL4 = _r("multi-gpu/h200x4-b695acf/cp/cp-llama-3-8b-4x131072-32L.json")
 _FOOT4 = _r("multi-gpu/h200x4-b695acf/footprint/footprint-llama-3-8b-5289984-rank0of4.json")
+_FOOT4_CAPPED = _r("multi-gpu/h200x4-3dddea8/footprint/footprint-llama-3-8b-3180544-rank1of4.json")
 _FUSED = _r("fused-lora/h100-caa6bbc/summary.json")
-_LIGER = "liger/h100-9bd14ab/rows/"
+_LIGER = "compute/h100-3dddea8/rows/"
 _LIGER_64K_EAGER = _r(_LIGER + "auto-65536-32L-eager.json")
 _LIGER_64K = _r(_LIGER + "auto-65536-32L-liger.json")
 _LIGER_256K = _r(_LIGER + "auto-262144-2L-liger.json")
@@ -226,6 +227,12 @@ CLAIMS: list[Claim | Ratio] = [
           unit="GiB", fmt=".1f"),
     Claim("foot4-disk", "8B LoRA over 4 H200s, full-depth footprint: a rank's bytes on disk", _FOOT4,
           "disk_written_gib", unit="GiB", fmt=".1f"),
+    Claim("foot4cap-tokens", "8B LoRA over 4 H200s capped to 79 GiB: the planner's longest, full-depth footprint run",
+          _FOOT4_CAPPED, "seq_len", unit="tokens", fmt=",.0f"),
+    Claim("foot4cap-rss", "the same: a rank's peak RSS (the highest of the 4)", _FOOT4_CAPPED, "peak_rss_gib",
+          unit="GiB", fmt=".1f"),
+    Claim("foot4cap-disk", "the same: a rank's bytes on disk", _FOOT4_CAPPED, "disk_written_gib", unit="GiB",
+          fmt=".1f"),
     # 8B LoRA at 16K and 32K on one H100, Hugging Face checkpointing against everything on.
     Claim("lora8b-16k-hf-step", "8B LoRA, 16K, one H100, HF checkpointing: step", _CAP,
           _probe("hf_ckpt", 16384, 32, "step_s"), unit="s"),
