@@ -10,7 +10,11 @@ for a long causal call). ``attention_kernel`` names one instead:
   provider registry (``torch.nn.attention.activate_flash_attention_impl``). The provider
   replaces the flash kernel for the whole process until ``remove()`` restores torch's own;
   FA3 needs its ``flash_attn_interface`` build and compute capability 9.0, FA4 the
-  ``flash-attn-4`` package (CuTe DSL) and capability 9.0 or 10.0.
+  ``flash-attn-4`` package (CuTe DSL) and capability 9.0 or 10.0. FA4 goes through torch's
+  provider with an interface that returns what torch unpacks whatever the release returns
+  (``offloadkit/runtime/flash_providers.py``). Before it is used, a provider runs one small
+  causal call forward and backward against attention in fp32: one that fails it, or differs,
+  is refused with what happened.
 
 The named kernel comes first in SDPA's priority order and the others after it: a call it
 cannot take (a mask, for the flash kernels) falls back, the same way in forward and in the
@@ -34,21 +38,27 @@ from torch import nn
 from offloadkit.models.blocks import attention_modules
 from offloadkit.models.forwards import ForwardWraps
 from offloadkit.models.heads import unwrap_model
+from offloadkit.runtime.flash_providers import FA4_MODULE, FA4_PROVIDER, register_fa4
 
 __all__ = [
     "ATTENTION_KERNELS",
     "AttentionKernel",
     "apply_attention_kernel",
     "attention_kernel_unusable",
+    "probe_error",
     "running",
     "sdpa_context",
 ]
 
 ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient", "fa3", "fa4")
 _MARK = "_offloadkit_attention_kernel"
-# Provider name in torch's registry, the module torch's provider imports, the compute
-# capabilities it runs on.
-_PROVIDERS = {"fa3": ("FA3", "flash_attn_interface", (9,)), "fa4": ("FA4", "flash_attn.cute.interface", (9, 10))}
+# Provider name in torch's registry, the module the provider calls, the compute capabilities
+# it runs on.
+_PROVIDERS = {"fa3": ("FA3", "flash_attn_interface", (9,)), "fa4": (FA4_PROVIDER, FA4_MODULE, (9, 10))}
+# The probe's shape (batch, heads, tokens, head dim) and how far from attention in fp32 a bf16
+# kernel may land, relative to the largest value: a few of bf16's roundings.
+_PROBE_SHAPE = (1, 2, 256, 128)
+_PROBE_TOLERANCE = 2e-2
 # The attention implementation context parallelism switches the model to (parallel/context.py).
 _RING = "offloadkit_context_parallel"
 
@@ -100,6 +110,8 @@ def attention_kernel_unusable(kernel: str, model: nn.Module | None = None) -> st
         provider, module, capabilities = _PROVIDERS[kernel]
         from torch.nn import attention
 
+        if kernel == "fa4" and register_fa4() is None:
+            return f"torch {torch.__version__} has no FA4 provider (torch.nn.attention)"
         if provider not in getattr(attention, "list_flash_attention_impls", lambda: [])():
             return f"torch {torch.__version__} has no {provider} provider (torch.nn.attention)"
         if not hasattr(attention, "restore_flash_attention_impl"):
@@ -110,7 +122,44 @@ def attention_kernel_unusable(kernel: str, model: nn.Module | None = None) -> st
         if failed is not None:
             package = "flash-attn-4" if kernel == "fa4" else "FlashAttention-3 (its hopper/ build)"
             return f"{module} does not import ({failed}; install {package})"
+        return probe_error(kernel, torch.device("cuda", torch.cuda.current_device()))
     return None
+
+
+@functools.cache
+def probe_error(kernel: str, device: torch.device) -> str | None:
+    """Why ``kernel`` fails one small causal attention call, forward and backward, on
+    ``device``, or lands farther than bf16's rounding from attention in fp32; None: it passes.
+    (An installed provider can import and still not run: a release whose functions torch's
+    provider calls with arguments or results it does not expect.)"""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(_PROBE_SHAPE, device=device, generator=generator).to(torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    )
+    grad_out = torch.randn(_PROBE_SHAPE, device=device, generator=generator).to(torch.bfloat16)
+    name = _PROVIDERS[kernel][0] if kernel in _PROVIDERS else kernel
+    try:
+        with running(kernel):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    except Exception as exc:  # the provider's own failure, whatever its kind: reported, not raised
+        return f"{name} fails a probe call ({type(exc).__name__}: {exc})"
+    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out_ref = _causal_attention(*exact)
+    grads_ref = torch.autograd.grad(out_ref, exact, grad_out.float())
+    for what, got, ref in zip(("output", "dq", "dk", "dv"), (out, *grads), (out_ref, *grads_ref)):
+        diff = (got.float() - ref).abs().max().item()
+        if not diff <= _PROBE_TOLERANCE * max(1.0, ref.abs().max().item()):
+            return f"{name}'s {what} differs from causal attention in fp32 by {diff:.2e} on a probe call"
+    return None
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d), causal) v, written out: the probe's reference."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(above, float("-inf")).softmax(-1) @ v
 
 
 def _activate(kernel: str) -> tuple[str, str | None] | None:
@@ -120,6 +169,8 @@ def _activate(kernel: str) -> tuple[str, str | None] | None:
         return None
     from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl
 
+    if kernel == "fa4":
+        register_fa4()
     provider, before = _PROVIDERS[kernel][0], current_flash_attention_impl()
     activate_flash_attention_impl(provider)
     return provider, before

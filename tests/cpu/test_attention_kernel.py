@@ -215,7 +215,7 @@ def test_removing_a_provider_brings_back_the_one_before_unless_another_came_sinc
     monkeypatch.setattr(attention_module, "attention_kernel_unusable", lambda kernel, model=None: None)
     model = _model()
     handle = apply_attention_kernel(model, "fa4")
-    assert state["active"] == "FA4"
+    assert state["active"] == "offloadkit-FA4"
     handle.remove()
     assert state["active"] == "FA3"  # the user's provider again, not torch's default
     state["active"] = None
@@ -225,5 +225,78 @@ def test_removing_a_provider_brings_back_the_one_before_unless_another_came_sinc
     assert state["active"] == "FA3"
     state["active"] = None
     with attention_module.running("fa4"):
-        assert state["active"] == "FA4"
+        assert state["active"] == "offloadkit-FA4"
     assert state["active"] is None
+
+
+def test_fa4_reaches_torchs_provider_through_an_interface_that_returns_what_it_unpacks(monkeypatch):
+    """flash-attn-4 4.0.0b36's forward returns five values and torch's FA4 provider unpacks
+    two: every FA4 call failed. The interface torch's provider is given returns two (and three
+    from the backward), passing every argument through; an older release's two pass as they are."""
+    import sys
+    import types
+
+    from torch.nn import attention as torch_attention
+
+    from offloadkit.runtime import flash_providers
+
+    calls = []
+    fake = types.ModuleType("flash_attn.cute.interface")
+
+    def forward(*args, **kwargs):
+        calls.append(("fwd", args, kwargs))
+        return "out", "lse", "p", "row_max", "o_lo"
+
+    def backward(*args, **kwargs):
+        calls.append(("bwd", args, kwargs))
+        return "dq", "dk", "dv", "dsink"
+
+    fake._flash_attn_fwd, fake._flash_attn_bwd = forward, backward
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", fake)
+    assert flash_providers._flash_attn_fwd(1, 2, 3, causal=True, return_lse=True) == ("out", "lse")
+    assert flash_providers._flash_attn_bwd(1, 2, 3, 4, 5, 6, softmax_scale=0.5) == ("dq", "dk", "dv")
+    assert calls == [
+        ("fwd", (1, 2, 3), {"causal": True, "return_lse": True}),
+        ("bwd", (1, 2, 3, 4, 5, 6), {"softmax_scale": 0.5}),
+    ]
+    fake._flash_attn_fwd = lambda *args, **kwargs: ("out", "lse")
+    assert flash_providers._flash_attn_fwd(1, 2, 3) == ("out", "lse")
+
+    assert flash_providers.register_fa4() == flash_providers.FA4_PROVIDER
+    assert flash_providers.register_fa4() == flash_providers.FA4_PROVIDER  # once
+    names = torch_attention.list_flash_attention_impls()
+    assert flash_providers.FA4_PROVIDER in names and "FA4" in names  # torch's own entry stays
+
+
+def test_a_provider_that_fails_or_misses_a_probe_call_is_refused_with_what_happened(monkeypatch):
+    """An installed provider can import and still fail every call (the FA4 release above): one
+    small causal call, forward and backward, against attention written out in fp32, says so
+    before a model is touched. Run here with CPU kernels standing in for the provider's."""
+    import contextlib
+
+    from offloadkit.kernels import attention as attention_module
+
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention_module, "running", lambda kernel: contextlib.nullcontext())
+    cpu = torch.device("cpu")
+
+    def probe(sdpa):
+        attention_module.probe_error.cache_clear()
+        monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+        return attention_module.probe_error("fa4", cpu)
+
+    assert probe(real) is None  # SDPA's own CPU kernel in bf16 is within the tolerance
+
+    def unpacks(*args, **kwargs):
+        raise ValueError("too many values to unpack (expected 2)")
+
+    assert probe(unpacks) == ("offloadkit-FA4 fails a probe call (ValueError: too many values to unpack (expected 2))")
+    assert probe(lambda *args, **kwargs: real(*args, **kwargs) * 1.1).startswith(
+        "offloadkit-FA4's output differs from causal attention in fp32 by"
+    )
+
+    def wrong_backward(q, k, v, **kwargs):  # the forward right, dk wrong
+        return real(q, k * 1 + (k - k.detach()) * 0.5, v, **kwargs)
+
+    assert probe(wrong_backward).startswith("offloadkit-FA4's dk differs")
+    attention_module.probe_error.cache_clear()
