@@ -15,9 +15,9 @@ default kernel ran on at that length and held against its output and input gradi
 largest difference relative to the default's largest magnitude; bf16 kernels differ by
 rounding, not by more):
 
-- ``fa4``: SDPA's flash backend with FlashAttention-4 activated
-  (``torch.nn.attention.activate_flash_attention_impl("FA4")``: needs ``flash-attn-4`` and its
-  CuTe DSL runtime, compute capability 9.0 or 10.0). It stays active for the rest of the
+- ``fa4``: SDPA's flash backend with FlashAttention-4 activated through torch's FA4 provider,
+  as ``attention_kernel: fa4`` does (needs ``flash-attn-4`` and its CuTe DSL runtime, compute
+  capability 9.0 or 10.0). It stays active for the rest of the
   process, so these cases run last;
 - ``flex``: ``flex_attention`` compiled with a causal block mask.
 
@@ -97,7 +97,11 @@ def _run(
         if backend == "fa4":
             from torch.nn.attention import activate_flash_attention_impl
 
-            activate_flash_attention_impl("FA4")  # SDPA's flash backend runs FlashAttention-4 from here on
+            from offloadkit.runtime.flash_providers import register_fa4
+
+            # SDPA's flash backend runs FlashAttention-4 from here on, through the interface
+            # that returns what torch's provider unpacks (offloadkit/runtime/flash_providers.py).
+            activate_flash_attention_impl(register_fa4() or "FA4")
     except Exception as exc:  # not installed, or not for this GPU
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         return out
