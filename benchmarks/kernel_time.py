@@ -52,12 +52,28 @@ def _gaps(per_stream: dict[int, list], compute: int, top: int = 8) -> dict:
             last = after  # a short kernel inside a long one's interval ends no gap
     longest = []
     for length, a, b, before, after in sorted(found, key=lambda g: -g[0])[:top]:
-        ended = {}
+        ended, in_flight = {}, {}
         for stream, evs in per_stream.items():
-            inside = [e for e in evs if stream != compute and a < e.time_range.end <= b + 5]
+            if stream == compute:
+                continue
+            inside = [e for e in evs if a < e.time_range.end <= b + 5]
             if inside:
                 last = max(inside, key=lambda e: e.time_range.end)
                 ended[str(stream)] = last.name[:60]
+            # Everything the other stream ran while the compute stream waited: a copy queued
+            # behind others there shows as several, the first started before the gap.
+            overlapping = sorted(
+                (e for e in evs if e.time_range.end > a and e.time_range.start < b), key=lambda e: e.time_range.start
+            )
+            if overlapping:
+                in_flight[str(stream)] = [
+                    [
+                        e.name[:32],
+                        round((e.time_range.start - a) / 1e3, 3),
+                        round((e.time_range.end - e.time_range.start) / 1e3, 3),
+                    ]
+                    for e in overlapping[:8]
+                ]
         longest.append(
             {
                 "at_s": round((a - t0) / 1e6, 4),
@@ -65,6 +81,8 @@ def _gaps(per_stream: dict[int, list], compute: int, top: int = 8) -> dict:
                 "before": before.name[:60],
                 "after": after.name[:60],
                 "ended_inside": ended,
+                # Per other stream: [name, start ms from the gap's start, ms] of what ran in it.
+                "in_flight": in_flight,
             }
         )
     return {

@@ -70,6 +70,31 @@ def test_the_compute_streams_gaps_name_what_other_streams_finished_inside_them()
     assert gap["at_s"] == 1.0 and gap["ms"] == 500.0
     assert gap["before"] == "nvjet_tst_gemm" and gap["after"] == "flash_fwd_kernel"
     assert gap["ended_inside"] == {"20": "Memcpy HtoD (Pinned -> Device)", "24": "ncclDevKernel_ReduceScatter"}
+    assert gap["in_flight"] == {
+        "20": [["Memcpy HtoD (Pinned -> Device)", 0.0, 400.0]],
+        "24": [["ncclDevKernel_ReduceScatter", -100.0, 550.0]],
+    }
+
+
+def test_a_copy_queued_behind_others_shows_every_copy_that_ran_during_the_wait():
+    """The compute stream waits 30 ms for a copy that was queued behind two others on the
+    copy stream: all three are listed, the first started before the wait began."""
+    events = [
+        _kernel("elementwise_kernel", 0, 10_000),
+        _kernel("Memcpy DtoD (Device -> Device)", 40_000, 41_000),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 5_000, 15_000, stream=13),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 15_000, 25_000, stream=13),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 25_000, 39_000, stream=13),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 39_500, 45_000, stream=13),  # after the wait
+    ]
+    (gap,) = kernel_time.breakdown(events)["compute_longest_gaps"]
+    assert gap["ms"] == 30.0
+    assert [[start, ms] for _, start, ms in gap["in_flight"]["13"]] == [
+        [-5.0, 10.0],
+        [5.0, 10.0],
+        [15.0, 14.0],
+        [29.5, 5.5],
+    ]
 
 
 def test_a_copy_bound_steps_compute_stream_is_not_its_copy_stream():
