@@ -15,7 +15,12 @@ would need.
     python benchmarks/full_ft_peers.py --out DIR --shapes llama-3.2-3b,llama-3-8b
 
 ``+liger`` after an offloadkit mode runs the norms and the gated MLPs through Liger's kernels
-(liger-kernel installed). Mode ``offloadkit_plan`` is the GPU side of the planner's longest full fine-tune instead:
+(liger-kernel installed); ``+selective`` saves each block's matmul and attention outputs
+(``selective_checkpointing: [mm, attention]``) so its recompute runs only the pointwise ops,
+where the GPU has room for them. ``--kernel-breakdown`` profiles one more step of each mode
+(``benchmarks/kernel_time.py``).
+
+Mode ``offloadkit_plan`` is the GPU side of the planner's longest full fine-tune instead:
 the plan for ``--budgets`` (GPU, host, disk GiB; the GPU's enforced through
 ``gpu_budget_bytes``) at ``--seq-len`` (0: the planner's longest), applied with ``prepare()``
 to a model of ``--layers`` decoder layers (the GPU peak does not grow with depth), with
@@ -110,7 +115,7 @@ def _state_allocation(how: str) -> None:
     StateCopies._allocate = allocate
 
 
-def _build_offloadkit(shape: str, chunked: bool, args, liger: bool = False):
+def _build_offloadkit(shape: str, chunked: bool, args, liger: bool = False, selective: bool = False):
     from offloadkit import use_expandable_segments
     from offloadkit.checkpointing import apply_activation_checkpointing
     from offloadkit.longctx import apply_chunked_loss
@@ -129,7 +134,9 @@ def _build_offloadkit(shape: str, chunked: bool, args, liger: bool = False):
 
         # Before checkpointing, as prepare() orders them: the norms and gating run fused.
         apply_liger_kernels(model)
-    handles = [apply_activation_checkpointing(model, offload_inputs=True)]
+    handles = [
+        apply_activation_checkpointing(model, offload_inputs=True, selective=("mm", "attention") if selective else None)
+    ]
     if chunked:
         handles.append(apply_chunked_loss(model))
     precision = args.precision if args.ours_params else "fp32_master"
@@ -318,7 +325,9 @@ def run_one(mode: str, shape: str, args) -> dict:
     if mode == "offloadkit_plan":
         step, info, seq_len = _build_planned(shape, args)
     elif mode.startswith("offloadkit"):
-        step, info = _build_offloadkit(shape, chunked="+chunked_loss" in mode, args=args, liger="+liger" in mode)
+        step, info = _build_offloadkit(
+            shape, chunked="+chunked_loss" in mode, args=args, liger="+liger" in mode, selective="+selective" in mode
+        )
     elif mode == "fsdp2_cpu_offload":
         step, info = _build_fsdp2(shape)
     else:
@@ -361,6 +370,11 @@ def run_one(mode: str, shape: str, args) -> dict:
     )
     if waits is not None:
         record.update({k: v / args.steps for k, v in waits().items()})  # per timed step
+    if args.kernel_breakdown:
+        from kernel_time import profile_step
+
+        # One more step, profiled: not among the timed ones.
+        record["kernel_breakdown"] = profile_step(lambda: step(batch))
     return record
 
 
@@ -437,6 +451,7 @@ def main() -> None:
         "--update-groups", action="store_true", help="offloadkit modes: state looked ahead by decoder layers"
     )
     ap.add_argument("--disk-dir", default=None, help="offloadkit_plan: where the disk tier writes")
+    ap.add_argument("--kernel-breakdown", action="store_true", help="profile one more step of each mode")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "SHAPE"), help="run one case in this process")
     args = ap.parse_args()
     if args.one:
@@ -462,6 +477,7 @@ def main() -> None:
             cmd += ["--state-allocation", args.state_allocation]
             cmd += ["--update-groups"] if args.update_groups else []
             cmd += ["--empty-cache-each-step"] if args.empty_cache_each_step else []
+            cmd += ["--kernel-breakdown"] if args.kernel_breakdown else []
             if args.disk_dir:
                 cmd += ["--disk-dir", args.disk_dir]
             log = os.path.join(args.out, f"{shape}-{mode}.log")
