@@ -105,17 +105,18 @@ def test_the_adaptive_window_counts_what_the_look_ahead_fetches():
     assert windows[True] == windows[False]
 
 
-def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
+def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins_before_the_blocks_ahead():
     """From the second step (the order of use learned), every kept output is fetched by the
-    scheduler before the recompute asks for it, as its block's recompute begins, and never
-    while another block's outputs wait on the device: one block's at a time, as the recompute
-    would hold them (with the look-ahead, each block ahead would hold its outputs too)."""
+    scheduler before the recompute asks for it, as its block's recompute begins (its input
+    unpacked), ahead of the copies the look-ahead then queues for blocks further on (on one
+    copy stream the recompute's attention would wait behind those), and never while another
+    block's outputs wait on the device: one block's at a time, as the recompute holds them."""
     model = _model()
     handle = _apply(model)
     offloader = handle.offloader
     saved = _record_saves(offloader)
     lane = offloader._shared.lane
-    fetched, taken, outputs_resident, taken_seqs = [], [], [], set()
+    events, taken, outputs_resident, taken_seqs = [], [], [], set()
     fetch = lane.fetch
 
     def fetching(entry):
@@ -125,20 +126,20 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
                 e.group for e in saved if e.gpu is not None and e.group != entry.group and e.seq not in taken_seqs
             }
             outputs_resident.append(waiting)
-            # Not at the head's backward nor with the blocks fetched ahead: as its recompute begins.
-            assert began and entry.group in began[-1], (began, entry.group)
-        fetched.append(entry)
+        events.append(("fetch", entry))
         fetch(entry)
 
     lane.fetch = fetching
-    began: list = []  # the groups of each recompute, as it begins
-    fetch_for_recompute = offloader.fetch_for_recompute
+    backward = offloader._backward
+    unpack = backward.unpack
 
-    def beginning(handles):
-        began.append({h.entry.resolve()[0].group for h in handles})
-        fetch_for_recompute(handles)
+    def unpacking(packed):
+        entry = packed.entry.resolve()[0] if hasattr(packed, "entry") else None
+        if entry is not None and not entry.for_recompute:
+            events.append(("unpack", entry.group))
+        return unpack(packed)
 
-    offloader.fetch_for_recompute = beginning
+    backward.unpack = unpacking
     planner = offloader._shared.planner
     consumed = planner.on_consumed
 
@@ -151,14 +152,14 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
 
     def taking(h):
         entry = h.entry.resolve()[0]
-        taken.append((entry, entry in fetched, entry.gpu is not None))
+        taken.append((entry, any(e is entry for kind, e in events if kind == "fetch"), entry.gpu is not None))
         return restore(h)
 
     offloader.restore_for_recompute = taking
     counter = _CountKernels()
     batch = make_batch(256, 2, 64)
     run_step(model, batch)  # learns the order of use
-    for record in (fetched, taken, outputs_resident, saved, taken_seqs, began):
+    for record in (events, taken, outputs_resident, saved, taken_seqs):
         record.clear()
     with AttentionCalls(counter):
         run_step(model, batch)
@@ -167,6 +168,20 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins():
     # Every one was queued by the scheduler and is on the device when asked for.
     assert all(was_fetched and resident for _, was_fetched, resident in taken), taken
     assert len(outputs_resident) == OUTPUTS and not any(outputs_resident), outputs_resident
+    # Each block's outputs are the first copies queued after its input is unpacked: nothing
+    # of another block (the look-ahead's) goes on the stream between.
+    # (The last block's input stays on the device, unpacked from no storage: its outputs, of no
+    # group, come at its recompute's start, first in backward.)
+    checked = 0
+    for i, (kind, entry) in enumerate(events):
+        if kind != "fetch" or not entry.for_recompute or entry.group is None:
+            continue
+        checked += 1
+        last = max(j for j in range(i) if events[j][0] == "unpack")
+        assert events[last][1] == entry.group, events[last : i + 1]
+        between = [e for k, e in events[last + 1 : i] if k == "fetch"]
+        assert all(e.group == entry.group for e in between), (entry.group, [e.group for e in between])
+    assert checked == OUTPUTS - 2
     handle.remove()
 
 
