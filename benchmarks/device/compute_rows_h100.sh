@@ -1,37 +1,52 @@
 #!/usr/bin/env bash
-# On one H100, liger-kernel under /tmp/site (carried as a wheel in .whl/): the compute side's
-# rows still owed. First the attention kernels (SDPA's default, FlashAttention-4 where its wheels
-# were carried, FlexAttention) at 64K and 256K. The 3B full fine-tune at 16K with fp32 master weights, without and with
-# Liger's kernels (benchmarks/full_ft_peers.py); the 8B LoRA r=16, offload_plan: auto, at 64K
-# over 32 layers and at 256K over 2, without liger-kernel (auto leaves the layers eager) and
-# with it, each with a kernel breakdown (benchmarks/capacity.py --kernel-breakdown). Results
-# under $OUT. Run from .snap; longer than one command: start it with setsid, collect $OUT later.
+# On one H100: the compute side's rows still owed, in one run (about 24 minutes; start it with
+# setsid and collect $OUT with later calls). Wheels come from .whl/ or, carried over several
+# calls (one carry holds 64 MiB), from /tmp/carry/: liger-kernel, FlashAttention-4 and its CuTe
+# DSL (fa4a/, fa4b/: the cu13 runtime wheel split over both), Axolotl's stack (axolotl/). A tree
+# of the commit before, for rows before and after on this machine, in ../.snap_before or
+# ./.snap_before (BEFORE_COMMIT names it).
+#   1. the single-GPU suite (the engine's backward changed), FlashAttention-4 installed
+#   2. attention kernels: SDPA's default against FlashAttention-4, 64K and 256K
+#   3. 8B LoRA r=16, offload_plan: auto, with Liger's kernels: 64K over 32 layers before and
+#      after, then 256K over 2 layers and 64K with attention_kernel=fa4 (where FA4 ran)
+#   4. Axolotl's long-context stack on the same model and tokens, 64K and 256K
+#   5. the 3B full fine-tune at 16K: with Liger's kernels, and with selective checkpointing
+#      too, each with a kernel breakdown
 . "$(dirname "$0")/common.sh"
+mkdir -p .whl
+[ -d /tmp/carry ] && cp -rn /tmp/carry/. .whl/
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-{ python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__, torch.cuda.get_device_name())"
-  PYTHONPATH=/tmp/site:$PWD python3 -c "import importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))"
-  nvidia-smi -L | head -1; echo "commit ${OFFLOADKIT_COMMIT:-}"; } | tee "$OUT/env.txt"
-
-# FlashAttention-4 and its CuTe DSL (flash-attn-4, nvidia-cutlass-dsl[cu13] with libs-core,
-# cuda-bindings, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, protobuf), when their wheels
-# were carried in two calls (.whl/fa4a, .whl/fa4b; the cu13 runtime wheel split over both: one
-# carry holds 64 MiB).
 if [ -f .whl/fa4a/cu13.part.aa ] && [ -f .whl/fa4b/cu13.part.ab ]; then
   cat .whl/fa4a/cu13.part.aa .whl/fa4b/cu13.part.ab > /tmp/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/fa4a/*.whl .whl/fa4b/*.whl /tmp/nvidia_cutlass_dsl_libs_cu13-*.whl > "$OUT/fa4_install.txt" 2>&1
   say "fa4 install rc=$?"
 fi
+if [ -d .whl/axolotl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/axolotl/*.whl > "$OUT/axolotl_install.txt" 2>&1
+  say "axolotl install rc=$?"
+fi
 # The CuTe DSL finds its packages through a .pth file, which a PYTHONPATH entry does not read.
 SITE=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+BEFORE=""
+for d in ../.snap_before .snap_before; do [ -d "$d/offloadkit" ] && BEFORE=$(cd "$d" && pwd) && break; done
+{ python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__, torch.cuda.get_device_name())"
+  PYTHONPATH=$SITE:$PWD python3 -c "
+import importlib.metadata as m
+for p in ('liger-kernel', 'flash-attn-4', 'nvidia-cutlass-dsl', 'axolotl', 'trl'):
+    try: print(p, m.version(p))
+    except m.PackageNotFoundError: print(p, 'not installed')"
+  nvidia-smi -L | head -1; echo "commit ${OFFLOADKIT_COMMIT:-} before ${BEFORE_COMMIT:-} (${BEFORE:-no tree})"; } | tee "$OUT/env.txt"
 
-say "attention kernel option on this GPU (FlashAttention-4 included where it imports)"
-PYTHONPATH=$SITE:$PWD timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs \
-  tests/gpu/test_attention_kernel_cuda.py > "$OUT/gpu_tests_attention_kernel.txt" 2>&1
-say "attention kernel tests: $(tail -n 1 "$OUT/gpu_tests_attention_kernel.txt")"
+say "1: the single-GPU suite, FlashAttention-4 installed"
+PYTHONPATH=$SITE:$PWD timeout 480 python3 -m pytest -m gpu -q --timeout 240 -p no:cacheprovider -rfEs \
+  $(for f in tests/gpu/test_*_cuda.py; do [[ " $MULTI " == *" $f "* ]] || echo "$f"; done) > "$OUT/gpu_tests.txt" 2>&1
+say "suite: $(tail -n 1 "$OUT/gpu_tests.txt")"
+grep -hE "^(FAILED|ERROR)|fa4|fa3" "$OUT/gpu_tests.txt" | head -20 | tee -a "$OUT/progress.txt"
 
-say "attention kernels: SDPA's default against FlashAttention-4 and FlexAttention, 64K and 256K"
-PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/attention_kernels.py --seq 65536,262144 --kernels fa4,flex \
+say "2: attention kernels, SDPA's default against FlashAttention-4"
+PYTHONPATH=$SITE:$PWD timeout 300 python3 benchmarks/attention_kernels.py --seq 65536,262144 --kernels fa4 \
   --out "$OUT/attention" > "$OUT/attention.log" 2>&1
 say "attention rc=$?"; grep -h '^{' "$OUT/attention.log" | python3 -c "
 import json, sys
@@ -41,25 +56,33 @@ for line in sys.stdin:
           f\"fwd {r['forward_ms']} ms {r['forward_tflops']} TF/s, bwd {r['backward_ms']} ms {r['backward_tflops']} TF/s, \"
           f\"diff {r.get('max_rel_diff_vs_default', 0):.1e}\")" | tee -a "$OUT/progress.txt"
 
-say "3B full fine-tune, 16K, fp32 master weights"
-PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/full_ft_peers.py --out "$OUT/full-ft" --shapes llama-3.2-3b \
-  --modes offloadkit,offloadkit+liger,offloadkit+chunked_loss+liger --seq-len 16384 > "$OUT/full_ft.log" 2>&1
-say "full ft rc=$?"; grep -E "^\| offloadkit" "$OUT/full_ft.log" | tee -a "$OUT/progress.txt"
-
-row() {  # NAME PROBE with|without [capacity.py arguments]
-  local path=$PWD; [ "$3" = with ] && path=$SITE:$PWD
-  PYTHONPATH=$path timeout 300 python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 --kernel-breakdown \
-    --probes "$2" --budget-s 280 --out "$OUT/rows" --name "$1" "${@:4}" 2>&1 | grep -E "^\| auto" | tail -1 \
-    | tee -a "$OUT/progress.txt"
+row() {  # NAME PROBE TREE [capacity.py arguments]
+  PYTHONPATH=$SITE:$3 timeout 300 python3 "$3/benchmarks/capacity.py" --shape llama-3-8b --lora-rank 16 \
+    --kernel-breakdown --probes "$2" --budget-s 280 --out "$OUT/rows" --name "$1" "${@:4}" 2>&1 \
+    | grep -E "^\| auto" | tail -1 | tee -a "$OUT/progress.txt"
   say "$1"
 }
-row auto-65536-32L-eager "auto:65536:32:1:2" without
-row auto-65536-32L-liger "auto:65536:32:1:2" with
-row auto-262144-2L-eager "auto:262144:2:1:2" without
-row auto-262144-2L-liger "auto:262144:2:1:2" with
-# Where FlashAttention-4 ran in the comparison above: the 256K and 64K rows with it.
+say "3: 8B LoRA rows"
+row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD"
+[ -n "$BEFORE" ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
 if grep -q '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/attention.log" 2>/dev/null; then
-  row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" with --set attention_kernel=fa4
-  row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" with --set attention_kernel=fa4
+  row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD"
+  row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" "$PWD" --set attention_kernel=fa4
+  row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 fi
+
+if [ -f benchmarks/axolotl_stack.py ] && [ -d .whl/axolotl ]; then
+  say "4: Axolotl's long-context stack"
+  for spec in 65536:32 262144:2; do
+    PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/axolotl_stack.py --shape llama-3-8b --lora-rank 16 \
+      --seq-len "${spec%:*}" --layers "${spec#*:}" --warmup 1 --steps 2 --out "$OUT/axolotl" \
+      > "$OUT/axolotl-${spec%:*}.log" 2>&1
+    say "axolotl ${spec} rc=$? $(grep -E '^\|' "$OUT/axolotl-${spec%:*}.log" | tail -1)"
+  done
+fi
+
+say "5: 3B full fine-tune, 16K, fp32 master weights"
+PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/full_ft_peers.py --out "$OUT/full-ft" --shapes llama-3.2-3b \
+  --modes offloadkit+liger,offloadkit+selective+liger --seq-len 16384 --kernel-breakdown > "$OUT/full_ft.log" 2>&1
+say "full ft rc=$?"; grep -E "^\| llama" "$OUT/full_ft.log" | tee -a "$OUT/progress.txt"
 say "done"
