@@ -7,11 +7,12 @@
 # ./.snap_before (BEFORE_COMMIT names it).
 #   1. the single-GPU suite (the engine's backward changed), FlashAttention-4 installed
 #   2. attention kernels: SDPA's default against FlashAttention-4, 64K and 256K
-#   3. 8B LoRA r=16, offload_plan: auto, with Liger's kernels: 64K over 32 layers before and
-#      after, then 256K over 2 layers and 64K with attention_kernel=fa4 (where FA4 ran)
+#   3. 8B LoRA r=16, offload_plan: auto, with Liger's kernels: 256K over 2 layers without and
+#      with attention_kernel=fa4 (where FA4 ran), 64K over 32 layers before and after (and fa4)
 #   4. Axolotl's long-context stack on the same model and tokens, 64K and 256K
 #   5. the 3B full fine-tune at 16K: with Liger's kernels, and with selective checkpointing
 #      too, each with a kernel breakdown
+#   6. the 8B LoRA at 16K with everything on, before and after
 . "$(dirname "$0")/common.sh"
 mkdir -p .whl
 [ -d /tmp/carry ] && cp -rn /tmp/carry/. .whl/
@@ -59,17 +60,18 @@ for line in sys.stdin:
 row() {  # NAME PROBE TREE [capacity.py arguments]
   PYTHONPATH=$SITE:$3 timeout 300 python3 "$3/benchmarks/capacity.py" --shape llama-3-8b --lora-rank 16 \
     --kernel-breakdown --probes "$2" --budget-s 280 --out "$OUT/rows" --name "$1" "${@:4}" 2>&1 \
-    | grep -E "^\| auto" | tail -1 | tee -a "$OUT/progress.txt"
+    | grep -E "^\| (auto|everything) " | tail -1 | tee -a "$OUT/progress.txt"
   say "$1"
 }
 say "3: 8B LoRA rows"
-row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD"
-[ -n "$BEFORE" ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
 if grep -q '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/attention.log" 2>/dev/null; then
   row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD"
   row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" "$PWD" --set attention_kernel=fa4
-  row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 fi
+row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD"
+[ -n "$BEFORE" ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
+grep -q '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/attention.log" 2>/dev/null \
+  && row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 
 if [ -f benchmarks/axolotl_stack.py ] && [ -d .whl/axolotl ]; then
   say "4: Axolotl's long-context stack"
@@ -85,4 +87,7 @@ say "5: 3B full fine-tune, 16K, fp32 master weights"
 PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/full_ft_peers.py --out "$OUT/full-ft" --shapes llama-3.2-3b \
   --modes offloadkit+liger,offloadkit+selective+liger --seq-len 16384 --kernel-breakdown > "$OUT/full_ft.log" 2>&1
 say "full ft rc=$?"; grep -E "^\| llama" "$OUT/full_ft.log" | tee -a "$OUT/progress.txt"
+say "6: the 16K rows, before and after: 8B LoRA with everything on"
+row everything-16384-32L "everything:16384:32:1:3" "$PWD"
+[ -n "$BEFORE" ] && row everything-16384-32L-before "everything:16384:32:1:3" "$BEFORE"
 say "done"
