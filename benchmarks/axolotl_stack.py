@@ -76,7 +76,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 import types
 from importlib import metadata
@@ -281,7 +280,7 @@ def applied(parts, model, trainer, cfg) -> dict:
 # --------------------------------------------------------------------------- the run
 def run(args, parts) -> dict:
     import torch
-    from capacity import _rss_sampler
+    from capacity import time_steps
 
     from offloadkit.integrations.peft_utils import apply_lora
     from offloadkit.models.zoo import LLAMA_SHAPES, build_llama
@@ -341,34 +340,7 @@ def run(args, parts) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    peak_rss, stop = [0], threading.Event()
-    sampler = threading.Thread(target=_rss_sampler, args=(peak_rss, stop), daemon=True)
-    sampler.start()
-    try:
-        for _ in range(args.warmup):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            out["loss"] = step()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        out["step_times_s"] = [round(x, 3) for x in times]
-        out["step_s"] = sorted(times)[len(times) // 2] if times else None
-        if cuda:
-            out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
-            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
-    except torch.cuda.OutOfMemoryError as exc:
-        out["status"], out["note"] = "oom", str(exc).split("\n")[0][:160]
-        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
-    finally:
-        stop.set()
-        sampler.join()
-    out["host_rss_gib"] = peak_rss[0] / GiB
+    time_steps(step, args.warmup, args.steps, out, cuda=cuda)
     out["applied"] = applied(parts, model, trainer, cfg)
     if out.get("step_s"):
         out["tokens_per_s"] = args.seq_len / out["step_s"]

@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import yaml
@@ -222,13 +221,45 @@ def full_depth(shape: str, mode: str, seq: int, layers: int, lora_rank: int, hos
 
 
 # --------------------------------------------------------------------------- child side
-def _rss_sampler(peak: list, stop: threading.Event) -> None:
-    import psutil
+def time_steps(step, warmup: int, steps: int, out: dict, after_warmup=None, last=None, cuda: bool = True) -> None:
+    """Run ``warmup`` steps, then ``steps`` synchronised timed ones, into ``out``: each step's
+    seconds, the median, its loss, peak GPU memory since the warm-up (allocated, reserved), the
+    process's peak RSS over it all; a CUDA out-of-memory as status "oom". ``after_warmup()``
+    runs before the timing starts; ``last(step)``, given, runs the last step instead (not
+    timed: a profiled or recorded one)."""
+    import torch
 
-    proc = psutil.Process()
-    while not stop.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        stop.wait(0.2)
+    from offloadkit.bench.rss import PeakRss
+
+    rss = PeakRss(interval=0.05).start()
+    try:
+        for _ in range(warmup):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if after_warmup is not None:
+            after_warmup()
+        times = []
+        for i in range(steps):
+            if last is not None and i == steps - 1:
+                last(step)
+                continue
+            t0 = time.perf_counter()
+            out["loss"] = step()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out["step_times_s"] = [round(x, 3) for x in times]
+        out["step_s"] = sorted(times)[len(times) // 2] if times else None
+        if cuda:
+            out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+    except torch.cuda.OutOfMemoryError as exc:
+        out["status"], out["note"] = "oom", str(exc).split("\n")[0][:160]
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
+    finally:
+        out["host_rss_gib"] = rss.stop() / GiB
 
 
 def run_probe(spec: dict) -> dict:
@@ -276,42 +307,20 @@ def run_probe(spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    peak_rss, stop = [0], threading.Event()
-    sampler = threading.Thread(target=_rss_sampler, args=(peak_rss, stop), daemon=True)
-    sampler.start()
-    try:
-        for _ in range(spec["warmup"]):
-            step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    def after_warmup():
         if runtime is not None and runtime.manager is not None:
             runtime.manager.reset_stats()
-        times = []
-        for i in range(spec["steps"]):
-            record = spec.get("breakdown") and i == spec["steps"] - 1
-            if record:  # the last step's allocations, for what is alive at its peak (slower: not timed)
-                torch.cuda.memory._record_memory_history(max_entries=500000)
-            t0 = time.perf_counter()
-            out["loss"] = step()
-            torch.cuda.synchronize()
-            if record:
-                from explain_peak import summary
 
-                out["peak_breakdown"] = summary(torch.cuda.memory._snapshot(), top=30).splitlines()
-                torch.cuda.memory._record_memory_history(enabled=None)
-                continue
-            times.append(time.perf_counter() - t0)
-        out["step_times_s"] = [round(x, 3) for x in times]
-        out["step_s"] = sorted(times)[len(times) // 2] if times else None
-        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
-        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
-    except torch.cuda.OutOfMemoryError as exc:
-        out["status"], out["note"] = "oom", str(exc).split("\n")[0][:160]
-        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
-    finally:
-        stop.set()
-        sampler.join()
-    out["host_rss_gib"] = peak_rss[0] / GiB
+    def recorded(step):  # the last step's allocations, for what is alive at its peak (slower: not timed)
+        from explain_peak import summary
+
+        torch.cuda.memory._record_memory_history(max_entries=500000)
+        out["loss"] = step()
+        torch.cuda.synchronize()
+        out["peak_breakdown"] = summary(torch.cuda.memory._snapshot(), top=30).splitlines()
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    time_steps(step, spec["warmup"], spec["steps"], out, after_warmup, recorded if spec.get("breakdown") else None)
     if runtime is not None:  # the timed steps' totals, before any profiled step
         report = runtime.report()
         storage = report.get("storage") or {}

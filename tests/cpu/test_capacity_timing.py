@@ -1,0 +1,33 @@
+"""The timing loop of ``benchmarks/capacity.py`` (and of the Axolotl stack's rows): warm-up
+steps untimed, the median of the timed ones, the last step handed to a profiler untimed, the
+process's peak RSS over it all."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import capacity  # noqa: E402
+
+
+def test_warmup_is_untimed_and_the_median_of_the_timed_steps_is_the_step():
+    calls, hooks = [], []
+
+    def step():
+        calls.append(len(calls))
+        return float(len(calls))
+
+    out = {}
+    capacity.time_steps(step, 2, 3, out, after_warmup=lambda: hooks.append(len(calls)), cuda=False)
+    assert calls == [0, 1, 2, 3, 4] and hooks == [2]  # the hook between warm-up and timing
+    assert len(out["step_times_s"]) == 3 and round(out["step_s"], 3) == sorted(out["step_times_s"])[1]
+    assert out["loss"] == 5.0 and out["host_rss_gib"] > 0
+    assert "peak_allocated_gib" not in out  # no GPU: no GPU figures
+
+
+def test_the_last_step_goes_to_its_handler_and_is_not_timed():
+    handled = []
+    out = {}
+    capacity.time_steps(lambda: 1.0, 0, 3, out, last=lambda step: handled.append(step()), cuda=False)
+    assert handled == [1.0] and len(out["step_times_s"]) == 2
