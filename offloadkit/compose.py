@@ -261,7 +261,8 @@ def _plans_fused_lora(model: nn.Module, config: OffloadConfig) -> bool:
     if config.fused_lora is None:
         from offloadkit.lora.fused import unfusable_reason
 
-        return unfusable_reason(model) is None
+        # Selective checkpointing that saves matmul outputs refuses the fused path's in-place sum.
+        return unfusable_reason(model) is None and "mm" not in (config.selective_checkpointing or ())
     return config.fused_lora is True
 
 

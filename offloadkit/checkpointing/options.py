@@ -17,7 +17,9 @@ class CheckpointOptions(Options):
     Attributes:
         enabled: ``gradient_checkpointing``: checkpoint every decoder layer (non-reentrant).
         selective: ``selective_checkpointing``: op groups saved instead of recomputed ("mm",
-            "attention"); None recomputes everything.
+            "attention"); None recomputes everything. Every layer holds their outputs on the
+            GPU from forward to backward (the planner counts them); "mm" does not combine
+            with ``fused_lora``.
         gpu_block_inputs: ``gpu_block_inputs``: with offloading, block inputs kept on the GPU
             besides the last block's (the newest, needed first in backward): for a GPU with
             room to spare where RAM and disk are short (``offload_plan: auto`` sets it).

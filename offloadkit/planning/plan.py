@@ -96,8 +96,10 @@ def planned_options(
         >>> option(c, LongContextOptions).loss_chunks
         2
     """
+    # The run's selective checkpointing stays (every candidate counts what it saves).
+    selective = next((o.selective for o in others if type(o) is CheckpointOptions), None)
     return (
-        CheckpointOptions(enabled=True),
+        CheckpointOptions(enabled=True, selective=selective),
         StreamingOptions(enabled=layer_streaming, depth=stream_depth),
         long_context_options(loss_chunks, mlp_shards, tiled_projections, head_groups),
         ActivationOptions(mode=offload_inputs),

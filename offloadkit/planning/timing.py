@@ -9,6 +9,8 @@ FLOPs counted (per token, P = a decoder layer's linear weights x layers):
 - causal attention: 2 S^2 (heads x head_dim) per layer and row forward (half of the
   full square's 4 S^2 d), backward twice that, recompute once more: 8 S^2 d per layer;
 - each dropped block input (recompute placement): one more forward of the block before it;
+- with selective checkpointing, no forward in the recompute of the ops whose outputs it saves
+  (every linear, the attention kernel);
 - with the attention outputs kept (``keep_attention``), no attention forward in the recompute;
   their copies cross the link each way, and the way back is waited for as each layer's
   recompute starts.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offloadkit.checkpointing.footprint import selective_recompute_skips
 from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.component import FootprintOptions
 from offloadkit.engine.options import ActivationOptions
@@ -198,8 +201,10 @@ def step_flops(w: Workload, f: StepOptions) -> tuple[float, float, float, float]
         adapters = s.lora_params(w.lora_rank)
         fwd += 2 * adapters * t
         bwd += 4 * adapters * t
-    if checkpointing:
+    skips_mm, skips_attention = selective_recompute_skips(w, o)
+    if checkpointing and not skips_mm:
         bwd += 2 * p * t + (2 * adapters * t if w.lora_rank else 0)
+    if checkpointing:
         # A tiled MLP runs forward again in its own backward, but a layer's recompute skips
         # it (its output is never read: longctx/tiled_mlp.py, OUTPUT_ONLY_ADDED): two
         # forwards, as untiled. Tiled projections are recomputed and run again: the tiled
@@ -207,7 +212,8 @@ def step_flops(w: Workload, f: StepOptions) -> tuple[float, float, float, float]
         bwd += tiled_mlp_footprint(w, o).backward_flops
     # The whole sequence's causal attention; split over ranks, each computes an even share.
     attn_fwd = 2.0 * w.batch * w.seq_len**2 * s.heads * s.head_dim * s.layers / w.parallel.sequence_ranks
-    attn_bwd = 2 * attn_fwd + (attn_fwd * (1 - keeps_attention(w, o) / s.layers) if checkpointing else 0)
+    recomputed = 0 if skips_attention else 1 - keeps_attention(w, o) / s.layers
+    attn_bwd = 2 * attn_fwd + (attn_fwd * recomputed if checkpointing else 0)
     replays = _replays(w, o)
     if replays:
         # A dropped input is the output of the block before it, run forward once more.
@@ -274,7 +280,8 @@ def estimate_time(w: Workload, f: StepOptions, rates: Rates, placement: list[str
         exposed += streamed / rates.pcie_bytes_per_s
     # Ring attention's keys and values arrive again for every layer the recompute runs
     # attention in (not those whose outputs are kept) and for every replayed block.
-    reruns = (w.shape.layers - keeps_attention(w, o) if o.of(CheckpointOptions).enabled else 0) + _replays(w, o)
+    recomputes_attention = o.of(CheckpointOptions).enabled and not selective_recompute_skips(w, o)[1]
+    reruns = (w.shape.layers - keeps_attention(w, o) if recomputes_attention else 0) + _replays(w, o)
     link = rates.link_bytes_per_s if w.parallel.one_host else rates.network_bytes_per_s
     rotation = ring_rotation(w.parallel, chosen_rotation(o))
     ring = ring_traffic(w, reruns, af / rates.attention_flops_per_s / w.shape.layers, link, rotation)
