@@ -382,6 +382,11 @@ class OffloadConfig:
                 "keep_attention_outputs needs gradient_checkpointing: true and activation_offloading (the outputs "
                 "wait in the block-input storage); it has no effect"
             )
+        elif self.keep_attention_outputs and self.selective_checkpointing:
+            self._warn(
+                "keep_attention_outputs has no effect with selective_checkpointing: its recompute replays the "
+                "outputs selective checkpointing saved (save [attention] to skip the attention forward again)"
+            )
         if self.recompute_block_inputs and not self.gradient_checkpointing:
             self._warn("recompute_block_inputs needs gradient_checkpointing: true; it has no effect")
         if places:

@@ -144,3 +144,16 @@ def test_the_plan_keeps_the_runs_selective_checkpointing_and_counts_it():
         w, _options(("attention",))
     )
     assert "selective saves" not in plan("llama-3-8b", 16384, budgets=budgets).memory.gpu_parts
+
+
+def test_keeping_attention_outputs_beside_selective_checkpointing_warns_it_has_no_effect():
+    from offloadkit.config import OffloadConfig
+
+    keys = {"gradient_checkpointing": True, "activation_offloading": True, "keep_attention_outputs": True}
+    with pytest.warns(UserWarning, match="keep_attention_outputs has no effect with selective_checkpointing"):
+        OffloadConfig.from_dict({**keys, "selective_checkpointing": ["mm"]})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OffloadConfig.from_dict(keys)
