@@ -360,7 +360,7 @@ class OffloadConfig:
                 "disk_tiering: true needs host_budget_bytes (the RAM share before spilling to disk), "
                 "e.g. host_budget_bytes: 16GiB"
             )
-        if self.fused_lora not in (None, False) and "mm" in (self.selective_checkpointing or ()):
+        if self.fused_lora and "mm" in (self.selective_checkpointing or ()):
             raise ConfigError(
                 f"selective_checkpointing={self.selective_checkpointing!r} saves matmul outputs, and fused_lora "
                 f"(={self.fused_lora!r}) adds each adapter's output into its base projection's output in place, "

@@ -171,7 +171,7 @@ class BackwardPath:
         recompute reaches its attention within milliseconds. The same bytes, at the same
         moment, as :meth:`fetch_outputs` would bring (caller holds the lock)."""
         waiting = []
-        for seq in step.outputs:
+        for seq in sorted(step.outputs):  # in the order the forward kept them
             e = step.by_seq.get(seq)
             if e is not None and e.group == group and e.gpu is None and not e.released:
                 waiting.append(e)

@@ -126,12 +126,30 @@ def attention_kernel_unusable(kernel: str, model: nn.Module | None = None) -> st
     return None
 
 
-@functools.cache
+# Probe results by (kernel, device): a provider that passed or failed stays so for the process.
+_PROBED: dict[tuple[str, torch.device], str | None] = {}
+
+
 def probe_error(kernel: str, device: torch.device) -> str | None:
     """Why ``kernel`` fails one small causal attention call, forward and backward, on
     ``device``, or lands farther than bf16's rounding from attention in fp32; None: it passes.
     (An installed provider can import and still not run: a release whose functions torch's
-    provider calls with arguments or results it does not expect.)"""
+    provider calls with arguments or results it does not expect.) A provider's call is pinned
+    to SDPA's flash backend, the one it replaces, so a call flash cannot take fails rather than
+    passing on another kernel. Remembered per kernel and device, except a probe that ran out
+    of memory."""
+    key = (kernel, device)
+    if key not in _PROBED:
+        try:
+            # Whatever the caller's grad mode: the probe needs its backward.
+            with torch.inference_mode(False), torch.enable_grad():
+                _PROBED[key] = _probe(kernel, device)
+        except torch.cuda.OutOfMemoryError as exc:
+            return f"{kernel}'s probe call ran out of memory ({exc})"
+    return _PROBED[key]
+
+
+def _probe(kernel: str, device: torch.device) -> str | None:
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
         torch.randn(_PROBE_SHAPE, device=device, generator=generator).to(torch.bfloat16).requires_grad_()
@@ -139,10 +157,15 @@ def probe_error(kernel: str, device: torch.device) -> str | None:
     )
     grad_out = torch.randn(_PROBE_SHAPE, device=device, generator=generator).to(torch.bfloat16)
     name = _PROVIDERS[kernel][0] if kernel in _PROVIDERS else kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pinned = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if kernel in _PROVIDERS else contextlib.nullcontext()
     try:
-        with running(kernel):
+        with running(kernel), pinned:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    except torch.cuda.OutOfMemoryError:
+        raise
     except Exception as exc:  # the provider's own failure, whatever its kind: reported, not raised
         return f"{name} fails a probe call ({type(exc).__name__}: {exc})"
     exact = [t.detach().float().requires_grad_() for t in (q, k, v)]

@@ -42,7 +42,7 @@ from offloadkit.component import FootprintOptions
 from offloadkit.engine.options import ActivationOptions
 from offloadkit.kernels.options import KernelOptions
 from offloadkit.layers.options import StreamingOptions
-from offloadkit.longctx.footprint import tiled_mlp_footprint
+from offloadkit.longctx.footprint import tiled_mlp_footprint, tiled_mlp_shards
 from offloadkit.lora.options import LoraOptions
 from offloadkit.optim.options import OptimizerOptions
 from offloadkit.parallel.footprint import chosen_rotation
@@ -204,6 +204,11 @@ def step_flops(w: Workload, f: StepOptions) -> tuple[float, float, float, float]
     skips_mm, skips_attention = selective_recompute_skips(w, o)
     if checkpointing and not skips_mm:
         bwd += 2 * p * t + (2 * adapters * t if w.lora_rank else 0)
+    elif checkpointing and tiled_mlp_shards(o) > 1:
+        # The saved matmul outputs spare the layer's recompute, not a tiled MLP's forward in
+        # its own backward, which runs outside the checkpoint.
+        mlp = s.linears[4:]
+        bwd += 2 * t * s.layers * sum(a * b + (w.lora_rank * (a + b) if w.lora_rank else 0) for a, b in mlp)
     if checkpointing:
         # A tiled MLP runs forward again in its own backward, but a layer's recompute skips
         # it (its output is never read: longctx/tiled_mlp.py, OUTPUT_ONLY_ADDED): two

@@ -281,7 +281,7 @@ def test_a_provider_that_fails_or_misses_a_probe_call_is_refused_with_what_happe
     cpu = torch.device("cpu")
 
     def probe(sdpa):
-        attention_module.probe_error.cache_clear()
+        attention_module._PROBED.clear()
         monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
         return attention_module.probe_error("fa4", cpu)
 
@@ -299,4 +299,4 @@ def test_a_provider_that_fails_or_misses_a_probe_call_is_refused_with_what_happe
         return real(q, k * 1 + (k - k.detach()) * 0.5, v, **kwargs)
 
     assert probe(wrong_backward).startswith("offloadkit-FA4's dk differs")
-    attention_module.probe_error.cache_clear()
+    attention_module._PROBED.clear()

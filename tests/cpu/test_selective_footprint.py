@@ -12,6 +12,7 @@ from offloadkit.checkpointing.options import CheckpointOptions
 from offloadkit.checkpointing.selective import resolve_ops
 from offloadkit.component import OptionSet
 from offloadkit.engine.options import ActivationOptions
+from offloadkit.longctx.options import LongContextOptions
 from offloadkit.lora.options import LoraOptions
 from offloadkit.planning import Workload, estimate_memory, resolve_shape
 from offloadkit.planning.timing import step_flops
@@ -157,3 +158,59 @@ def test_keeping_attention_outputs_beside_selective_checkpointing_warns_it_has_n
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         OffloadConfig.from_dict(keys)
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """2 m n k of every matmul while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = (args[0], args[1]) if func is torch.ops.aten.mm.default else (args[1], args[2])
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmul_flops(shards: int) -> int:
+    from offloadkit import apply_tiled_mlp
+
+    torch.manual_seed(0)
+    model = build_llama("tiny", attn_implementation="sdpa", num_hidden_layers=2)
+    model.config.use_cache = False
+    if shards > 1:
+        apply_tiled_mlp(model, num_shards=shards)
+    apply_activation_checkpointing(model, selective=("mm",))
+    loss = model(**make_batch(256, 1, 256, seed=1)).loss
+    counter = _MatmulFlops()
+    with counter:
+        loss.backward()
+    return counter.flops
+
+
+def test_a_tiled_mlp_runs_its_forward_again_in_backward_when_matmul_outputs_are_saved():
+    """Saved matmul outputs spare the layer's recompute, not a tiled MLP's forward in its own
+    backward (outside the checkpoint): the planner counts it, as measured."""
+    w = Workload(resolve_shape("tiny"), 256, 1, lora_rank=0)
+    tiled = OptionSet(
+        (
+            CheckpointOptions(enabled=True, selective=["mm"]),
+            LongContextOptions(tiled_mlp=True, mlp_shards=4),
+        )
+    )
+    untiled = _options(("mm",))
+    predicted = step_flops(w, tiled)[1] - step_flops(w, untiled)[1]
+    measured = _backward_matmul_flops(4) - _backward_matmul_flops(1)
+    assert predicted == measured > 0
+
+
+def test_the_probe_runs_under_no_grad_and_inference_mode():
+    from offloadkit.kernels import attention as attention_module
+
+    attention_module._PROBED.clear()
+    for context in (torch.no_grad(), torch.inference_mode()):
+        with context:
+            assert attention_module.probe_error("flash", torch.device("cpu")) is None
+        attention_module._PROBED.clear()
