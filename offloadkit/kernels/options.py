@@ -55,7 +55,8 @@ class AttentionKernelOptions(Options):
             ``offloadkit plan --measure`` times each one this machine runs and writes the
             fastest. A kernel that cannot run here (no GPU, not installed, a model whose
             attention is not SDPA, context parallelism's ring attention, grouped key/value
-            heads for ``efficient``) leaves PyTorch's choice, and a note says why.
+            heads for ``efficient``, a provider that fails a small probe call against
+            attention in fp32) leaves PyTorch's choice, and a note says why.
     """
 
     kernel: str = option("auto", "attention_kernel")
