@@ -44,10 +44,14 @@ def model_flops(shape, lora_rank: int, seq: int, layers: int, world: int) -> flo
     return float(linear + head + attention)
 
 
-def timed_steps(step, warmup: int, steps: int) -> tuple[list[float], list[float], list[torch.Tensor]]:
+def timed_steps(
+    step, warmup: int, steps: int, recorded: dict | None = None
+) -> tuple[list[float], list[float], list[torch.Tensor]]:
     """``warmup`` steps, then ``steps`` timed ones (each rank starts together, the GPU
     synchronised around the timer): their seconds, their losses and every rank's peak
-    allocated and reserved GiB since the warm-up."""
+    allocated and reserved GiB since the warm-up. ``recorded``, given: one more step with the
+    allocator's history recorded, untimed, and what was alive at its peak, grouped by the line
+    that allocated it, in ``recorded["peak_breakdown"]``."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -59,6 +63,15 @@ def timed_steps(step, warmup: int, steps: int) -> tuple[list[float], list[float]
         losses.append(step())
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    if recorded is not None:
+        from explain_peak import summary
+
+        torch.cuda.memory._record_memory_history(max_entries=500000)
+        dist.barrier()
+        step()
+        torch.cuda.synchronize()
+        recorded["peak_breakdown"] = summary(torch.cuda.memory._snapshot(), top=30).splitlines()
+        torch.cuda.memory._record_memory_history(enabled=None)
     peaks = torch.tensor(
         [torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB],
         dtype=torch.float64,
@@ -105,6 +118,11 @@ def main() -> None:
         action="store_true",
         help="make the embeddings' output need a gradient, so that the first layer holds what a middle "
         "layer of a deeper model holds (its input's gradient too): a 1-layer run's peak then stands for any depth",
+    )
+    ap.add_argument(
+        "--peak-breakdown",
+        action="store_true",
+        help="one more step, untimed, with the allocator's history: what was alive at its peak (rank 0's)",
     )
     args = ap.parse_args()
 
@@ -186,7 +204,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return float(cp.reduce_loss(loss))
 
-    times, losses, gathered = timed_steps(step, args.warmup, args.steps)
+    recorded: dict | None = {} if args.peak_breakdown else None
+    times, losses, gathered = timed_steps(step, args.warmup, args.steps, recorded)
     report = runtime.report()
     if rank == 0:
         step_s = statistics.median(times)
@@ -229,6 +248,7 @@ def main() -> None:
             "commit": os.environ.get("OFFLOADKIT_COMMIT"),
             "command": " ".join(["torchrun", f"--nproc_per_node {world}", *sys.argv]),
             "torch": torch.__version__,
+            **(recorded or {}),
         }
         os.makedirs(args.out, exist_ok=True)
         name = f"cp-{args.shape}-{world}x{args.tokens_per_gpu}-{row['layers']}L"
