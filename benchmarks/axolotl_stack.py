@@ -280,7 +280,7 @@ def applied(parts, model, trainer, cfg) -> dict:
 # --------------------------------------------------------------------------- the run
 def run(args, parts) -> dict:
     import torch
-    from capacity import time_steps
+    from capacity import grad_norm, time_steps
 
     from offloadkit.integrations.peft_utils import apply_lora
     from offloadkit.models.zoo import LLAMA_SHAPES, build_llama
@@ -336,6 +336,7 @@ def run(args, parts) -> dict:
 
     def step():
         loss = trainer.training_step(model, inputs)
+        out["grad_norm"] = grad_norm(params)  # the last step's, beside its loss
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss)

@@ -221,6 +221,15 @@ def full_depth(shape: str, mode: str, seq: int, layers: int, lora_rank: int, hos
 
 
 # --------------------------------------------------------------------------- child side
+def grad_norm(params) -> float | None:
+    """The global L2 norm of ``params``' gradients (None where backward left none: updated in
+    backward); read, never written, so the step it is taken in is the one timed."""
+    import torch
+
+    norms = [torch.linalg.vector_norm(q.grad.float()) for q in params if q.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
+
+
 def time_steps(step, warmup: int, steps: int, out: dict, after_warmup=None, last=None, cuda: bool = True) -> None:
     """Run ``warmup`` steps, then ``steps`` synchronised timed ones, into ``out``: each step's
     seconds, the median, its loss, peak GPU memory since the warm-up (allocated, reserved), the
@@ -303,6 +312,7 @@ def run_probe(spec: dict) -> dict:
         with ctx:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        out["grad_norm"] = grad_norm(params)  # the last step's, beside its loss
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss)
@@ -602,8 +612,9 @@ def _write(report: dict, out: str, name: str) -> None:
         f"planner, full depth: {report['capacity']}",
         "",
         "| mode | seq | layers | status | step s | pred step s | bound | tokens/s | TFLOP/s | peak alloc GiB | "
-        "pred peak GiB | meas/pred | reserved GiB | host RSS GiB | disk GiB | full-depth host+disk GiB (pred) | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "pred peak GiB | meas/pred | reserved GiB | host RSS GiB | disk GiB | full-depth host+disk GiB (pred) | "
+        "loss | grad norm | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["probes"]:
         p, full = r["predicted"], r.get("full_depth_predicted") or {}
@@ -614,7 +625,8 @@ def _write(report: dict, out: str, name: str) -> None:
             f"{_fmt(r.get('tflops'), '.0f')} | "
             f"{_fmt(r.get('peak_allocated_gib'))} | {p['peak_gib']:.2f} | {_fmt(r.get('measured_over_predicted'))} | "
             f"{_fmt(r.get('peak_reserved_gib'))} | {_fmt(r.get('host_rss_gib'))} | {_fmt(r.get('disk_written_gib'))} | "
-            f"{footprint} | {r.get('note', '')[:80]} |"
+            f"{footprint} | {_fmt(r.get('loss'), '.6f')} | {_fmt(r.get('grad_norm'), '.6g')} | "
+            f"{r.get('note', '')[:80]} |"
         )
     with open(os.path.join(out, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")

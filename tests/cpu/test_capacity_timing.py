@@ -31,3 +31,14 @@ def test_the_last_step_goes_to_its_handler_and_is_not_timed():
     out = {}
     capacity.time_steps(lambda: 1.0, 0, 3, out, last=lambda step: handled.append(step()), cuda=False)
     assert handled == [1.0] and len(out["step_times_s"]) == 2
+
+
+def test_the_gradient_norm_is_read_without_touching_the_gradients():
+    import torch
+
+    a, b, c = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True), torch.zeros(1)
+    a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])
+    before = [a.grad.clone(), b.grad.clone()]
+    assert capacity.grad_norm([a, b, c]) == 5.0
+    assert torch.equal(a.grad, before[0]) and torch.equal(b.grad, before[1])
+    assert capacity.grad_norm([c]) is None  # updated in backward: nothing left to read
