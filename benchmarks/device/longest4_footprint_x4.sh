@@ -6,7 +6,8 @@
 #      then BackwardAdamW under FSDP2 on 2 GPUs (plain, accumulating, through the Trainer)
 #      and, meanwhile, the single-GPU suite on GPUs 2 and 3
 #   B: the planner's longest 8B LoRA r=16 sequence over the 4 ranks, context parallel, 1 layer whose
-#      input needs a gradient (a middle layer's memory), all-to-all rotation
+#      input needs a gradient (a middle layer's memory), all-to-all rotation; PEAK_BREAKDOWN=1:
+#      one more step recording what is alive at its peak (where the planner's count is high)
 #   C: the full-depth host and disk footprint of that same sequence over the 4 ranks, every rank at
 #      once, every restored block input checked (benchmarks/footprint.py --world-size 4)
 # Results under $OUT (progress.txt, env.txt, logs, json records). Longer than one command: start
@@ -33,7 +34,8 @@ grep -hE "^(FAILED|ERROR)" "$OUT"/gpu_tests*.txt | tee -a "$OUT/progress.txt"
 
 say "B: the planner's longest over 4 ranks, 1 layer"
 timeout 560 torchrun --standalone --nproc_per_node 4 benchmarks/context_parallel.py --shape llama-3-8b --lora-rank 16 \
-  --tokens-per-gpu 0 --layers 1 --input-grads "${CAP[@]}" --rotation alltoall --out "$OUT/cp" > "$OUT/longest_4.txt" 2>&1
+  --tokens-per-gpu 0 --layers 1 --input-grads "${CAP[@]}" --rotation alltoall --out "$OUT/cp" \
+  ${PEAK_BREAKDOWN:+--peak-breakdown} > "$OUT/longest_4.txt" 2>&1
 say "longest rc=$? $(grep -h -m1 -E '^(RESULT|OOM)' "$OUT/longest_4.txt")"
 TOKENS=$(python3 -c "import glob, json; print(max(json.load(open(f))['tokens'] for f in glob.glob('$OUT/cp/*.json')))" 2>/dev/null || echo 0)
 
