@@ -9,7 +9,8 @@
 #   2. attention kernels: SDPA's default against FlashAttention-4, 64K and 256K
 #   3. 8B LoRA r=16, offload_plan: auto, with Liger's kernels: 256K over 2 layers without and
 #      with attention_kernel=fa4 (where FA4 ran), 64K over 32 layers before and after (and fa4)
-#   4. Axolotl's long-context stack on the same model and tokens, 64K and 256K
+#   4. Axolotl's long-context stack on the same model and tokens, 64K and 256K (hidden-state
+#      offload, layer offloading, TiledMLP, Liger's kernels and fused loss)
 #   5. the 3B full fine-tune at 16K: with Liger's kernels, and with selective checkpointing
 #      too, each with a kernel breakdown
 #   6. the 8B LoRA at 16K with everything on, before and after
@@ -77,7 +78,8 @@ if [ -f benchmarks/axolotl_stack.py ] && [ -d .whl/axolotl ]; then
   say "4: Axolotl's long-context stack"
   for spec in 65536:32 262144:2; do
     PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/axolotl_stack.py --shape llama-3-8b --lora-rank 16 \
-      --seq-len "${spec%:*}" --layers "${spec#*:}" --warmup 1 --steps 2 --out "$OUT/axolotl" \
+      --seq-len "${spec%:*}" --layers "${spec#*:}" --warmup 1 --steps 2 --activation-offloading hidden_states \
+      --out "$OUT/axolotl" \
       > "$OUT/axolotl-${spec%:*}.log" 2>&1
     say "axolotl ${spec} rc=$? $(grep -E '^\|' "$OUT/axolotl-${spec%:*}.log" | tail -1)"
   done
