@@ -39,9 +39,9 @@ def keeps_attention(w: Workload, f: FootprintOptions) -> int:
 def selective_saved_bytes(w: Workload, f: FootprintOptions) -> int:
     """What selective checkpointing saves in one decoder layer: the outputs of its matmuls
     ("mm": every linear's output; PEFT's adapters add their rank-r and full-width outputs in
-    the adapters' dtype) and of its attention
-    kernel ("attention": the output and its fp32 log-sum-exp). ``tests/cpu/test_selective_footprint.py``
-    holds it to the bytes those ops return in a layer's forward."""
+    the adapters' dtype) and of its attention kernel ("attention": the output and its fp32
+    log-sum-exp). ``tests/cpu/test_selective_footprint.py`` holds it to the bytes those ops
+    return in a layer's forward."""
     c = f.of(CheckpointOptions)
     if not c.enabled or not c.selective:
         return 0

@@ -170,14 +170,16 @@ class BackwardPath:
         further on: on one copy stream they would otherwise wait behind those, and the
         recompute reaches its attention within milliseconds. The same bytes, at the same
         moment, as :meth:`fetch_outputs` would bring (caller holds the lock)."""
-        waiting = []
-        for seq in sorted(step.outputs):  # in the order the forward kept them
-            e = step.by_seq.get(seq)
-            if e is not None and e.group == group and e.gpu is None and not e.released:
-                waiting.append(e)
-        if waiting:
-            items = [(e, e.nbytes, None, Status.FETCH) for e in waiting]
-            self.shared.scheduler.prefetch(self.shared.lane, items, Ahead(min_bytes=sum(e.nbytes for e in waiting)))
+        by_seq = step.by_seq
+        kept = [by_seq[seq] for seq in sorted(step.outputs) if seq in by_seq]  # in the order kept
+        self._bring_now([e for e in kept if e.group == group and e.gpu is None and not e.released])
+
+    def _bring_now(self, entries: list[Entry]) -> None:
+        """Queue every one of ``entries`` not yet on the device, whatever the look-ahead's
+        horizon: a recompute needs them next (caller holds the lock)."""
+        if entries:
+            items = [(e, e.nbytes, None, Status.HERE if e.gpu is not None else Status.FETCH) for e in entries]
+            self.shared.scheduler.prefetch(self.shared.lane, items, Ahead(min_bytes=sum(e.nbytes for e in entries)))
 
     def fetch_outputs(self, handles) -> None:
         """Queue the copies back of a block's kept outputs as its recompute begins, ahead of
@@ -190,8 +192,7 @@ class BackwardPath:
                 return
             for step in {id(e.step): e.step for e in live}.values():
                 self.pass_for(step)
-            items = [(e, e.nbytes, None, Status.HERE if e.gpu is not None else Status.FETCH) for e in live]
-            shared.scheduler.prefetch(shared.lane, items, Ahead(min_bytes=sum(e.nbytes for e in live)))
+            self._bring_now(live)
 
     def fetch_ahead(self, entry) -> None:
         self._fetch(entry)
