@@ -297,6 +297,9 @@ def run_probe(spec: dict) -> dict:
     runtime = None
     setup = MODES[mode]
     if setup.config is None:
+        cap = spec.get("extra", {}).get("gpu_budget_bytes")
+        if cap is not None:  # what prepare() does for the other modes
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
         setup.enable(model, None)  # an in-process mode (ckpt: Hugging Face checkpointing)
     else:
         config = {**setup.config({**spec, "seq_len": seq}), **spec.get("extra", {})}
@@ -385,7 +388,9 @@ def _detect_budgets(args) -> dict:
     from offloadkit.planning import Budgets, resolve_shape
 
     budgets = Budgets.detect(
-        host_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib else None, disk_dir=args.disk_dir
+        gpu_bytes=int(args.gpu_gib * GiB) if args.gpu_gib else None,
+        host_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib else None,
+        disk_dir=args.disk_dir,
     )
     try:
         budgets = budgets.measure(disk_dir=args.disk_dir, shape=resolve_shape(args.shape), lora_rank=args.lora_rank)
@@ -415,6 +420,12 @@ def main(argv=None) -> int:
         help="pinned RAM for block inputs and streamed weights (default: available RAM less 16 GiB)",
     )
     ap.add_argument("--disk-dir", default=None)
+    ap.add_argument(
+        "--gpu-gib",
+        type=float,
+        default=None,
+        help="cap each probe, and the plan, to this much GPU memory (e.g. 79: an H100's on a larger card)",
+    )
     ap.add_argument(
         "--peak-breakdown",
         action="store_true",
@@ -449,6 +460,8 @@ def main(argv=None) -> int:
         if not sep:
             raise SystemExit(f"--set {item}: write KEY=VALUE")
         extra[key] = yaml.safe_load(value)
+    if args.gpu_gib is not None:
+        extra.setdefault("gpu_budget_bytes", int(args.gpu_gib * GiB))
     if args.budgets_only:
         print("BUDGETS " + json.dumps(_detect_budgets(args)), flush=True)
         return 0
@@ -476,7 +489,8 @@ def main(argv=None) -> int:
     # memory from every probe.
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--budgets-only", "--host-budget-gib", str(host_budget / GiB)]
-        + (["--disk-dir", args.disk_dir] if args.disk_dir else []),
+        + (["--disk-dir", args.disk_dir] if args.disk_dir else [])
+        + (["--gpu-gib", str(args.gpu_gib)] if args.gpu_gib is not None else []),
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# On one H100: the compute side's rows still owed, in one run (about 24 minutes; start it with
-# setsid and collect $OUT with later calls). Wheels come from .whl/ or, carried over several
+# On one H100 (or an H200 capped to an H100's 79 GiB: GPU_GIB, set by itself on an H200): the
+# compute side's rows still owed, in one run (about 26 minutes; start it with setsid and collect
+# $OUT with later calls). Wheels come from .whl/ or, carried over several
 # calls (one carry holds 64 MiB), from /tmp/carry/: liger-kernel, FlashAttention-4 and its CuTe
 # DSL (fa4a/, fa4b/: the cu13 runtime wheel split over both), Axolotl's stack (axolotl/). A tree
 # of the commit before, for rows before and after on this machine, in ../.snap_before or
 # ./.snap_before (BEFORE_COMMIT names it).
 #   1. the single-GPU suite (the engine's backward changed), FlashAttention-4 installed
 #   2. attention kernels: SDPA's default against FlashAttention-4, 64K and 256K
-#   3. 8B LoRA r=16, offload_plan: auto, with Liger's kernels: 256K over 2 layers without and
-#      with attention_kernel=fa4 (where FA4 ran), 64K over 32 layers before and after (and fa4)
+#   3. 8B LoRA r=16, offload_plan: auto, with Liger's kernels: 256K over 2 layers and 64K over
+#      32 layers, each after, before, and with attention_kernel=fa4 (where FA4 ran)
 #   4. Axolotl's long-context stack on the same model and tokens, 64K and 256K (hidden-state
 #      offload, layer offloading, TiledMLP, Liger's kernels and fused loss)
 #   5. the 3B full fine-tune at 16K: with Liger's kernels, and with selective checkpointing
@@ -23,6 +24,11 @@ if [ -f .whl/fa4a/cu13.part.aa ] && [ -f .whl/fa4b/cu13.part.ab ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/fa4a/*.whl .whl/fa4b/*.whl /tmp/nvidia_cutlass_dsl_libs_cu13-*.whl > "$OUT/fa4_install.txt" 2>&1
   say "fa4 install rc=$?"
+  # Its dependencies this machine may already have: only where missing, so as not to shadow them.
+  for dep in cuda.bindings:cuda_bindings cuda.pathfinder:cuda_pathfinder google.protobuf:protobuf; do
+    python3 -c "import ${dep%%:*}" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --target /tmp/site .whl/fa4b/opt/${dep#*:}-*.whl >> "$OUT/fa4_install.txt" 2>&1
+  done
 fi
 if [ -d .whl/axolotl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -31,6 +37,8 @@ if [ -d .whl/axolotl ]; then
 fi
 # The CuTe DSL finds its packages through a .pth file, which a PYTHONPATH entry does not read.
 SITE=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+GPU_GIB=${GPU_GIB:-$(nvidia-smi -L | grep -q H200 && echo 79)}
+CAPB=(); [[ -n $GPU_GIB ]] && CAPB=(--set "gpu_budget_bytes=$(python3 -c "print(int($GPU_GIB * 2**30))")")
 BEFORE=""
 for d in ../.snap_before .snap_before; do [ -d "$d/offloadkit" ] && BEFORE=$(cd "$d" && pwd) && break; done
 { python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__, torch.cuda.get_device_name())"
@@ -39,7 +47,8 @@ import importlib.metadata as m
 for p in ('liger-kernel', 'flash-attn-4', 'nvidia-cutlass-dsl', 'axolotl', 'trl'):
     try: print(p, m.version(p))
     except m.PackageNotFoundError: print(p, 'not installed')"
-  nvidia-smi -L | head -1; echo "commit ${OFFLOADKIT_COMMIT:-} before ${BEFORE_COMMIT:-} (${BEFORE:-no tree})"; } | tee "$OUT/env.txt"
+  nvidia-smi -L | head -1; echo "GPU cap ${GPU_GIB:-none} GiB"
+  echo "commit ${OFFLOADKIT_COMMIT:-} before ${BEFORE_COMMIT:-} (${BEFORE:-no tree})"; } | tee "$OUT/env.txt"
 
 say "1: the single-GPU suite, FlashAttention-4 installed"
 PYTHONPATH=$SITE:$PWD timeout 480 python3 -m pytest -m gpu -q --timeout 240 -p no:cacheprovider -rfEs \
@@ -58,21 +67,21 @@ for line in sys.stdin:
           f\"fwd {r['forward_ms']} ms {r['forward_tflops']} TF/s, bwd {r['backward_ms']} ms {r['backward_tflops']} TF/s, \"
           f\"diff {r.get('max_rel_diff_vs_default', 0):.1e}\")" | tee -a "$OUT/progress.txt"
 
-row() {  # NAME PROBE TREE [capacity.py arguments]
+row() {  # NAME PROBE TREE [capacity.py arguments]; the cap through the config, which both trees read
+  local plan_cap=(); [[ $3 == "$PWD" && -n $GPU_GIB ]] && plan_cap=(--gpu-gib "$GPU_GIB")  # the parent's plan too
   PYTHONPATH=$SITE:$3 timeout 300 python3 "$3/benchmarks/capacity.py" --shape llama-3-8b --lora-rank 16 \
-    --kernel-breakdown --probes "$2" --budget-s 280 --out "$OUT/rows" --name "$1" "${@:4}" 2>&1 \
+    --kernel-breakdown --probes "$2" --budget-s 280 --out "$OUT/rows" --name "$1" "${CAPB[@]}" "${plan_cap[@]}" "${@:4}" 2>&1 \
     | grep -E "^\| (auto|everything) " | tail -1 | tee -a "$OUT/progress.txt"
   say "$1"
 }
 say "3: 8B LoRA rows"
-if grep -q '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/attention.log" 2>/dev/null; then
-  row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD"
-  row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" "$PWD" --set attention_kernel=fa4
-fi
+FA4_RAN=$(grep -c '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/attention.log" 2>/dev/null)
+row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD"
+[ -n "$BEFORE" ] && row auto-262144-2L-liger-before "auto:262144:2:1:2" "$BEFORE"
+[ "${FA4_RAN:-0}" -gt 0 ] && row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" "$PWD" --set attention_kernel=fa4
 row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD"
 [ -n "$BEFORE" ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
-grep -q '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/attention.log" 2>/dev/null \
-  && row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
+[ "${FA4_RAN:-0}" -gt 0 ] && row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 
 if [ -f benchmarks/axolotl_stack.py ] && [ -d .whl/axolotl ]; then
   say "4: Axolotl's long-context stack"

@@ -2,6 +2,7 @@
 steps untimed, the median of the timed ones, the last step handed to a profiler untimed, the
 process's peak RSS over it all."""
 
+import json
 import os
 import sys
 
@@ -42,3 +43,12 @@ def test_the_gradient_norm_is_read_without_touching_the_gradients():
     assert capacity.grad_norm([a, b, c]) == 5.0
     assert torch.equal(a.grad, before[0]) and torch.equal(b.grad, before[1])
     assert capacity.grad_norm([c]) is None  # updated in backward: nothing left to read
+
+
+def test_gpu_gib_caps_the_plans_budget(capsys):
+    """--gpu-gib (an H100's memory on a larger card) is the budget the parent plans with."""
+    assert capacity.main(["--budgets-only", "--gpu-gib", "79", "--host-budget-gib", "8"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("BUDGETS ")][-1]
+    budgets = json.loads(line[len("BUDGETS ") :])
+    assert budgets["gpu"] == 79 << 30
+    assert budgets["host"] == 8 << 30
