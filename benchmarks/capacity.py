@@ -341,6 +341,11 @@ def run_probe(spec: dict) -> dict:
         out["disk_written_gib"] = disk.get("bytes_written", 0) / GiB
         out["offloaded_gib"] = report.get("activations", {}).get("offloaded_bytes", 0) / GiB
         out["tiered"] = storage.get("tiered")
+        # Where backward's copies came from: hits, misses (a fetch at the moment of need) and
+        # each prefetch lane's totals, to read a kernel breakdown's waits by.
+        acts = report.get("activations", {})
+        out["engine"] = {k: acts[k] for k in ("prefetch_hits", "prefetch_misses", "stash_hits") if k in acts}
+        out["engine"]["lanes"] = report.get("prefetch", {}).get("lanes")
     if spec.get("kernel_breakdown") and out["status"] == "ok":
         # One more step, profiled: not timed with the others, and its failure is its own.
         from kernel_time import profile_step
