@@ -88,13 +88,9 @@ class CheckpointedBlocks:
                     end += 1
                 self._region_end[index] = end
         self._region = None  # the open region: (context manager, its last block, recorded calls)
-        self._region_group: int | None = None  # the offloader's save group of the open region's input
         self._forward_hook = None
         self._timeline_handles: list = []
         self._index_of: dict[int, int] = {}  # id(block) -> its index in self.blocks
-        # Per block: the offloader's save group its input (or its region's) went into in the
-        # latest forward, None where it was not offloaded; read as backward reaches its output.
-        self._group_of: dict[int, int | None] = {}
         self.offloader = offloader
         self._owns_offloader = owns_offloader
         self._context_fn = context_fn
@@ -281,7 +277,6 @@ class CheckpointedBlocks:
             # Saved-tensor hooks form a stack: the offloader's (which takes the region's inputs)
             # stays under the region's until the region closes, inert while it is covered.
             capture.__enter__()
-            self._region_group = self.offloader.current_group() if self.offloader is not None else None
             try:
                 with self._placed(index):  # the region saves its input as it opens
                     region.__enter__()
@@ -291,7 +286,6 @@ class CheckpointedBlocks:
             self._region = (region, end, calls, capture)
             args, kwargs, original = flat, rest, fn
         region, end, calls, capture = self._region
-        self._group_of[index] = self._region_group
         try:
             chained = calls and args and isinstance(args[0], torch.Tensor) and args[0] is calls[-1][-1]()
             if calls and not chained:
@@ -360,8 +354,8 @@ class CheckpointedBlocks:
             self.offloader.flush()  # nothing of ours stays in flight into the loss
         if step is None:
             return None
-        offloader, group = self.offloader, self._group_of.get(index)
-        return lambda: offloader.begin_backward(step, group)
+        offloader = self.offloader
+        return lambda: offloader.begin_backward(step)
 
     def _run_block(self, index: int, block: nn.Module, original: Callable, args: tuple, kwargs: dict):
         if index == 0 and self.offloader is not None:
@@ -382,7 +376,6 @@ class CheckpointedBlocks:
             outer.keep_enter()
         try:
             with capture, self._placed(index) if not kept else contextlib.nullcontext():
-                self._group_of[index] = self.offloader.current_group() if offload else None
                 out = checkpoint(
                     self._recompute_block(fn, index, block), *flat, use_reentrant=False, **self._selective(), **kwargs
                 )

@@ -62,7 +62,7 @@ class BackwardPath:
                 shared.lane.settle(entry.nbytes)  # used: it leaves the look-ahead window
             shared.planner.on_consumed(step, entry)
             if step.outputs and entry.group is not None and not entry.for_recompute:
-                self.queue_kept_outputs(step, entry.group)
+                self._queue_kept_outputs(step, entry.group)
             self.look_ahead(step, entry)
             consumer = current_stream(entry.device)
             shared.clock.wait(consumer, entry.gpu_ready, "backward", shared.stats)
@@ -164,13 +164,12 @@ class BackwardPath:
                 continue
             yield entry, entry.nbytes, entry.group, Status.HERE if entry.gpu is not None else Status.FETCH
 
-    def queue_kept_outputs(self, step: Step, group: int) -> None:
-        """Queue the copies back of the outputs ``group``'s recompute will take, now that it
-        comes next (backward reached its block's output, or unpacks its input) and before the
-        look-ahead queues blocks further on: on one copy stream they would otherwise wait
-        behind those, and the recompute reaches its attention within milliseconds. The same
-        bytes, within the same milliseconds, as :meth:`fetch_outputs` would bring (caller
-        holds the lock)."""
+    def _queue_kept_outputs(self, step: Step, group: int) -> None:
+        """Queue the copies back of the outputs ``group``'s recompute will take, now that its
+        input is unpacked (the recompute begins) and before the look-ahead queues blocks
+        further on: on one copy stream they would otherwise wait behind those, and the
+        recompute reaches its attention within milliseconds. The same bytes, at the same
+        moment, as :meth:`fetch_outputs` would bring (caller holds the lock)."""
         by_seq = step.by_seq
         kept = [by_seq[seq] for seq in sorted(step.outputs) if seq in by_seq]  # in the order kept
         self._bring_now([e for e in kept if e.group == group and e.gpu is None and not e.released])

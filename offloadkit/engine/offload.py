@@ -367,12 +367,9 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             self._state().tail = True
             self._forward.flush_stash()
 
-    def begin_backward(self, step: Step | None, group: int | None = None) -> None:
+    def begin_backward(self, step: Step | None) -> None:
         """Backward reached a known point of ``step``'s graph (the head, a block's output):
-        start its pass if it has not started, and top the prefetch window up. ``group``: the
-        save group (:meth:`current_group`) of the block whose output this is; its kept
-        outputs are queued first, as its recompute comes next and reaches its attention
-        within milliseconds, ahead of the look-ahead's copies of blocks further on."""
+        start its pass if it has not started, and top the prefetch window up."""
         if step is None:
             return
         with self._shared.lock:
@@ -380,13 +377,7 @@ class OffloadActivations(saved_tensors_hooks, contextlib.ContextDecorator):
             if step.live <= 0:
                 return
             self._backward.pass_for(step)
-            if group is not None:
-                self._backward.queue_kept_outputs(step, group)
             self._backward.look_ahead(step, None)
-
-    def current_group(self) -> int | None:
-        """The save group this thread's saves go into now (inside :meth:`capture`), if any."""
-        return self._state().group
 
     @contextlib.contextmanager
     def capture(self):

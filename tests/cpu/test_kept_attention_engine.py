@@ -107,11 +107,10 @@ def test_the_adaptive_window_counts_what_the_look_ahead_fetches():
 
 def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins_before_the_blocks_ahead():
     """From the second step (the order of use learned), every kept output is fetched by the
-    scheduler before the recompute asks for it, as backward reaches its block (the block's
-    output, whose recompute comes next), ahead of the copies the look-ahead then queues for
-    blocks further on (on one copy stream the recompute's attention would wait behind those),
-    and never while another block's outputs wait on the device: one block's at a time, as the
-    recompute holds them."""
+    scheduler before the recompute asks for it, as its block's recompute begins (its input
+    unpacked), ahead of the copies the look-ahead then queues for blocks further on (on one
+    copy stream the recompute's attention would wait behind those), and never while another
+    block's outputs wait on the device: one block's at a time, as the recompute holds them."""
     model = _model()
     handle = _apply(model)
     offloader = handle.offloader
@@ -141,13 +140,6 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins_before_the_
         return unpack(packed)
 
     backward.unpack = unpacking
-    begin = offloader.begin_backward
-
-    def beginning(step, group=None):
-        events.append(("begin", group))
-        return begin(step, group)
-
-    offloader.begin_backward = beginning
     planner = offloader._shared.planner
     consumed = planner.on_consumed
 
@@ -176,21 +168,18 @@ def test_the_scheduler_fetches_them_as_their_blocks_recompute_begins_before_the_
     # Every one was queued by the scheduler and is on the device when asked for.
     assert all(was_fetched and resident for _, was_fetched, resident in taken), taken
     assert len(outputs_resident) == OUTPUTS and not any(outputs_resident), outputs_resident
-    # Backward names the block it reached (its input's group) for every block whose input was
-    # offloaded; the last block's input stays on the device: its outputs, of no group, come at
-    # its recompute's start, first in backward.
-    groups = [g for kind, g in events if kind == "begin" and g is not None]
-    assert len(groups) == LAYERS - 1 and len(set(groups)) == LAYERS - 1, events
-    # Each block's outputs are the first copies queued once backward reaches it: nothing of
-    # another block (the look-ahead's) goes on the stream between.
+    # Each block's outputs are the first copies queued after its input is unpacked: nothing
+    # of another block (the look-ahead's) goes on the stream between.
+    # (The last block's input stays on the device, unpacked from no storage: its outputs, of no
+    # group, come at its recompute's start, first in backward.)
     checked = 0
     for i, (kind, entry) in enumerate(events):
         if kind != "fetch" or not entry.for_recompute or entry.group is None:
             continue
         checked += 1
-        reached = max(j for j in range(i) if events[j][0] == "begin" and events[j][1] is not None)
-        assert events[reached][1] == entry.group, events[reached : i + 1]
-        between = [e for k, e in events[reached + 1 : i] if k == "fetch"]
+        last = max(j for j in range(i) if events[j][0] == "unpack")
+        assert events[last][1] == entry.group, events[last : i + 1]
+        between = [e for k, e in events[last + 1 : i] if k == "fetch"]
         assert all(e.group == entry.group for e in between), (entry.group, [e.group for e in between])
     assert checked == OUTPUTS - 2
     handle.remove()
