@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # On one H100 (or an H200 capped to an H100's 79 GiB: GPU_GIB, set by itself on an H200): the
 # compute side's rows still owed, in one run (about 26 minutes; start it with setsid and collect
-# $OUT with later calls). Wheels come from .whl/ or, carried over several
-# calls (one carry holds 64 MiB), from /tmp/carry/: liger-kernel, FlashAttention-4 and its CuTe
-# DSL (fa4a/, fa4b/: the cu13 runtime wheel split over both), Axolotl's stack (axolotl/). A tree
-# of the commit before, for rows before and after on this machine, in ../.snap_before or
-# ./.snap_before (BEFORE_COMMIT names it).
+# $OUT with later calls). Wheels come from .whl/ or, carried over several calls (one carry
+# holds 64 MiB), from /tmp/carry/: liger-kernel, FlashAttention-4 and its CuTe DSL (fa4a/,
+# fa4b/: the cu13 runtime wheel split over both), Axolotl's stack (axolotl/). A tree of the
+# commit before, for rows before and after on this machine, in ../.snap_before or
+# ./.snap_before (BEFORE_COMMIT names it). benchmarks/device/stage_wheels.sh stages them all.
 #   1. the single-GPU suite (the engine's backward changed), FlashAttention-4 installed
 #   2. attention kernels: SDPA's default against FlashAttention-4, 64K and 256K
 #   3. 8B LoRA r=16, offload_plan: auto, with Liger's kernels: 256K over 2 layers and 64K over
