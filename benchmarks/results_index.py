@@ -115,6 +115,11 @@ _LIGER = "compute/h100-3dddea8/rows/"
 _LIGER_64K_EAGER = _r(_LIGER + "auto-65536-32L-eager.json")
 _LIGER_64K = _r(_LIGER + "auto-65536-32L-liger.json")
 _LIGER_256K = _r(_LIGER + "auto-262144-2L-liger.json")
+_AXO = "compute/h200-8c50f37/"
+_AXO_64K = _r(_AXO + "axolotl/axolotl-stack-llama-3-8b-65536-32L-hidden_states.json")
+_AXO_256K = _r(_AXO + "axolotl/axolotl-stack-llama-3-8b-262144-2L-hidden_states.json")
+_OURS_64K = _r(_AXO + "rows/auto-65536-32L-liger.json")
+_OURS_256K = _r(_AXO + "rows/auto-262144-2L-liger.json")
 _LONGEST = "longest sequence that fits: ([0-9]+) tokens"
 _REACHED = "reached ([0-9]+)%"
 
@@ -155,6 +160,21 @@ CLAIMS: list[Claim | Ratio] = [
           _probe("auto", 262144, 2, "step_s"), unit="s", fmt=".2f"),
     Claim("liger-256k-peak", "the same: peak allocated", _LIGER_256K,
           _probe("auto", 262144, 2, "peak_allocated_gib"), unit="GiB", fmt=".2f"),
+    # Axolotl's long-context stack and offload_plan: auto in one call, one H200 capped to 79 GiB.
+    Claim("axo-64k-step", "8B LoRA, 64K, 32 layers, Axolotl's stack: step", _AXO_64K, "step_s", unit="s"),
+    Claim("axo-64k-peak", "the same: peak allocated", _AXO_64K, "peak_allocated_gib", unit="GiB"),
+    Claim("ours-64k-step", "8B LoRA, 64K, 32 layers, auto with Liger's kernels, same call: step", _OURS_64K,
+          _probe("auto", 65536, 32, "step_s"), unit="s"),
+    Claim("ours-64k-peak", "the same: peak allocated", _OURS_64K,
+          _probe("auto", 65536, 32, "peak_allocated_gib"), unit="GiB"),
+    Ratio("ours-64k-vs-axo", "offloadkit against Axolotl's stack at 64K: step", "ours-64k-step", "axo-64k-step"),
+    Claim("axo-256k-step", "8B LoRA, 256K, 2 layers, Axolotl's stack: step", _AXO_256K, "step_s", unit="s"),
+    Claim("axo-256k-peak", "the same: peak allocated", _AXO_256K, "peak_allocated_gib", unit="GiB"),
+    Claim("ours-256k-step", "8B LoRA, 256K, 2 layers, auto with Liger's kernels, same call: step", _OURS_256K,
+          _probe("auto", 262144, 2, "step_s"), unit="s"),
+    Claim("ours-256k-peak", "the same: peak allocated", _OURS_256K,
+          _probe("auto", 262144, 2, "peak_allocated_gib"), unit="GiB"),
+    Ratio("ours-256k-vs-axo", "offloadkit against Axolotl's stack at 256K: step", "ours-256k-step", "axo-256k-step"),
     # Context parallelism, 8B LoRA on H200s capped to 79 GiB a rank, 1 layer timed.
     Claim("cp2-tokens", "8B LoRA, context parallel over 2 GPUs: tokens", _CP2, "tokens", unit="tokens", fmt=",.0f"),
     Claim("cp2-step", "8B LoRA, context parallel over 2 GPUs, 1 layer: step", _CP2, "step_s", unit="s"),
