@@ -6,6 +6,10 @@ reductions, casts, Triton kernels). Per CUDA stream: busy seconds (the union of 
 intervals); the compute stream is the one with the most kernel time other than copies, and
 its idle time inside the step is what the GPU waited for (copies, the host, synchronizations).
 
+Each copy that ran while the compute stream waited carries its size and how long it sat
+queued: from the host's call that asked for it to its start on the GPU (a copy asked for
+late starts at once; one asked for early but queued behind other work starts later).
+
 Used by ``benchmarks/capacity.py --kernel-breakdown``.
 """
 
@@ -38,9 +42,52 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _gaps(per_stream: dict[int, list], compute: int, top: int = 8) -> dict:
+# The trace's categories of the host's CUDA calls and of device copies (Kineto's names, and
+# those of its older releases).
+_RUNTIME = ("cuda_runtime", "cuda_driver", "Runtime")
+_MEMCPY = ("gpu_memcpy", "Memcpy")
+
+
+def copy_launches(trace: dict) -> dict[int, list[tuple[float, float, int, float]]]:
+    """Per stream, its copies in a Chrome trace of the profile (``export_chrome_trace``), in
+    start order: (start us, duration us, bytes, ms from the host's call to the start)."""
+    asked = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") in _RUNTIME and "correlation" in e.get("args", {}):
+            asked[e["args"]["correlation"]] = e["ts"]
+    out: dict[int, list[tuple[float, float, int, float]]] = defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") not in _MEMCPY:
+            continue
+        args = e.get("args", {})
+        called = asked.get(args.get("correlation"))
+        queued = round((e["ts"] - called) / 1e3, 3) if called is not None else None
+        out[int(args.get("stream", -1))].append((e["ts"], e.get("dur", 0.0), int(args.get("bytes", 0)), queued))
+    return {stream: sorted(copies) for stream, copies in out.items()}
+
+
+def _copy_info(per_stream: dict[int, list], launches: dict | None) -> dict[int, tuple[int, float]]:
+    """id(event) -> (bytes, ms queued) for each copy the trace names: a stream's copies are
+    paired with the trace's in start order, where both count the same copies of the same
+    durations (else that stream's are left unnamed)."""
+    info: dict[int, tuple[int, float]] = {}
+    for stream, evs in per_stream.items():
+        copies = sorted((e for e in evs if e.name.startswith("Memcpy")), key=lambda e: e.time_range.start)
+        traced = (launches or {}).get(stream, [])
+        if not copies or len(copies) != len(traced):
+            continue
+        durations = [e.time_range.end - e.time_range.start for e in copies]
+        if any(abs(d - t[1]) > 2.0 for d, t in zip(durations, traced)):
+            continue
+        for e, (_, _, nbytes, queued) in zip(copies, traced):
+            info[id(e)] = (nbytes, queued)
+    return info
+
+
+def _gaps(per_stream: dict[int, list], compute: int, top: int = 8, launches: dict | None = None) -> dict:
     """The compute stream's longest idle gaps and, for each, the last kernel or copy each other
     stream finished inside it (what the compute stream most likely waited for)."""
+    info = _copy_info(per_stream, launches)
     kernels = sorted(per_stream[compute], key=lambda e: e.time_range.start)
     t0 = kernels[0].time_range.start
     found, last = [], kernels[0]
@@ -71,6 +118,8 @@ def _gaps(per_stream: dict[int, list], compute: int, top: int = 8) -> dict:
                         e.name[:32],
                         round((e.time_range.start - a) / 1e3, 3),
                         round((e.time_range.end - e.time_range.start) / 1e3, 3),
+                        # A copy the trace names: its MiB and the ms it sat queued.
+                        *((round(info[id(e)][0] / 2**20, 1), info[id(e)][1]) if id(e) in info else ()),
                     ]
                     for e in overlapping[:8]
                 ]
@@ -81,7 +130,8 @@ def _gaps(per_stream: dict[int, list], compute: int, top: int = 8) -> dict:
                 "before": before.name[:60],
                 "after": after.name[:60],
                 "ended_inside": ended,
-                # Per other stream: [name, start ms from the gap's start, ms] of what ran in it.
+                # Per other stream: [name, start ms from the gap's start, ms] of what ran in
+                # it, and for a copy the trace names, [..., MiB, ms from its call to its start].
                 "in_flight": in_flight,
             }
         )
@@ -92,12 +142,13 @@ def _gaps(per_stream: dict[int, list], compute: int, top: int = 8) -> dict:
     }
 
 
-def breakdown(events, top: int = 12) -> dict:
+def breakdown(events, top: int = 12, launches: dict | None = None) -> dict:
     """Seconds per group on the compute stream, busy seconds per stream, the longest kernels.
 
     Args:
         events: ``prof.events()`` of a profile with CUDA activity.
         top: how many kernel names to list.
+        launches: :func:`copy_launches` of the same profile, to size the copies in the gaps.
     """
     from torch.autograd import DeviceType
 
@@ -125,7 +176,7 @@ def breakdown(events, top: int = 12) -> dict:
         groups[group_of(e.name)] += seconds
         names[e.name[:90]] += seconds
     return {
-        **_gaps(per_stream, compute),
+        **_gaps(per_stream, compute, launches=launches),
         "compute_stream": compute,
         "compute_span_s": round(span, 3),
         "compute_busy_s": round(busy[compute], 3),
@@ -137,19 +188,31 @@ def breakdown(events, top: int = 12) -> dict:
 
 
 def profile_step(step) -> dict:
-    """Run ``step()`` once under the profiler (CUDA kernels only, no shapes or stacks) and
-    return :func:`breakdown` with the wall time."""
+    """Run ``step()`` once under the profiler (CUDA kernels and the host's CUDA calls, no
+    shapes or stacks) and return :func:`breakdown` with the wall time."""
+    import json
+    import os
+    import tempfile
     import time
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    out = breakdown(prof.events())
+    launches = None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                launches = copy_launches(json.load(f))
+        except (OSError, ValueError, RuntimeError):
+            pass  # the breakdown stands without the copies' sizes
+    out = breakdown(prof.events(), launches=launches)
     out["wall_s"] = round(wall, 3)
     return out

@@ -105,3 +105,58 @@ def test_a_copy_bound_steps_compute_stream_is_not_its_copy_stream():
     out = kernel_time.breakdown(events)
     assert out["compute_stream"] == 7
     assert out["groups_s"] == {"gemm": 1.0}
+
+
+def _trace(*copies):
+    """A Chrome trace of the profile: per copy (stream, start us, us, bytes, host call us)."""
+    events = []
+    for i, (stream, start, dur, nbytes, called) in enumerate(copies):
+        events.append({"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": called, "args": {"correlation": i}})
+        events.append(
+            {
+                "cat": "gpu_memcpy",
+                "name": "Memcpy HtoD (Pinned -> Device)",
+                "ts": start,
+                "dur": dur,
+                "args": {"stream": stream, "correlation": i, "bytes": nbytes},
+            }
+        )
+    return {"traceEvents": events}
+
+
+def test_the_copies_in_a_gap_carry_their_size_and_how_long_they_sat_queued():
+    """Two copies asked for at once, long before the wait: the second, queued behind the
+    first, started 10 ms after its call; the third was asked for as the wait began."""
+    events = [
+        _kernel("elementwise_kernel", 0, 10_000),
+        _kernel("flash_bwd_kernel", 40_000, 41_000),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 5_000, 15_000, stream=13),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 15_000, 25_000, stream=13),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 25_000, 39_000, stream=13),
+    ]
+    mib = 1 << 20
+    launches = kernel_time.copy_launches(
+        _trace(
+            (13, 1_005_000, 10_000, 512 * mib, 1_004_000),
+            (13, 1_015_000, 10_000, 512 * mib, 1_004_000),
+            (13, 1_025_000, 14_000, 8 * mib, 1_024_500),
+        )
+    )
+    assert launches[13][1] == (1_015_000, 10_000, 512 * mib, 11.0)
+    (gap,) = kernel_time.breakdown(events, launches=launches)["compute_longest_gaps"]
+    assert gap["in_flight"]["13"] == [
+        ["Memcpy HtoD (Pinned -> Device)", -5.0, 10.0, 512.0, 1.0],
+        ["Memcpy HtoD (Pinned -> Device)", 5.0, 10.0, 512.0, 11.0],
+        ["Memcpy HtoD (Pinned -> Device)", 15.0, 14.0, 8.0, 0.5],
+    ]
+
+
+def test_copies_the_trace_does_not_pair_stay_unnamed():
+    events = [
+        _kernel("elementwise_kernel", 0, 10_000),
+        _kernel("flash_bwd_kernel", 40_000, 41_000),
+        _kernel("Memcpy HtoD (Pinned -> Device)", 15_000, 25_000, stream=13),
+    ]
+    other_durations = kernel_time.copy_launches(_trace((13, 0, 9_000, 1 << 20, 0)))
+    (gap,) = kernel_time.breakdown(events, launches=other_durations)["compute_longest_gaps"]
+    assert gap["in_flight"]["13"] == [["Memcpy HtoD (Pinned -> Device)", 5.0, 10.0]]
