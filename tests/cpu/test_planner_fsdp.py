@@ -134,11 +134,14 @@ def test_ddp_buckets_hold_every_gradient_beside_what_the_optimizer_holds():
     f = _offloaded(loss_chunks=8)
     offloaded = _offloaded(loss_chunks=8, optimizer_offloading=True)
 
+    def held(fp):  # held all step, or (updated in backward) while the layers run backward
+        return {**fp.gpu, **fp.layer}
+
     def parts(options, **parallel):
         w = Workload(EIGHT_B, 32768, lora_rank=0, updates_in_backward=True, parallel=Parallelism(2, **parallel))
-        return optimizer_footprint(w, options).gpu
+        return held(optimizer_footprint(w, options))
 
-    one = optimizer_footprint(Workload(EIGHT_B, 32768, lora_rank=0, updates_in_backward=True), offloaded).gpu
+    one = held(optimizer_footprint(Workload(EIGHT_B, 32768, lora_rank=0, updates_in_backward=True), offloaded))
     ddp, view = parts(offloaded), parts(offloaded, bucket_view=True)
     assert "DDP gradient buckets" not in one
     assert ddp["DDP gradient buckets"] == view["DDP gradient buckets"] == s.params * b
