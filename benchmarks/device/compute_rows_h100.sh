@@ -11,10 +11,11 @@
 #   3. 8B LoRA r=16, offload_plan: auto, with Liger's kernels: 256K over 2 layers and 64K over
 #      32 layers, each after, before, and with attention_kernel=fa4 (where FA4 ran)
 #   4. Axolotl's long-context stack on the same model and tokens, 64K and 256K (hidden-state
-#      offload, layer offloading, TiledMLP, Liger's kernels and fused loss)
+#      offload, layer offloading, TiledMLP, Liger's kernels and fused loss; AXOLOTL=0 skips it)
 #   5. the 3B full fine-tune at 16K: with Liger's kernels, and with selective checkpointing
-#      too, each with a kernel breakdown
+#      too, each with a kernel breakdown; then the planner's own choice for it (offloadkit_plan)
 #   6. the 8B LoRA at 16K with everything on, before and after
+#   7. the 1B full fine-tune at 16K with checkpoint-input offload, before and after
 . "$(dirname "$0")/common.sh"
 mkdir -p .whl
 [ -d /tmp/carry ] && cp -rn /tmp/carry/. .whl/
@@ -83,7 +84,7 @@ row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD"
 [ -n "$BEFORE" ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 
-if [ -f benchmarks/axolotl_stack.py ] && [ -d .whl/axolotl ]; then
+if [ "${AXOLOTL:-1}" = 1 ] && [ -f benchmarks/axolotl_stack.py ] && [ -d .whl/axolotl ]; then
   say "4: Axolotl's long-context stack"
   for spec in 65536:32 262144:2; do
     PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/axolotl_stack.py --shape llama-3-8b --lora-rank 16 \
@@ -98,7 +99,17 @@ say "5: 3B full fine-tune, 16K, fp32 master weights"
 PYTHONPATH=$SITE:$PWD timeout 420 python3 benchmarks/full_ft_peers.py --out "$OUT/full-ft" --shapes llama-3.2-3b \
   --modes offloadkit+liger,offloadkit+selective+liger --seq-len 16384 --kernel-breakdown > "$OUT/full_ft.log" 2>&1
 say "full ft rc=$?"; grep -E "^\| llama" "$OUT/full_ft.log" | tee -a "$OUT/progress.txt"
+# The planner's own choice for it (offload_plan's config through prepare(), full depth).
+PYTHONPATH=$SITE:$PWD timeout 300 python3 benchmarks/full_ft_peers.py --out "$OUT/full-ft-plan" --shapes llama-3.2-3b \
+  --modes offloadkit_plan --seq-len 16384 --layers 28 --precision fp32_master > "$OUT/full_ft_plan.log" 2>&1
+say "planned full ft rc=$?"; grep -E "^\| llama" "$OUT/full_ft_plan.log" | tee -a "$OUT/progress.txt"
 say "6: the 16K rows, before and after: 8B LoRA with everything on"
 row everything-16384-32L "everything:16384:32:1:3" "$PWD"
 [ -n "$BEFORE" ] && row everything-16384-32L-before "everything:16384:32:1:3" "$BEFORE"
+say "7: the 1B full fine-tune at 16K with checkpoint-input offload, before and after"
+for tree in "$PWD:after" ${BEFORE:+"$BEFORE:before"}; do
+  (cd "${tree%%:*}" && PYTHONPATH=$SITE:$PWD timeout 200 python3 benchmarks/bench_offload.py --shape llama-3.2-1b \
+    --name "llama-3.2-1b-16k-${tree##*:}" --modes "ckpt;ckpt+input_offload" --steps 6 --warmup 2 \
+    --out "$OUT/rows-1b" 2>&1 | grep -v -i warn | tail -3 | tee -a "$OUT/progress.txt")
+done
 say "done"
