@@ -128,6 +128,35 @@ def _probe(mode: str, seq: int, layers: int, field: str) -> str:
     return f"probes[mode={mode},seq_len={seq},layers={layers}].{field}"
 
 
+def _side_by_side(tag: str, seq: int, layers: int, axolotl: str, ours: str) -> list[Claim | Ratio]:
+    """Axolotl's stack and ``offload_plan: auto`` (Liger's kernels) at one length, one call."""
+    what = f"8B LoRA, {tag.upper()}, {layers} layers"
+    return [
+        Claim(f"axo-{tag}-step", f"{what}, Axolotl's stack: step", axolotl, "step_s", unit="s"),
+        Claim(f"axo-{tag}-peak", "the same: peak allocated", axolotl, "peak_allocated_gib", unit="GiB"),
+        Claim(
+            f"ours-{tag}-step",
+            f"{what}, auto with Liger's kernels, same call: step",
+            ours,
+            _probe("auto", seq, layers, "step_s"),
+            unit="s",
+        ),
+        Claim(
+            f"ours-{tag}-peak",
+            "the same: peak allocated",
+            ours,
+            _probe("auto", seq, layers, "peak_allocated_gib"),
+            unit="GiB",
+        ),
+        Ratio(
+            f"ours-{tag}-vs-axo",
+            f"offloadkit against Axolotl's stack at {tag.upper()}: step",
+            f"ours-{tag}-step",
+            f"axo-{tag}-step",
+        ),
+    ]
+
+
 CLAIMS: list[Claim | Ratio] = [
     # PEFT's LoRA path against fused_lora, 8B LoRA r=16 at 2 layers, one H100.
     Claim("fused-64k-peft-step", "8B LoRA, 64K, 2 layers, one H100, PEFT's path: step", _FUSED,
@@ -161,20 +190,8 @@ CLAIMS: list[Claim | Ratio] = [
     Claim("liger-256k-peak", "the same: peak allocated", _LIGER_256K,
           _probe("auto", 262144, 2, "peak_allocated_gib"), unit="GiB", fmt=".2f"),
     # Axolotl's long-context stack and offload_plan: auto in one call, one H200 capped to 79 GiB.
-    Claim("axo-64k-step", "8B LoRA, 64K, 32 layers, Axolotl's stack: step", _AXO_64K, "step_s", unit="s"),
-    Claim("axo-64k-peak", "the same: peak allocated", _AXO_64K, "peak_allocated_gib", unit="GiB"),
-    Claim("ours-64k-step", "8B LoRA, 64K, 32 layers, auto with Liger's kernels, same call: step", _OURS_64K,
-          _probe("auto", 65536, 32, "step_s"), unit="s"),
-    Claim("ours-64k-peak", "the same: peak allocated", _OURS_64K,
-          _probe("auto", 65536, 32, "peak_allocated_gib"), unit="GiB"),
-    Ratio("ours-64k-vs-axo", "offloadkit against Axolotl's stack at 64K: step", "ours-64k-step", "axo-64k-step"),
-    Claim("axo-256k-step", "8B LoRA, 256K, 2 layers, Axolotl's stack: step", _AXO_256K, "step_s", unit="s"),
-    Claim("axo-256k-peak", "the same: peak allocated", _AXO_256K, "peak_allocated_gib", unit="GiB"),
-    Claim("ours-256k-step", "8B LoRA, 256K, 2 layers, auto with Liger's kernels, same call: step", _OURS_256K,
-          _probe("auto", 262144, 2, "step_s"), unit="s"),
-    Claim("ours-256k-peak", "the same: peak allocated", _OURS_256K,
-          _probe("auto", 262144, 2, "peak_allocated_gib"), unit="GiB"),
-    Ratio("ours-256k-vs-axo", "offloadkit against Axolotl's stack at 256K: step", "ours-256k-step", "axo-256k-step"),
+    *_side_by_side("64k", 65536, 32, _AXO_64K, _OURS_64K),
+    *_side_by_side("256k", 262144, 2, _AXO_256K, _OURS_256K),
     # Context parallelism, 8B LoRA on H200s capped to 79 GiB a rank, 1 layer timed.
     Claim("cp2-tokens", "8B LoRA, context parallel over 2 GPUs: tokens", _CP2, "tokens", unit="tokens", fmt=",.0f"),
     Claim("cp2-step", "8B LoRA, context parallel over 2 GPUs, 1 layer: step", _CP2, "step_s", unit="s"),

@@ -76,15 +76,22 @@ def test_the_compute_streams_gaps_name_what_other_streams_finished_inside_them()
     }
 
 
-def test_a_copy_queued_behind_others_shows_every_copy_that_ran_during_the_wait():
-    """The compute stream waits 30 ms for a copy that was queued behind two others on the
-    copy stream: all three are listed, the first started before the wait began."""
-    events = [
+def _waiting_behind_copies(after: str) -> list:
+    """The compute stream idle from 10 to 40 ms while three copies run back to back on stream
+    13, the first started 5 ms before the wait."""
+    return [
         _kernel("elementwise_kernel", 0, 10_000),
-        _kernel("Memcpy DtoD (Device -> Device)", 40_000, 41_000),
+        _kernel(after, 40_000, 41_000),
         _kernel("Memcpy HtoD (Pinned -> Device)", 5_000, 15_000, stream=13),
         _kernel("Memcpy HtoD (Pinned -> Device)", 15_000, 25_000, stream=13),
         _kernel("Memcpy HtoD (Pinned -> Device)", 25_000, 39_000, stream=13),
+    ]
+
+
+def test_a_copy_queued_behind_others_shows_every_copy_that_ran_during_the_wait():
+    """The compute stream waits 30 ms for a copy that was queued behind two others on the
+    copy stream: all three are listed, the first started before the wait began."""
+    events = _waiting_behind_copies("Memcpy DtoD (Device -> Device)") + [
         _kernel("Memcpy HtoD (Pinned -> Device)", 39_500, 45_000, stream=13),  # after the wait
     ]
     (gap,) = kernel_time.breakdown(events)["compute_longest_gaps"]
@@ -127,13 +134,7 @@ def _trace(*copies):
 def test_the_copies_in_a_gap_carry_their_size_and_how_long_they_sat_queued():
     """Two copies asked for at once, long before the wait: the second, queued behind the
     first, started 10 ms after its call; the third was asked for as the wait began."""
-    events = [
-        _kernel("elementwise_kernel", 0, 10_000),
-        _kernel("flash_bwd_kernel", 40_000, 41_000),
-        _kernel("Memcpy HtoD (Pinned -> Device)", 5_000, 15_000, stream=13),
-        _kernel("Memcpy HtoD (Pinned -> Device)", 15_000, 25_000, stream=13),
-        _kernel("Memcpy HtoD (Pinned -> Device)", 25_000, 39_000, stream=13),
-    ]
+    events = _waiting_behind_copies("flash_bwd_kernel")
     mib = 1 << 20
     launches = kernel_time.copy_launches(
         _trace(
