@@ -77,10 +77,12 @@ row() {  # NAME PROBE TREE [capacity.py arguments]; the cap through the config, 
 }
 say "3: 8B LoRA rows"
 FA4_RAN=$(grep -c '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/attention.log" 2>/dev/null)
-row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD"
+# After: also what is alive at the peak (one more step, not timed): the plan predicts these
+# peaks 1.35-1.4x what they measured (21.5 GiB for 15.25 at 64K).
+row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD" --peak-breakdown
 [ -n "$BEFORE" ] && row auto-262144-2L-liger-before "auto:262144:2:1:2" "$BEFORE"
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" "$PWD" --set attention_kernel=fa4
-row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD"
+row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD" --peak-breakdown
 [ -n "$BEFORE" ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 
