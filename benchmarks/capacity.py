@@ -351,7 +351,7 @@ def run_probe(spec: dict) -> dict:
         from kernel_time import profile_step
 
         try:
-            out["kernel_breakdown"] = profile_step(step)
+            out["kernel_breakdown"] = profile_step(step, launches=spec.get("copy_launches", False))
         except torch.cuda.OutOfMemoryError as exc:
             out["kernel_breakdown"] = {"note": "oom: " + str(exc).split("\n")[0][:160]}
     if runtime is not None:
@@ -440,6 +440,12 @@ def main(argv=None) -> int:
         "--kernel-breakdown",
         action="store_true",
         help="profile one more step and group its GPU time (attention, gemm, copies, other; idle)",
+    )
+    ap.add_argument(
+        "--copy-launches",
+        action="store_true",
+        help="with --kernel-breakdown: also the host's CUDA calls, to size each copy in a wait and say when it "
+        "was asked for (the host runs slower under it)",
     )
     ap.add_argument(
         "--recompute-blocks",
@@ -568,6 +574,7 @@ def main(argv=None) -> int:
             disk_dir=args.disk_dir,
             breakdown=args.peak_breakdown,
             kernel_breakdown=args.kernel_breakdown,
+            copy_launches=args.copy_launches,
             extra=extra,
         )
         full = full_depth(

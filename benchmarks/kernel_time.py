@@ -6,9 +6,10 @@ reductions, casts, Triton kernels). Per CUDA stream: busy seconds (the union of 
 intervals); the compute stream is the one with the most kernel time other than copies, and
 its idle time inside the step is what the GPU waited for (copies, the host, synchronizations).
 
-Each copy that ran while the compute stream waited carries its size and how long it sat
-queued: from the host's call that asked for it to its start on the GPU (a copy asked for
-late starts at once; one asked for early but queued behind other work starts later).
+With the host's calls recorded too (``launches``), each copy that ran while the compute
+stream waited carries its size and how long it sat queued: from the host's call that asked
+for it to its start on the GPU (a copy asked for late starts at once; one asked for early
+but queued behind other work starts later).
 
 Used by ``benchmarks/capacity.py --kernel-breakdown``.
 """
@@ -187,9 +188,11 @@ def breakdown(events, top: int = 12, launches: dict | None = None) -> dict:
     }
 
 
-def profile_step(step) -> dict:
-    """Run ``step()`` once under the profiler (CUDA kernels and the host's CUDA calls, no
-    shapes or stacks) and return :func:`breakdown` with the wall time."""
+def profile_step(step, launches: bool = False) -> dict:
+    """Run ``step()`` once under the profiler (CUDA kernels, no shapes or stacks) and return
+    :func:`breakdown` with the wall time. ``launches``: record the host's CUDA calls too, to
+    size the copies in the gaps and say when each was asked for; off by default, since the
+    host then runs slower and its lead over the GPU, which the gaps depend on, shrinks."""
     import json
     import os
     import tempfile
@@ -199,20 +202,22 @@ def profile_step(step) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if launches else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    launches = None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        try:
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                launches = copy_launches(json.load(f))
-        except (OSError, ValueError, RuntimeError):
-            pass  # the breakdown stands without the copies' sizes
-    out = breakdown(prof.events(), launches=launches)
+    copies = None
+    if launches:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            try:
+                prof.export_chrome_trace(path)
+                with open(path) as f:
+                    copies = copy_launches(json.load(f))
+            except (OSError, ValueError, RuntimeError):
+                pass  # the breakdown stands without the copies' sizes
+    out = breakdown(prof.events(), launches=copies)
     out["wall_s"] = round(wall, 3)
     return out

@@ -83,6 +83,8 @@ row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD" --peak-breakdown
 [ -n "$BEFORE" ] && row auto-262144-2L-liger-before "auto:262144:2:1:2" "$BEFORE"
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" "$PWD" --set attention_kernel=fa4
 row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD" --peak-breakdown
+# The same row's waits with the host's calls recorded: each copy's size and when it was asked for.
+row auto-65536-32L-liger-launches "auto:65536:32:1:1" "$PWD" --copy-launches
 [ -n "$BEFORE" ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 
