@@ -50,12 +50,12 @@ def optimizer_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     if window is None:
         window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
     in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes
-    trainable = {"trainable state": grad + in_flight}
+    trainable, host = {"trainable state": grad + in_flight}, {"optimizer state": state}
     if w.updates_in_backward:
         # Updated as backward reaches each parameter: nothing of it is on the GPU before the
         # first gradient, so the loss phase (the logits) holds none of it. An untied head,
         # updated first, is updated once its logits' gradient is freed. Measured (3B at 16K,
         # fp32 master weights): the loss phase's peak held no state, the layers' held 12.3 GiB
         # of it coming in.
-        return Footprint(gpu=buckets, layer=trainable, host={"optimizer state": state})
-    return Footprint(gpu=trainable | buckets, host={"optimizer state": state})
+        return Footprint(gpu=buckets, layer=trainable, host=host)
+    return Footprint(gpu=trainable | buckets, host=host)
