@@ -16,6 +16,10 @@
 #      too, each with a kernel breakdown; then the planner's own choice for it (offloadkit_plan)
 #   6. the 8B LoRA at 16K with everything on, before and after
 #   7. the 1B full fine-tune at 16K with checkpoint-input offload, before and after
+#   8. the context-parallel path on one rank at the 4-rank longest's share (795,136 tokens, 1 layer
+#      whose input needs a gradient): what is alive at its peak, where the plan counts 1.2x
+# LORA_BEFORE=0 skips the 8B LoRA rows' before runs, EVERYTHING=0 step 6, CP_BREAKDOWN=0 step 8
+# (rows already measured before and after on an unchanged engine).
 . "$(dirname "$0")/common.sh"
 mkdir -p .whl
 [ -d /tmp/carry ] && cp -rn /tmp/carry/. .whl/
@@ -80,12 +84,12 @@ FA4_RAN=$(grep -c '"backend": "fa4", "gqa": true, [^}]*"forward_ms"' "$OUT/atten
 # After: also what is alive at the peak (one more step, not timed): the plan predicts these
 # peaks 1.35-1.4x what they measured (21.5 GiB for 15.25 at 64K).
 row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD" --peak-breakdown
-[ -n "$BEFORE" ] && row auto-262144-2L-liger-before "auto:262144:2:1:2" "$BEFORE"
+[ -n "$BEFORE" ] && [ "${LORA_BEFORE:-1}" = 1 ] && row auto-262144-2L-liger-before "auto:262144:2:1:2" "$BEFORE"
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" "$PWD" --set attention_kernel=fa4
 row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD" --peak-breakdown
 # The same row's waits with the host's calls recorded: each copy's size and when it was asked for.
 row auto-65536-32L-liger-launches "auto:65536:32:1:1" "$PWD" --copy-launches
-[ -n "$BEFORE" ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
+[ -n "$BEFORE" ] && [ "${LORA_BEFORE:-1}" = 1 ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 
 if [ "${AXOLOTL:-1}" = 1 ] && [ -f benchmarks/axolotl_stack.py ] && [ -d .whl/axolotl ]; then
@@ -107,13 +111,23 @@ say "full ft rc=$?"; grep -E "^\| llama" "$OUT/full_ft.log" | tee -a "$OUT/progr
 PYTHONPATH=$SITE:$PWD timeout 300 python3 benchmarks/full_ft_peers.py --out "$OUT/full-ft-plan" --shapes llama-3.2-3b \
   --modes offloadkit_plan --seq-len 16384 --layers 28 --precision fp32_master > "$OUT/full_ft_plan.log" 2>&1
 say "planned full ft rc=$?"; grep -E "^\| llama" "$OUT/full_ft_plan.log" | tee -a "$OUT/progress.txt"
-say "6: the 16K rows, before and after: 8B LoRA with everything on"
-row everything-16384-32L "everything:16384:32:1:3" "$PWD"
-[ -n "$BEFORE" ] && row everything-16384-32L-before "everything:16384:32:1:3" "$BEFORE"
+if [ "${EVERYTHING:-1}" = 1 ]; then
+  say "6: the 16K rows, before and after: 8B LoRA with everything on"
+  row everything-16384-32L "everything:16384:32:1:3" "$PWD"
+  [ -n "$BEFORE" ] && row everything-16384-32L-before "everything:16384:32:1:3" "$BEFORE"
+fi
 say "7: the 1B full fine-tune at 16K with checkpoint-input offload, before and after"
 for tree in "$PWD:after" ${BEFORE:+"$BEFORE:before"}; do
   (cd "${tree%%:*}" && PYTHONPATH=$SITE:$PWD timeout 200 python3 benchmarks/bench_offload.py --shape llama-3.2-1b \
     --name "llama-3.2-1b-16k-${tree##*:}" --modes "ckpt;ckpt+input_offload" --steps 6 --warmup 2 \
     --out "$OUT/rows-1b" 2>&1 | grep -v -i warn | tail -3 | tee -a "$OUT/progress.txt")
 done
+if [ "${CP_BREAKDOWN:-1}" = 1 ]; then
+  say "8: context parallel on one rank, 795,136 tokens, 1 layer: what is alive at the peak"
+  GPU_CAP=(); [[ -n $GPU_GIB ]] && GPU_CAP=(--gpu-gib "$GPU_GIB")
+  PYTHONPATH=$SITE:$PWD timeout 420 torchrun --standalone --nproc_per_node 1 benchmarks/context_parallel.py \
+    --shape llama-3-8b --lora-rank 16 --tokens-per-gpu 795136 --layers 1 --input-grads "${GPU_CAP[@]}" \
+    --rotation alltoall --peak-breakdown --out "$OUT/cp" > "$OUT/cp_one_rank.txt" 2>&1
+  say "cp one rank rc=$? $(grep -h -m1 -E '^(RESULT|OOM)' "$OUT/cp_one_rank.txt")"
+fi
 say "done"
