@@ -18,7 +18,8 @@
 #   7. the 1B full fine-tune at 16K with checkpoint-input offload, before and after
 #   8. the context-parallel path on one rank at the 4-rank longest's share (795,136 tokens, 1 layer
 #      whose input needs a gradient): what is alive at its peak, where the plan counts 1.2x
-# LORA_BEFORE=0 skips the 8B LoRA rows' before runs, EVERYTHING=0 step 6, CP_BREAKDOWN=0 step 8
+# LORA_BEFORE=0 skips the 8B LoRA rows' before runs, LAUNCHES=0 the 64K launches row,
+# EVERYTHING=0 step 6, CP_BREAKDOWN=0 step 8
 # (rows already measured before and after on an unchanged engine).
 . "$(dirname "$0")/common.sh"
 mkdir -p .whl
@@ -88,7 +89,7 @@ row auto-262144-2L-liger "auto:262144:2:1:2" "$PWD" --peak-breakdown
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-262144-2L-liger-fa4 "auto:262144:2:1:2" "$PWD" --set attention_kernel=fa4
 row auto-65536-32L-liger "auto:65536:32:1:2" "$PWD" --peak-breakdown
 # The same row's waits with the host's calls recorded: each copy's size and when it was asked for.
-row auto-65536-32L-liger-launches "auto:65536:32:1:1" "$PWD" --copy-launches
+[ "${LAUNCHES:-1}" = 1 ] && row auto-65536-32L-liger-launches "auto:65536:32:1:1" "$PWD" --copy-launches
 [ -n "$BEFORE" ] && [ "${LORA_BEFORE:-1}" = 1 ] && row auto-65536-32L-liger-before "auto:65536:32:1:2" "$BEFORE"
 [ "${FA4_RAN:-0}" -gt 0 ] && row auto-65536-32L-liger-fa4 "auto:65536:32:1:2" "$PWD" --set attention_kernel=fa4
 
