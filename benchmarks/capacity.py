@@ -325,13 +325,11 @@ def run_probe(spec: dict) -> dict:
             runtime.manager.reset_stats()
 
     def recorded(step):  # the last step's allocations, for what is alive at its peak (slower: not timed)
-        from explain_peak import summary
+        from explain_peak import recorded_step
 
-        torch.cuda.memory._record_memory_history(max_entries=500000)
-        out["loss"] = step()
-        torch.cuda.synchronize()
-        out["peak_breakdown"] = summary(torch.cuda.memory._snapshot(), top=30).splitlines()
-        torch.cuda.memory._record_memory_history(enabled=None)
+        loss, out["peak_breakdown"] = recorded_step(step)
+        if loss is not None:
+            out["loss"] = loss
 
     time_steps(step, spec["warmup"], spec["steps"], out, after_warmup, recorded if spec.get("breakdown") else None)
     if runtime is not None:  # the timed steps' totals, before any profiled step

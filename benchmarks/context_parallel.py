@@ -64,14 +64,10 @@ def timed_steps(
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     if recorded is not None:
-        from explain_peak import summary
+        from explain_peak import recorded_step
 
-        torch.cuda.memory._record_memory_history(max_entries=500000)
         dist.barrier()
-        step()
-        torch.cuda.synchronize()
-        recorded["peak_breakdown"] = summary(torch.cuda.memory._snapshot(), top=30).splitlines()
-        torch.cuda.memory._record_memory_history(enabled=None)
+        _, recorded["peak_breakdown"] = recorded_step(step)
     peaks = torch.tensor(
         [torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB],
         dtype=torch.float64,

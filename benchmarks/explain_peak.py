@@ -58,6 +58,23 @@ def summary(snapshot: dict, top: int = 20) -> str:
     return "\n".join(lines)
 
 
+def recorded_step(step, top: int = 30, max_entries: int = 500_000):
+    """Run ``step()`` once with the allocator's history recorded: (its result, the lines of
+    :func:`summary`, or ``None`` and the error). Python frames only: with torch 2.11's default
+    (C++ frames too) a checkpoint recompute that stops early lost its stop signal in a tiled
+    MLP (``SystemError: ... returned NULL without setting an exception``)."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    try:
+        result = step()
+        torch.cuda.synchronize()
+        return result, summary(torch.cuda.memory._snapshot(), top=top).splitlines()
+    except Exception as err:  # the breakdown is a diagnosis: the timed steps before it stand
+        return None, [f"no breakdown: {type(err).__name__}: {err}"[:300]]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def main():
     import transformers
 
@@ -84,7 +101,7 @@ def main():
                     self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                     self.prof.__enter__()
                 else:
-                    torch.cuda.memory._record_memory_history(max_entries=200000)
+                    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
 
         def on_step_end(self, a, state, control, **kw):
             if state.global_step == 2:
