@@ -160,6 +160,12 @@ class Footprint:
         loss: named GPU bytes held during the loss phase.
         layer: named GPU bytes one layer's backward phase holds beside its recompute and
             temporaries (a replayed run's recomputed inputs).
+        layer_end: the same parts as they stand at the end of backward, the first decoder
+            layer's (a name here replaces that part of ``layer`` there): what arrives only
+            then, as the embedding's update.
+        per_layer: named GPU bytes each decoder layer holds from its forward until its own
+            backward: every layer's through the loss and the first layers' backward, one
+            layer's by the end of backward.
         layer_saved: bytes autograd saves inside each decoder layer for this feature's part:
             every layer's, all step, without checkpointing; one layer's, in its recompute,
             with it.
@@ -176,6 +182,8 @@ class Footprint:
     gpu: dict[str, int] = field(default_factory=dict)
     loss: dict[str, int] = field(default_factory=dict)
     layer: dict[str, int] = field(default_factory=dict)
+    layer_end: dict[str, int] = field(default_factory=dict)
+    per_layer: dict[str, int] = field(default_factory=dict)
     layer_saved: int = 0
     mlp_backward: int = 0
     attention_backward: int = 0

@@ -78,5 +78,5 @@ def checkpointing_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     kept = keeps_attention(w, f)
     host = {"kept attention outputs": kept * attention_kept_bytes(w)} if kept else {}
     saved = selective_saved_bytes(w, f)
-    gpu = {"selective saves": w.shape.layers * saved} if saved else {}
-    return Footprint(gpu=gpu, layer=layer, host=host)
+    per_layer = {"selective saves": saved} if saved else {}
+    return Footprint(layer=layer, host=host, per_layer=per_layer)

@@ -38,24 +38,40 @@ def optimizer_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     if not f.of(OptimizerOptions).enabled:
         grads = 0 if ddp and w.parallel.bucket_view else params * b
         return Footprint(gpu={"trainable state": grads + params * w.optimizer_state_bytes + unreduced} | buckets)
-    largest = -(-max(max(a * c for a, c in s.linears), s.embed_params, s.head_params) // shards)
-    held = largest if w.updates_in_backward else params
-    grad = (0 if ddp and w.parallel.bucket_view else held * b) + unreduced
-    if w.optimizer_precision == "fp32_master":
-        grad += largest * 4  # the fp32 master update widens one whole gradient
-    if w.optimizer_precision == "compact":
-        grad += min(largest, COMPACT_CHUNK_ELEMENTS) * COMPACT_CHUNK_BYTES_PER_ELEMENT  # one chunk
+    linear = max(a * c for a, c in s.linears)
     state = params * w.optimizer_state_bytes
     window = w.copy_window_bytes
     if window is None:
         window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
-    in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes
-    trainable, host = {"trainable state": grad + in_flight}, {"optimizer state": state}
+
+    def trainable(largest: int, held: int) -> dict[str, int]:
+        """Gradients held, the update's wider temporaries and the state in flight, with
+        ``largest`` the widest parameter being updated."""
+        largest = -(-largest // shards)
+        grad = (0 if ddp and w.parallel.bucket_view else held * b) + unreduced
+        if w.optimizer_precision == "fp32_master":
+            grad += largest * 4  # the fp32 master update widens one whole gradient
+        if w.optimizer_precision == "compact":
+            grad += min(largest, COMPACT_CHUNK_ELEMENTS) * COMPACT_CHUNK_BYTES_PER_ELEMENT  # one chunk
+        in_flight = min(2 * window, state) + largest * w.optimizer_state_bytes
+        return {"trainable state": grad + in_flight}
+
+    host = {"optimizer state": state}
     if w.updates_in_backward:
         # Updated as backward reaches each parameter: nothing of it is on the GPU before the
-        # first gradient, so the loss phase (the logits) holds none of it. An untied head,
-        # updated first, is updated once its logits' gradient is freed. Measured (3B at 16K,
-        # fp32 master weights): the loss phase's peak held no state, the layers' held 12.3 GiB
-        # of it coming in.
-        return Footprint(gpu=buckets, layer=trainable, host=host)
-    return Footprint(gpu=trainable | buckets, host=host)
+        # first gradient, so the loss phase (the logits) holds none of it. An untied head is
+        # updated first, once its logits' gradient is freed; the embedding (tied or not) last,
+        # after the first decoder layer's backward, when the layers' own saves are gone.
+        # Measured (3B at 16K, fp32 master weights): the loss phase's peak held no state, the
+        # layers' held 12.3 GiB of it coming in (the embedding's with the first layer's); with
+        # every layer's matmul outputs saved, the peak came at backward's start, without it.
+        during = max(linear, s.head_params)
+        first = max(linear, s.embed_params)
+        return Footprint(
+            gpu=buckets,
+            layer=trainable(during, -(-during // shards)),
+            layer_end=trainable(first, -(-first // shards)),
+            host=host,
+        )
+    largest = max(linear, s.embed_params, s.head_params)
+    return Footprint(gpu=trainable(largest, params) | buckets, host=host)

@@ -10,7 +10,9 @@ Layout of a step with checkpointing (the only mode the planner uses past short l
 forward keeps each layer's input (on the GPU, or offloaded), the loss runs chunk by chunk,
 then backward recomputes one layer at a time. The GPU peak is the fixed part (weights,
 trainable state, block inputs held on the GPU, rotary tables, the residual stream) plus the
-larger of the loss phase and one layer's recompute + backward.
+largest of three moments: the loss phase, backward's start (one layer's recompute + backward
+beside every layer's own saves, such as selective checkpointing's) and backward's end (the
+first layer's, one layer's saves left, beside what arrives only then: the embedding's update).
 """
 
 from __future__ import annotations
@@ -293,7 +295,9 @@ class MemoryEstimate:
         block_placement: per layer, where its input lives in backward: gpu, ram, disk, or
             recompute (kept nowhere: replayed from the kept input before it).
         gpu_parts: named parts of the peak.
-        phase: "loss" or "layer backward", whichever is larger.
+        phase: whichever of these is larger: "loss", "layer backward" (at its start, every
+            layer's own saves still held) or "first layer's backward" (at its end, what
+            arrives only then beside one layer's saves).
         host_parts: named parts of ``host``.
     """
 
@@ -452,25 +456,37 @@ def estimate_memory(w: Workload, f: StepOptions) -> MemoryEstimate:
     parts: dict[str, int] = {"weights": s.params * b}
     for p in prints:
         parts.update(p.gpu)  # a component's part replaces the model's of that name
-    if not o.of(CheckpointOptions).enabled:
-        parts["activations"] = s.layers * (_layer_saved(w, o, prints) + w.block_input_bytes)
     # cos and sin in fp32 then in the activations' dtype, shared by every layer.
     parts["rotary"] = 2 * t * s.head_dim * (4 + b)
     # The residual stream and its gradient, plus the layer output being formed.
     parts["residual stream"] = 3 * t * s.hidden * b
     fixed = sum(parts.values())
 
-    loss: dict[str, int] = {"final norm": final_norm_bytes(w, tiles_final_norm(o))}
+    # What each layer holds until its own backward: every layer's through the loss and the
+    # first layers' backward, one layer's by the end of backward.
+    per_layer: dict[str, int] = {}
+    if not o.of(CheckpointOptions).enabled:
+        per_layer["activations"] = _layer_saved(w, o, prints) + w.block_input_bytes
+    for p in prints:
+        per_layer.update(p.per_layer)
+    held = {name: s.layers * n for name, n in per_layer.items()}
+
+    loss: dict[str, int] = held | {"final norm": final_norm_bytes(w, tiles_final_norm(o))}
     for p in prints:
         loss.update(p.loss)
     layer = layer_phase(w, o, prints)
-    loss_bytes, layer_bytes = sum(loss.values()), sum(layer.values())
-    if loss_bytes >= layer_bytes:
-        phase, extra = "loss", loss
-    else:
-        phase, extra = "layer backward", layer
+    ending = dict(layer)
+    for p in prints:
+        ending.update({name: n for name, n in p.layer_end.items() if name in ending})
+    phases = [("loss", loss), ("layer backward", held | layer)]
+    if ending != layer:
+        phases.append(("first layer's backward", dict(per_layer) | ending))
+    phase, extra = phases[0]
+    for name, named in phases[1:]:  # the earlier phase on a tie
+        if sum(named.values()) > sum(extra.values()):
+            phase, extra = name, named
     parts.update(extra)
-    gpu_peak = int(fixed + max(loss_bytes, layer_bytes))
+    gpu_peak = int(fixed + sum(extra.values()))
 
     # What is saved after the last block (see :func:`final_norm_saves`) stays on the GPU, where
     # the loss phase counts it: backward needs it first, before any block's recompute.
