@@ -120,6 +120,9 @@ _AXO_64K = _r(_AXO + "axolotl/axolotl-stack-llama-3-8b-65536-32L-hidden_states.j
 _AXO_256K = _r(_AXO + "axolotl/axolotl-stack-llama-3-8b-262144-2L-hidden_states.json")
 _OURS_64K = _r(_AXO + "rows/auto-65536-32L-liger.json")
 _OURS_256K = _r(_AXO + "rows/auto-262144-2L-liger.json")
+_FA4 = "compute/h200-589abb9/rows/"
+_FA4_64K = _r(_FA4 + "auto-65536-32L-liger-fa4.json")
+_FA4_256K = _r(_FA4 + "auto-262144-2L-liger-fa4.json")
 _LONGEST = "longest sequence that fits: ([0-9]+) tokens"
 _REACHED = "reached ([0-9]+)%"
 
@@ -153,6 +156,28 @@ def _side_by_side(tag: str, seq: int, layers: int, axolotl: str, ours: str) -> l
             f"offloadkit against Axolotl's stack at {tag.upper()}: step",
             f"ours-{tag}-step",
             f"axo-{tag}-step",
+        ),
+    ]
+
+
+def _fa4_rows(tag: str, seq: int, layers: int, fa4: str) -> list[Claim | Ratio]:
+    """``offload_plan: auto`` with Liger's kernels and ``attention_kernel: fa4``, against the
+    same rows with PyTorch's default kernel (:func:`_side_by_side`'s)."""
+    what = f"8B LoRA, {tag.upper()}, {layers} layers, attention_kernel: fa4"
+    return [
+        Claim(f"fa4-{tag}-step", f"{what}: step", fa4, _probe("auto", seq, layers, "step_s"), unit="s"),
+        Claim(
+            f"fa4-{tag}-peak",
+            "the same: peak allocated",
+            fa4,
+            _probe("auto", seq, layers, "peak_allocated_gib"),
+            unit="GiB",
+        ),
+        Ratio(
+            f"fa4-{tag}-vs-default",
+            f"FlashAttention-4 against the default kernel at {tag.upper()}: step",
+            f"fa4-{tag}-step",
+            f"ours-{tag}-step",
         ),
     ]
 
@@ -192,6 +217,9 @@ CLAIMS: list[Claim | Ratio] = [
     # Axolotl's long-context stack and offload_plan: auto in one call, one H200 capped to 79 GiB.
     *_side_by_side("64k", 65536, 32, _AXO_64K, _OURS_64K),
     *_side_by_side("256k", 262144, 2, _AXO_256K, _OURS_256K),
+    # The same rows with FlashAttention-4 (attention_kernel: fa4), same kind of machine and cap.
+    *_fa4_rows("64k", 65536, 32, _FA4_64K),
+    *_fa4_rows("256k", 262144, 2, _FA4_256K),
     # Context parallelism, 8B LoRA on H200s capped to 79 GiB a rank, 1 layer timed.
     Claim("cp2-tokens", "8B LoRA, context parallel over 2 GPUs: tokens", _CP2, "tokens", unit="tokens", fmt=",.0f"),
     Claim("cp2-step", "8B LoRA, context parallel over 2 GPUs, 1 layer: step", _CP2, "step_s", unit="s"),
