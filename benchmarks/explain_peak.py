@@ -60,13 +60,20 @@ def summary(snapshot: dict, top: int = 20) -> str:
 
 def recorded_step(step, top: int = 30, max_entries: int = 500_000):
     """Run ``step()`` once with the allocator's history recorded: (its result, the lines of
-    :func:`summary`, or ``None`` and the error). Python frames only: with torch 2.11's default
-    (C++ frames too) a checkpoint recompute that stops early lost its stop signal in a tiled
-    MLP (``SystemError: ... returned NULL without setting an exception``)."""
+    :func:`summary`, or ``None`` and the error).
+
+    The step's checkpoints recompute each layer to its end: with torch 2.11 recording, a
+    recompute stopped early, once it had what backward needs, lost its stop signal inside the
+    tiled MLP (``SystemError: ... returned NULL without setting an exception``, with Python
+    frames only as with C++ ones). Running the rest of a layer adds its output-sized
+    temporaries to the recompute, which ends before the layer's backward starts."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
-        result = step()
+        with set_checkpoint_early_stop(False):
+            result = step()
         torch.cuda.synchronize()
         return result, summary(torch.cuda.memory._snapshot(), top=top).splitlines()
     except Exception as err:  # the breakdown is a diagnosis: the timed steps before it stand
