@@ -131,26 +131,27 @@ def _probe(mode: str, seq: int, layers: int, field: str) -> str:
     return f"probes[mode={mode},seq_len={seq},layers={layers}].{field}"
 
 
+def _auto_claims(prefix: str, what: str, file: str, seq: int, layers: int) -> list[Claim | Ratio]:
+    """An ``auto`` probe's step (``PREFIX-step``) and peak allocated (``PREFIX-peak``)."""
+    return [
+        Claim(f"{prefix}-step", f"{what}: step", file, _probe("auto", seq, layers, "step_s"), unit="s"),
+        Claim(
+            f"{prefix}-peak",
+            "the same: peak allocated",
+            file,
+            _probe("auto", seq, layers, "peak_allocated_gib"),
+            unit="GiB",
+        ),
+    ]
+
+
 def _side_by_side(tag: str, seq: int, layers: int, axolotl: str, ours: str) -> list[Claim | Ratio]:
     """Axolotl's stack and ``offload_plan: auto`` (Liger's kernels) at one length, one call."""
     what = f"8B LoRA, {tag.upper()}, {layers} layers"
     return [
         Claim(f"axo-{tag}-step", f"{what}, Axolotl's stack: step", axolotl, "step_s", unit="s"),
         Claim(f"axo-{tag}-peak", "the same: peak allocated", axolotl, "peak_allocated_gib", unit="GiB"),
-        Claim(
-            f"ours-{tag}-step",
-            f"{what}, auto with Liger's kernels, same call: step",
-            ours,
-            _probe("auto", seq, layers, "step_s"),
-            unit="s",
-        ),
-        Claim(
-            f"ours-{tag}-peak",
-            "the same: peak allocated",
-            ours,
-            _probe("auto", seq, layers, "peak_allocated_gib"),
-            unit="GiB",
-        ),
+        *_auto_claims(f"ours-{tag}", f"{what}, auto with Liger's kernels, same call", ours, seq, layers),
         Ratio(
             f"ours-{tag}-vs-axo",
             f"offloadkit against Axolotl's stack at {tag.upper()}: step",
@@ -165,14 +166,7 @@ def _fa4_rows(tag: str, seq: int, layers: int, fa4: str) -> list[Claim | Ratio]:
     same rows with PyTorch's default kernel (:func:`_side_by_side`'s)."""
     what = f"8B LoRA, {tag.upper()}, {layers} layers, attention_kernel: fa4"
     return [
-        Claim(f"fa4-{tag}-step", f"{what}: step", fa4, _probe("auto", seq, layers, "step_s"), unit="s"),
-        Claim(
-            f"fa4-{tag}-peak",
-            "the same: peak allocated",
-            fa4,
-            _probe("auto", seq, layers, "peak_allocated_gib"),
-            unit="GiB",
-        ),
+        *_auto_claims(f"fa4-{tag}", what, fa4, seq, layers),
         Ratio(
             f"fa4-{tag}-vs-default",
             f"FlashAttention-4 against the default kernel at {tag.upper()}: step",
