@@ -13,7 +13,7 @@ from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.kernels.attention import AttentionKernel, apply_attention_kernel, attention_kernel_unusable
 from offloadkit.kernels.liger import LigerKernels, applicable, apply_liger_kernels, liger_unusable
 from offloadkit.kernels.options import AttentionKernelOptions, KernelOptions
-from offloadkit.longctx.footprint import projections_tiled, tiled_mlp_shards
+from offloadkit.longctx.footprint import NORM_BACKWARD_FP32, mlp_backward_bytes, projections_tiled, tiled_mlp_shards
 
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime
@@ -92,29 +92,36 @@ def auto_kernels(model: nn.Module, options: KernelOptions) -> KernelOptions:
 def kernels_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     """Per token of a layer, with the norms untiled: the post-attention norm saves its 16-bit
     input instead of an fp32 copy (the input norm's is the block input, counted apart; a full
-    fine-tune's norms no longer save their normalised value); the untiled MLP saves
-    no SiLU output, a tiled MLP's shard rebuilds none in backward. The final norm, untiled,
-    saves its 16-bit input, an fp32 scale a token and the head's input during the loss phase.
-    Tiled norms save their input either way."""
+    fine-tune's norms no longer save their normalised value), and the input norm's backward
+    makes one 16-bit input gradient where the eager one holds fp32 temporaries (attention's
+    side of the layer's backward then counts two 16-bit ``[S, H]`` gradients, as with tiled
+    norms). The gated MLP saves no SiLU output (untiled) or rebuilds none (a tiled shard), and
+    its backward writes the gate's and up's gradients over their saved outputs: only the
+    product's gradient is new, where the eager backward holds four intermediate-wide
+    tensors' bytes. The final norm, untiled, saves its 16-bit input, an fp32 scale a token and
+    the head's input during the loss phase. Tiled norms save their input either way."""
     k = f.of(KernelOptions)
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     h, i = s.hidden, s.intermediate
-    layer = mlp_backward = 0
+    layer = mlp_backward = attention_backward = 0
     loss = {}
     if k.rms_norm is True and not projections_tiled(f):
         eager = 2 * 4 * h + (0 if w.lora_rank else 2 * b * h)  # fp32 inputs (+ the normed values)
         layer += t * (b * h - eager)
+        attention_backward = t * (2 * b * h - NORM_BACKWARD_FP32 * 4 * h)
     if k.rms_norm is True and not (projections_tiled(f) and tiled_mlp_shards(f) > 1):  # the final norm untiled
         loss["final norm"] = t * (2 * b * h + 4)  # replaces the eager count of that name
     if k.glu_activation is True:
         shards = tiled_mlp_shards(f)
+        rows = -(-t // shards)  # one shard's tokens (all of them untiled)
+        mlp_backward = -rows * (mlp_backward_bytes(w, 1) // t - b * i) if t else 0
         if shards > 1:
-            mlp_backward = -(-t // shards) * -b * i
+            mlp_backward -= rows * b * i
         elif not projections_tiled(f):
             layer -= t * b * i
-    if not (layer or mlp_backward or loss):
+    if not (layer or mlp_backward or attention_backward or loss):
         return Footprint()
-    return Footprint(layer_saved=layer, mlp_backward=mlp_backward, loss=loss)
+    return Footprint(layer_saved=layer, mlp_backward=mlp_backward, attention_backward=attention_backward, loss=loss)
 
 
 KERNELS = Component(

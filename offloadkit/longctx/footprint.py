@@ -27,6 +27,7 @@ __all__ = [
     "chunked_loss_footprint",
     "head_groups_backward_bytes",
     "head_groups_footprint",
+    "NORM_BACKWARD_FP32",
     "mlp_backward_bytes",
     "mlp_saved_bytes",
     "tiled_mlp_shards",
@@ -42,6 +43,10 @@ UNCHUNKED_LOSS_BYTES_PER_LOGIT = 11.5
 # Bytes per element of one loss chunk at its peak: the bf16 matmul output while it becomes
 # fp32 (2 + 4), then fp32 exp in place with its bf16 gradient (4 + 2); see loss.py.
 LOSS_CHUNK_BYTES_PER_LOGIT = 6
+# fp32 ``[S, H]`` tensors an eager (untiled) RMSNorm's backward holds at once beside its
+# input's gradient: the upcast gradient and the two paths through the scale. Attention's side
+# of a layer's backward ends in the input norm's (``planning/memory.py``).
+NORM_BACKWARD_FP32 = 3
 
 
 def chunked_loss_footprint(w: Workload, f: FootprintOptions) -> Footprint:

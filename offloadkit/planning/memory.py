@@ -32,6 +32,7 @@ from offloadkit.layers.footprint import streams_weights
 from offloadkit.layers.options import StreamingOptions
 from offloadkit.longctx.footprint import (
     LOSS_CHUNK_BYTES_PER_LOGIT,
+    NORM_BACKWARD_FP32,
     UNCHUNKED_LOSS_BYTES_PER_LOGIT,
     attention_workspace_bytes,
     mlp_saved_bytes,
@@ -358,7 +359,7 @@ def _own_attention_backward_bytes(w: Workload, tiled_projections: bool = False) 
     The MLP's side is the tiled MLP's footprint; head groups and ring attention add theirs."""
     s, t, b = w.shape, w.tokens, w.dtype_bytes
     q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
-    return t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else 3 * 4 * h))
+    return t * (b * (q + 2 * kv) + (2 * b * h if tiled_projections else NORM_BACKWARD_FP32 * 4 * h))
 
 
 # Writes the disk tier stages in host RAM at once (offloadkit.storage.disk's default).
