@@ -16,11 +16,12 @@
 #      too, each with a kernel breakdown; then the planner's own choice for it (offloadkit_plan)
 #   6. the 8B LoRA at 16K with everything on, before and after
 #   7. the 1B full fine-tune at 16K with checkpoint-input offload, before and after
-#   8. the context-parallel path on one rank at the 4-rank longest's share (795,136 tokens, 1 layer
+#   8. (EDGE=1) the planner's longest on an H100, 859,136 tokens over 3 layers, with cuDNN and FA4
+#   9. the context-parallel path on one rank at the 4-rank longest's share (795,136 tokens, 1 layer
 #      whose input needs a gradient): what is alive at its peak, where the plan counts 1.2x
-# LORA_BEFORE=0 skips the 8B LoRA rows' before runs, LAUNCHES=0 the 64K launches row,
-# EVERYTHING=0 step 6, CP_BREAKDOWN=0 step 8
-# (rows already measured before and after on an unchanged engine).
+# For rows already measured on an unchanged engine: LORA_BEFORE=0 skips the 8B LoRA rows'
+# before runs, LAUNCHES=0 the 64K launches row, EVERYTHING=0 step 6, CP_BREAKDOWN=0 step 9.
+# EDGE=1 adds step 8 (about 8 minutes).
 . "$(dirname "$0")/common.sh"
 mkdir -p .whl
 [ -d /tmp/carry ] && cp -rn /tmp/carry/. .whl/
@@ -123,8 +124,19 @@ for tree in "$PWD:after" ${BEFORE:+"$BEFORE:before"}; do
     --name "llama-3.2-1b-16k-${tree##*:}" --modes "ckpt;ckpt+input_offload" --steps 6 --warmup 2 \
     --out "$OUT/rows-1b" 2>&1 | grep -v -i warn | tail -3 | tee -a "$OUT/progress.txt")
 done
+if [ "${EDGE:-0}" = 1 ]; then
+  # The planner's longest on an H100 (859,136 tokens, 3 layers, everything on: 189 s there with
+  # cuDNN, benchmarks/results/longctx/calibrated/h100-7b55b6a/), with each kernel.
+  say "8: the 859K edge, 3 layers, cuDNN and FlashAttention-4"
+  for kernel in auto fa4; do
+    PYTHONPATH=$SITE:$PWD timeout 560 python3 benchmarks/capacity.py --shape llama-3-8b --lora-rank 16 \
+      --probes "everything:859136:3:0:1" --budget-s 540 --out "$OUT/rows" --name "edge-859136-3L-$kernel" \
+      "${CAPB[@]}" --set "attention_kernel=$kernel" 2>&1 | grep -E "^\| everything " | tail -1 | tee -a "$OUT/progress.txt"
+    say "edge $kernel"
+  done
+fi
 if [ "${CP_BREAKDOWN:-1}" = 1 ]; then
-  say "8: context parallel on one rank, 795,136 tokens, 1 layer: what is alive at the peak"
+  say "9: context parallel on one rank, 795,136 tokens, 1 layer: what is alive at the peak"
   GPU_CAP=(); [[ -n $GPU_GIB ]] && GPU_CAP=(--gpu-gib "$GPU_GIB")
   PYTHONPATH=$SITE:$PWD timeout 420 torchrun --standalone --nproc_per_node 1 benchmarks/context_parallel.py \
     --shape llama-3-8b --lora-rank 16 --tokens-per-gpu 795136 --layers 1 --input-grads "${GPU_CAP[@]}" \
