@@ -65,8 +65,9 @@ def recorded_step(step, top: int = 30, max_entries: int = 500_000):
     The step's checkpoints recompute each layer to its end: with torch 2.11 recording, a
     recompute stopped early, once it had what backward needs, lost its stop signal inside the
     tiled MLP (``SystemError: ... returned NULL without setting an exception``, with Python
-    frames only as with C++ ones). Running the rest of a layer adds its output-sized
-    temporaries to the recompute, which ends before the layer's backward starts."""
+    frames only as with C++ ones; PyTorch's issue 179536, a regression from 2.10). Running the
+    rest of a layer adds its output-sized temporaries to the recompute, which ends before the
+    layer's backward starts."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
     torch.cuda.synchronize()
