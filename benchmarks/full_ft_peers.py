@@ -24,7 +24,8 @@ Mode ``offloadkit_plan`` is the GPU side of the planner's longest full fine-tune
 the plan for ``--budgets`` (GPU, host, disk GiB; the GPU's enforced through
 ``gpu_budget_bytes``) at ``--seq-len`` (0: the planner's longest), applied with ``prepare()``
 to a model of ``--layers`` decoder layers (the GPU peak does not grow with depth), with
-BackwardAdamW at ``--precision``; the record has the plan's predicted step for this depth and
+BackwardAdamW at ``--precision`` and, where liger-kernel runs, Liger's kernels (as
+``offload_plan: auto`` turns them on); the record has the plan's predicted step for this depth and
 for the full one.
 
     python benchmarks/full_ft_peers.py --out DIR --shapes llama-3-8b --modes offloadkit_plan \
@@ -237,6 +238,8 @@ def _build_planned(shape: str, args) -> tuple:
     from offloadkit.checkpointing.options import CheckpointOptions
     from offloadkit.component import OptionSet
     from offloadkit.compose import prepare
+    from offloadkit.kernels.liger import liger_unusable
+    from offloadkit.kernels.options import KernelOptions
     from offloadkit.optim import BackwardAdamW
     from offloadkit.planning import (
         Budgets,
@@ -255,9 +258,15 @@ def _build_planned(shape: str, args) -> tuple:
     budgets = Budgets(gpu, host, disk)
     # This loop steps BackwardAdamW without clipping: every parameter is updated in backward.
     optimizer = OptimizerSetup(updates_in_backward=True, source="BackwardAdamW without clipping")
-    seq = args.seq_len or longest_sequence(shape, lora_rank=0, budgets=budgets, optimizer=optimizer).longest
+    # Liger's kernels where they run, as offload_plan: auto turns them on.
+    kernels = (KernelOptions(rms_norm=True, glu_activation=True),) if liger_unusable() is None else ()
+    seq = args.seq_len
+    if not seq:
+        seq = longest_sequence(shape, lora_rank=0, budgets=budgets, optimizer=optimizer, options=kernels).longest
     precision = args.precision
-    full = plan(shape, seq, lora_rank=0, budgets=budgets, optimizer_precision=precision, optimizer=optimizer)
+    full = plan(
+        shape, seq, lora_rank=0, budgets=budgets, optimizer_precision=precision, optimizer=optimizer, options=kernels
+    )
     # The GPU side at reduced depth holds what the full plan holds at its peak: the last
     # block's input on the GPU and the longest run of blocks one kept input replays.
     replayed = region_length(full.placement)
@@ -271,6 +280,8 @@ def _build_planned(shape: str, args) -> tuple:
     memory = estimate_memory(w, f)
     predicted = estimate_time(w, f, budgets.rates, memory.block_placement)
     config = dict(full.to_config(), gpu_budget_bytes=gpu, disk_dir=args.disk_dir)
+    if kernels:
+        config.update(liger_rms_norm=True, liger_glu_activation=True)
     config["block_input_placement"] = tuple(memory.block_placement)
     model = build_llama(
         shape, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa", num_hidden_layers=layers
