@@ -203,6 +203,13 @@ def test_the_planner_counts_what_the_kernels_save(lora, mlp_shards):
     assert kernels.mlp_backward == -rows * ((2 * b + 4) * i - b * i) - (rows * b * i if mlp_shards > 1 else 0)
     # The input norm's backward: one 16-bit gradient beside the incoming one, not three fp32 tensors.
     assert kernels.attention_backward == t * (2 * b * h - 3 * 4 * h)
+    # Tiled norms hold no fp32 [S, H] tensors either way (attention's side counts them 16-bit):
+    # nothing to take off there, and the gated backward's saving stays one shard's.
+    tiled = planned_options(w, mlp_shards=max(2, mlp_shards), tiled_projections=True, loss_chunks=8)
+    tiled_kernels = dict(footprints(w, (*tiled, KernelOptions(rms_norm=True, glu_activation=True))))["kernels"]
+    assert tiled_kernels.attention_backward == 0 and tiled_kernels.layer_saved == 0
+    shard = -(-t // max(2, mlp_shards))
+    assert tiled_kernels.mlp_backward == -shard * ((2 * b + 4) * i - b * i) - shard * b * i
     assert kernels.loss == {"final norm": t * (2 * b * h + 4)}
     assert dict(footprints(w, base))["kernels"] == Footprint()
     assert estimate_memory(w, both).gpu_peak < estimate_memory(w, base).gpu_peak
