@@ -13,7 +13,12 @@ from offloadkit.component import FootprintWorkload as Workload
 from offloadkit.kernels.attention import AttentionKernel, apply_attention_kernel, attention_kernel_unusable
 from offloadkit.kernels.liger import LigerKernels, applicable, apply_liger_kernels, liger_unusable
 from offloadkit.kernels.options import AttentionKernelOptions, KernelOptions
-from offloadkit.longctx.footprint import NORM_BACKWARD_FP32, mlp_backward_bytes, projections_tiled, tiled_mlp_shards
+from offloadkit.longctx.footprint import (
+    NORM_BACKWARD_FP32,
+    mlp_backward_bytes_per_token,
+    projections_tiled,
+    tiled_mlp_shards,
+)
 
 if TYPE_CHECKING:
     from offloadkit.compose import OffloadRuntime
@@ -114,7 +119,7 @@ def kernels_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     if k.glu_activation is True:
         shards = tiled_mlp_shards(f)
         rows = -(-t // shards)  # one shard's tokens (all of them untiled)
-        mlp_backward = -rows * (mlp_backward_bytes(w, 1) // t - b * i) if t else 0
+        mlp_backward = -rows * (mlp_backward_bytes_per_token(w) - b * i)
         if shards > 1:
             mlp_backward -= rows * b * i
         elif not projections_tiled(f):

@@ -29,6 +29,7 @@ __all__ = [
     "head_groups_footprint",
     "NORM_BACKWARD_FP32",
     "mlp_backward_bytes",
+    "mlp_backward_bytes_per_token",
     "mlp_saved_bytes",
     "tiled_mlp_shards",
     "projections_tiled",
@@ -84,13 +85,19 @@ def mlp_saved_bytes(w: Workload, mlp_shards: int = 1, tiled_projections: bool = 
     return t * 4 * b * i if mlp_shards <= 1 else 0
 
 
+def mlp_backward_bytes_per_token(w: Workload) -> int:
+    """The eager gated MLP's backward temporaries a token: two bf16 and one fp32 tensor of
+    the intermediate width."""
+    return (2 * w.dtype_bytes + 4) * w.shape.intermediate
+
+
 def mlp_backward_bytes(w: Workload, mlp_shards: int = 1) -> int:
-    """Temporaries of one MLP shard's backward: two bf16 and one fp32 tensor of the
-    intermediate width per token, plus, tiled, the shard's own saved set rebuilt in backward."""
+    """Temporaries of one MLP shard's backward (:func:`mlp_backward_bytes_per_token` a
+    token), plus, tiled, the shard's own saved set rebuilt in backward."""
     s, b = w.shape, w.dtype_bytes
     h, i = s.hidden, s.intermediate
     shard_tokens = math.ceil(w.tokens / max(1, mlp_shards))
-    mlp = (2 * b + 4) * i * shard_tokens
+    mlp = mlp_backward_bytes_per_token(w) * shard_tokens
     if mlp_shards > 1:
         mlp += (3 * b * i + (w.adapter_bytes * (2 * h + i) if w.lora_rank else b * i)) * shard_tokens
     return mlp

@@ -44,10 +44,12 @@ def optimizer_footprint(w: Workload, f: FootprintOptions) -> Footprint:
     if window is None:
         window = OPTIMIZER_COPY_WINDOW_BYTES[w.optimizer_precision]
 
-    def trainable(largest: int, held: int) -> dict[str, int]:
-        """Gradients held, the update's wider temporaries and the state in flight, with
-        ``largest`` the widest parameter being updated."""
+    def trainable(largest: int) -> dict[str, int]:
+        """Gradients held (``largest``'s alone when updated in backward, else every one), the
+        update's wider temporaries and the state in flight, with ``largest`` the widest
+        parameter being updated."""
         largest = -(-largest // shards)
+        held = largest if w.updates_in_backward else params
         grad = (0 if ddp and w.parallel.bucket_view else held * b) + unreduced
         if w.optimizer_precision == "fp32_master":
             grad += largest * 4  # the fp32 master update widens one whole gradient
@@ -65,13 +67,6 @@ def optimizer_footprint(w: Workload, f: FootprintOptions) -> Footprint:
         # Measured (3B at 16K, fp32 master weights): the loss phase's peak held no state, the
         # layers' held 12.3 GiB of it coming in (the embedding's with the first layer's); with
         # every layer's matmul outputs saved, the peak came at backward's start, without it.
-        during = max(linear, s.head_params)
-        first = max(linear, s.embed_params)
-        return Footprint(
-            gpu=buckets,
-            layer=trainable(during, -(-during // shards)),
-            layer_end=trainable(first, -(-first // shards)),
-            host=host,
-        )
-    largest = max(linear, s.embed_params, s.head_params)
-    return Footprint(gpu=trainable(largest, params) | buckets, host=host)
+        during, first = max(linear, s.head_params), max(linear, s.embed_params)
+        return Footprint(gpu=buckets, layer=trainable(during), layer_end=trainable(first), host=host)
+    return Footprint(gpu=trainable(max(linear, s.embed_params, s.head_params)) | buckets, host=host)
